@@ -1,0 +1,54 @@
+//! # kvc-core — the shared vocabulary of kvc
+//!
+//! Every kvc crate, every output file (`metrics.jsonl`, `summary.json`), every metrics label
+//! and every CLI flag speaks the types defined here. The crate has no runtime: no I/O, no async,
+//! no clock, and it depends on neither tokio nor tonic, so a router written elsewhere can depend
+//! on it cheaply.
+//!
+//! What is here:
+//! - ids: [`SessionId`], [`TurnId`], [`RequestId`], [`WorkerId`], [`BlockHash`] and the block
+//!   size ([`BlockSize`], 512 tokens by default);
+//! - the trace record ([`TraceRecord`]) in the Mooncake JSONL shape plus optional session and turn;
+//! - worker roles ([`WorkerRole`]), health ([`Health`]) and the state a router sees
+//!   ([`WorkerState`]); cluster shapes ([`Topology`], e.g. `1p3d`, `4dp`);
+//! - execution modes ([`ExecutionMode`]), fall-through reasons ([`FallThroughReason`]) and
+//!   request outcomes ([`Outcome`]) with the one rule for what counts as a mechanism error
+//!   ([`Outcome::is_mechanism_error`]);
+//! - block-prefix helpers ([`prefix`]).
+//!
+//! Every enum serializes to a **stable kebab-case name** ([`StableName`]); the same string is
+//! used in JSON, in metrics labels and on the command line.
+//!
+//! ```
+//! use kvc_core::{ExecutionMode, Outcome, StableName};
+//!
+//! assert_eq!(ExecutionMode::DirectToD.as_str(), "direct-to-d");
+//! assert_eq!("direct-to-d".parse::<ExecutionMode>().unwrap(), ExecutionMode::DirectToD);
+//! assert!(!Outcome::InputTooLong.is_mechanism_error());
+//! assert!(Outcome::KvTransferTimeout.is_mechanism_error());
+//! ```
+#![forbid(unsafe_code)]
+
+mod ids;
+mod names;
+pub mod prefix;
+mod topology;
+mod trace;
+mod worker;
+
+pub use ids::{BlockHash, BlockSize, RequestId, SessionId, TurnId, WorkerId};
+pub use names::{
+    ExecutionMode, FallThroughReason, Health, Outcome, StableName, UnknownName, WorkerRole,
+};
+pub use topology::{Topology, TopologyError};
+pub use trace::TraceRecord;
+pub use worker::WorkerState;
+
+/// Default block size in tokens: one `hash_ids` entry covers this many tokens.
+pub const DEFAULT_BLOCK_SIZE: u32 = 512;
+
+/// Default model input limit in tokens (the reference deployment rejected inputs above it).
+pub const DEFAULT_MAX_INPUT_TOKENS: u64 = 92_098;
+
+/// KV bytes per token of the reference model (Qwen3-30B-A3B, bf16): 2 × 48 × 4 × 128 × 2.
+pub const REFERENCE_KV_BYTES_PER_TOKEN: u64 = 98_304;

@@ -1,0 +1,165 @@
+//! Enums with stable kebab-case names.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// An enum whose variants have stable kebab-case names, shared by JSON, metrics labels and CLI
+/// flags. `as_str` and `FromStr` agree with serde.
+pub trait StableName: Sized + Copy + 'static {
+    /// Every variant, in declaration order.
+    const ALL: &'static [Self];
+    /// What the enum names (used in error messages), e.g. `"execution mode"`.
+    const KIND: &'static str;
+    /// The stable name of this variant.
+    fn as_str(self) -> &'static str;
+    /// The variant with this stable name.
+    fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.iter().copied().find(|v| v.as_str() == name)
+    }
+}
+
+/// A name that is not one of an enum's stable names.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {kind} `{name}` (expected one of: {expected})")]
+pub struct UnknownName {
+    /// What was being parsed.
+    pub kind: &'static str,
+    /// The name given.
+    pub name: String,
+    /// The accepted names, comma separated.
+    pub expected: String,
+}
+
+macro_rules! stable_enum {
+    (
+        $(#[$meta:meta])*
+        $name:ident, $kind:literal {
+            $( $(#[$vmeta:meta])* $variant:ident => $text:literal, )+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        pub enum $name {
+            $( $(#[$vmeta])* #[serde(rename = $text)] $variant, )+
+        }
+
+        impl StableName for $name {
+            const ALL: &'static [Self] = &[ $( $name::$variant, )+ ];
+            const KIND: &'static str = $kind;
+            fn as_str(self) -> &'static str {
+                match self { $( $name::$variant => $text, )+ }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = UnknownName;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::from_name(s).ok_or_else(|| UnknownName {
+                    kind: $kind,
+                    name: s.to_owned(),
+                    expected: Self::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", "),
+                })
+            }
+        }
+    };
+}
+
+stable_enum! {
+    /// What a worker does.
+    WorkerRole, "worker role" {
+        /// Prefills prompts and ships their KV cache to a decode worker.
+        Prefill => "prefill",
+        /// Decodes; keeps sessions resident between turns; can append-prefill a few tokens.
+        Decode => "decode",
+        /// Prefills and decodes (a data-parallel replica, no disaggregation).
+        Colocated => "colocated",
+    }
+}
+
+stable_enum! {
+    /// A worker's health as the router sees it.
+    Health, "health" {
+        /// Fresh state, answering.
+        Healthy => "healthy",
+        /// Its published state is older than the staleness limit; out of rotation.
+        Stale => "stale",
+        /// Not answering or declared down; out of rotation.
+        Down => "down",
+    }
+}
+
+impl Health {
+    /// Whether a policy may send work to a worker in this state.
+    pub fn is_routable(self) -> bool {
+        matches!(self, Health::Healthy)
+    }
+}
+
+stable_enum! {
+    /// The path one request took through the cluster.
+    ExecutionMode, "execution mode" {
+        /// First turn of a session: P prefills, KV ships to D, D decodes and keeps it resident.
+        Turn1Seed => "turn1-seed",
+        /// The session is resident on D: D append-prefills the new tokens and decodes.
+        DirectToD => "direct-to-d",
+        /// Not direct (see the fall-through reason): P prefills, KV ships to D.
+        Fallback => "fallback",
+        /// The session is moved to another D (migration) through the P path.
+        Reseed => "reseed",
+        /// Colocated topology: one worker prefills (with its prefix cache) and decodes.
+        Colocated => "colocated",
+    }
+}
+
+stable_enum! {
+    /// Why a later turn did not go direct-to-D.
+    FallThroughReason, "fall-through reason" {
+        /// The router knows of no D holding this session.
+        SessionNotResident => "session-not-resident",
+        /// The uncached append is larger than the direct-to-D limit.
+        RealLargeAppend => "real-large-append",
+        /// The session was resident but its D evicted it.
+        SessionEvicted => "session-evicted",
+        /// The session's D refused the append (admission said no room).
+        SessionCapRejected => "session-cap-rejected",
+        /// The session's D is not healthy.
+        DecodeUnhealthy => "decode-unhealthy",
+        /// The policy moved the session to another D (migration after repeated rejects, or
+        /// its D is over the hard cap).
+        Migrated => "migrated",
+    }
+}
+
+stable_enum! {
+    /// How a request ended.
+    Outcome, "outcome" {
+        /// Completed.
+        Ok => "ok",
+        /// The input is over the model's limit. Counted the same in every topology and never a
+        /// mechanism error.
+        InputTooLong => "input-too-long",
+        /// The KV transfer from P to D did not finish within the transfer timeout.
+        KvTransferTimeout => "kv-transfer-timeout",
+        /// D ran out of KV memory for the request.
+        DecodeOom => "decode-oom",
+        /// Refused by admission or by the router (no capacity anywhere, load shed).
+        Rejected => "rejected",
+        /// A worker failed or vanished while serving the request.
+        WorkerFailed => "worker-failed",
+    }
+}
+
+impl Outcome {
+    /// The one accounting rule: every outcome other than `ok` and `input-too-long` is a
+    /// mechanism error (something the serving system did wrong).
+    pub fn is_mechanism_error(self) -> bool {
+        !matches!(self, Outcome::Ok | Outcome::InputTooLong)
+    }
+}
