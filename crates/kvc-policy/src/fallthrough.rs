@@ -1,0 +1,100 @@
+//! Fall-through classification: can a later turn go direct-to-D, and if not, why.
+
+use crate::state::{Residency, SessionRoute};
+use crate::view::{ClusterView, RouteRequest};
+use kvc_core::{BlockSize, FallThroughReason, WorkerId, WorkerRole};
+
+/// Where a request stands before a policy picks workers (P/D topologies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TurnClass {
+    /// A first turn or a one-off request: seeded through P→D.
+    FirstTurn,
+    /// The session is resident on a healthy D and its uncached append is within the limit.
+    Direct {
+        /// The session's D.
+        decode: WorkerId,
+        /// Tokens of the request the session's KV on D covers.
+        cached_tokens: u64,
+    },
+    /// A later turn that cannot go direct-to-D.
+    FallThrough {
+        /// Why.
+        reason: FallThroughReason,
+        /// The session's D, if the router knows one.
+        current_d: Option<WorkerId>,
+    },
+}
+
+/// Whether the request is routed as a first turn: a one-off request, turn 1, or a session
+/// without a turn number that the router has no record of.
+pub fn is_first_turn(req: &RouteRequest<'_>, session: Option<&SessionRoute>) -> bool {
+    match (req.session, req.turn) {
+        (None, _) => true,
+        (Some(_), Some(turn)) => turn.is_first(),
+        (Some(_), None) => session.is_none(),
+    }
+}
+
+/// Classifies a request against the session's routing state, in this order:
+///
+/// 1. first turn (see [`is_first_turn`]) → [`TurnClass::FirstTurn`];
+/// 2. `rejected_by` set → `session-cap-rejected`;
+/// 3. no record of the session or no D for it → `session-not-resident`;
+/// 4. its D missing from the view, not a decode worker, or not healthy → `decode-unhealthy`;
+/// 5. an eviction reported → `session-evicted`; not resident otherwise → `session-not-resident`;
+/// 6. uncached append `input − cached` over `direct_limit_tokens` → `real-large-append`;
+/// 7. otherwise [`TurnClass::Direct`], with `cached` = the request's tokens covered by the
+///    session's blocks on D ([`kvc_core::prefix::reusable_from`]).
+///
+/// Policies may still refuse a direct path (kvc-v2 migrates a session off a D over its hard cap).
+pub fn classify_turn(
+    req: &RouteRequest<'_>,
+    session: Option<&SessionRoute>,
+    cluster: &ClusterView<'_>,
+    direct_limit_tokens: u64,
+    block_size: BlockSize,
+) -> TurnClass {
+    classify_with(req, session, direct_limit_tokens, block_size, |d| {
+        cluster
+            .worker(d)
+            .is_some_and(|w| w.role == WorkerRole::Decode && w.is_routable())
+    })
+}
+
+/// [`classify_turn`] with the health test given as a function (the router's fast lookup).
+pub(crate) fn classify_with(
+    req: &RouteRequest<'_>,
+    session: Option<&SessionRoute>,
+    direct_limit_tokens: u64,
+    block_size: BlockSize,
+    healthy_decode: impl Fn(WorkerId) -> bool,
+) -> TurnClass {
+    if is_first_turn(req, session) {
+        return TurnClass::FirstTurn;
+    }
+    let current_d = session.and_then(|s| s.current_d);
+    let fall = |reason| TurnClass::FallThrough { reason, current_d };
+    if req.rejected_by.is_some() {
+        return fall(FallThroughReason::SessionCapRejected);
+    }
+    let (Some(s), Some(d)) = (session, current_d) else {
+        return fall(FallThroughReason::SessionNotResident);
+    };
+    if !healthy_decode(d) {
+        return fall(FallThroughReason::DecodeUnhealthy);
+    }
+    match s.residency {
+        Residency::Evicted => return fall(FallThroughReason::SessionEvicted),
+        Residency::NotResident => return fall(FallThroughReason::SessionNotResident),
+        Residency::Resident => {}
+    }
+    let cached =
+        kvc_core::prefix::reusable_from(&s.blocks, req.hash_ids, req.input_length, block_size);
+    if kvc_core::prefix::uncached_tokens(req.input_length, cached) > direct_limit_tokens {
+        return fall(FallThroughReason::RealLargeAppend);
+    }
+    TurnClass::Direct {
+        decode: d,
+        cached_tokens: cached,
+    }
+}

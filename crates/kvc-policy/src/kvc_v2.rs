@@ -1,0 +1,390 @@
+//! `kvc-v2`: the reference study's fix: capacity-aware choice of D, a hard cap, a capped overlap,
+//! migration after repeated admission rejects (counter reset by every successful direct-to-D
+//! turn), a larger direct-to-D limit, and an incremental footprint.
+//!
+//! # Score of a candidate D (or colocated worker), highest wins
+//!
+//! ```text
+//! total = overlap_weight  × min(overlap, overlap_cap_blocks) / overlap_cap_blocks
+//!       + sticky_weight   × [D is the session's current D]
+//!       − capacity_weight × used_fraction(D)
+//!       − load_weight     × (in_flight(D) + queue_depth(D))
+//! ```
+//!
+//! `overlap` is the number of leading request blocks the router believes resident on D now (the
+//! live view: it forgets a session's blocks when the session leaves D or D evicts it);
+//! `in_flight` is the larger of the published and the router's own count. A D whose used
+//! fraction is above `hard_cap` is not eligible while some candidate is at or below it. Ties go
+//! to the lower `in_flight + queue_depth`, then fewer assignments, then the lower id.
+//!
+//! # Paths (P/D)
+//!
+//! - first turn: P→D `turn1-seed` to the best D.
+//! - a session resident on a healthy D whose append is within `direct_limit_tokens`:
+//!   `direct-to-d` there, unless that D is above the hard cap while another healthy D is at or
+//!   below it: then the session migrates (`reseed`, reason `migrated`) to the best other D.
+//! - a reject re-routed (`rejected_by = D`): the session's reject count on D, this one included,
+//!   reaching `migrate_after_rejects` migrates the session to the best other D (`reseed`,
+//!   `migrated`; the count on D is reset: D is released) if there is one it may use. Otherwise
+//!   `fallback` with `session-cap-rejected`, staying on its D.
+//! - other fall-throughs: P→D `fallback` with the classified reason. A session resident on a
+//!   healthy D stays there (strict stickiness) unless that D is over the hard cap while another D
+//!   is not, in which case the move is reported as `reseed` / `migrated`. A session that is not
+//!   resident goes to the best D by score (the sticky term still favours its last D).
+//!
+//! The reject counter of a session on a D is reset by every successful direct-to-D completion on
+//! that D ([`crate::RouterState::observe`]), so a session migrates only after N rejects with no
+//! success in between, which avoids the thrashing of a permanent counter.
+//!
+//! Colocated topologies: every decision is `colocated`, to the best worker by the same score.
+//!
+//! Score components: `overlap` (blocks), `overlap_term`, `sticky_term`, `capacity_term`,
+//! `load_term`, `used_fraction`; `total` is the sum of the four terms.
+
+use crate::backpressure::BackpressureConfig;
+use crate::config::{check, check_backpressure};
+use crate::decision::{Decision, ScoreEntry};
+use crate::error::PolicyError;
+use crate::fallthrough::TurnClass;
+use crate::index::{BlockView, WorkerSet};
+use crate::prefill::{self, PrefillPolicy};
+use crate::route::{Ctx, Knobs, Plan};
+use crate::state::{Residency, SessionRoute};
+use kvc_core::{BlockSize, ExecutionMode, FallThroughReason, WorkerId};
+use serde::{Deserialize, Serialize};
+use std::cmp::{Ordering, Reverse};
+
+/// Configuration of `kvc-v2`.
+///
+/// | field | default |
+/// |---|---|
+/// | `direct-limit-tokens` | 8,192 |
+/// | `hard-cap` | 0.85 (used fraction) |
+/// | `migrate-after-rejects` | 3 |
+/// | `overlap-cap-blocks` | 16 |
+/// | `overlap-weight` | 1.0 |
+/// | `sticky-weight` | 2.0 |
+/// | `capacity-weight` | 2.0 |
+/// | `load-weight` | 0.05 |
+/// | `incremental-footprint` | `true` |
+/// | `prefill` | `d-health-aware` |
+/// | `backpressure` | enabled (see [`BackpressureConfig`]) |
+/// | `block-size` | 512 |
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct KvcV2Config {
+    /// Largest uncached append (tokens) that may go direct-to-D.
+    pub direct_limit_tokens: u64,
+    /// Used fraction above which a D is skipped while another is at or below it.
+    pub hard_cap: f64,
+    /// Rejects of a session on a D (with no successful direct-to-D turn there in between) that
+    /// trigger migration. At least 1.
+    pub migrate_after_rejects: u32,
+    /// Overlap (blocks) beyond which more overlap adds nothing. At least 1.
+    pub overlap_cap_blocks: u32,
+    /// Weight of the capped overlap.
+    pub overlap_weight: f64,
+    /// Bonus of the session's current D.
+    pub sticky_weight: f64,
+    /// Penalty per unit of used fraction.
+    pub capacity_weight: f64,
+    /// Penalty per request in flight or queued.
+    pub load_weight: f64,
+    /// Use `max(0, input − cached) + output` for later turns.
+    pub incremental_footprint: bool,
+    /// How P is chosen.
+    pub prefill: PrefillPolicy,
+    /// Backpressure hint parameters.
+    pub backpressure: BackpressureConfig,
+    /// Tokens per block of `hash_ids`.
+    pub block_size: BlockSize,
+}
+
+impl Default for KvcV2Config {
+    fn default() -> Self {
+        KvcV2Config {
+            direct_limit_tokens: 8_192,
+            hard_cap: 0.85,
+            migrate_after_rejects: 3,
+            overlap_cap_blocks: 16,
+            overlap_weight: 1.0,
+            sticky_weight: 2.0,
+            capacity_weight: 2.0,
+            load_weight: 0.05,
+            incremental_footprint: true,
+            prefill: PrefillPolicy::DHealthAware,
+            backpressure: BackpressureConfig::ENABLED,
+            block_size: BlockSize::default(),
+        }
+    }
+}
+
+impl KvcV2Config {
+    /// Checks the values are in range.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        const NAME: &str = "kvc-v2";
+        check(
+            self.hard_cap.is_finite() && self.hard_cap > 0.0 && self.hard_cap <= 1.0,
+            NAME,
+            "hard-cap must be within (0, 1]",
+        )?;
+        check(
+            self.migrate_after_rejects >= 1,
+            NAME,
+            "migrate-after-rejects must be at least 1",
+        )?;
+        check(
+            self.overlap_cap_blocks >= 1,
+            NAME,
+            "overlap-cap-blocks must be at least 1",
+        )?;
+        check(
+            [
+                self.overlap_weight,
+                self.sticky_weight,
+                self.capacity_weight,
+                self.load_weight,
+            ]
+            .iter()
+            .all(|w| w.is_finite() && *w >= 0.0),
+            NAME,
+            "weights must be finite and >= 0",
+        )?;
+        check_backpressure(&self.backpressure, NAME)
+    }
+}
+
+/// Ranking of an eligible D: score, then lower load, fewer assignments, lower id.
+type RankKey = (f64, Reverse<u64>, Reverse<u64>, Reverse<WorkerId>);
+
+struct V2<'c, 'a> {
+    cfg: &'c KvcV2Config,
+    ctx: &'c Ctx<'a>,
+}
+
+impl V2<'_, '_> {
+    fn over_cap(&self, d: WorkerId) -> bool {
+        self.ctx.worker_state(d).used_fraction() > self.cfg.hard_cap
+    }
+
+    fn any_under(&self, set: WorkerSet) -> bool {
+        set.iter().any(|s| !self.over_cap(WorkerId(s as u32)))
+    }
+
+    fn without(set: WorkerSet, d: WorkerId) -> WorkerSet {
+        let mut s = set;
+        s.remove(d.0 as usize);
+        s
+    }
+
+    /// Scores every healthy D (entries for all of them), picks the best eligible one outside
+    /// `exclude`. `None` if every healthy D is excluded.
+    fn pick(
+        &self,
+        sticky_to: Option<WorkerId>,
+        exclude: Option<WorkerId>,
+        scores: &mut Vec<ScoreEntry>,
+    ) -> Option<WorkerId> {
+        let (ctx, cfg) = (self.ctx, self.cfg);
+        let candidates = match exclude {
+            Some(x) => Self::without(ctx.healthy_d, x),
+            None => ctx.healthy_d,
+        };
+        let any_under = self.any_under(candidates);
+        let depths = ctx.depths(ctx.healthy_d, BlockView::Live);
+        let cap = f64::from(cfg.overlap_cap_blocks);
+        let mut best: Option<RankKey> = None;
+        for slot in ctx.healthy_d.iter() {
+            let id = WorkerId(slot as u32);
+            let state = ctx.worker_state(id);
+            let used = state.used_fraction();
+            let load = u64::from(ctx.load(id)) + u64::from(state.queue_depth);
+            let overlap = depths[slot];
+            let overlap_term =
+                cfg.overlap_weight * f64::from(overlap.min(cfg.overlap_cap_blocks)) / cap;
+            let sticky_term = if sticky_to == Some(id) {
+                cfg.sticky_weight
+            } else {
+                0.0
+            };
+            let capacity_term = 0.0 - cfg.capacity_weight * used;
+            let load_term = 0.0 - cfg.load_weight * load as f64;
+            let total = overlap_term + sticky_term + capacity_term + load_term;
+            let eligible = candidates.contains(slot) && (!any_under || used <= cfg.hard_cap);
+            if eligible {
+                let key = (
+                    total,
+                    Reverse(load),
+                    Reverse(ctx.state.assignments(id)),
+                    Reverse(id),
+                );
+                let better = best.as_ref().is_none_or(|b| {
+                    key.0
+                        .total_cmp(&b.0)
+                        .then_with(|| (key.1, key.2, key.3).cmp(&(b.1, b.2, b.3)))
+                        == Ordering::Greater
+                });
+                if better {
+                    best = Some(key);
+                }
+            }
+            let mut e = ScoreEntry::new(id, ctx.d_role())
+                .with("overlap", f64::from(overlap))
+                .with("overlap_term", overlap_term)
+                .with("sticky_term", sticky_term)
+                .with("capacity_term", capacity_term)
+                .with("load_term", load_term)
+                .with("used_fraction", used);
+            e.total = total;
+            e.eligible = eligible;
+            scores.push(e);
+        }
+        best.map(|k| k.3.0)
+    }
+
+    /// The session's D if it is resident there on a healthy D.
+    fn resident_d(&self, session: Option<&SessionRoute>) -> Option<WorkerId> {
+        let s = session?;
+        let d = s.current_d?;
+        (s.residency == Residency::Resident && self.ctx.healthy_d.contains(d.0 as usize))
+            .then_some(d)
+    }
+
+    /// The D of a P→D path that is not a reject-driven migration: the resident D if it may be
+    /// used (strict stickiness), otherwise the best by score.
+    fn sticky_or_best(
+        &self,
+        session: Option<&SessionRoute>,
+        scores: &mut Vec<ScoreEntry>,
+    ) -> WorkerId {
+        let healthy_current = session
+            .and_then(|s| s.current_d)
+            .filter(|d| self.ctx.healthy_d.contains(d.0 as usize));
+        let best = self.pick(healthy_current, None, scores);
+        if let Some(d) = self.resident_d(session)
+            && (!self.over_cap(d) || !self.any_under(self.ctx.healthy_d))
+        {
+            return d;
+        }
+        // `healthy_d` is not empty (checked by the caller), so `pick` found a D.
+        best.unwrap_or(WorkerId(0))
+    }
+}
+
+pub(crate) fn route(cfg: &KvcV2Config, ctx: &Ctx<'_>) -> Result<Decision, PolicyError> {
+    ctx.require_d()?;
+    let knobs = Knobs {
+        incremental_footprint: cfg.incremental_footprint,
+        backpressure: cfg.backpressure,
+    };
+    let v2 = V2 { cfg, ctx };
+    let session = ctx.session();
+    let mut scores = Vec::with_capacity(ctx.healthy_d.len() + ctx.healthy_p.len());
+
+    if ctx.colocated {
+        let current = session
+            .and_then(|s| s.current_d)
+            .filter(|d| ctx.healthy_d.contains(d.0 as usize));
+        let w = v2.pick(current, None, &mut scores).unwrap_or(WorkerId(0));
+        let depth = ctx
+            .state
+            .index()
+            .depth(ctx.req.hash_ids, w.0 as usize, BlockView::Live);
+        let cached = ctx.reusable(depth, cfg.block_size);
+        let plan = Plan {
+            mode: ExecutionMode::Colocated,
+            decode: w,
+            prefill: None,
+            reason: None,
+            cached_tokens: cached,
+            cached_on_d: cached,
+            scores,
+            reject_count: None,
+        };
+        return Ok(ctx.finish(plan, knobs));
+    }
+
+    let migrated = (ExecutionMode::Reseed, Some(FallThroughReason::Migrated));
+    let mut reject_count = None;
+    let (mode, reason, d) = match (
+        ctx.classify(cfg.direct_limit_tokens, cfg.block_size),
+        ctx.req.rejected_by,
+    ) {
+        (TurnClass::FirstTurn, _) => {
+            let d = v2.pick(None, None, &mut scores).unwrap_or(WorkerId(0));
+            (ExecutionMode::Turn1Seed, None, d)
+        }
+        (
+            TurnClass::Direct {
+                decode,
+                cached_tokens,
+            },
+            _,
+        ) => {
+            let others = V2::without(ctx.healthy_d, decode);
+            if v2.over_cap(decode) && v2.any_under(others) {
+                let d = v2
+                    .pick(None, Some(decode), &mut scores)
+                    .unwrap_or(WorkerId(0));
+                (migrated.0, migrated.1, d)
+            } else {
+                // Entries for debugging; the choice is the session's D.
+                v2.pick(Some(decode), None, &mut scores);
+                let plan = Plan {
+                    mode: ExecutionMode::DirectToD,
+                    decode,
+                    prefill: None,
+                    reason: None,
+                    cached_tokens,
+                    cached_on_d: cached_tokens,
+                    scores,
+                    reject_count: None,
+                };
+                return Ok(ctx.finish(plan, knobs));
+            }
+        }
+        (TurnClass::FallThrough { reason, .. }, Some(r)) if ctx.req.session.is_some() => {
+            let n = session.map_or(1, |s| s.rejects_after(r));
+            let others = V2::without(ctx.healthy_d, r);
+            let r_unusable = !ctx.healthy_d.contains(r.0 as usize) || v2.over_cap(r);
+            let can_migrate = n >= cfg.migrate_after_rejects
+                && !others.is_empty()
+                && (v2.any_under(others) || r_unusable);
+            if can_migrate {
+                reject_count = Some((r, 0));
+                let d = v2.pick(None, Some(r), &mut scores).unwrap_or(WorkerId(0));
+                (migrated.0, migrated.1, d)
+            } else {
+                let d = v2.sticky_or_best(session, &mut scores);
+                if v2.resident_d(session).is_some_and(|cur| cur != d) {
+                    // Moved off a D over the hard cap: a migration, which releases `r`.
+                    reject_count = Some((r, 0));
+                    (migrated.0, migrated.1, d)
+                } else {
+                    reject_count = Some((r, n));
+                    (ExecutionMode::Fallback, Some(reason), d)
+                }
+            }
+        }
+        (TurnClass::FallThrough { reason, .. }, _) => {
+            let d = v2.sticky_or_best(session, &mut scores);
+            if v2.resident_d(session).is_some_and(|cur| cur != d) {
+                (migrated.0, migrated.1, d)
+            } else {
+                (ExecutionMode::Fallback, Some(reason), d)
+            }
+        }
+    };
+    let (p, cached) = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
+    let plan = Plan {
+        mode,
+        decode: d,
+        prefill: Some(p),
+        reason,
+        cached_tokens: cached,
+        cached_on_d: 0,
+        scores,
+        reject_count,
+    };
+    Ok(ctx.finish(plan, knobs))
+}

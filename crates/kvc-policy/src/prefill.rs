@@ -1,0 +1,131 @@
+//! Choosing the prefill worker of a P→D path.
+//!
+//! - `round-robin`: the next healthy prefill worker after the last one chosen (by id, wrapping).
+//! - `d-health-aware`: the lowest joint cost given the target D (chosen first):
+//!
+//!   ```text
+//!   cost(P | D) = (in_flight(P) + queue_depth(P)) + pair_in_flight(P, D) × (1 + queue_depth(D))
+//!   ```
+//!
+//!   where `in_flight(P)` is the larger of the published in-flight count and the router's own
+//!   count of P→D requests it sent through P (each one ends in a KV transfer), and
+//!   `pair_in_flight(P, D)` counts those bound for this D: transfers to a D with a queue are
+//!   slow, so a P already feeding that D is charged per transfer and per queued request on D.
+//!   D's health gates it before P is chosen (an unhealthy D is never a target). Ties go to
+//!   round-robin order, so on an idle cluster it spreads like `round-robin`.
+
+use crate::decision::ScoreEntry;
+use crate::error::PolicyError;
+use crate::index::BlockView;
+use crate::round_robin;
+use crate::route::Ctx;
+use kvc_core::{BlockSize, StableName, UnknownName, WorkerId, WorkerRole};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// How the prefill worker of a P→D path is chosen (stable names `round-robin`,
+/// `d-health-aware`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PrefillPolicy {
+    /// The next healthy prefill worker in id order, blind to D (the reference baseline).
+    RoundRobin,
+    /// Joint cost of the P's in-flight transfers and the target D's queue (see the module docs).
+    DHealthAware,
+}
+
+impl StableName for PrefillPolicy {
+    const ALL: &'static [Self] = &[PrefillPolicy::RoundRobin, PrefillPolicy::DHealthAware];
+    const KIND: &'static str = "prefill policy";
+    fn as_str(self) -> &'static str {
+        match self {
+            PrefillPolicy::RoundRobin => "round-robin",
+            PrefillPolicy::DHealthAware => "d-health-aware",
+        }
+    }
+}
+
+impl fmt::Display for PrefillPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PrefillPolicy {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::from_name(s).ok_or_else(|| UnknownName {
+            kind: Self::KIND,
+            name: s.to_owned(),
+            expected: Self::ALL
+                .iter()
+                .map(|v| v.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+    }
+}
+
+impl PrefillPolicy {
+    /// The policy with this stable name.
+    pub fn parse(name: &str) -> Result<Self, PolicyError> {
+        Self::from_name(name).ok_or_else(|| PolicyError::UnknownPrefillPolicy(name.to_owned()))
+    }
+}
+
+/// Chooses the prefill worker for a P→D path to `decode`; appends the prefill score entries.
+/// Returns the worker and the tokens of the request its prefix cache holds, as the router
+/// believes (grow-only view).
+pub(crate) fn choose(
+    ctx: &Ctx<'_>,
+    policy: PrefillPolicy,
+    decode: WorkerId,
+    block_size: BlockSize,
+    scores: &mut Vec<ScoreEntry>,
+) -> Result<(WorkerId, u64), PolicyError> {
+    if ctx.healthy_p.is_empty() {
+        return Err(PolicyError::NoHealthyWorker {
+            role: WorkerRole::Prefill,
+        });
+    }
+    let p = match policy {
+        PrefillPolicy::RoundRobin => {
+            round_robin::pick(ctx, ctx.healthy_p, WorkerRole::Prefill, scores)
+        }
+        PrefillPolicy::DHealthAware => d_health_aware(ctx, decode, scores),
+    };
+    let depth = ctx
+        .state
+        .index()
+        .depth(ctx.req.hash_ids, p.0 as usize, BlockView::Seen);
+    Ok((p, ctx.reusable(depth, block_size)))
+}
+
+fn d_health_aware(ctx: &Ctx<'_>, decode: WorkerId, scores: &mut Vec<ScoreEntry>) -> WorkerId {
+    let d_queue = u64::from(ctx.worker_state(decode).queue_depth);
+    let first = scores.len();
+    let mut best: Option<(u64, WorkerId)> = None;
+    for (order, slot) in
+        round_robin::order(ctx.healthy_p, ctx.state.cursor(WorkerRole::Prefill)).enumerate()
+    {
+        let id = WorkerId(slot as u32);
+        let p_load = u64::from(ctx.load(id)) + u64::from(ctx.worker_state(id).queue_depth);
+        let pair = u64::from(ctx.state.pair_in_flight(id, decode));
+        let cost = p_load + pair * (1 + d_queue);
+        // Strictly lower cost wins; equal cost keeps the earlier one in round-robin order.
+        if best.is_none_or(|(c, _)| cost < c) {
+            best = Some((cost, id));
+        }
+        let mut e = ScoreEntry::new(id, WorkerRole::Prefill)
+            .with("p_load", p_load as f64)
+            .with("pair_in_flight", pair as f64)
+            .with("d_queue_depth", d_queue as f64)
+            .with("rr_order", order as f64);
+        e.total = 0.0 - cost as f64;
+        scores.push(e);
+    }
+    scores[first..].sort_unstable_by_key(|e| e.worker);
+    // `healthy_p` is not empty (checked by the caller).
+    best.map_or(decode, |(_, id)| id)
+}

@@ -1,0 +1,236 @@
+//! The entry point, and what every policy shares: the decision context and the decision builder.
+
+use crate::backpressure::{BackpressureConfig, recommended_pause_ms};
+use crate::config::PolicyConfig;
+use crate::decision::{Decision, ScoreEntry, StateChange};
+use crate::error::PolicyError;
+use crate::fallthrough::{TurnClass, classify_with, is_first_turn};
+use crate::footprint::footprint_tokens;
+use crate::index::{BlockView, WorkerSet};
+use crate::state::{RouterState, SessionRoute};
+use crate::view::{ClusterView, MAX_WORKERS, RouteRequest, WorkerView};
+use crate::{cache_aware, kv_aware_v0, kvc_v2, round_robin};
+use kvc_core::{
+    BlockSize, ExecutionMode, FallThroughReason, Topology, WorkerId, WorkerRole, WorkerState,
+};
+
+/// Decides where `req` goes.
+///
+/// Pure: reads `state` and `cluster`, writes nothing; the same inputs give the same
+/// decision (the order of `cluster.workers` does not matter). To carry the decision out, pass
+/// `decision.change` to [`RouterState::apply`].
+///
+/// The topology comes from the roles in `cluster`: all colocated gives mode `colocated` and no
+/// prefill worker; otherwise P/D, where each policy chooses between `direct-to-d` and a P→D path
+/// (`turn1-seed`, `fallback` with a reason, `reseed`). Unhealthy workers and workers of the
+/// wrong role are never chosen.
+///
+/// Errors: an invalid `config` ([`PolicyError::InvalidConfig`]); a view that is not a topology
+/// ([`PolicyError::WrongTopology`], [`PolicyError::WorkerIdOutOfRange`],
+/// [`PolicyError::DuplicateWorker`]); no healthy worker of a role the path needs
+/// ([`PolicyError::NoHealthyWorker`]).
+pub fn route(
+    config: &PolicyConfig,
+    state: &RouterState,
+    cluster: &ClusterView<'_>,
+    req: &RouteRequest<'_>,
+) -> Result<Decision, PolicyError> {
+    config.validate()?;
+    let ctx = Ctx::new(state, cluster, req)?;
+    match config {
+        PolicyConfig::RoundRobin(c) => round_robin::route(c, &ctx),
+        PolicyConfig::CacheAware(c) => cache_aware::route(c, &ctx),
+        PolicyConfig::KvAwareV0(c) => kv_aware_v0::route(c, &ctx),
+        PolicyConfig::KvcV2(c) => kvc_v2::route(c, &ctx),
+    }
+}
+
+/// Everything a policy reads for one decision, with per-decision lookups prepared.
+pub(crate) struct Ctx<'a> {
+    pub(crate) state: &'a RouterState,
+    pub(crate) req: &'a RouteRequest<'a>,
+    now_ms: u64,
+    workers: &'a [WorkerView],
+    /// Position + 1 in `workers` by id; 0 when absent.
+    pos: [u16; MAX_WORKERS],
+    /// All colocated workers.
+    pub(crate) colocated: bool,
+    /// Healthy decode workers (or healthy colocated workers).
+    pub(crate) healthy_d: WorkerSet,
+    /// Healthy prefill workers.
+    pub(crate) healthy_p: WorkerSet,
+}
+
+impl<'a> Ctx<'a> {
+    fn new(
+        state: &'a RouterState,
+        cluster: &'a ClusterView<'a>,
+        req: &'a RouteRequest<'a>,
+    ) -> Result<Self, PolicyError> {
+        let colocated = matches!(cluster.topology()?, Topology::Colocated { .. });
+        let mut pos = [0u16; MAX_WORKERS];
+        let (mut healthy_d, mut healthy_p) = (WorkerSet::EMPTY, WorkerSet::EMPTY);
+        for (i, w) in cluster.workers.iter().enumerate() {
+            let slot = w.id.0 as usize;
+            pos[slot] = (i + 1) as u16;
+            if w.is_routable() {
+                match w.role {
+                    WorkerRole::Prefill => healthy_p.insert(slot),
+                    WorkerRole::Decode | WorkerRole::Colocated => healthy_d.insert(slot),
+                }
+            }
+        }
+        Ok(Ctx {
+            state,
+            req,
+            now_ms: cluster.now_ms,
+            workers: cluster.workers,
+            pos,
+            colocated,
+            healthy_d,
+            healthy_p,
+        })
+    }
+
+    /// The role of the worker that decodes: `decode`, or `colocated`.
+    pub(crate) fn d_role(&self) -> WorkerRole {
+        if self.colocated {
+            WorkerRole::Colocated
+        } else {
+            WorkerRole::Decode
+        }
+    }
+
+    /// Fails when no decode (or colocated) worker is healthy.
+    pub(crate) fn require_d(&self) -> Result<(), PolicyError> {
+        if self.healthy_d.is_empty() {
+            Err(PolicyError::NoHealthyWorker {
+                role: self.d_role(),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The published state of a worker present in the view.
+    pub(crate) fn worker_state(&self, id: WorkerId) -> &'a WorkerState {
+        let p = self.pos[id.0 as usize] as usize;
+        &self.workers[p - 1].state
+    }
+
+    /// In-flight requests on a worker: the larger of the published count and the router's own
+    /// count of requests it dispatched there that have not completed.
+    pub(crate) fn load(&self, id: WorkerId) -> u32 {
+        self.worker_state(id)
+            .in_flight
+            .max(self.state.in_flight(id))
+    }
+
+    /// The request's session state, if any.
+    pub(crate) fn session(&self) -> Option<&'a SessionRoute> {
+        self.req.session.and_then(|s| self.state.session(s))
+    }
+
+    /// Whether the request is routed as a first turn.
+    pub(crate) fn first_turn(&self) -> bool {
+        is_first_turn(self.req, self.session())
+    }
+
+    /// Leading request blocks each worker of `set` holds in `view`.
+    pub(crate) fn depths(&self, set: WorkerSet, view: BlockView) -> [u32; MAX_WORKERS] {
+        let mut out = [0u32; MAX_WORKERS];
+        self.state
+            .index()
+            .depths(self.req.hash_ids, set, view, &mut out);
+        out
+    }
+
+    /// Tokens of the request covered by `depth` leading blocks.
+    pub(crate) fn reusable(&self, depth: u32, block_size: BlockSize) -> u64 {
+        kvc_core::prefix::reusable_tokens(depth as usize, self.req.input_length, block_size)
+    }
+
+    /// Classifies a later turn in a P/D topology (see [`crate::classify_turn`]).
+    pub(crate) fn classify(&self, direct_limit_tokens: u64, block_size: BlockSize) -> TurnClass {
+        classify_with(
+            self.req,
+            self.session(),
+            direct_limit_tokens,
+            block_size,
+            |d| self.healthy_d.contains(d.0 as usize),
+        )
+    }
+
+    /// Mode and reason of a P→D path for a policy with no session notion.
+    pub(crate) fn sessionless_path(&self) -> (ExecutionMode, Option<FallThroughReason>) {
+        if self.first_turn() {
+            (ExecutionMode::Turn1Seed, None)
+        } else if self.req.rejected_by.is_some() {
+            (
+                ExecutionMode::Fallback,
+                Some(FallThroughReason::SessionCapRejected),
+            )
+        } else {
+            (
+                ExecutionMode::Fallback,
+                Some(FallThroughReason::SessionNotResident),
+            )
+        }
+    }
+
+    /// Builds the decision and its state change from a plan.
+    pub(crate) fn finish(&self, plan: Plan, knobs: Knobs) -> Decision {
+        let req = self.req;
+        let need_tokens = footprint_tokens(
+            req.input_length,
+            req.output_hint,
+            plan.cached_on_d,
+            self.first_turn(),
+            knobs.incremental_footprint,
+        );
+        let recommended_pause_ms =
+            recommended_pause_ms(self.worker_state(plan.decode), &knobs.backpressure);
+        Decision {
+            mode: plan.mode,
+            decode: plan.decode,
+            prefill: plan.prefill,
+            reason: plan.reason,
+            cached_tokens: plan.cached_tokens,
+            need_tokens,
+            recommended_pause_ms,
+            scores: plan.scores,
+            change: StateChange {
+                request_id: req.request_id,
+                session: req.session,
+                now_ms: self.now_ms,
+                decode: plan.decode,
+                decode_role: self.d_role(),
+                prefill: plan.prefill,
+                direct: plan.mode == ExecutionMode::DirectToD,
+                blocks: req.hash_ids.to_vec(),
+                reject_count: plan.reject_count,
+            },
+        }
+    }
+}
+
+/// A policy's choice, before the shared parts of the decision are filled in.
+pub(crate) struct Plan {
+    pub(crate) mode: ExecutionMode,
+    pub(crate) decode: WorkerId,
+    pub(crate) prefill: Option<WorkerId>,
+    pub(crate) reason: Option<FallThroughReason>,
+    /// Reused tokens as reported in the decision.
+    pub(crate) cached_tokens: u64,
+    /// What the decode (or colocated) worker already holds of the input (0 on P→D paths).
+    pub(crate) cached_on_d: u64,
+    pub(crate) scores: Vec<ScoreEntry>,
+    pub(crate) reject_count: Option<(WorkerId, u32)>,
+}
+
+/// Config values every policy has.
+#[derive(Clone, Copy)]
+pub(crate) struct Knobs {
+    pub(crate) incremental_footprint: bool,
+    pub(crate) backpressure: BackpressureConfig,
+}

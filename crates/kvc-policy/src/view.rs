@@ -1,0 +1,158 @@
+//! What a policy reads: the cluster view and the request.
+
+use crate::error::PolicyError;
+use kvc_core::{
+    BlockHash, RequestId, SessionId, Topology, TurnId, WorkerId, WorkerRole, WorkerState,
+};
+use serde::{Deserialize, Serialize};
+
+/// Most workers a router may know: every [`WorkerId`] must be below this value (ids are dense
+/// indices, unique across roles).
+pub const MAX_WORKERS: usize = 256;
+
+/// One worker as the router sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct WorkerView {
+    /// The worker.
+    pub id: WorkerId,
+    /// What it does.
+    pub role: WorkerRole,
+    /// Its KV pool, load and health.
+    pub state: WorkerState,
+}
+
+impl WorkerView {
+    /// A worker view.
+    pub fn new(id: WorkerId, role: WorkerRole, state: WorkerState) -> Self {
+        WorkerView { id, role, state }
+    }
+
+    /// Whether a policy may send work to it (healthy).
+    pub fn is_routable(&self) -> bool {
+        self.state.health.is_routable()
+    }
+}
+
+/// The cluster at decision time. `now_ms` is the caller's clock (policies read no clock).
+#[derive(Debug, Clone, Copy)]
+pub struct ClusterView<'a> {
+    /// Current time in milliseconds, on whatever clock the caller uses (virtual in the
+    /// simulator). Recorded in the router state as a session's last routing time.
+    pub now_ms: u64,
+    /// Every worker the router knows, in any order (ids unique).
+    pub workers: &'a [WorkerView],
+}
+
+impl<'a> ClusterView<'a> {
+    /// A cluster view.
+    pub fn new(now_ms: u64, workers: &'a [WorkerView]) -> Self {
+        ClusterView { now_ms, workers }
+    }
+
+    /// The worker with this id, if present.
+    pub fn worker(&self, id: WorkerId) -> Option<&'a WorkerView> {
+        self.workers.iter().find(|w| w.id == id)
+    }
+
+    /// The topology the roles describe: all `colocated` is a colocated cluster; otherwise
+    /// prefill and decode workers (at least one of each). Counts include unhealthy workers.
+    ///
+    /// Errors: [`PolicyError::WrongTopology`] for an empty view, a mix of colocated and
+    /// prefill/decode workers, or a P/D view lacking one of the two roles;
+    /// [`PolicyError::WorkerIdOutOfRange`] and [`PolicyError::DuplicateWorker`] for bad ids.
+    pub fn topology(&self) -> Result<Topology, PolicyError> {
+        let (mut p, mut d, mut c) = (0u32, 0u32, 0u32);
+        let mut ids = crate::index::WorkerSet::EMPTY;
+        for w in self.workers {
+            let slot = w.id.0 as usize;
+            if slot >= MAX_WORKERS {
+                return Err(PolicyError::WorkerIdOutOfRange(w.id));
+            }
+            if ids.contains(slot) {
+                return Err(PolicyError::DuplicateWorker(w.id));
+            }
+            ids.insert(slot);
+            match w.role {
+                WorkerRole::Prefill => p += 1,
+                WorkerRole::Decode => d += 1,
+                WorkerRole::Colocated => c += 1,
+            }
+        }
+        match (p, d, c) {
+            (0, 0, 0) => Err(PolicyError::WrongTopology {
+                detail: "the cluster view has no workers",
+            }),
+            (0, 0, workers) => Ok(Topology::Colocated { workers }),
+            (_, _, 1..) => Err(PolicyError::WrongTopology {
+                detail: "colocated workers mixed with prefill/decode workers",
+            }),
+            (0, _, 0) => Err(PolicyError::WrongTopology {
+                detail: "decode workers but no prefill worker",
+            }),
+            (_, 0, 0) => Err(PolicyError::WrongTopology {
+                detail: "prefill workers but no decode worker",
+            }),
+            (prefill, decode, 0) => Ok(Topology::Disaggregated { prefill, decode }),
+        }
+    }
+}
+
+/// One request to route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteRequest<'a> {
+    /// The request.
+    pub request_id: RequestId,
+    /// The session; `None` for a one-off request (always routed like a first turn).
+    pub session: Option<SessionId>,
+    /// The turn within the session (from 1). `None` with a session: a first turn if the router
+    /// has no record of the session, a later turn otherwise.
+    pub turn: Option<TurnId>,
+    /// Prompt length in tokens.
+    pub input_length: u64,
+    /// Expected generated tokens (the trace's output length, or the request's max tokens).
+    pub output_hint: u64,
+    /// Chained block ids of the prompt.
+    pub hash_ids: &'a [BlockHash],
+    /// Set when re-routing after the D chosen for direct-to-D refused admission for this request;
+    /// the policy must then return a P→D path (mode fallback or reseed, reason
+    /// session-cap-rejected, or migrated if this reject triggered migration).
+    pub rejected_by: Option<WorkerId>,
+}
+
+impl<'a> RouteRequest<'a> {
+    /// A one-off request (no session).
+    pub fn new(
+        request_id: RequestId,
+        input_length: u64,
+        output_hint: u64,
+        hash_ids: &'a [BlockHash],
+    ) -> Self {
+        RouteRequest {
+            request_id,
+            session: None,
+            turn: None,
+            input_length,
+            output_hint,
+            hash_ids,
+            rejected_by: None,
+        }
+    }
+
+    /// The same request as turn `turn` of `session`.
+    pub fn in_session(self, session: SessionId, turn: TurnId) -> Self {
+        RouteRequest {
+            session: Some(session),
+            turn: Some(turn),
+            ..self
+        }
+    }
+
+    /// The same request, re-routed after `worker` refused its direct-to-D admission.
+    pub fn rejected_by(self, worker: WorkerId) -> Self {
+        RouteRequest {
+            rejected_by: Some(worker),
+            ..self
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! The crate stays free of I/O and async runtimes: its normal dependencies are exactly
+//! kvc-core, serde and thiserror.
+
+#[test]
+fn normal_dependencies_are_pure() {
+    let manifest = include_str!("../Cargo.toml");
+    let deps: Vec<&str> = manifest
+        .split("\n[")
+        .find(|section| section.starts_with("dependencies]"))
+        .expect("a [dependencies] section")
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split(['.', '=', ' ']).next())
+        .filter(|name| !name.is_empty() && !name.starts_with('#'))
+        .collect();
+    assert_eq!(deps, ["kvc-core", "serde", "thiserror"]);
+}

@@ -1,0 +1,703 @@
+//! Paths, fall-through reasons, router-state bookkeeping and errors.
+
+mod common;
+
+use common::*;
+use kvc_core::{
+    BlockHash, ExecutionMode, FallThroughReason, Health, Outcome, RequestId, SessionId, TurnId,
+    WorkerId, WorkerRole,
+};
+use kvc_policy::{
+    BackpressureConfig, ClusterView, KvcV2Config, Observation, PolicyConfig, PolicyError,
+    Residency, RouteRequest, RouterState, TurnClass, WorkerView, classify_turn,
+    recommended_pause_ms, route,
+};
+
+const ALL: [&str; 4] = ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2"];
+
+fn sid(s: u64) -> SessionId {
+    SessionId(s)
+}
+
+#[test]
+fn colocated_topology_is_colocated_for_every_policy() {
+    let ws = dp(3);
+    for name in ALL {
+        let mut r = Router::named(name, &ws);
+        for turn in 1..=4 {
+            let b = ctx_blocks(7, 0, 4 + turn as usize);
+            let d = r.serve(&ws, Some((7, turn)), &b);
+            assert_eq!(d.mode, ExecutionMode::Colocated, "{name} turn {turn}");
+            assert_eq!((d.prefill, d.reason), (None, None), "{name}");
+            assert!(d.scores.iter().all(|s| s.role == WorkerRole::Colocated));
+            assert_eq!(d.change.decode_role, WorkerRole::Colocated);
+        }
+        let d = r.serve(&ws, None, &ctx_blocks(8, 0, 1));
+        assert_eq!(d.mode, ExecutionMode::Colocated, "{name} one-off");
+    }
+    // Sessionful policies keep a colocated session where its prefix is.
+    for name in ["kv-aware-v0", "kvc-v2"] {
+        let mut r = Router::named(name, &ws);
+        let first = r.serve(&ws, Some((7, 1)), &ctx_blocks(7, 0, 10)).decode;
+        let second = r.serve(&ws, Some((7, 2)), &ctx_blocks(7, 0, 12));
+        assert_eq!(second.decode, first, "{name}");
+        assert_eq!(second.cached_tokens, 14 * BS, "{name}");
+        assert_eq!(
+            second.need_tokens,
+            if name == "kvc-v2" {
+                2 * BS + 10
+            } else {
+                16 * BS + 10
+            }
+        );
+    }
+}
+
+#[test]
+fn first_turns_and_one_offs_are_seeded_through_p() {
+    let ws = pd(1, 2);
+    let b = ctx_blocks(1, 0, 3);
+    for name in ALL {
+        let mut r = Router::named(name, &ws);
+        let one_off = RouteRequest::new(RequestId(1), 7 * BS, 5, &b);
+        let d = r.decide(&ws, &one_off).unwrap();
+        assert_eq!(
+            (d.mode, d.reason, d.prefill),
+            (ExecutionMode::Turn1Seed, None, Some(WorkerId(0))),
+            "{name}"
+        );
+        assert_eq!(d.need_tokens, 7 * BS + 5);
+        // A session without turn numbers: first time seen is a first turn, then later turns.
+        let mut no_turn = one_off;
+        no_turn.session = Some(sid(1));
+        let d = r.decide(&ws, &no_turn).unwrap();
+        assert_eq!(d.mode, ExecutionMode::Turn1Seed, "{name}");
+        r.state.apply(&d.change);
+        let d = r.decide(&ws, &no_turn).unwrap();
+        assert_ne!(d.mode, ExecutionMode::Turn1Seed, "{name}");
+    }
+}
+
+#[test]
+fn direct_limit_and_footprint_per_policy() {
+    let ws = pd(1, 2);
+    // Turn 1: 10 blocks. Turn 2 adds an append of `extra` blocks.
+    // (policy, extra blocks) -> direct?
+    for (name, extra, direct) in [
+        ("kv-aware-v0", 4, true),  // 2,048 tokens: at the limit
+        ("kv-aware-v0", 5, false), // 2,560 tokens
+        ("kvc-v2", 5, true),
+        ("kvc-v2", 16, true), // 8,192 tokens
+        ("kvc-v2", 17, false),
+        ("round-robin", 1, false),
+        ("cache-aware", 1, false),
+    ] {
+        let mut r = Router::named(name, &ws);
+        let t1 = ctx_blocks(3, 0, 6);
+        let first = r.serve(&ws, Some((3, 1)), &t1);
+        let t2 = ctx_blocks(3, 0, 6 + extra);
+        let req = r.request(3, 2, &t2);
+        let d = r.decide(&ws, &req).unwrap();
+        let input = t2.len() as u64 * BS;
+        if direct {
+            assert_eq!(
+                (d.mode, d.decode, d.prefill, d.reason),
+                (ExecutionMode::DirectToD, first.decode, None, None),
+                "{name} +{extra}"
+            );
+            assert_eq!(d.cached_tokens, 10 * BS);
+            let need = if name == "kvc-v2" {
+                extra as u64 * BS + 10
+            } else {
+                input + 10
+            };
+            assert_eq!(d.need_tokens, need, "{name}");
+        } else {
+            let reason = if name.starts_with("kv") {
+                FallThroughReason::RealLargeAppend
+            } else {
+                FallThroughReason::SessionNotResident
+            };
+            assert_eq!(
+                (d.mode, d.reason),
+                (ExecutionMode::Fallback, Some(reason)),
+                "{name} +{extra}"
+            );
+            assert!(d.prefill.is_some());
+            assert_eq!(d.need_tokens, input + 10, "P→D ships the whole context");
+        }
+    }
+}
+
+#[test]
+fn cached_tokens_count_only_full_blocks_of_the_input() {
+    let ws = pd(1, 1);
+    let mut r = Router::named("kvc-v2", &ws);
+    let t1 = ctx_blocks(3, 0, 6);
+    r.serve(&ws, Some((3, 1)), &t1);
+    // Same 10 blocks plus a partial one: 10 full blocks reused; an input ending inside block 9
+    // reuses only 9.
+    let t2 = ctx_blocks(3, 0, 7);
+    for (input, cached) in [(10 * BS + 100, 10 * BS), (9 * BS + 300, 9 * BS)] {
+        let req = RouteRequest::new(RequestId(50), input, 0, &t2).in_session(sid(3), TurnId(2));
+        let d = r.decide(&ws, &req).unwrap();
+        assert_eq!(
+            (d.mode, d.cached_tokens),
+            (ExecutionMode::DirectToD, cached)
+        );
+        assert_eq!(d.need_tokens, input - cached);
+    }
+}
+
+#[test]
+fn kv_aware_v0_stays_pinned_through_evictions_and_rejects() {
+    let mut ws = pd(1, 3);
+    let mut r = Router::named("kv-aware-v0", &ws);
+    let t1 = ctx_blocks(5, 0, 8);
+    let d0 = r.serve(&ws, Some((5, 1)), &t1).decode;
+    set_used(&mut ws, d0.0, CAP); // full
+    let t2 = ctx_blocks(5, 0, 9);
+    // Eviction: P→D again, to the same D.
+    r.state.observe(&Observation::Evicted {
+        session: sid(5),
+        worker: d0,
+    });
+    assert_eq!(
+        r.state.session(sid(5)).unwrap().residency,
+        Residency::Evicted
+    );
+    let req = r.request(5, 2, &t2);
+    let d = r.decide(&ws, &req).unwrap();
+    assert_eq!(
+        (d.mode, d.reason, d.decode),
+        (
+            ExecutionMode::Fallback,
+            Some(FallThroughReason::SessionEvicted),
+            d0
+        )
+    );
+    r.state.apply(&d.change);
+    // Rejects: counted, never acted on.
+    for n in 1..=10 {
+        let req = r.request(5, 2 + n, &t2).rejected_by(d0);
+        let d = r.decide(&ws, &req).unwrap();
+        assert_eq!(
+            (d.mode, d.reason, d.decode),
+            (
+                ExecutionMode::Fallback,
+                Some(FallThroughReason::SessionCapRejected),
+                d0
+            )
+        );
+        assert_eq!(d.change.reject_count, Some((d0, n)));
+        r.state.apply(&d.change);
+        assert_eq!(r.state.session(sid(5)).unwrap().rejects_on(d0), n);
+    }
+    assert_eq!(r.state.session(sid(5)).unwrap().d_changes, 0);
+}
+
+#[test]
+fn decode_unhealthy_moves_the_session() {
+    for name in ["kv-aware-v0", "kvc-v2"] {
+        let mut ws = pd(1, 2);
+        let mut r = Router::named(name, &ws);
+        let t1 = ctx_blocks(5, 0, 8);
+        let d0 = r.serve(&ws, Some((5, 1)), &t1).decode;
+        set_health(&mut ws, d0.0, Health::Stale);
+        let t2 = ctx_blocks(5, 0, 9);
+        let d = r.serve(&ws, Some((5, 2)), &t2);
+        assert_eq!(
+            (d.mode, d.reason),
+            (
+                ExecutionMode::Fallback,
+                Some(FallThroughReason::DecodeUnhealthy)
+            ),
+            "{name}"
+        );
+        assert_ne!(d.decode, d0);
+        let s = r.state.session(sid(5)).unwrap();
+        assert_eq!((s.current_d, s.d_changes), (Some(d.decode), 1), "{name}");
+        // Back to direct on the new D.
+        let d = r.serve(&ws, Some((5, 3)), &ctx_blocks(5, 0, 10));
+        assert_eq!(d.mode, ExecutionMode::DirectToD, "{name}");
+    }
+}
+
+/// Sends turn after turn of one session while D rejects every direct-to-D attempt; returns the
+/// mode of each re-routed decision.
+fn reject_loop(
+    r: &mut Router,
+    ws: &[WorkerView],
+    session: u64,
+    d0: WorkerId,
+    turns: u32,
+    observe_first: bool,
+) -> Vec<ExecutionMode> {
+    let mut modes = Vec::new();
+    for t in 0..turns {
+        let blocks = ctx_blocks(session, 0, 9 + t as usize);
+        let req = r.request(session, 2 + t, &blocks);
+        let d = r.decide(ws, &req).unwrap();
+        assert_eq!((d.mode, d.decode), (ExecutionMode::DirectToD, d0));
+        r.state.apply(&d.change);
+        if observe_first {
+            r.state.observe(&Observation::AdmissionRejected {
+                session: sid(session),
+                worker: d0,
+            });
+        }
+        let again = r.decide(ws, &req.rejected_by(d0)).unwrap();
+        assert!(again.prefill.is_some(), "a re-route takes a P→D path");
+        modes.push(again.mode);
+        r.state.apply(&again.change);
+        if again.mode == ExecutionMode::Reseed {
+            break;
+        }
+        // The P→D turn completes on d0, resident again.
+        r.state.observe(&Observation::Completed {
+            request_id: req.request_id,
+            session: Some(sid(session)),
+            worker: d0,
+            outcome: Outcome::Ok,
+            resident_tokens: blocks.len() as u64 * BS,
+            direct: false,
+        });
+    }
+    modes
+}
+
+#[test]
+fn kvc_v2_migrates_after_exactly_n_rejects_counted_once() {
+    for observe_first in [false, true] {
+        let ws = pd(1, 3);
+        let mut r = Router::named("kvc-v2", &ws);
+        let d0 = r.serve(&ws, Some((5, 1)), &ctx_blocks(5, 0, 8)).decode;
+        let modes = reject_loop(&mut r, &ws, 5, d0, 10, observe_first);
+        assert_eq!(
+            modes,
+            vec![
+                ExecutionMode::Fallback,
+                ExecutionMode::Fallback,
+                ExecutionMode::Reseed
+            ],
+            "observe_first={observe_first}"
+        );
+        let s = r.state.session(sid(5)).unwrap();
+        assert_ne!(s.current_d, Some(d0));
+        assert_eq!(s.d_changes, 1);
+        assert_eq!(s.rejects_on(d0), 0, "migration releases the old D");
+    }
+}
+
+#[test]
+fn successful_direct_turn_resets_the_reject_counter() {
+    let ws = pd(1, 3);
+    let mut r = Router::named("kvc-v2", &ws);
+    let d0 = r.serve(&ws, Some((5, 1)), &ctx_blocks(5, 0, 8)).decode;
+    assert_eq!(
+        reject_loop(&mut r, &ws, 5, d0, 2, true),
+        vec![ExecutionMode::Fallback; 2]
+    );
+    assert_eq!(r.state.session(sid(5)).unwrap().rejects_on(d0), 2);
+    // A direct turn that succeeds resets the counter ...
+    let d = r.serve(&ws, Some((5, 10)), &ctx_blocks(5, 0, 20));
+    assert_eq!((d.mode, d.decode), (ExecutionMode::DirectToD, d0));
+    assert_eq!(r.state.session(sid(5)).unwrap().rejects_on(d0), 0);
+    // ... so two more rejects do not migrate; the third does.
+    let modes = reject_loop(&mut r, &ws, 5, d0, 3, false);
+    assert_eq!(
+        modes,
+        vec![
+            ExecutionMode::Fallback,
+            ExecutionMode::Fallback,
+            ExecutionMode::Reseed
+        ]
+    );
+    // A failed direct turn does not reset it.
+    let ws = pd(1, 2);
+    let mut r = Router::named("kvc-v2", &ws);
+    let d0 = r.serve(&ws, Some((6, 1)), &ctx_blocks(6, 0, 8)).decode;
+    r.state.observe(&Observation::AdmissionRejected {
+        session: sid(6),
+        worker: d0,
+    });
+    r.state.observe(&Observation::Completed {
+        request_id: RequestId(999),
+        session: Some(sid(6)),
+        worker: d0,
+        outcome: Outcome::DecodeOom,
+        resident_tokens: 8 * BS,
+        direct: true,
+    });
+    assert_eq!(r.state.session(sid(6)).unwrap().rejects_on(d0), 1);
+}
+
+#[test]
+fn an_observed_reject_without_reroute_does_not_absorb_the_next_one() {
+    let ws = pd(1, 3);
+    let mut r = Router::named("kvc-v2", &ws);
+    let d0 = r.serve(&ws, Some((5, 1)), &ctx_blocks(5, 0, 8)).decode;
+    // Reject observed; the caller gives up on that request (no re-route).
+    let t2 = ctx_blocks(5, 0, 9);
+    let req = r.request(5, 2, &t2);
+    let d = r.decide(&ws, &req).unwrap();
+    r.state.apply(&d.change);
+    r.state.observe(&Observation::AdmissionRejected {
+        session: sid(5),
+        worker: d0,
+    });
+    // The next turn is rejected too and re-routed without an observation: it counts.
+    let t3 = ctx_blocks(5, 0, 10);
+    let req = r.request(5, 3, &t3);
+    let d = r.decide(&ws, &req).unwrap();
+    assert_eq!(d.mode, ExecutionMode::DirectToD);
+    r.state.apply(&d.change);
+    let again = r.decide(&ws, &req.rejected_by(d0)).unwrap();
+    assert_eq!(again.change.reject_count, Some((d0, 2)));
+}
+
+#[test]
+fn kvc_v2_does_not_migrate_without_a_usable_target() {
+    // One D: rejects pile up, the session stays.
+    let ws = pd(1, 1);
+    let mut r = Router::named("kvc-v2", &ws);
+    let d0 = r.serve(&ws, Some((5, 1)), &ctx_blocks(5, 0, 8)).decode;
+    let modes = reject_loop(&mut r, &ws, 5, d0, 5, false);
+    assert_eq!(modes, vec![ExecutionMode::Fallback; 5]);
+    assert_eq!(r.state.session(sid(5)).unwrap().rejects_on(d0), 5);
+    // Two Ds, the other over the cap while d0 is under it: no move to a D over the cap.
+    let mut ws = pd(1, 2);
+    let mut r = Router::named("kvc-v2", &ws);
+    let d0 = r.serve(&ws, Some((5, 1)), &ctx_blocks(5, 0, 8)).decode;
+    let other = if d0.0 == 1 { 2 } else { 1 };
+    set_used(&mut ws, other, 90_000);
+    let modes = reject_loop(&mut r, &ws, 5, d0, 4, false);
+    assert_eq!(modes, vec![ExecutionMode::Fallback; 4]);
+}
+
+#[test]
+fn direct_to_d_needs_no_prefill_worker() {
+    let mut ws = pd(2, 2);
+    let mut r = Router::named("kvc-v2", &ws);
+    r.serve(&ws, Some((5, 1)), &ctx_blocks(5, 0, 8));
+    set_health(&mut ws, 0, Health::Down);
+    set_health(&mut ws, 1, Health::Down);
+    let t2 = ctx_blocks(5, 0, 9);
+    let req = r.request(5, 2, &t2);
+    assert_eq!(r.decide(&ws, &req).unwrap().mode, ExecutionMode::DirectToD);
+    let t1 = ctx_blocks(6, 0, 2);
+    let req = r.request(6, 1, &t1);
+    assert_eq!(
+        r.decide(&ws, &req),
+        Err(PolicyError::NoHealthyWorker {
+            role: WorkerRole::Prefill
+        })
+    );
+}
+
+#[test]
+fn completion_without_resident_tokens_ends_residency() {
+    let ws = pd(1, 2);
+    let mut r = Router::named("kvc-v2", &ws);
+    let t1 = ctx_blocks(5, 0, 8);
+    let req = r.request(5, 1, &t1);
+    let d = r.decide(&ws, &req).unwrap();
+    r.state.apply(&d.change);
+    assert_eq!(r.state.resident_depth(d.decode, &t1), 12);
+    r.state.observe(&Observation::Completed {
+        request_id: req.request_id,
+        session: Some(sid(5)),
+        worker: d.decode,
+        outcome: Outcome::KvTransferTimeout,
+        resident_tokens: 0,
+        direct: false,
+    });
+    let s = r.state.session(sid(5)).unwrap();
+    assert_eq!(
+        (s.residency, s.resident_tokens),
+        (Residency::NotResident, 0)
+    );
+    assert_eq!(r.state.resident_depth(d.decode, &t1), 0);
+    assert_eq!(
+        r.state.seen_depth(d.decode, &t1),
+        12,
+        "the grow-only view keeps them"
+    );
+    let t2 = ctx_blocks(5, 0, 9);
+    let req = r.request(5, 2, &t2);
+    let d2 = r.decide(&ws, &req).unwrap();
+    assert_eq!(
+        (d2.mode, d2.reason),
+        (
+            ExecutionMode::Fallback,
+            Some(FallThroughReason::SessionNotResident)
+        )
+    );
+}
+
+#[test]
+fn classify_turn_precedence() {
+    let mut ws = pd(1, 2);
+    let mut r = Router::named("kvc-v2", &ws);
+    let t1 = ctx_blocks(5, 0, 8);
+    let d0 = r.serve(&ws, Some((5, 1)), &t1).decode;
+    let t2 = ctx_blocks(5, 0, 9);
+    let bs = kvc_core::BlockSize::default();
+    let class = |r: &Router, ws: &[WorkerView], req: &RouteRequest<'_>, limit| {
+        classify_turn(
+            req,
+            req.session.and_then(|s| r.state.session(s)),
+            &ClusterView::new(0, ws),
+            limit,
+            bs,
+        )
+    };
+    let req = r.request(5, 2, &t2);
+    assert_eq!(
+        class(&r, &ws, &req, 8_192),
+        TurnClass::Direct {
+            decode: d0,
+            cached_tokens: 12 * BS
+        }
+    );
+    let large = |reason| TurnClass::FallThrough {
+        reason,
+        current_d: Some(d0),
+    };
+    assert_eq!(
+        class(&r, &ws, &req, BS - 1),
+        large(FallThroughReason::RealLargeAppend)
+    );
+    assert_eq!(
+        class(&r, &ws, &req.rejected_by(d0), 8_192),
+        large(FallThroughReason::SessionCapRejected)
+    );
+    r.state.observe(&Observation::Evicted {
+        session: sid(5),
+        worker: d0,
+    });
+    assert_eq!(
+        class(&r, &ws, &req, 8_192),
+        large(FallThroughReason::SessionEvicted)
+    );
+    set_health(&mut ws, d0.0, Health::Down);
+    assert_eq!(
+        class(&r, &ws, &req, 8_192),
+        large(FallThroughReason::DecodeUnhealthy)
+    );
+    let other = r.request(77, 4, &t2);
+    assert_eq!(
+        class(&r, &ws, &other, 8_192),
+        TurnClass::FallThrough {
+            reason: FallThroughReason::SessionNotResident,
+            current_d: None
+        }
+    );
+    let first = r.request(77, 1, &t2);
+    assert_eq!(class(&r, &ws, &first, 8_192), TurnClass::FirstTurn);
+}
+
+#[test]
+fn router_state_bookkeeping() {
+    let ws = pd(1, 2);
+    let mut r = Router::named("kvc-v2", &ws);
+    let t1 = ctx_blocks(5, 0, 8);
+    let req = r.request(5, 1, &t1);
+    let d = r.decide(&ws, &req).unwrap();
+    r.state.apply(&d.change);
+    let (p, dd) = (d.prefill.unwrap(), d.decode);
+    assert_eq!(
+        (
+            r.state.in_flight(p),
+            r.state.in_flight(dd),
+            r.state.pair_in_flight(p, dd)
+        ),
+        (1, 1, 1)
+    );
+    // Re-applying a change for the same request replaces it.
+    r.state.apply(&d.change);
+    assert_eq!((r.state.in_flight(dd), r.state.assignments(dd)), (1, 2));
+    assert_eq!(r.state.cursor(WorkerRole::Decode), Some(dd));
+    assert_eq!(r.state.cursor(WorkerRole::Prefill), Some(p));
+    r.state.observe(&Observation::Completed {
+        request_id: req.request_id,
+        session: Some(sid(5)),
+        worker: dd,
+        outcome: Outcome::Ok,
+        resident_tokens: 6_000,
+        direct: false,
+    });
+    assert_eq!(
+        (
+            r.state.in_flight(p),
+            r.state.in_flight(dd),
+            r.state.pair_in_flight(p, dd)
+        ),
+        (0, 0, 0)
+    );
+    let s = r.state.session(sid(5)).unwrap();
+    assert_eq!(
+        (s.current_d, s.residency, s.resident_tokens, s.blocks.len()),
+        (Some(dd), Residency::Resident, 6_000, 12)
+    );
+    assert_eq!(r.state.known_blocks(), 12);
+    assert_eq!(r.state.session_count(), 1);
+    assert_eq!(r.state.policy_name(), "kvc-v2");
+    r.state.forget_session(sid(5));
+    assert!(r.state.session(sid(5)).is_none());
+    assert_eq!(r.state.resident_depth(dd, &t1), 0);
+    assert_eq!(r.state.seen_depth(dd, &t1), 12);
+    assert_eq!(r.state.seen_depth(p, &t1), 12);
+    // Unknown ids are harmless.
+    r.state.observe(&Observation::Evicted {
+        session: sid(404),
+        worker: dd,
+    });
+    assert_eq!(r.state.in_flight(WorkerId(200)), 0);
+}
+
+#[test]
+fn backpressure_hint_follows_the_chosen_d() {
+    let mut ws = pd(1, 2);
+    for id in [1, 2] {
+        set_used(&mut ws, id, 95_000);
+        set_load(&mut ws, id, 0, 12);
+    }
+    let b = ctx_blocks(1, 0, 2);
+    let req = RouteRequest::new(RequestId(1), 6 * BS, 1, &b);
+    let v2 = Router::named("kvc-v2", &ws).decide(&ws, &req).unwrap();
+    let want = recommended_pause_ms(&ws[1].state, &BackpressureConfig::ENABLED);
+    assert_eq!(want, 8 * 25 + 375);
+    assert_eq!(v2.recommended_pause_ms, want);
+    let v0 = Router::named("kv-aware-v0", &ws).decide(&ws, &req).unwrap();
+    assert_eq!(v0.recommended_pause_ms, 0);
+}
+
+#[test]
+fn worker_order_in_the_view_does_not_matter() {
+    let ws = pd(2, 4);
+    for name in ALL {
+        let mut r = Router::named(name, &ws);
+        for s in 1..=6u64 {
+            r.serve(&ws, Some((s, 1)), &ctx_blocks(s, 0, s as usize));
+        }
+        let mut rev = ws.clone();
+        rev.reverse();
+        rev.swap(1, 4);
+        let b = ctx_blocks(3, 0, 5);
+        let req = r.request(3, 2, &b);
+        assert_eq!(
+            r.decide(&ws, &req).unwrap(),
+            r.decide(&rev, &req).unwrap(),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn errors() {
+    let b: Vec<BlockHash> = vec![];
+    let req = RouteRequest::new(RequestId(1), 10, 1, &b);
+    let state = RouterState::new(&PolicyConfig::default(), &[]);
+    let go =
+        |ws: &[WorkerView], cfg: &PolicyConfig| route(cfg, &state, &ClusterView::new(0, ws), &req);
+    let cfg = PolicyConfig::default();
+    let wrong = |detail| Err(PolicyError::WrongTopology { detail });
+    assert_eq!(go(&[], &cfg), wrong("the cluster view has no workers"));
+    let mut mixed = pd(1, 1);
+    mixed.push(worker(5, WorkerRole::Colocated));
+    assert_eq!(
+        go(&mixed, &cfg),
+        wrong("colocated workers mixed with prefill/decode workers")
+    );
+    assert_eq!(
+        go(&[worker(0, WorkerRole::Decode)], &cfg),
+        wrong("decode workers but no prefill worker")
+    );
+    assert_eq!(
+        go(&[worker(0, WorkerRole::Prefill)], &cfg),
+        wrong("prefill workers but no decode worker")
+    );
+    assert_eq!(
+        go(&[worker(256, WorkerRole::Colocated)], &cfg),
+        Err(PolicyError::WorkerIdOutOfRange(WorkerId(256)))
+    );
+    assert_eq!(
+        go(
+            &[
+                worker(3, WorkerRole::Colocated),
+                worker(3, WorkerRole::Colocated)
+            ],
+            &cfg
+        ),
+        Err(PolicyError::DuplicateWorker(WorkerId(3)))
+    );
+    for name in ALL {
+        let cfg = PolicyConfig::from_name(name).unwrap();
+        let mut ws = pd(1, 2);
+        set_health(&mut ws, 1, Health::Down);
+        set_health(&mut ws, 2, Health::Stale);
+        assert_eq!(
+            go(&ws, &cfg),
+            Err(PolicyError::NoHealthyWorker {
+                role: WorkerRole::Decode
+            }),
+            "{name}"
+        );
+        let mut ws = dp(2);
+        set_health(&mut ws, 0, Health::Down);
+        set_health(&mut ws, 1, Health::Down);
+        assert_eq!(
+            go(&ws, &cfg),
+            Err(PolicyError::NoHealthyWorker {
+                role: WorkerRole::Colocated
+            }),
+            "{name}"
+        );
+        let mut ws = pd(1, 1);
+        set_health(&mut ws, 0, Health::Down);
+        assert_eq!(
+            go(&ws, &cfg),
+            Err(PolicyError::NoHealthyWorker {
+                role: WorkerRole::Prefill
+            }),
+            "{name}"
+        );
+    }
+    let bad = PolicyConfig::KvcV2(KvcV2Config {
+        hard_cap: 0.0,
+        ..KvcV2Config::default()
+    });
+    assert_eq!(
+        go(&dp(1), &bad),
+        Err(PolicyError::InvalidConfig {
+            policy: "kvc-v2",
+            detail: "hard-cap must be within (0, 1]"
+        })
+    );
+    let msg = PolicyError::NoHealthyWorker {
+        role: WorkerRole::Prefill,
+    }
+    .to_string();
+    assert_eq!(msg, "no healthy prefill worker");
+}
+
+#[test]
+fn decision_serializes_with_named_components() {
+    let ws = pd(1, 2);
+    let r = Router::named("kvc-v2", &ws);
+    let b = ctx_blocks(1, 0, 2);
+    let req = RouteRequest::new(RequestId(4), 6 * BS, 1, &b);
+    let d = r.decide(&ws, &req).unwrap();
+    let v = serde_json::to_value(&d).unwrap();
+    assert_eq!(v["mode"], "turn1-seed");
+    assert_eq!(v["decode"], 1);
+    assert_eq!(v["prefill"], 0);
+    assert!(v["reason"].is_null());
+    assert_eq!(v["scores"][0]["role"], "decode");
+    assert_eq!(v["scores"][0]["components"]["sticky_term"], 0.0);
+    assert_eq!(v["scores"][2]["role"], "prefill");
+    assert_eq!(v["change"]["request-id"], 4);
+    let back: kvc_policy::StateChange = serde_json::from_value(v["change"].clone()).unwrap();
+    assert_eq!(back, d.change);
+}
