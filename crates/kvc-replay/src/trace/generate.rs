@@ -1,0 +1,653 @@
+//! Trace generators. [`swe`] builds a trace with the statistics of SWE-agent sessions.
+//!
+//! # The SWE-agent model
+//!
+//! A session is an agent solving one task. Its prompt is a list of segments:
+//! the system prompt (shared by every session), the task statement, then for every turn the
+//! model's previous output and the tool's observation. Turn `t + 1`'s prompt is turn `t`'s
+//! plus `output_t` and `observation_t`, so the context grows turn by turn.
+//!
+//! Observations are *short* (kept verbatim; a session-wide growth factor scales them, and early
+//! exploration turns produce larger ones) or *long* (file views, test logs). A long observation
+//! stays verbatim while it is among the last `W` tokens of the prompt (`W` drawn per session,
+//! 1,600–7,000 tokens) and is then collapsed to a one-line placeholder. Collapsing changes the
+//! prompt at the observation's position, so the first block that differs from the previous
+//! turn moves back and the uncached append of that turn is a few thousand tokens: large
+//! appends come from elision, not from huge observations. A session whose prompt would pass
+//! the compaction threshold (`max_input_tokens − 4,096`) collapses its oldest segments.
+//!
+//! The longest sessions (`round(2 · sessions / 52)` of them, two for 52 sessions) run until
+//! their prompt exceeds `max_input_tokens`; the harness then retries the same prompt once or
+//! twice and the session ends, so each has 2–3 requests over the limit. Their growth factor is
+//! found by bisection so that this happens on their planned last turns.
+//!
+//! Turns per session come from stratified draws (so 52 sessions have a mean close to the
+//! target), then are adjusted by ±1 to reach the requested total. Sessions start staggered
+//! (stratified) over `start_span_s`; gaps between turns and output lengths are drawn from
+//! quantile tables.
+//!
+//! Block ids are *chained*: a block's id is interned from the id of the block before it and
+//! the exact segment pieces it covers, so identical prefixes share ids and the first differing
+//! block and everything after it get fresh ids. Ids are finally renumbered `0, 1, …` in order of
+//! first appearance in the output.
+//!
+//! # Determinism
+//!
+//! Randomness comes from `ChaCha8Rng` (the plan from stream 0 of `seed`, session `s` from stream
+//! `s + 1`), turned into numbers with integer operations and IEEE-exact float arithmetic only
+//! (`+ − × ÷`; no `exp`, `ln` or other platform-dependent functions), and every distribution is
+//! a piecewise-linear quantile table. No hash-map iteration reaches the output. The same config
+//! gives byte-identical output on every platform.
+//!
+//! ```
+//! use kvc_replay::trace::generate::{swe, SweConfig};
+//!
+//! let cfg = SweConfig { seed: 7, sessions: 3, ..SweConfig::default() };
+//! let records = swe(&cfg);
+//! assert_eq!(records, swe(&cfg));
+//! assert_eq!(records.len(), 257); // round(4,449 · 3 / 52)
+//! assert!(records.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
+//! assert!(records.iter().all(|r| r.hash_len_matches(cfg.block_size)));
+//! ```
+
+use kvc_core::{BlockHash, BlockSize, DEFAULT_MAX_INPUT_TOKENS, SessionId, TraceRecord, TurnId};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::HashMap;
+
+/// Requests of the reference trace (52 sessions).
+pub const REFERENCE_REQUESTS: usize = 4_449;
+/// Sessions of the reference trace.
+pub const REFERENCE_SESSIONS: usize = 52;
+
+/// Configuration of [`swe`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SweConfig {
+    /// Seed: the same config gives the same trace.
+    pub seed: u64,
+    /// Sessions (52 in the reference trace).
+    pub sessions: usize,
+    /// Total requests; `None` for `round(4,449 · sessions / 52)`.
+    pub requests: Option<usize>,
+    /// Tokens per block id.
+    pub block_size: BlockSize,
+    /// Model input limit; the longest sessions end just past it.
+    pub max_input_tokens: u64,
+    /// Tokens of the system prompt shared by every session.
+    pub system_prompt_tokens: u64,
+    /// Seconds over which session starts are spread; `None` for `5,600 · sessions / 52`
+    /// (the reference rate of new sessions).
+    pub start_span_s: Option<f64>,
+}
+
+impl Default for SweConfig {
+    fn default() -> Self {
+        SweConfig {
+            seed: 0,
+            sessions: REFERENCE_SESSIONS,
+            requests: None,
+            block_size: BlockSize::default(),
+            max_input_tokens: DEFAULT_MAX_INPUT_TOKENS,
+            system_prompt_tokens: 1_800,
+            start_span_s: None,
+        }
+    }
+}
+
+/// A piecewise-linear quantile table: `(cumulative probability, value)`, both ascending,
+/// from probability 0 to 1.
+type Quantiles = &'static [(f64, f64)];
+
+/// Turns per session.
+const TURNS: Quantiles = &[
+    (0.0, 20.0),
+    (0.1, 38.0),
+    (0.5, 88.0),
+    (0.9, 126.0),
+    (1.0, 140.0),
+];
+/// Fewest turns of a session.
+const MIN_TURNS: usize = 20;
+/// Output tokens per request.
+const OUTPUT: Quantiles = &[
+    (0.0, 2.0),
+    (0.5, 50.0),
+    (0.75, 120.0),
+    (0.9, 300.0),
+    (0.99, 700.0),
+    (0.995, 850.0),
+    (0.999, 1_150.0),
+    (1.0, 1_600.0),
+];
+/// Seconds between consecutive turns of a session.
+const GAP_S: Quantiles = &[
+    (0.0, 0.9),
+    (0.1, 1.6),
+    (0.5, 2.5),
+    (0.75, 4.0),
+    (0.9, 7.8),
+    (0.95, 12.0),
+    (0.98, 20.0),
+    (0.99, 30.0),
+    (0.998, 90.0),
+    (1.0, 265.0),
+];
+/// Tokens of a short observation before the growth factors.
+const SHORT_OBS: Quantiles = &[
+    (0.0, 20.0),
+    (0.25, 120.0),
+    (0.5, 260.0),
+    (0.75, 520.0),
+    (0.9, 900.0),
+    (0.98, 1_500.0),
+    (1.0, 2_600.0),
+];
+/// Tokens of a long (later collapsed) observation.
+const LONG_OBS: Quantiles = &[
+    (0.0, 400.0),
+    (0.25, 800.0),
+    (0.5, 1_150.0),
+    (0.75, 1_600.0),
+    (0.9, 2_300.0),
+    (0.99, 4_200.0),
+    (1.0, 9_000.0),
+];
+/// Per-session growth factor of short observations.
+const GROWTH: Quantiles = &[(0.0, 0.6), (0.5, 1.0), (1.0, 1.6)];
+/// Scale of short observations.
+const SHORT_SCALE: f64 = 0.85;
+/// Share of observations that are long.
+const LONG_SHARE: f64 = 0.54;
+/// Range of the per-session verbatim window (tokens).
+const WINDOW: (u64, u64) = (1_600, 6_500);
+/// Range of a collapsed observation's placeholder (tokens).
+const PLACEHOLDER: (u64, u64) = (20, 60);
+/// Range of the margin by which an over-limit session's prompt is fitted to pass the limit.
+const OVER_MARGIN: (u64, u64) = (100, 600);
+/// Range of the task statement (tokens).
+const TASK: (u64, u64) = (400, 2_500);
+/// Compaction starts this many tokens below the input limit…
+const COMPACT_MARGIN: u64 = 4_096;
+/// …and collapses segments until the prompt is this much below the threshold.
+const COMPACT_DROP: u64 = 8_000;
+/// Seconds of session starts per session (5,600 s for 52 sessions).
+const START_SPAN_PER_SESSION_S: f64 = 5_600.0 / 52.0;
+
+/// Early turns observe more: short observations are scaled by `0.5 + 2 · 25 / (25 + t)`.
+fn early_factor(turn: usize) -> f64 {
+    0.5 + 2.0 * 25.0 / (25.0 + turn as f64)
+}
+
+/// Draws from a ChaCha8 stream.
+struct Draw(ChaCha8Rng);
+
+impl Draw {
+    fn stream(seed: u64, stream: u64) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(stream);
+        Draw(rng)
+    }
+
+    /// Uniform in `[0, 1)` with 53 random bits.
+    fn unit(&mut self) -> f64 {
+        (self.0.next_u64() >> 11) as f64 * (1.0 / 9_007_199_254_740_992.0)
+    }
+
+    /// Uniform integer in `lo..=hi` (multiply-shift; the bias is below 2⁻⁴⁰ for our ranges).
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        let n = u128::from(hi - lo) + 1;
+        lo + ((u128::from(self.0.next_u64()) * n) >> 64) as u64
+    }
+
+    fn quantile(&mut self, table: Quantiles) -> f64 {
+        let u = self.unit();
+        quantile(table, u)
+    }
+}
+
+/// Value of a quantile table at cumulative probability `u`.
+fn quantile(table: Quantiles, u: f64) -> f64 {
+    for pair in table.windows(2) {
+        let ((u0, v0), (u1, v1)) = (pair[0], pair[1]);
+        if u <= u1 {
+            return v0 + (v1 - v0) * (u - u0) / (u1 - u0);
+        }
+    }
+    table.last().map_or(0.0, |&(_, v)| v)
+}
+
+/// Rounds a non-negative draw to whole tokens (at least `min`).
+fn whole(x: f64, min: u64) -> u64 {
+    ((x + 0.5) as u64).max(min)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    System,
+    Task,
+    Output,
+    Short,
+    Long,
+}
+
+#[derive(Clone, Copy)]
+struct Segment {
+    uid: u64,
+    len: u64,
+    kind: Kind,
+    collapsed: bool,
+}
+
+/// One generated turn of a session.
+struct Turn {
+    input: u64,
+    output: u64,
+    /// Milliseconds since the previous turn (0 for the first).
+    gap_ms: u64,
+    /// Interned block ids (empty when not hashing).
+    ids: Vec<u64>,
+}
+
+/// How a session ends.
+#[derive(Clone, Copy)]
+enum Ending {
+    /// After `turns` turns; the prompt is compacted below the limit.
+    Turns(usize),
+    /// When the prompt first exceeds the limit, followed by `retries` identical requests;
+    /// at most `turns` turns.
+    OverLimit { turns: usize, retries: usize },
+}
+
+/// A piece of a block: `(segment uid, start, end)` offsets within the segment.
+type Piece = (u64, u64, u64);
+
+/// Interns blocks: a block's id is determined by its predecessor and the pieces it covers.
+#[derive(Default)]
+struct Interner {
+    ids: HashMap<(u64, Vec<Piece>), u64>,
+}
+
+impl Interner {
+    const ROOT: u64 = u64::MAX;
+
+    fn id(&mut self, parent: u64, pieces: Vec<Piece>) -> u64 {
+        let next = self.ids.len() as u64;
+        *self.ids.entry((parent, pieces)).or_insert(next)
+    }
+
+    fn len(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+struct SessionSim<'a> {
+    cfg: &'a SweConfig,
+    session: usize,
+    growth: f64,
+    /// Collapse old segments when the prompt nears the limit (for sessions that must stay
+    /// under it; never when ending over the limit).
+    compact: bool,
+}
+
+impl SessionSim<'_> {
+    fn limit_threshold(&self) -> u64 {
+        self.cfg.max_input_tokens.saturating_sub(COMPACT_MARGIN)
+    }
+
+    /// Runs the session; hashes blocks when `interner` is given.
+    fn run(&self, ending: Ending, mut interner: Option<&mut Interner>) -> Vec<Turn> {
+        let cfg = self.cfg;
+        let bs = u64::from(cfg.block_size.tokens());
+        let mut draw = Draw::stream(cfg.seed, self.session as u64 + 1);
+        let mut next_uid = (self.session as u64 + 1) << 32;
+        let mut uid = || {
+            next_uid += 1;
+            next_uid
+        };
+
+        let task = draw.range(TASK.0, TASK.1);
+        let window = draw.range(WINDOW.0, WINDOW.1);
+        let mut segs = vec![
+            Segment {
+                uid: 0,
+                len: cfg.system_prompt_tokens,
+                kind: Kind::System,
+                collapsed: false,
+            },
+            Segment {
+                uid: uid(),
+                len: task,
+                kind: Kind::Task,
+                collapsed: false,
+            },
+        ];
+        let (max_turns, retries) = match ending {
+            Ending::Turns(t) => (t, None),
+            Ending::OverLimit { turns, retries } => (turns, Some(retries)),
+        };
+
+        let mut out: Vec<Turn> = Vec::with_capacity(max_turns);
+        let mut len: u64 = segs.iter().map(|s| s.len).sum();
+        // First token position where this turn's prompt differs from the previous one.
+        let mut diff: u64 = 0;
+        let mut crossed_at: Option<usize> = None;
+        let mut prev_ids: Vec<u64> = Vec::new();
+        loop {
+            let turn = out.len() + 1;
+            let output = whole(draw.quantile(OUTPUT), 1);
+            let gap_ms = whole(draw.quantile(GAP_S) * 1000.0, 1);
+            let ids = match interner.as_deref_mut() {
+                Some(int) => {
+                    let ids = block_ids(&segs, len, diff, &prev_ids, bs, int);
+                    prev_ids.clone_from(&ids);
+                    ids
+                }
+                None => Vec::new(),
+            };
+            out.push(Turn {
+                input: len,
+                output,
+                gap_ms: if turn == 1 { 0 } else { gap_ms },
+                ids,
+            });
+            if retries.is_some() && crossed_at.is_none() && len > cfg.max_input_tokens {
+                crossed_at = Some(turn);
+            }
+            if out.len() >= max_turns {
+                break;
+            }
+            if let (Some(c), Some(r)) = (crossed_at, retries) {
+                if turn >= c + r {
+                    break;
+                }
+                // The harness retries the same prompt.
+                diff = len;
+                continue;
+            }
+
+            // Next prompt: this turn's output, then the tool's observation.
+            diff = len;
+            segs.push(Segment {
+                uid: uid(),
+                len: output,
+                kind: Kind::Output,
+                collapsed: false,
+            });
+            let (kind, size) = if draw.unit() < LONG_SHARE {
+                (Kind::Long, whole(draw.quantile(LONG_OBS), 1))
+            } else {
+                let base = draw.quantile(SHORT_OBS);
+                (
+                    Kind::Short,
+                    whole(base * SHORT_SCALE * self.growth * early_factor(turn), 1),
+                )
+            };
+            segs.push(Segment {
+                uid: uid(),
+                len: size,
+                kind,
+                collapsed: false,
+            });
+            len += output + size;
+
+            // Collapse long observations that left the verbatim window.
+            let mut start = 0;
+            for seg in &mut segs {
+                let end = start + seg.len;
+                if seg.kind == Kind::Long && !seg.collapsed && len - end > window {
+                    diff = diff.min(start);
+                    seg.len = draw.range(PLACEHOLDER.0, PLACEHOLDER.1);
+                    seg.uid = uid();
+                    seg.collapsed = true;
+                }
+                start = end;
+            }
+            len = segs.iter().map(|s| s.len).sum();
+
+            // Compaction near the limit (sessions that must stay under it).
+            if self.compact && retries.is_none() && len > self.limit_threshold() {
+                let target = self.limit_threshold().saturating_sub(COMPACT_DROP);
+                let mut start = 0;
+                for seg in &mut segs {
+                    let collapsible = matches!(seg.kind, Kind::Output | Kind::Short | Kind::Long)
+                        && !seg.collapsed
+                        && seg.len > PLACEHOLDER.1;
+                    if collapsible && len > target {
+                        diff = diff.min(start);
+                        let placeholder = draw.range(PLACEHOLDER.0, PLACEHOLDER.1);
+                        len = len - seg.len + placeholder;
+                        seg.len = placeholder;
+                        seg.uid = uid();
+                        seg.collapsed = true;
+                    }
+                    start += seg.len;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Block ids of a prompt: the leading blocks before `diff` are the previous turn's; the rest
+/// are interned from their pieces, each chained on the block before it.
+fn block_ids(
+    segs: &[Segment],
+    len: u64,
+    diff: u64,
+    prev: &[u64],
+    bs: u64,
+    interner: &mut Interner,
+) -> Vec<u64> {
+    let blocks = len.div_ceil(bs) as usize;
+    let keep = ((diff / bs) as usize).min(prev.len()).min(blocks);
+    let mut ids = Vec::with_capacity(blocks);
+    ids.extend_from_slice(&prev[..keep]);
+    let mut starts = Vec::with_capacity(segs.len());
+    let mut pos = 0;
+    for s in segs {
+        starts.push(pos);
+        pos += s.len;
+    }
+    for k in keep..blocks {
+        let (lo, hi) = (k as u64 * bs, ((k as u64 + 1) * bs).min(len));
+        let mut pieces = Vec::with_capacity(2);
+        let mut i = starts.partition_point(|&s| s <= lo).saturating_sub(1);
+        let mut at = lo;
+        while at < hi && i < segs.len() {
+            let seg_end = starts[i] + segs[i].len;
+            let take_end = seg_end.min(hi);
+            if take_end > at {
+                pieces.push((segs[i].uid, at - starts[i], take_end - starts[i]));
+                at = take_end;
+            }
+            i += 1;
+        }
+        let parent = ids.last().copied().unwrap_or(Interner::ROOT);
+        ids.push(interner.id(parent, pieces));
+    }
+    ids
+}
+
+/// Generates a SWE-agent-like trace (see the module docs); records are sorted by timestamp,
+/// ties broken by session and turn, and carry `session_id` (0-based, in order of session
+/// start) and `turn_id` (from 1).
+pub fn swe(cfg: &SweConfig) -> Vec<TraceRecord> {
+    let n = cfg.sessions;
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut plan = Draw::stream(cfg.seed, 0);
+
+    // Turns per session: stratified draws, shuffled over sessions.
+    let mut turns: Vec<usize> = (0..n)
+        .map(|i| {
+            let u = (i as f64 + plan.unit()) / n as f64;
+            (quantile(TURNS, u) + 0.5) as usize
+        })
+        .collect();
+    for i in (1..n).rev() {
+        let j = plan.range(0, i as u64) as usize;
+        turns.swap(i, j);
+    }
+    let growth: Vec<f64> = (0..n).map(|_| plan.quantile(GROWTH)).collect();
+
+    // Session starts: stratified over the span, the first at 0.
+    let span = cfg
+        .start_span_s
+        .unwrap_or(START_SPAN_PER_SESSION_S * n as f64)
+        .max(0.0);
+    let raw_starts: Vec<f64> = (0..n)
+        .map(|i| span * (i as f64 + plan.unit()) / n as f64)
+        .collect();
+    let starts_ms: Vec<u64> = raw_starts
+        .iter()
+        .map(|&s| whole((s - raw_starts[0]) * 1000.0, 0))
+        .collect();
+
+    // The longest sessions run past the limit.
+    let over_limit_sessions = (2 * n + REFERENCE_SESSIONS / 2) / REFERENCE_SESSIONS;
+    let mut by_length: Vec<usize> = (0..n).collect();
+    by_length.sort_by_key(|&s| (std::cmp::Reverse(turns[s]), s));
+    let mut ending: Vec<Ending> = turns.iter().map(|&t| Ending::Turns(t)).collect();
+    let mut growth = growth;
+    let mut final_turns: Vec<Option<usize>> = vec![None; n];
+    for &s in &by_length[..over_limit_sessions] {
+        let retries = plan.range(1, 2) as usize;
+        let margin = plan.range(OVER_MARGIN.0, OVER_MARGIN.1);
+        let target = turns[s].saturating_sub(retries).max(1);
+        growth[s] = fit_over_limit(cfg, s, target, margin);
+        let e = Ending::OverLimit {
+            turns: target + retries,
+            retries,
+        };
+        ending[s] = e;
+        // The run ends `retries` turns after the limit is passed, possibly before `target`.
+        let sim = SessionSim {
+            cfg,
+            session: s,
+            growth: growth[s],
+            compact: false,
+        };
+        final_turns[s] = Some(sim.run(e, None).len());
+    }
+
+    // Other sessions: shorter than every over-limit one, adjusted to the requested total.
+    let cap = final_turns
+        .iter()
+        .flatten()
+        .min()
+        .map_or(quantile(TURNS, 1.0) as usize, |&m| m.saturating_sub(1))
+        .max(MIN_TURNS);
+    let target_total = cfg
+        .requests
+        .unwrap_or((REFERENCE_REQUESTS * n + REFERENCE_SESSIONS / 2) / REFERENCE_SESSIONS);
+    let others: Vec<usize> = (0..n).filter(|&s| final_turns[s].is_none()).collect();
+    for &s in &others {
+        final_turns[s] = Some(turns[s].clamp(MIN_TURNS, cap));
+    }
+    let mut total: usize = final_turns.iter().flatten().sum();
+    while total != target_total && !others.is_empty() {
+        let mut changed = false;
+        for &s in &others {
+            let t = final_turns[s].get_or_insert(MIN_TURNS);
+            if total < target_total && *t < cap {
+                *t += 1;
+                total += 1;
+                changed = true;
+            } else if total > target_total && *t > MIN_TURNS {
+                *t -= 1;
+                total -= 1;
+                changed = true;
+            }
+            if total == target_total {
+                break;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    for &s in &others {
+        ending[s] = Ending::Turns(final_turns[s].unwrap_or(MIN_TURNS));
+    }
+
+    // Simulate with block hashing, session by session.
+    let mut interner = Interner::default();
+    let mut rows: Vec<(u64, usize, usize, Turn)> = Vec::new();
+    for s in 0..n {
+        let sim = SessionSim {
+            cfg,
+            session: s,
+            growth: growth[s],
+            compact: true,
+        };
+        let mut ts = starts_ms[s];
+        for (k, t) in sim
+            .run(ending[s], Some(&mut interner))
+            .into_iter()
+            .enumerate()
+        {
+            ts = ts.saturating_add(t.gap_ms);
+            rows.push((ts, s, k + 1, t));
+        }
+    }
+    rows.sort_by_key(|(ts, s, k, _)| (*ts, *s, *k));
+
+    // Renumber block ids by first appearance.
+    let mut renumber = vec![u64::MAX; interner.len()];
+    let mut next = 0u64;
+    rows.into_iter()
+        .map(|(ts, s, k, t)| {
+            let hash_ids = t
+                .ids
+                .iter()
+                .map(|&id| {
+                    let slot = &mut renumber[id as usize];
+                    if *slot == u64::MAX {
+                        *slot = next;
+                        next += 1;
+                    }
+                    BlockHash(*slot)
+                })
+                .collect();
+            TraceRecord {
+                timestamp: ts,
+                session_id: Some(SessionId(s as u64)),
+                turn_id: Some(TurnId(u32::try_from(k).unwrap_or(u32::MAX))),
+                input_length: t.input,
+                output_length: t.output,
+                hash_ids,
+            }
+        })
+        .collect()
+}
+
+/// Smallest growth factor (by bisection) with which session `s`, never compacted, has an
+/// input above `max_input_tokens + margin` by turn `target` (the largest factor tried if none
+/// does). The margin keeps the first over-limit input from sitting exactly on the limit.
+fn fit_over_limit(cfg: &SweConfig, s: usize, target: usize, margin: u64) -> f64 {
+    let crosses = |g: f64| {
+        let sim = SessionSim {
+            cfg,
+            session: s,
+            growth: g,
+            compact: false,
+        };
+        sim.run(Ending::Turns(target), None)
+            .iter()
+            .any(|t| t.input > cfg.max_input_tokens.saturating_add(margin))
+    };
+    let (mut lo, mut hi) = (0.25, 8.0);
+    if !crosses(hi) {
+        return hi;
+    }
+    for _ in 0..40 {
+        let mid = (lo + hi) / 2.0;
+        if crosses(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
+}
