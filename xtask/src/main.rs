@@ -2,9 +2,11 @@
 //!
 //! ```text
 //! cargo xtask test              the full test suite (what CI runs)
-//! cargo xtask bench [--quick]   run the workspace's criterion benches
+//! cargo xtask bench [--quick]   every performance figure and the policy matrix
 //! ```
 #![forbid(unsafe_code)]
+
+mod bench;
 
 use std::process::{Command, ExitCode};
 
@@ -13,14 +15,40 @@ cargo xtask — maintainer tasks for kvc
 
 USAGE:
     cargo xtask test
-    cargo xtask bench [--quick]
+    cargo xtask bench [--quick] [--baseline FILE]
 
 COMMANDS:
     test       Run the whole test suite: `cargo test --workspace --locked`, then the loom
                model checks of kvc-admission (built with `--cfg loom` into target/loom).
 
-    bench      Run the criterion benches of every workspace crate.
-               --quick  shorter warm-up and measurement times
+    bench      Measure everything and write target/bench/summary.json (one flat JSON object
+               of numbers) and target/bench/report.md (tables and plots):
+               the criterion benches of kvc-policy and kvc-admission, the simulator's speed
+               (default run and a ~100,000-request run), and the policy matrix (topologies
+               1p3d, 4dp, 2p6d, 8dp x policies cache-aware, kv-aware-v0, kvc-v2 x
+               time-scales 1 and 10 on the generated SWE trace, seed 7).
+               --quick          shorter criterion measurements (the matrix stays complete)
+               --baseline FILE  print each figure's change against an earlier summary.json
+
+               Keys of summary.json:
+                 policy.select_ns.d8, policy.select_ns.d64
+                     median ns per routing decision of the default policy with 8 / 64 decode
+                     workers, a 180-block request, 1,000+ known blocks per worker
+                 admission.probe_ns, admission.probe_ns_2_readers, admission.probes_per_sec
+                     median probe time with a writer publishing continuously (1 / 2 readers),
+                     and probes per second per reader thread (1e9 / probe_ns)
+                 admission.commit_evict_us
+                     median commit_evict round trip through the queue, µs
+                 sim.default.wall_s, sim.default.requests_per_sec
+                     simulator wall time (median of runs) of 1p3d + kvc-v2 on the seed-7
+                     trace (4,449 requests), and requests simulated per second
+                 sim.large.requests, sim.large.wall_s, sim.large.peak_rss_mib
+                     the ~100,000-request trace (1,170 sessions) on 8p24d: process wall time
+                     (load + simulate + write) and peak resident memory
+                 matrix.<topology>.<policy>.ts<N>.<metric>
+                     metric: ttft_mean_s ttft_p50_s ttft_p90_s ttft_p99_s latency_mean_s
+                     latency_p50_s latency_p90_s latency_p99_s direct_to_d_rate
+                     mechanism_errors
 
     help       Print this help.
 ";
@@ -94,23 +122,29 @@ fn test() -> ExitCode {
 }
 
 fn bench(args: &[String]) -> ExitCode {
-    let mut quick = false;
-    for a in args {
+    let mut opts = bench::Options::default();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
         match a.as_str() {
-            "--quick" => quick = true,
+            "--quick" => opts.quick = true,
+            "--baseline" => match it.next() {
+                Some(f) => opts.baseline = Some(f.into()),
+                None => {
+                    eprintln!("xtask bench: --baseline needs a file");
+                    return ExitCode::from(2);
+                }
+            },
             other => {
                 eprintln!("xtask bench: unknown option `{other}`\n\n{HELP}");
                 return ExitCode::from(2);
             }
         }
     }
-    let mut cmd = cargo();
-    cmd.args(["bench", "--workspace", "--exclude", "xtask", "--"]);
-    if quick {
-        cmd.args(["--warm-up-time", "0.5", "--measurement-time", "2"]);
-    }
-    match run("cargo bench", &mut cmd) {
+    match bench::bench(&opts) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(code) => code,
+        Err(e) => {
+            eprintln!("xtask bench: {e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -52,6 +52,21 @@ impl WorkerState {
             .min(self.capacity_tokens)
     }
 
+    /// Used tokens that eviction cannot reclaim (`used − evictable`).
+    pub fn committed_tokens(&self) -> u64 {
+        self.used_tokens.saturating_sub(self.evictable_tokens)
+    }
+
+    /// Committed fraction of the pool in `[0, 1]` (1 for a zero-capacity pool): the share held
+    /// by running work and reservations, not by idle entries that could be evicted.
+    pub fn committed_fraction(&self) -> f64 {
+        if self.capacity_tokens == 0 {
+            1.0
+        } else {
+            (self.committed_tokens() as f64 / self.capacity_tokens as f64).min(1.0)
+        }
+    }
+
     /// Used fraction of the pool in `[0, 1]` (1 for a zero-capacity pool).
     pub fn used_fraction(&self) -> f64 {
         if self.capacity_tokens == 0 {

@@ -100,6 +100,8 @@ fn worker_state_serializes_kebab_case_and_computes_room() {
     assert_eq!(s.free_tokens(), 100);
     assert_eq!(s.available_tokens(), 400);
     assert!((s.used_fraction() - 0.9).abs() < 1e-12);
+    assert_eq!(s.committed_tokens(), 600);
+    assert!((s.committed_fraction() - 0.6).abs() < 1e-12);
     let json = serde_json::to_value(s).unwrap();
     assert_eq!(json["capacity-tokens"], 1000);
     assert_eq!(json["health"], "healthy");
@@ -111,6 +113,10 @@ fn worker_state_serializes_kebab_case_and_computes_room() {
     assert_eq!(s.available_tokens(), 300);
     assert_eq!(s.used_fraction(), 1.0);
     assert_eq!(WorkerState::empty(0).used_fraction(), 1.0);
+    assert_eq!(WorkerState::empty(0).committed_fraction(), 1.0);
+    // More evictable than used (inconsistent input) saturates at zero.
+    s.evictable_tokens = 9000;
+    assert_eq!(s.committed_tokens(), 0);
 }
 
 #[test]

@@ -59,7 +59,7 @@ impl Default for BackpressureConfig {
 ///
 /// ```text
 /// queue_excess = max(0, queue_depth − queue_free)
-/// use_excess   = clamp((used_fraction − used_free) / (1 − used_free), 0, 1)
+/// use_excess   = clamp((committed_fraction − used_free) / (1 − used_free), 0, 1)
 /// pause        = min(max_pause_ms, ms_per_queued × queue_excess + ms_at_full × use_excess)
 /// ```
 ///
@@ -84,7 +84,7 @@ pub fn recommended_pause_ms(state: &WorkerState, cfg: &BackpressureConfig) -> u3
     let use_excess = if cfg.used_free >= 1.0 {
         0.0
     } else {
-        ((state.used_fraction() - cfg.used_free) / (1.0 - cfg.used_free)).clamp(0.0, 1.0)
+        ((state.committed_fraction() - cfg.used_free) / (1.0 - cfg.used_free)).clamp(0.0, 1.0)
     };
     // Rounded to the nearest millisecond, so exact fractions give exact figures.
     let use_ms = (f64::from(cfg.ms_at_full) * use_excess).round() as u64;

@@ -12,7 +12,8 @@
 //! The prefix match of a worker is the number of leading request blocks the router has sent it
 //! (grow-only view, like the router's approximate radix tree); the match rate is the tokens those
 //! blocks cover (full blocks only) over the input length. Ties: the longest match prefers the
-//! lower load, then the lower id; the least loaded prefers the lower id.
+//! lower load, then the lower id; among the least loaded, the worker with the fewest requests
+//! assigned so far wins, then the lower id (so an idle pool spreads new work evenly).
 //!
 //! It has no session notion and no joint P/D choice: in a P/D topology every turn is P→D
 //! (`turn1-seed` for a first turn, else `fallback` with reason `session-not-resident`, or
@@ -100,7 +101,7 @@ fn pick(
 ) -> (WorkerId, u32) {
     let depths = ctx.depths(set, BlockView::Seen);
     let (mut min_load, mut max_load) = (u32::MAX, 0u32);
-    let mut least: Option<(u32, WorkerId)> = None;
+    let mut least: Option<(u32, u64, WorkerId)> = None;
     let mut longest: Option<(u32, u32, WorkerId)> = None;
     for slot in set.iter() {
         let id = WorkerId(slot as u32);
@@ -108,8 +109,9 @@ fn pick(
         min_load = min_load.min(load);
         max_load = max_load.max(load);
         // Ids increase, so strict comparisons keep the lower id on ties.
-        if least.is_none_or(|(l, _)| load < l) {
-            least = Some((load, id));
+        let assigned = ctx.state.assignments(id);
+        if least.is_none_or(|(l, a, _)| (load, assigned) < (l, a)) {
+            least = Some((load, assigned, id));
         }
         let depth = depths[slot];
         if longest.is_none_or(|(d, l, _)| depth > d || (depth == d && load < l)) {
@@ -125,7 +127,7 @@ fn pick(
             ctx.reusable(depth, cfg.block_size) as f64 / ctx.req.input_length as f64
         }
     };
-    let (Some((_, least_id)), Some((best_depth, _, best_id))) = (least, longest) else {
+    let (Some((_, _, least_id)), Some((best_depth, _, best_id))) = (least, longest) else {
         return (WorkerId(0), 0);
     };
     let by_prefix = !imbalanced && rate(best_depth) > cfg.cache_threshold;

@@ -7,13 +7,15 @@
 //! ```text
 //! total = overlap_weight  × min(overlap, overlap_cap_blocks) / overlap_cap_blocks
 //!       + sticky_weight   × [D is the session's current D]
-//!       − capacity_weight × used_fraction(D)
+//!       − capacity_weight × committed_fraction(D)
 //!       − load_weight     × (in_flight(D) + queue_depth(D))
 //! ```
 //!
 //! `overlap` is the number of leading request blocks the router believes resident on D now (the
 //! live view: it forgets a session's blocks when the session leaves D or D evicts it);
-//! `in_flight` is the larger of the published and the router's own count. A D whose used
+//! `in_flight` is the larger of the published and the router's own count;
+//! `committed_fraction` is the share of D's pool that eviction cannot reclaim
+//! (`(used − evictable) / capacity`: idle resident sessions do not count). A D whose committed
 //! fraction is above `hard_cap` is not eligible while some candidate is at or below it. Ties go
 //! to the lower `in_flight + queue_depth`, then fewer assignments, then the lower id.
 //!
@@ -39,7 +41,7 @@
 //! Colocated topologies: every decision is `colocated`, to the best worker by the same score.
 //!
 //! Score components: `overlap` (blocks), `overlap_term`, `sticky_term`, `capacity_term`,
-//! `load_term`, `used_fraction`; `total` is the sum of the four terms.
+//! `load_term`, `committed_fraction`; `total` is the sum of the four terms.
 
 use crate::backpressure::BackpressureConfig;
 use crate::config::{check, check_backpressure};
@@ -68,7 +70,7 @@ use std::cmp::{Ordering, Reverse};
 /// | `load-weight` | 0.05 |
 /// | `incremental-footprint` | `true` |
 /// | `prefill` | `d-health-aware` |
-/// | `backpressure` | enabled (see [`BackpressureConfig`]) |
+/// | `backpressure` | disabled (the study's v2 had none; see [`BackpressureConfig`]) |
 /// | `block-size` | 512 |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
@@ -113,7 +115,7 @@ impl Default for KvcV2Config {
             load_weight: 0.05,
             incremental_footprint: true,
             prefill: PrefillPolicy::DHealthAware,
-            backpressure: BackpressureConfig::ENABLED,
+            backpressure: BackpressureConfig::DISABLED,
             block_size: BlockSize::default(),
         }
     }
@@ -164,7 +166,7 @@ struct V2<'c, 'a> {
 
 impl V2<'_, '_> {
     fn over_cap(&self, d: WorkerId) -> bool {
-        self.ctx.worker_state(d).used_fraction() > self.cfg.hard_cap
+        self.ctx.worker_state(d).committed_fraction() > self.cfg.hard_cap
     }
 
     fn any_under(&self, set: WorkerSet) -> bool {
@@ -197,7 +199,7 @@ impl V2<'_, '_> {
         for slot in ctx.healthy_d.iter() {
             let id = WorkerId(slot as u32);
             let state = ctx.worker_state(id);
-            let used = state.used_fraction();
+            let used = state.committed_fraction();
             let load = u64::from(ctx.load(id)) + u64::from(state.queue_depth);
             let overlap = depths[slot];
             let overlap_term =
@@ -234,7 +236,7 @@ impl V2<'_, '_> {
                 .with("sticky_term", sticky_term)
                 .with("capacity_term", capacity_term)
                 .with("load_term", load_term)
-                .with("used_fraction", used);
+                .with("committed_fraction", used);
             e.total = total;
             e.eligible = eligible;
             scores.push(e);

@@ -77,7 +77,7 @@ fn documented_defaults() {
     );
     assert!(v2.incremental_footprint);
     assert_eq!(v2.prefill, PrefillPolicy::DHealthAware);
-    assert_eq!(v2.backpressure, BackpressureConfig::ENABLED);
+    assert_eq!(v2.backpressure, BackpressureConfig::DISABLED);
     assert_eq!(v2.block_size, BlockSize::default());
 
     let v0 = KvAwareV0Config::default();

@@ -565,12 +565,19 @@ fn backpressure_hint_follows_the_chosen_d() {
     }
     let b = ctx_blocks(1, 0, 2);
     let req = RouteRequest::new(RequestId(1), 6 * BS, 1, &b);
-    let v2 = Router::named("kvc-v2", &ws).decide(&ws, &req).unwrap();
+    let with_pause = PolicyConfig::KvcV2(KvcV2Config {
+        backpressure: BackpressureConfig::ENABLED,
+        ..KvcV2Config::default()
+    });
+    let v2 = Router::new(with_pause, &ws).decide(&ws, &req).unwrap();
     let want = recommended_pause_ms(&ws[1].state, &BackpressureConfig::ENABLED);
     assert_eq!(want, 8 * 25 + 375);
     assert_eq!(v2.recommended_pause_ms, want);
     let v0 = Router::named("kv-aware-v0", &ws).decide(&ws, &req).unwrap();
     assert_eq!(v0.recommended_pause_ms, 0);
+    // The default kvc-v2, like the study's, sends no pause.
+    let plain = Router::named("kvc-v2", &ws).decide(&ws, &req).unwrap();
+    assert_eq!(plain.recommended_pause_ms, 0);
 }
 
 #[test]

@@ -179,7 +179,7 @@ fn check_decision(
     let rev_d = route(cfg, state, &ClusterView::new(now_ms, &rev), req).unwrap();
     prop_assert_eq!(&rev_d, d, "{}: depends on view order", name);
     if let PolicyConfig::KvcV2(v2) = cfg {
-        let over = |w: &WorkerView| w.state.used_fraction() > v2.hard_cap;
+        let over = |w: &WorkerView| w.state.committed_fraction() > v2.hard_cap;
         if over(dw) {
             prop_assert!(
                 !ws.iter()

@@ -67,7 +67,7 @@ fn kvc_v2_scores_capacity_overlap_load_and_cap() {
             ("sticky_term", 0.0),
             ("capacity_term", -1.0),
             ("load_term", 0.0),
-            ("used_fraction", 0.5),
+            ("committed_fraction", 0.5),
         ],
         -0.75,
         true,
@@ -89,7 +89,7 @@ fn kvc_v2_scores_capacity_overlap_load_and_cap() {
         &d,
         3,
         dr,
-        &[("capacity_term", -1.8), ("used_fraction", 0.9)],
+        &[("capacity_term", -1.8), ("committed_fraction", 0.9)],
         -1.8,
         false,
     );
@@ -311,7 +311,8 @@ fn cache_aware_rules() {
         (&long, [200, 135, 150], 0, false, true), // gap 65 but 200 <= 1.5 x 135
         (&short, [1, 0, 0], 0, false, true),
         (&longer, [1, 0, 0], 1, false, false),
-        (&longer, [0, 0, 0], 0, false, false),
+        // Equal loads: the fewest assignments wins (w0 already served the set-up requests).
+        (&longer, [0, 0, 0], 1, false, false),
     ];
     for (i, (blocks, loads, want, imbalanced, by_prefix)) in cases.into_iter().enumerate() {
         let mut ws = dp(3);

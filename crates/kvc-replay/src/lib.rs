@@ -23,4 +23,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod output;
+pub mod report;
+pub mod sim;
 pub mod trace;

@@ -1,4 +1,4 @@
-//! `kvc-replay`: trace tools (and, later, simulation and replay) for kvc.
+//! `kvc-replay`: trace tools, simulation, comparisons and reports for kvc.
 #![forbid(unsafe_code)]
 
 mod cli;
@@ -20,6 +20,16 @@ enum Command {
     Gen(cli::generate::Args),
     /// Summarize a trace: requests, sessions, token distributions, appends, gaps.
     Stats(cli::stats::Args),
+    /// Simulate a cluster and a routing policy on a trace (deterministic, virtual clock).
+    Sim(cli::sim::Args),
+    /// Compare run directories: headline metrics with deltas, and per execution mode.
+    Compare(cli::compare::Args),
+    /// Write a Markdown report with SVG plots for run directories.
+    Report(cli::report::Args),
+    /// Generate the SWE-agent trace, simulate the reference configurations, compare, report.
+    Demo(cli::demo::Args),
+    /// List the routing policies and their knobs with default values.
+    Policies(cli::policies::Args),
 }
 
 fn main() -> ExitCode {
@@ -27,6 +37,11 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Gen(args) => cli::generate::run(args),
         Command::Stats(args) => cli::stats::run(args),
+        Command::Sim(args) => cli::sim::run(args),
+        Command::Compare(args) => cli::compare::run(args),
+        Command::Report(args) => cli::report::run(args),
+        Command::Demo(args) => cli::demo::run(args),
+        Command::Policies(args) => cli::policies::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,11 @@
 //! Subcommands of `kvc-replay`, one module each, and the options they share.
 
+pub(crate) mod compare;
+pub(crate) mod demo;
 pub(crate) mod generate;
+pub(crate) mod policies;
+pub(crate) mod report;
+pub(crate) mod sim;
 pub(crate) mod stats;
 
 use anyhow::Context;

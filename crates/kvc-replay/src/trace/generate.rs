@@ -155,7 +155,7 @@ const LONG_OBS: Quantiles = &[
 /// Per-session growth factor of short observations.
 const GROWTH: Quantiles = &[(0.0, 0.6), (0.5, 1.0), (1.0, 1.6)];
 /// Scale of short observations.
-const SHORT_SCALE: f64 = 0.85;
+const SHORT_SCALE: f64 = 0.72;
 /// Share of observations that are long.
 const LONG_SHARE: f64 = 0.54;
 /// Range of the per-session verbatim window (tokens).
@@ -165,7 +165,7 @@ const PLACEHOLDER: (u64, u64) = (20, 60);
 /// Range of the margin by which an over-limit session's prompt is fitted to pass the limit.
 const OVER_MARGIN: (u64, u64) = (100, 600);
 /// Range of the task statement (tokens).
-const TASK: (u64, u64) = (400, 2_500);
+const TASK: (u64, u64) = (4_500, 7_500);
 /// Compaction starts this many tokens below the input limit…
 const COMPACT_MARGIN: u64 = 4_096;
 /// …and collapses segments until the prompt is this much below the threshold.

@@ -1,0 +1,171 @@
+//! `kvc-replay sim`: simulate one cluster and policy on a trace.
+
+use super::TraceArgs;
+use anyhow::{Context, Result, bail};
+use kvc_core::Topology;
+use kvc_policy::PolicyConfig;
+use kvc_replay::output;
+use kvc_replay::sim::{EvictionMode, Profile, SimConfig};
+use std::path::PathBuf;
+
+/// Options of `kvc-replay sim`.
+#[derive(Debug, clap::Args)]
+#[command(after_long_help = SIM_AFTER_HELP)]
+pub(crate) struct Args {
+    /// Trace file (JSONL, Mooncake fields plus optional session_id and turn_id).
+    #[arg(long)]
+    pub(crate) trace: PathBuf,
+    #[command(flatten)]
+    pub(crate) trace_opts: TraceArgs,
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
+    /// Directory for metrics.jsonl, summary.json and occupancy.csv (created if missing).
+    #[arg(long)]
+    pub(crate) out: PathBuf,
+    /// No progress bar.
+    #[arg(long)]
+    pub(crate) quiet: bool,
+}
+
+const SIM_AFTER_HELP: &str = "\
+Outputs (in --out):
+  metrics.jsonl   one JSON object per trace request, in trace order: index, session, turn,
+                  scheduled_s, dispatch_s, first_token_s, done_s, ttft_s, latency_s, wait_s,
+                  mode, reason, prefill, decode, input_tokens, cached_tokens, uncached_tokens,
+                  output_tokens, outcome. Times are seconds from the start of the replay;
+                  TTFT and latency count from when the turn was ready.
+  summary.json    requests, outcomes{name: count}, mechanism_errors, ttft_s / latency_s / wait_s
+                  {mean, p50, p90, p99} over ok requests, direct_to_d_rate,
+                  modes{mode: {requests, share, ttft_p50_s, latency_p50_s}}, reasons{reason: count},
+                  workers{name: {requests}}, worker_spread, sessions{count, d_changes_mean,
+                  d_changes_max, direct_rate_0_20, direct_rate_80_100}, config{…}, sim_span_s,
+                  sim_wall_s.
+  occupancy.csv   time_s and the used fraction of every worker's KV pool, every 10 s.
+
+Policy knobs: --knob KEY=VALUE sets a field of the policy's configuration (repeatable); the
+keys are those `kvc-replay policies` prints for the policy. Example:
+  kvc-replay sim --trace t.jsonl --topology 1p3d --policy kvc-v2 --knob hard_cap=0.9 --out run/";
+
+/// Cluster, policy and replay settings shared by `sim` and `live`.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct RunArgs {
+    /// Cluster shape: NpMd (prefill + decode workers, e.g. 1p3d) or Ndp (colocated, e.g. 4dp).
+    #[arg(long, default_value = "1p3d")]
+    pub(crate) topology: Topology,
+    /// Routing policy (see `kvc-replay policies`).
+    #[arg(long, default_value = "kvc-v2")]
+    pub(crate) policy: String,
+    /// Prefill selection on P/D clusters: round-robin or d-health-aware (default: the policy's).
+    #[arg(long)]
+    pub(crate) prefill_policy: Option<String>,
+    /// Set a policy knob, KEY=VALUE (repeatable; VALUE is parsed as JSON, else as a string).
+    #[arg(long = "knob", value_name = "KEY=VALUE")]
+    pub(crate) knobs: Vec<String>,
+    /// Divide trace time by this (10 = ten times faster than recorded).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) time_scale: f64,
+    /// Most requests in flight at once.
+    #[arg(long, default_value_t = 32)]
+    pub(crate) concurrency: usize,
+    /// Engine profile (TOML); default: the embedded Qwen3-30B-A3B on H100 profile.
+    #[arg(long)]
+    pub(crate) profile: Option<PathBuf>,
+    /// Seed of the engine's iteration-time jitter.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Honour the recommended pause that routing decisions carry: on or off.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub(crate) backpressure: String,
+    /// Decode-side eviction: idle-lru (idle sessions only) or tiered (idle, cold, then hot).
+    #[arg(long, default_value = "idle-lru", value_parser = ["idle-lru", "tiered"])]
+    pub(crate) eviction: String,
+}
+
+impl RunArgs {
+    /// The simulation config these options describe.
+    pub(crate) fn config(&self) -> Result<SimConfig> {
+        let policy = policy_config(&self.policy, self.prefill_policy.as_deref(), &self.knobs)?;
+        let mut cfg = SimConfig::new(self.topology, policy);
+        cfg.time_scale = self.time_scale;
+        cfg.concurrency = self.concurrency;
+        cfg.seed = self.seed;
+        cfg.backpressure = self.backpressure == "on";
+        cfg.eviction = match self.eviction.as_str() {
+            "tiered" => EvictionMode::Tiered,
+            _ => EvictionMode::IdleLru,
+        };
+        if let Some(p) = &self.profile {
+            cfg.profile = Profile::load(p)?;
+        }
+        if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
+            bail!("--time-scale must be a positive number");
+        }
+        if cfg.concurrency == 0 {
+            bail!("--concurrency must be at least 1");
+        }
+        Ok(cfg)
+    }
+}
+
+/// Builds a policy config from a name, an optional prefill policy and `KEY=VALUE` knobs.
+pub(crate) fn policy_config(
+    name: &str,
+    prefill: Option<&str>,
+    knobs: &[String],
+) -> Result<PolicyConfig> {
+    let base = PolicyConfig::from_name(name)?;
+    if prefill.is_none() && knobs.is_empty() {
+        return Ok(base);
+    }
+    let mut value = serde_json::to_value(&base)?;
+    let obj = value
+        .as_object_mut()
+        .context("policy config is not an object")?;
+    let mut sets: Vec<(String, serde_json::Value)> = Vec::new();
+    if let Some(p) = prefill {
+        sets.push(("prefill".into(), serde_json::Value::String(p.into())));
+    }
+    for k in knobs {
+        let (key, raw) = k
+            .split_once('=')
+            .with_context(|| format!("--knob `{k}`: expected KEY=VALUE"))?;
+        let v =
+            serde_json::from_str(raw).unwrap_or_else(|_| serde_json::Value::String(raw.to_owned()));
+        sets.push((key.trim().to_owned(), v));
+    }
+    for (key, v) in sets {
+        if !obj.contains_key(&key) {
+            let known: Vec<&str> = obj
+                .keys()
+                .map(String::as_str)
+                .filter(|k| *k != "policy")
+                .collect();
+            bail!(
+                "policy `{name}` has no knob `{key}` (knobs: {})",
+                known.join(", ")
+            );
+        }
+        obj.insert(key, v);
+    }
+    serde_json::from_value(value).with_context(|| format!("invalid knob value for `{name}`"))
+}
+
+/// Runs `kvc-replay sim`.
+pub(crate) fn run(args: Args) -> Result<()> {
+    let cfg = args.run.config()?;
+    let trace = args.trace_opts.load(&args.trace, args.quiet)?;
+    let out = output::run_and_write(&trace, &cfg, &args.out, args.quiet)?;
+    print!("{}", output::summary_table(&[(label(&cfg), &out.summary)]));
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}
+
+/// A short label for a run: `1p3d+kvc-v2 ts1`.
+pub(crate) fn label(cfg: &SimConfig) -> String {
+    format!(
+        "{}+{} ts{}",
+        cfg.topology,
+        cfg.policy.name(),
+        cfg.time_scale
+    )
+}

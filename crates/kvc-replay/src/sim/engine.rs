@@ -1,0 +1,776 @@
+//! The engine model: prefill, decode and colocated workers with KV pools, prefix caches,
+//! resident sessions, continuous batching, append-prefill and KV transfers.
+//!
+//! The model is clock-agnostic: it is driven by calls that carry the current time in
+//! microseconds and returns the next time it wants to be woken (iteration ends, transfer
+//! completions, timeouts) as [`Wake`] values, so the same code runs under the simulator's
+//! virtual clock and under a real clock.
+
+use super::cache::PrefixCache;
+use super::profile::Profile;
+use crate::trace::HashIds;
+use kvc_admission::{EvictionConfig, Resident, ResidentState, plan_eviction};
+use kvc_core::{BlockSize, Health, SessionId, WorkerId, WorkerRole, WorkerState};
+use std::collections::{BTreeMap, VecDeque};
+
+/// Microseconds of simulated (or real) time.
+pub type Micros = u64;
+
+/// Converts seconds to whole microseconds.
+pub fn micros(seconds: f64) -> Micros {
+    if seconds <= 0.0 {
+        0
+    } else {
+        (seconds * 1e6).round() as Micros
+    }
+}
+
+/// A request as the engine sees it.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// Caller's handle (the trace index).
+    pub id: usize,
+    /// Session.
+    pub session: SessionId,
+    /// Prompt tokens.
+    pub input: u64,
+    /// Tokens to generate (at least 1 is produced).
+    pub output: u64,
+    /// Block ids of the prompt.
+    pub hashes: HashIds,
+}
+
+/// Something the engine asks its driver to do at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wake {
+    /// The iteration running on a worker ends.
+    IterationEnd(WorkerId),
+    /// The transfer of a job's KV into its decode worker finishes.
+    TransferDone(usize),
+    /// A job waiting for room on a decode worker gives up.
+    TransferTimeout(usize),
+}
+
+/// What happened to a job, reported to the driver.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The first output token of a job reached the client.
+    FirstToken {
+        /// Job.
+        id: usize,
+        /// When.
+        at: Micros,
+    },
+    /// A job finished.
+    Done {
+        /// Job.
+        id: usize,
+        /// When.
+        at: Micros,
+        /// Resident tokens of its session left on its decode worker (0 if none).
+        resident_tokens: u64,
+        /// Prompt tokens served from a cache.
+        cached: u64,
+    },
+    /// A job's KV transfer timed out waiting for room on D.
+    TransferTimedOut {
+        /// Job.
+        id: usize,
+        /// When.
+        at: Micros,
+    },
+    /// A decode worker evicted a session's KV.
+    Evicted {
+        /// Session.
+        session: SessionId,
+        /// Worker.
+        worker: WorkerId,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct ResidentEntry {
+    tokens: u64,
+    hashes: HashIds,
+    last_access: Micros,
+    running: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Waiting for pool room on its prefill or colocated worker.
+    WaitingPool,
+    /// In a prefill queue.
+    Prefill,
+    /// Prefilled on P, waiting for room on D.
+    WaitingD,
+    /// KV on its way to D.
+    Transfer,
+    /// Decoding.
+    Decode,
+    /// Finished.
+    Done,
+}
+
+#[derive(Debug, Clone)]
+struct Active {
+    job: Job,
+    /// Prefill worker (P→D path) or the worker that prefills (D for direct, DP).
+    prefill_on: WorkerId,
+    decode_on: WorkerId,
+    stage: Stage,
+    remaining: u64,
+    done_ctx: u64,
+    generated: u64,
+    /// Blocks pinned on the prefill/colocated worker's cache.
+    pinned: usize,
+    /// Extra (non-block) tokens reserved on the prefill/colocated worker.
+    extra: u64,
+    cached: u64,
+}
+
+/// What one running iteration of a worker carries.
+#[derive(Debug)]
+struct Iteration {
+    /// Prefill chunks: (job, tokens).
+    prefill: Vec<(usize, u64)>,
+    /// Jobs that get one decode step.
+    decode: Vec<usize>,
+}
+
+#[derive(Debug)]
+struct Worker {
+    role: WorkerRole,
+    capacity: u64,
+    cache: PrefixCache,
+    cache_extra: u64,
+    residents: BTreeMap<SessionId, ResidentEntry>,
+    resident_tokens: u64,
+    idle_tokens: u64,
+    prefill_q: VecDeque<usize>,
+    waiting: VecDeque<usize>,
+    running: Vec<usize>,
+    iteration: Option<Iteration>,
+    /// Set while an iteration's results are applied: no new iteration starts before that ends.
+    settling: bool,
+    link_free: Micros,
+}
+
+/// Engine-side eviction behaviour of decode workers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineOptions {
+    /// Eviction planner settings (tiers allowed, victim order).
+    pub eviction: EvictionConfig,
+    /// Tokens per block.
+    pub block_size: BlockSize,
+}
+
+/// The modelled cluster.
+#[derive(Debug)]
+pub struct Engine {
+    profile: Profile,
+    opts: EngineOptions,
+    workers: Vec<Worker>,
+    jobs: BTreeMap<usize, Active>,
+    events: Vec<Event>,
+    wakes: Vec<(Micros, Wake)>,
+    jitter_state: u64,
+    jitter: f64,
+}
+
+/// Admission answer for a direct-to-D request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DirectAdmission {
+    /// Admitted; the job append-prefills `cached` tokens short of its input.
+    Admitted {
+        /// Tokens reused from the resident KV.
+        cached: u64,
+    },
+    /// The session is not resident on that worker.
+    NotResident,
+    /// No room for the estimated need.
+    Rejected,
+}
+
+impl Engine {
+    /// A cluster of `roles.len()` workers (ids are indices), each with the profile's KV pool.
+    /// `jitter` (fraction, e.g. 0.03) perturbs iteration times deterministically from `seed`.
+    pub fn new(
+        profile: Profile,
+        opts: EngineOptions,
+        roles: &[WorkerRole],
+        seed: u64,
+        jitter: f64,
+    ) -> Self {
+        let capacity = profile.hardware.kv_pool_tokens;
+        let workers = roles
+            .iter()
+            .map(|role| Worker {
+                role: *role,
+                capacity,
+                cache: PrefixCache::default(),
+                cache_extra: 0,
+                residents: BTreeMap::new(),
+                resident_tokens: 0,
+                idle_tokens: 0,
+                prefill_q: VecDeque::new(),
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+                iteration: None,
+                settling: false,
+                link_free: 0,
+            })
+            .collect();
+        Engine {
+            profile,
+            opts,
+            workers,
+            jobs: BTreeMap::new(),
+            events: Vec::new(),
+            wakes: Vec::new(),
+            jitter_state: seed ^ 0x9e37_79b9_7f4a_7c15,
+            jitter,
+        }
+    }
+
+    /// The profile in use.
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    /// Takes the events produced since the last call.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Takes the wake-ups requested since the last call.
+    pub fn take_wakes(&mut self) -> Vec<(Micros, Wake)> {
+        std::mem::take(&mut self.wakes)
+    }
+
+    fn bs(&self) -> u64 {
+        u64::from(self.opts.block_size.tokens())
+    }
+
+    /// The state a router sees of worker `w`.
+    pub fn state(&self, w: WorkerId) -> WorkerState {
+        let wk = &self.workers[w.0 as usize];
+        let bs = self.bs();
+        let (used, evictable) = match wk.role {
+            WorkerRole::Decode => (wk.resident_tokens, wk.idle_tokens),
+            _ => (
+                wk.cache.len() as u64 * bs + wk.cache_extra,
+                wk.cache.evictable() as u64 * bs,
+            ),
+        };
+        WorkerState {
+            capacity_tokens: wk.capacity,
+            used_tokens: used,
+            evictable_tokens: evictable,
+            queue_depth: (wk.prefill_q.len() + wk.waiting.len()) as u32,
+            in_flight: (wk.running.len() + wk.prefill_q.len()) as u32,
+            resident_sessions: wk.residents.len() as u32,
+            health: Health::Healthy,
+            state_age_ms: 0,
+        }
+    }
+
+    /// Tokens of `session` resident on decode worker `w`.
+    pub fn resident_tokens(&self, w: WorkerId, session: SessionId) -> Option<u64> {
+        self.workers[w.0 as usize]
+            .residents
+            .get(&session)
+            .map(|r| r.tokens)
+    }
+
+    /// Used fraction of every worker's pool, by worker index.
+    pub fn occupancy(&self) -> Vec<f64> {
+        (0..self.workers.len())
+            .map(|i| self.state(WorkerId(i as u32)).used_fraction())
+            .collect()
+    }
+
+    fn jittered(&mut self, seconds: f64) -> Micros {
+        if self.jitter <= 0.0 {
+            return micros(seconds);
+        }
+        // splitmix64 step → uniform in [-1, 1).
+        self.jitter_state = self.jitter_state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.jitter_state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        let u = (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+        micros(seconds * (1.0 + self.jitter * u))
+    }
+
+    // ----- memory -------------------------------------------------------------------------
+
+    /// Frees room on decode worker `w` for `need` tokens by evicting sessions other than
+    /// `requester`, with the configured planner. Returns whether `need` tokens are now free.
+    fn make_room_d(
+        &mut self,
+        w: WorkerId,
+        need: u64,
+        requester: Option<SessionId>,
+        now: Micros,
+    ) -> bool {
+        let wk = &self.workers[w.0 as usize];
+        let free = wk.capacity.saturating_sub(wk.resident_tokens);
+        if free >= need {
+            return true;
+        }
+        let residents: Vec<Resident> = wk
+            .residents
+            .iter()
+            .map(|(s, r)| Resident {
+                session: *s,
+                tokens: r.tokens,
+                state: if r.running {
+                    ResidentState::Running
+                } else {
+                    ResidentState::Idle
+                },
+                last_access_ms: r.last_access / 1000,
+                predicted_next_use_ms: None,
+            })
+            .collect();
+        let plan = plan_eviction(
+            &residents,
+            need,
+            free,
+            wk.capacity,
+            requester,
+            now / 1000,
+            &self.opts.eviction,
+        );
+        if !plan.satisfied {
+            return false;
+        }
+        for v in plan.victims {
+            self.drop_resident(w, v.session, now);
+            self.events.push(Event::Evicted {
+                session: v.session,
+                worker: w,
+            });
+        }
+        let wk = &self.workers[w.0 as usize];
+        wk.capacity.saturating_sub(wk.resident_tokens) >= need
+    }
+
+    /// Removes `session`'s KV from decode worker `w` (retracting its running job if any).
+    fn drop_resident(&mut self, w: WorkerId, session: SessionId, now: Micros) {
+        let wk = &mut self.workers[w.0 as usize];
+        if let Some(r) = wk.residents.remove(&session) {
+            wk.resident_tokens -= r.tokens;
+            if !r.running {
+                wk.idle_tokens -= r.tokens;
+            }
+        }
+        let _ = now;
+    }
+
+    /// Drops `session`'s resident KV on `w` if any (the router moved it elsewhere).
+    pub fn release_session(&mut self, w: WorkerId, session: SessionId, now: Micros) {
+        let running = self.workers[w.0 as usize]
+            .residents
+            .get(&session)
+            .is_some_and(|r| r.running);
+        if !running {
+            self.drop_resident(w, session, now);
+            self.retry_waiting(w, now);
+        }
+    }
+
+    /// Reserves pool room on a prefill/colocated worker for a job's blocks (+ `extra` tokens,
+    /// cut to what the pool can hold). Returns `Some((matched blocks, extra reserved))`.
+    fn reserve_cache(
+        &mut self,
+        w: WorkerId,
+        hashes: &[kvc_core::BlockHash],
+        extra: u64,
+        now: Micros,
+    ) -> Option<(usize, u64)> {
+        let bs = self.bs();
+        let wk = &mut self.workers[w.0 as usize];
+        let matched = wk.cache.match_len(hashes);
+        let new_blocks = (hashes.len() - matched) as u64;
+        // Output past the pool is cut (the context limit); blocks of an accepted input always fit.
+        let extra = extra.min(wk.capacity.saturating_sub(hashes.len() as u64 * bs));
+        let need = new_blocks * bs + extra;
+        let used = wk.cache.len() as u64 * bs + wk.cache_extra;
+        let free = wk.capacity.saturating_sub(used);
+        if free < need {
+            // Pin the matched prefix first so eviction cannot take it, then evict.
+            let short = need - free;
+            let evictable = wk.cache.evictable() as u64 * bs;
+            // The matched blocks are about to be pinned; they cannot count as evictable.
+            let matched_unpinned = hashes[..matched].len() as u64 * bs;
+            if evictable.saturating_sub(matched_unpinned) < short {
+                return None;
+            }
+            wk.cache.pin(&hashes[..matched], now);
+            wk.cache.evict(short.div_ceil(bs) as usize);
+            wk.cache.unpin(&hashes[..matched], now);
+        }
+        wk.cache.pin(hashes, now);
+        wk.cache_extra += extra;
+        Some((matched, extra))
+    }
+
+    // ----- admission of jobs ---------------------------------------------------------------
+
+    /// Starts a job on the P→D path: prefill on `p`, transfer to `d`.
+    pub fn start_p_to_d(&mut self, job: Job, p: WorkerId, d: WorkerId, now: Micros) {
+        let id = job.id;
+        let a = Active {
+            job,
+            prefill_on: p,
+            decode_on: d,
+            stage: Stage::WaitingPool,
+            remaining: 0,
+            done_ctx: 0,
+            generated: 0,
+            pinned: 0,
+            extra: 0,
+            cached: 0,
+        };
+        self.jobs.insert(id, a);
+        self.workers[p.0 as usize].waiting.push_back(id);
+        self.retry_waiting(p, now);
+    }
+
+    /// Starts a job on a colocated worker.
+    pub fn start_colocated(&mut self, job: Job, w: WorkerId, now: Micros) {
+        self.start_p_to_d(job, w, w, now);
+    }
+
+    /// Tries to admit a direct-to-D job on `d` whose router-side need estimate is
+    /// `need_estimate` tokens. On success the job is queued for append-prefill.
+    pub fn try_direct(
+        &mut self,
+        job: Job,
+        d: WorkerId,
+        need_estimate: u64,
+        now: Micros,
+    ) -> DirectAdmission {
+        let bs = self.opts.block_size;
+        let wk = &self.workers[d.0 as usize];
+        let Some(res) = wk.residents.get(&job.session) else {
+            return DirectAdmission::NotResident;
+        };
+        debug_assert!(!res.running, "a session's turns run one at a time");
+        let free = wk.capacity.saturating_sub(wk.resident_tokens);
+        let evictable_others = wk.idle_tokens.saturating_sub(res.tokens);
+        if need_estimate > free + evictable_others {
+            return DirectAdmission::Rejected;
+        }
+        let cached = kvc_core::prefix::reusable_from(&res.hashes, &job.hashes, job.input, bs);
+        let new_size = (job.input + job.output).min(wk.capacity);
+        let old = res.tokens;
+        if new_size > old && !self.make_room_d(d, new_size - old, Some(job.session), now) {
+            return DirectAdmission::Rejected;
+        }
+        let wk = &mut self.workers[d.0 as usize];
+        let res = wk.residents.get_mut(&job.session).expect("still resident");
+        wk.idle_tokens -= res.tokens;
+        wk.resident_tokens = wk.resident_tokens - res.tokens + new_size;
+        res.tokens = new_size;
+        res.running = true;
+        res.last_access = now;
+        res.hashes = job.hashes.clone();
+        let id = job.id;
+        let remaining = job.input - cached;
+        self.jobs.insert(
+            id,
+            Active {
+                job,
+                prefill_on: d,
+                decode_on: d,
+                stage: Stage::Prefill,
+                remaining,
+                done_ctx: cached,
+                generated: 0,
+                pinned: 0,
+                extra: 0,
+                cached,
+            },
+        );
+        wk.prefill_q.push_back(id);
+        self.kick(d, now);
+        DirectAdmission::Admitted { cached }
+    }
+
+    /// Tokens a job reused from a cache (known once it started prefilling).
+    pub fn cached_tokens(&self, id: usize) -> u64 {
+        self.jobs.get(&id).map_or(0, |a| a.cached)
+    }
+
+    /// Admits waiting jobs of worker `w` while there is room (FIFO, no overtaking).
+    fn retry_waiting(&mut self, w: WorkerId, now: Micros) {
+        while let Some(&id) = self.workers[w.0 as usize].waiting.front() {
+            let stage = self.jobs[&id].stage;
+            let ok = match stage {
+                Stage::WaitingPool => self.admit_prefill(id, w, now),
+                Stage::WaitingD => self.admit_transfer(id, now),
+                _ => true,
+            };
+            if !ok {
+                break;
+            }
+            self.workers[w.0 as usize].waiting.pop_front();
+        }
+    }
+
+    /// Reserves prefill room for a waiting job on its prefill/colocated worker.
+    fn admit_prefill(&mut self, id: usize, w: WorkerId, now: Micros) -> bool {
+        let a = &self.jobs[&id];
+        let colocated = a.prefill_on == a.decode_on;
+        let extra = if colocated { a.job.output } else { 0 };
+        let hashes = a.job.hashes.clone();
+        let input = a.job.input;
+        let Some((matched, extra)) = self.reserve_cache(w, &hashes, extra, now) else {
+            return false;
+        };
+        let cached = kvc_core::prefix::reusable_tokens(matched, input, self.opts.block_size);
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.pinned = hashes.len();
+        a.extra = extra;
+        a.cached = cached;
+        a.remaining = input - cached;
+        a.done_ctx = cached;
+        a.stage = Stage::Prefill;
+        self.workers[w.0 as usize].prefill_q.push_back(id);
+        self.kick(w, now);
+        true
+    }
+
+    /// Reserves room on D for a prefilled job and starts its transfer.
+    fn admit_transfer(&mut self, id: usize, now: Micros) -> bool {
+        let a = &self.jobs[&id];
+        let (d, p, session) = (a.decode_on, a.prefill_on, a.job.session);
+        let need = (a.job.input + a.job.output).min(self.workers[d.0 as usize].capacity);
+        // The session's previous KV on D is replaced by the incoming one.
+        if self.workers[d.0 as usize]
+            .residents
+            .get(&session)
+            .is_some_and(|r| !r.running)
+        {
+            self.drop_resident(d, session, now);
+        }
+        if !self.make_room_d(d, need, Some(session), now) {
+            return false;
+        }
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.stage = Stage::Transfer;
+        let hashes = a.job.hashes.clone();
+        let input = a.job.input;
+        let wk = &mut self.workers[d.0 as usize];
+        wk.resident_tokens += need;
+        wk.residents.insert(
+            session,
+            ResidentEntry {
+                tokens: need,
+                hashes,
+                last_access: now,
+                running: true,
+            },
+        );
+        let secs = self.profile.transfer_seconds(input);
+        let pw = &mut self.workers[p.0 as usize];
+        let start = pw.link_free.max(now);
+        let end = start + micros(secs);
+        pw.link_free = end;
+        self.wakes.push((end, Wake::TransferDone(id)));
+        true
+    }
+
+    /// Starts an iteration on `w` if it is idle and has work.
+    fn kick(&mut self, w: WorkerId, now: Micros) {
+        let wk = &self.workers[w.0 as usize];
+        if wk.iteration.is_some() || wk.settling {
+            return;
+        }
+        let mut budget = self.profile.fit.chunk_tokens;
+        let mut pieces: Vec<(usize, u64)> = Vec::new();
+        let mut cost_pieces: Vec<(u64, u64)> = Vec::new();
+        for &id in &wk.prefill_q {
+            if budget == 0 {
+                break;
+            }
+            let a = &self.jobs[&id];
+            let take = a.remaining.min(budget);
+            budget -= take;
+            pieces.push((id, take));
+            cost_pieces.push((take, a.done_ctx));
+        }
+        // Without mixed batches (SGLang's default), a waiting prefill runs alone and the decode
+        // batch resumes after it; with them, one iteration carries both.
+        let decode: Vec<usize> = if pieces.is_empty() || self.profile.fit.mixed_batches {
+            wk.running.clone()
+        } else {
+            Vec::new()
+        };
+        if pieces.is_empty() && decode.is_empty() {
+            return;
+        }
+        let mut secs = 0.0;
+        if !pieces.is_empty() {
+            secs += self.profile.prefill_seconds(cost_pieces);
+        }
+        if !decode.is_empty() {
+            let ctx: u64 = decode
+                .iter()
+                .map(|id| {
+                    let a = &self.jobs[id];
+                    a.job.input + a.generated
+                })
+                .sum();
+            secs += self.profile.decode_step_seconds(decode.len(), ctx);
+        }
+        let end = now + self.jittered(secs).max(1);
+        self.workers[w.0 as usize].iteration = Some(Iteration {
+            prefill: pieces,
+            decode,
+        });
+        self.wakes.push((end, Wake::IterationEnd(w)));
+    }
+
+    /// Handles a wake-up the driver scheduled.
+    pub fn wake(&mut self, wake: Wake, now: Micros) {
+        match wake {
+            Wake::IterationEnd(w) => self.end_iteration(w, now),
+            Wake::TransferDone(id) => self.transfer_done(id, now),
+            Wake::TransferTimeout(id) => self.transfer_timeout(id, now),
+        }
+    }
+
+    fn end_iteration(&mut self, w: WorkerId, now: Micros) {
+        let Some(Iteration {
+            prefill: pieces,
+            decode,
+        }) = self.workers[w.0 as usize].iteration.take()
+        else {
+            return;
+        };
+        let role = self.workers[w.0 as usize].role;
+        self.workers[w.0 as usize].settling = true;
+        for (id, take) in pieces {
+            let a = self.jobs.get_mut(&id).expect("job");
+            a.remaining -= take;
+            a.done_ctx += take;
+            if a.remaining == 0 {
+                self.workers[w.0 as usize].prefill_q.retain(|x| *x != id);
+                if role == WorkerRole::Prefill {
+                    let a = self.jobs.get_mut(&id).expect("job");
+                    a.stage = Stage::WaitingD;
+                    let d = a.decode_on;
+                    let deadline = now + micros(self.profile.fit.transfer_timeout_s);
+                    self.workers[d.0 as usize].waiting.push_back(id);
+                    self.wakes.push((deadline, Wake::TransferTimeout(id)));
+                    self.retry_waiting(d, now);
+                } else {
+                    self.first_token(id, w, now);
+                }
+            }
+        }
+        for id in decode {
+            let a = self.jobs.get_mut(&id).expect("job");
+            if a.stage != Stage::Decode {
+                continue;
+            }
+            a.generated += 1;
+            if a.generated >= a.job.output {
+                self.finish(id, now);
+            }
+        }
+        self.workers[w.0 as usize].settling = false;
+        self.kick(w, now);
+    }
+
+    fn first_token(&mut self, id: usize, decode_on: WorkerId, now: Micros) {
+        self.events.push(Event::FirstToken { id, at: now });
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.generated = 1;
+        a.stage = Stage::Decode;
+        if a.job.output <= 1 {
+            self.finish(id, now);
+        } else {
+            self.workers[decode_on.0 as usize].running.push(id);
+            self.kick(decode_on, now);
+        }
+    }
+
+    fn transfer_done(&mut self, id: usize, now: Micros) {
+        let Some(a) = self.jobs.get(&id) else { return };
+        if a.stage != Stage::Transfer {
+            return;
+        }
+        let (p, d) = (a.prefill_on, a.decode_on);
+        self.release_prefill(id, now);
+        self.first_token(id, d, now);
+        self.retry_waiting(p, now);
+    }
+
+    fn transfer_timeout(&mut self, id: usize, now: Micros) {
+        let Some(a) = self.jobs.get(&id) else { return };
+        if a.stage != Stage::WaitingD {
+            return;
+        }
+        let (p, d, session) = (a.prefill_on, a.decode_on, a.job.session);
+        self.workers[d.0 as usize].waiting.retain(|x| *x != id);
+        self.release_prefill(id, now);
+        // The session's old KV on D (if any) is no longer trusted.
+        self.release_session(d, session, now);
+        self.jobs.remove(&id);
+        self.events.push(Event::TransferTimedOut { id, at: now });
+        self.retry_waiting(p, now);
+        self.retry_waiting(d, now);
+    }
+
+    /// Unpins a job's blocks and extra tokens on its prefill/colocated worker.
+    fn release_prefill(&mut self, id: usize, now: Micros) {
+        let a = self.jobs.get_mut(&id).expect("job");
+        let (w, n, extra) = (a.prefill_on, a.pinned, a.extra);
+        let hashes = a.job.hashes.clone();
+        a.pinned = 0;
+        a.extra = 0;
+        let wk = &mut self.workers[w.0 as usize];
+        if wk.role != WorkerRole::Decode {
+            wk.cache.unpin(&hashes[..n], now);
+            wk.cache_extra -= extra;
+        }
+    }
+
+    fn finish(&mut self, id: usize, now: Micros) {
+        let mut a = self.jobs.remove(&id).expect("job");
+        a.stage = Stage::Done;
+        let w = a.decode_on;
+        let cached = a.cached;
+        self.workers[w.0 as usize].running.retain(|x| *x != id);
+        let mut resident_tokens = 0;
+        match self.workers[w.0 as usize].role {
+            WorkerRole::Decode => {
+                let wk = &mut self.workers[w.0 as usize];
+                if let Some(r) = wk.residents.get_mut(&a.job.session) {
+                    r.running = false;
+                    r.last_access = now;
+                    wk.idle_tokens += r.tokens;
+                    resident_tokens = r.tokens;
+                }
+            }
+            _ => {
+                self.jobs.insert(id, a);
+                self.release_prefill(id, now);
+                self.jobs.remove(&id);
+            }
+        }
+        self.events.push(Event::Done {
+            id,
+            at: now,
+            resident_tokens,
+            cached,
+        });
+        self.retry_waiting(w, now);
+    }
+}

@@ -1,0 +1,255 @@
+//! Engine profiles: model and hardware facts plus fitted efficiency factors, and the
+//! first-order timing model built from them.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// The default profile (Qwen3-30B-A3B on H100 SXM), embedded from `profiles/`.
+pub const DEFAULT_PROFILE_TOML: &str = include_str!("../../../../profiles/qwen3-30b-a3b-h100.toml");
+
+/// An engine profile (`profiles/*.toml`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// Profile name, echoed in run configs.
+    pub name: String,
+    /// Model facts.
+    pub model: ModelFacts,
+    /// Hardware facts.
+    pub hardware: HardwareFacts,
+    /// Fitted factors.
+    pub fit: FitFactors,
+}
+
+/// Model architecture facts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelFacts {
+    /// Transformer layers.
+    pub layers: u32,
+    /// Query heads.
+    pub q_heads: u32,
+    /// KV heads.
+    pub kv_heads: u32,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// Parameters outside the experts.
+    pub dense_params: f64,
+    /// Parameters of all experts together (0 for a dense model).
+    pub expert_params: f64,
+    /// Experts per MoE layer (1 for a dense model).
+    pub experts: u32,
+    /// Experts active per token.
+    pub active_experts: u32,
+    /// Bytes per parameter (and per KV element).
+    pub bytes_per_param: u32,
+    /// Longest accepted input, in tokens.
+    pub max_input_tokens: u64,
+}
+
+/// Hardware facts of one worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareFacts {
+    /// Dense peak FLOP/s at the model's precision.
+    pub peak_flops: f64,
+    /// Memory bandwidth in bytes/s.
+    pub hbm_bytes_per_s: f64,
+    /// KV pool per worker, in tokens.
+    pub kv_pool_tokens: u64,
+}
+
+/// Factors fitted to the calibration targets.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FitFactors {
+    /// Fraction of peak FLOP/s reached by prefill.
+    pub prefill_efficiency: f64,
+    /// Fixed cost of a prefill batch, ms.
+    pub prefill_overhead_ms: f64,
+    /// Fraction of memory bandwidth reached by a decode step.
+    pub decode_efficiency: f64,
+    /// Fixed cost of a decode step, ms.
+    pub decode_overhead_ms: f64,
+    /// Chunked-prefill budget per iteration, tokens.
+    pub chunk_tokens: u64,
+    /// Whether an iteration carries prefill chunks and the decode step together; if not, a
+    /// waiting prefill runs alone first (prefill priority).
+    #[serde(default)]
+    pub mixed_batches: bool,
+    /// P→D KV transfer bandwidth, bytes/s.
+    pub transfer_bytes_per_s: f64,
+    /// Fixed cost of one transfer, ms.
+    pub transfer_setup_ms: f64,
+    /// A transfer waiting longer than this for room on D fails, s.
+    pub transfer_timeout_s: f64,
+}
+
+/// A profile that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    /// The file could not be read.
+    #[error("cannot read profile {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not a valid profile.
+    #[error("invalid profile {path}: {message}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl Default for Profile {
+    fn default() -> Self {
+        Profile::parse(DEFAULT_PROFILE_TOML, "<embedded default>")
+            .expect("the embedded default profile is valid")
+    }
+}
+
+impl Profile {
+    /// Reads a profile file.
+    pub fn load(path: &Path) -> Result<Self, ProfileError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses profile TOML; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, ProfileError> {
+        let p: Profile = toml::from_str(text).map_err(|e| ProfileError::Invalid {
+            path: origin.to_owned(),
+            message: e.to_string(),
+        })?;
+        p.validate().map_err(|message| ProfileError::Invalid {
+            path: origin.to_owned(),
+            message,
+        })?;
+        Ok(p)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let m = &self.model;
+        let h = &self.hardware;
+        let f = &self.fit;
+        let positive = [
+            ("model.layers", f64::from(m.layers)),
+            ("model.q_heads", f64::from(m.q_heads)),
+            ("model.kv_heads", f64::from(m.kv_heads)),
+            ("model.head_dim", f64::from(m.head_dim)),
+            ("model.experts", f64::from(m.experts)),
+            ("model.bytes_per_param", f64::from(m.bytes_per_param)),
+            ("model.max_input_tokens", m.max_input_tokens as f64),
+            ("hardware.peak_flops", h.peak_flops),
+            ("hardware.hbm_bytes_per_s", h.hbm_bytes_per_s),
+            ("hardware.kv_pool_tokens", h.kv_pool_tokens as f64),
+            ("fit.prefill_efficiency", f.prefill_efficiency),
+            ("fit.decode_efficiency", f.decode_efficiency),
+            ("fit.chunk_tokens", f.chunk_tokens as f64),
+            ("fit.transfer_bytes_per_s", f.transfer_bytes_per_s),
+            ("fit.transfer_timeout_s", f.transfer_timeout_s),
+        ];
+        for (name, v) in positive {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{name} must be a positive number (got {v})"));
+            }
+        }
+        let blocks = m.max_input_tokens.div_ceil(512) * 512;
+        if h.kv_pool_tokens < blocks {
+            return Err(format!(
+                "hardware.kv_pool_tokens ({}) must hold the longest accepted input in 512-token \
+                 blocks ({blocks} tokens for model.max_input_tokens = {})",
+                h.kv_pool_tokens, m.max_input_tokens
+            ));
+        }
+        if m.active_experts > m.experts {
+            return Err("model.active_experts must not exceed model.experts".into());
+        }
+        for (name, v) in [
+            ("fit.prefill_efficiency", f.prefill_efficiency),
+            ("fit.decode_efficiency", f.decode_efficiency),
+        ] {
+            if v > 1.0 {
+                return Err(format!("{name} is a fraction of peak: at most 1 (got {v})"));
+            }
+        }
+        for (name, v) in [
+            ("model.dense_params", m.dense_params),
+            ("model.expert_params", m.expert_params),
+            ("fit.prefill_overhead_ms", f.prefill_overhead_ms),
+            ("fit.decode_overhead_ms", f.decode_overhead_ms),
+            ("fit.transfer_setup_ms", f.transfer_setup_ms),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{name} must be ≥ 0 (got {v})"));
+            }
+        }
+        Ok(())
+    }
+
+    /// KV bytes per token: 2 (K and V) × layers × KV heads × head dim × bytes.
+    pub fn kv_bytes_per_token(&self) -> f64 {
+        let m = &self.model;
+        2.0 * f64::from(m.layers)
+            * f64::from(m.kv_heads)
+            * f64::from(m.head_dim)
+            * f64::from(m.bytes_per_param)
+    }
+
+    /// Parameters active per token.
+    pub fn active_params(&self) -> f64 {
+        let m = &self.model;
+        m.dense_params + m.expert_params * f64::from(m.active_experts) / f64::from(m.experts)
+    }
+
+    /// Seconds to prefill the given pieces in one batch; each piece is `(new, cached)` tokens.
+    ///
+    /// FLOPs: linear `2 × active params × new` plus attention
+    /// `4 × layers × q_heads × head_dim × new × (cached + new / 2)`; time = FLOPs /
+    /// (efficiency × peak) + overhead.
+    pub fn prefill_seconds(&self, pieces: impl IntoIterator<Item = (u64, u64)>) -> f64 {
+        let m = &self.model;
+        let attn_coeff = 4.0 * f64::from(m.layers) * f64::from(m.q_heads) * f64::from(m.head_dim);
+        let linear_coeff = 2.0 * self.active_params();
+        let mut flops = 0.0;
+        for (new, cached) in pieces {
+            let n = new as f64;
+            flops += linear_coeff * n + attn_coeff * n * (cached as f64 + n / 2.0);
+        }
+        flops / (self.fit.prefill_efficiency * self.hardware.peak_flops)
+            + self.fit.prefill_overhead_ms / 1e3
+    }
+
+    /// Seconds of one decode step for `batch` sequences holding `context_tokens` in total.
+    ///
+    /// Bytes: dense weights + the experts the batch activates (each of `experts` is touched with
+    /// probability `1 − (1 − active/experts)^batch`) + the KV of every context; time = bytes /
+    /// (efficiency × bandwidth) + overhead.
+    pub fn decode_step_seconds(&self, batch: usize, context_tokens: u64) -> f64 {
+        if batch == 0 {
+            return 0.0;
+        }
+        let m = &self.model;
+        let miss = 1.0 - f64::from(m.active_experts) / f64::from(m.experts);
+        let touched = 1.0 - miss.powi(batch.min(i32::MAX as usize) as i32);
+        let weight_bytes =
+            (m.dense_params + m.expert_params * touched) * f64::from(m.bytes_per_param);
+        let kv_bytes = context_tokens as f64 * self.kv_bytes_per_token();
+        (weight_bytes + kv_bytes) / (self.fit.decode_efficiency * self.hardware.hbm_bytes_per_s)
+            + self.fit.decode_overhead_ms / 1e3
+    }
+
+    /// Seconds to ship the KV of `tokens` tokens from P to D.
+    pub fn transfer_seconds(&self, tokens: u64) -> f64 {
+        tokens as f64 * self.kv_bytes_per_token() / self.fit.transfer_bytes_per_s
+            + self.fit.transfer_setup_ms / 1e3
+    }
+}

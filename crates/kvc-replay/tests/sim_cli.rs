@@ -1,0 +1,223 @@
+//! The `sim`, `compare`, `report`, `demo` and `policies` subcommands, run as a user would.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvc-replay"))
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvc-sim-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn gen_trace(dir: &Path) -> PathBuf {
+    let t = dir.join("t.jsonl");
+    ok(bin()
+        .args([
+            "gen",
+            "swe",
+            "--seed",
+            "2",
+            "--sessions",
+            "5",
+            "--quiet",
+            "--out",
+        ])
+        .arg(&t)
+        .output()
+        .unwrap());
+    t
+}
+
+#[test]
+fn sim_writes_run_directory_and_compare_and_report_read_it() {
+    let dir = tmp("run");
+    let trace = gen_trace(&dir);
+    let mut runs = Vec::new();
+    for (topology, policy) in [("2dp", "cache-aware"), ("1p2d", "kvc-v2")] {
+        let out = dir.join(format!("{topology}-{policy}"));
+        let stdout = ok(bin()
+            .args([
+                "sim",
+                "--quiet",
+                "--topology",
+                topology,
+                "--policy",
+                policy,
+                "--trace",
+            ])
+            .arg(&trace)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap());
+        assert!(stdout.contains("TTFT p50 (s)"), "{stdout}");
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap())
+                .unwrap();
+        for key in [
+            "requests",
+            "outcomes",
+            "mechanism_errors",
+            "ttft_s",
+            "latency_s",
+            "wait_s",
+            "direct_to_d_rate",
+            "modes",
+            "workers",
+            "worker_spread",
+            "sessions",
+            "config",
+            "sim_wall_s",
+        ] {
+            assert!(summary.get(key).is_some(), "summary.json lacks {key}");
+        }
+        assert_eq!(summary["config"]["topology"], topology);
+        assert_eq!(summary["config"]["policy"], policy);
+        let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        assert_eq!(
+            lines.lines().count() as u64,
+            summary["requests"].as_u64().unwrap()
+        );
+        assert!(
+            std::fs::read_to_string(out.join("occupancy.csv"))
+                .unwrap()
+                .starts_with("time_s,")
+        );
+        runs.push(out);
+    }
+    let table = ok(bin().arg("compare").args(&runs).output().unwrap());
+    assert!(table.contains("| TTFT p99 (s) |"), "{table}");
+    assert!(table.contains('%'), "deltas against the first run: {table}");
+    assert!(
+        table.contains("| 1p2d+kvc-v2 ts1 | direct-to-d |"),
+        "{table}"
+    );
+    let report_dir = dir.join("report");
+    ok(bin()
+        .arg("report")
+        .args(&runs)
+        .arg("--out")
+        .arg(&report_dir)
+        .output()
+        .unwrap());
+    let md = std::fs::read_to_string(report_dir.join("report.md")).unwrap();
+    for svg in [
+        "ttft_cdf.svg",
+        "latency_cdf.svg",
+        "modes.svg",
+        "occupancy_0.svg",
+        "occupancy_1.svg",
+    ] {
+        assert!(md.contains(svg), "report.md does not show {svg}");
+        let text = std::fs::read_to_string(report_dir.join(svg)).unwrap();
+        assert!(
+            text.starts_with("<svg") && text.trim_end().ends_with("</svg>"),
+            "{svg}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_options_fail_with_a_clear_message() {
+    let dir = tmp("bad");
+    let trace = gen_trace(&dir);
+    let run = |args: &[&str]| {
+        let out = bin()
+            .arg("sim")
+            .arg("--trace")
+            .arg(&trace)
+            .args(args)
+            .arg("--out")
+            .arg(dir.join("x"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(run(&["--policy", "no-such"]).contains("no-such"));
+    assert!(run(&["--topology", "3x"]).contains("invalid topology"));
+    assert!(
+        run(&["--policy", "kvc-v2", "--knob", "no_such_knob=1"]).contains("no knob `no_such_knob`")
+    );
+    assert!(run(&["--knob", "oops"]).contains("KEY=VALUE"));
+    assert!(run(&["--time-scale", "0"]).contains("time-scale"));
+    let missing = bin()
+        .args(["compare", "/nonexistent-run-dir"])
+        .output()
+        .unwrap();
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("summary.json"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn knobs_reach_the_policy() {
+    let dir = tmp("knob");
+    let trace = gen_trace(&dir);
+    let out = dir.join("r");
+    ok(bin()
+        .args([
+            "sim",
+            "--quiet",
+            "--topology",
+            "1p2d",
+            "--policy",
+            "kvc-v2",
+            "--knob",
+            "direct-limit-tokens=1024",
+            "--trace",
+        ])
+        .arg(&trace)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap());
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(s["config"]["policy_config"]["direct-limit-tokens"], 1024);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn demo_runs_the_three_reference_configurations() {
+    let dir = tmp("demo");
+    let stdout = ok(bin()
+        .args(["demo", "--quiet", "--sessions", "4", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap());
+    for run in [
+        "4dp+cache-aware ts1",
+        "1p3d+kv-aware-v0 ts1",
+        "1p3d+kvc-v2 ts1",
+    ] {
+        assert!(stdout.contains(run), "{stdout}");
+    }
+    assert!(dir.join("report/report.md").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn policies_lists_every_policy_with_knobs() {
+    let out = ok(bin().arg("policies").output().unwrap());
+    for name in ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2"] {
+        assert!(out.lines().any(|l| l == name), "{out}");
+    }
+    assert!(out.contains("direct-limit-tokens = 8192"), "{out}");
+}

@@ -1,0 +1,421 @@
+//! `cargo xtask bench`: every performance figure and the policy matrix in one file.
+
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+/// Options of `cargo xtask bench`.
+#[derive(Debug, Default)]
+pub(crate) struct Options {
+    pub(crate) quick: bool,
+    pub(crate) baseline: Option<PathBuf>,
+}
+
+/// Topology pairs of the matrix: (disaggregated, colocated with the same GPU count).
+const TOPOLOGIES: [&str; 4] = ["1p3d", "4dp", "2p6d", "8dp"];
+/// Policies of the matrix.
+const POLICIES: [&str; 3] = ["cache-aware", "kv-aware-v0", "kvc-v2"];
+/// Time-scales of the matrix.
+const TIME_SCALES: [u32; 2] = [1, 10];
+/// Metrics of each matrix cell: (key, path in summary.json).
+const CELL_METRICS: [(&str, &[&str]); 10] = [
+    ("ttft_mean_s", &["ttft_s", "mean"]),
+    ("ttft_p50_s", &["ttft_s", "p50"]),
+    ("ttft_p90_s", &["ttft_s", "p90"]),
+    ("ttft_p99_s", &["ttft_s", "p99"]),
+    ("latency_mean_s", &["latency_s", "mean"]),
+    ("latency_p50_s", &["latency_s", "p50"]),
+    ("latency_p90_s", &["latency_s", "p90"]),
+    ("latency_p99_s", &["latency_s", "p99"]),
+    ("direct_to_d_rate", &["direct_to_d_rate"]),
+    ("mechanism_errors", &["mechanism_errors"]),
+];
+
+type Figures = BTreeMap<String, f64>;
+
+struct Ctx {
+    root: PathBuf,
+    out: PathBuf,
+    quick: bool,
+    cargo: String,
+}
+
+impl Ctx {
+    fn cargo(&self) -> Command {
+        let mut c = Command::new(&self.cargo);
+        c.current_dir(&self.root);
+        c
+    }
+
+    fn replay(&self) -> Command {
+        let mut c = Command::new(self.root.join("target/release/kvc-replay"));
+        c.current_dir(&self.root);
+        c
+    }
+}
+
+fn run(what: &str, cmd: &mut Command) -> Result<(), String> {
+    eprintln!("xtask bench: {what}");
+    let status = cmd
+        .status()
+        .map_err(|e| format!("{what}: could not start: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{what}: failed ({status})"))
+    }
+}
+
+fn read_json(path: &Path) -> Result<Value, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("invalid JSON in {}: {e}", path.display()))
+}
+
+fn at<'v>(v: &'v Value, path: &[&str]) -> Option<&'v Value> {
+    path.iter().try_fold(v, |v, k| v.get(k))
+}
+
+/// The median of a criterion benchmark, in ns.
+fn criterion_median(ctx: &Ctx, id: &str) -> Result<f64, String> {
+    let path = ctx
+        .root
+        .join("target/criterion")
+        .join(id)
+        .join("new/estimates.json");
+    let v = read_json(&path)?;
+    at(&v, &["median", "point_estimate"])
+        .and_then(Value::as_f64)
+        .ok_or_else(|| format!("{}: no median.point_estimate", path.display()))
+}
+
+fn criterion(ctx: &Ctx, package: &str, bench: &str) -> Result<(), String> {
+    let mut cmd = ctx.cargo();
+    cmd.args(["bench", "--locked", "-p", package, "--bench", bench, "--"]);
+    if ctx.quick {
+        cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1.5"]);
+    }
+    run(&format!("criterion {package}/{bench}"), &mut cmd)
+}
+
+fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
+    criterion(ctx, "kvc-policy", "select")?;
+    for d in ["d8", "d64"] {
+        figures.insert(
+            format!("policy.select_ns.{d}"),
+            // `select/dN` times the default policy (the per-policy ids are `select/dN_<name>`).
+            criterion_median(ctx, &format!("select/{d}"))?,
+        );
+    }
+    criterion(ctx, "kvc-admission", "probe")?;
+    criterion(ctx, "kvc-admission", "commit")?;
+    let probe = criterion_median(ctx, "probe/readers1")?;
+    figures.insert("admission.probe_ns".into(), probe);
+    figures.insert(
+        "admission.probe_ns_2_readers".into(),
+        criterion_median(ctx, "probe/readers2")?,
+    );
+    figures.insert("admission.probes_per_sec".into(), 1e9 / probe);
+    figures.insert(
+        "admission.commit_evict_us".into(),
+        criterion_median(ctx, "commit_evict/round_trip")? / 1e3,
+    );
+    Ok(())
+}
+
+/// Peak resident memory of a finished child, from `/usr/bin/time -v` when it exists.
+fn timed(ctx: &Ctx, what: &str, args: &[&str]) -> Result<(f64, Option<f64>), String> {
+    let bin = ctx.root.join("target/release/kvc-replay");
+    let gnu_time = Path::new("/usr/bin/time");
+    let started = Instant::now();
+    let out = if gnu_time.exists() {
+        Command::new(gnu_time)
+            .arg("-v")
+            .arg(&bin)
+            .args(args)
+            .current_dir(&ctx.root)
+            .output()
+    } else {
+        Command::new(&bin)
+            .args(args)
+            .current_dir(&ctx.root)
+            .output()
+    }
+    .map_err(|e| format!("{what}: could not start: {e}"))?;
+    let wall = started.elapsed().as_secs_f64();
+    if !out.status.success() {
+        return Err(format!(
+            "{what} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let rss_kib = stderr
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Maximum resident set size (kbytes):"))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    Ok((wall, rss_kib.map(|k| k / 1024.0)))
+}
+
+fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
+    let dir = ctx.out.join("sim-speed");
+    let _ = std::fs::create_dir_all(&dir);
+    let trace = dir.join("swe-7.jsonl");
+    let t = trace.to_string_lossy().into_owned();
+    run(
+        "generate the SWE trace (seed 7)",
+        ctx.replay()
+            .args(["gen", "swe", "--seed", "7", "--quiet", "--out", &t]),
+    )?;
+    // The simulator's own wall time (sim_wall_s) excludes process start and trace loading.
+    let mut walls = Vec::new();
+    let runs = if ctx.quick { 3 } else { 5 };
+    let mut requests = 0.0;
+    for i in 0..runs {
+        let out = dir.join(format!("default-{i}"));
+        let o = out.to_string_lossy().into_owned();
+        timed(
+            ctx,
+            "default simulation",
+            &[
+                "sim",
+                "--quiet",
+                "--trace",
+                &t,
+                "--topology",
+                "1p3d",
+                "--policy",
+                "kvc-v2",
+                "--out",
+                &o,
+            ],
+        )?;
+        let s = read_json(&out.join("summary.json"))?;
+        walls.push(s["sim_wall_s"].as_f64().unwrap_or(f64::NAN));
+        requests = s["requests"].as_f64().unwrap_or(0.0);
+    }
+    walls.sort_by(f64::total_cmp);
+    let wall = walls[walls.len() / 2];
+    figures.insert("sim.default.wall_s".into(), wall);
+    figures.insert("sim.default.requests_per_sec".into(), requests / wall);
+
+    let big = dir.join("swe-large.jsonl");
+    let b = big.to_string_lossy().into_owned();
+    run(
+        "generate the large SWE trace (1,170 sessions, ~100,000 requests)",
+        ctx.replay().args([
+            "gen",
+            "swe",
+            "--seed",
+            "3",
+            "--sessions",
+            "1170",
+            "--quiet",
+            "--out",
+            &b,
+        ]),
+    )?;
+    let out = dir.join("large");
+    let o = out.to_string_lossy().into_owned();
+    let (wall, rss) = timed(
+        ctx,
+        "large simulation",
+        &[
+            "sim",
+            "--quiet",
+            "--trace",
+            &b,
+            "--topology",
+            "8p24d",
+            "--policy",
+            "kvc-v2",
+            "--out",
+            &o,
+        ],
+    )?;
+    let s = read_json(&out.join("summary.json"))?;
+    figures.insert(
+        "sim.large.requests".into(),
+        s["requests"].as_f64().unwrap_or(0.0),
+    );
+    figures.insert("sim.large.wall_s".into(), wall);
+    if let Some(rss) = rss {
+        figures.insert("sim.large.peak_rss_mib".into(), rss);
+    } else {
+        eprintln!("xtask bench: /usr/bin/time not found; sim.large.peak_rss_mib left out");
+    }
+    Ok(())
+}
+
+fn matrix(ctx: &Ctx, figures: &mut Figures) -> Result<Vec<PathBuf>, String> {
+    let dir = ctx.out.join("matrix");
+    let _ = std::fs::create_dir_all(&dir);
+    let trace = ctx.out.join("sim-speed/swe-7.jsonl");
+    let t = trace.to_string_lossy().into_owned();
+    let mut dirs = Vec::new();
+    for topology in TOPOLOGIES {
+        for policy in POLICIES {
+            for ts in TIME_SCALES {
+                let out = dir.join(format!("{topology}-{policy}-ts{ts}"));
+                let o = out.to_string_lossy().into_owned();
+                let tss = ts.to_string();
+                run(
+                    &format!("matrix {topology} {policy} ts{ts}"),
+                    ctx.replay()
+                        .args([
+                            "sim",
+                            "--quiet",
+                            "--trace",
+                            &t,
+                            "--topology",
+                            topology,
+                            "--policy",
+                            policy,
+                            "--time-scale",
+                            &tss,
+                            "--out",
+                            &o,
+                        ])
+                        .stdout(std::process::Stdio::null()),
+                )?;
+                let s = read_json(&out.join("summary.json"))?;
+                for (key, path) in CELL_METRICS {
+                    let v = at(&s, path)
+                        .and_then(Value::as_f64)
+                        .ok_or_else(|| format!("{}: no {}", out.display(), path.join(".")))?;
+                    figures.insert(format!("matrix.{topology}.{policy}.ts{ts}.{key}"), v);
+                }
+                dirs.push(out);
+            }
+        }
+    }
+    Ok(dirs)
+}
+
+fn report(ctx: &Ctx, figures: &Figures, dirs: &[PathBuf]) -> Result<(), String> {
+    let plots = ctx.out.join("plots");
+    let mut cmd = ctx.replay();
+    cmd.arg("report")
+        .args(dirs.iter().filter(|d| d.to_string_lossy().ends_with("ts1")))
+        .arg("--out")
+        .arg(&plots);
+    cmd.stdout(std::process::Stdio::null());
+    run("report of the time-scale 1 matrix", &mut cmd)?;
+    let mut md =
+        String::from("# cargo xtask bench\n\n## Speed\n\n| figure | value |\n|---|---:|\n");
+    for (k, v) in figures.iter().filter(|(k, _)| !k.starts_with("matrix.")) {
+        md.push_str(&format!("| `{k}` | {} |\n", fmt(*v)));
+    }
+    for ts in TIME_SCALES {
+        md.push_str(&format!(
+            "\n## Policy matrix, time-scale {ts} (generated SWE trace, seed 7, concurrency 32)\n\n| topology | policy |"
+        ));
+        for (m, _) in CELL_METRICS {
+            md.push_str(&format!(" {m} |"));
+        }
+        md.push_str("\n|---|---|");
+        md.push_str(&"---:|".repeat(CELL_METRICS.len()));
+        md.push('\n');
+        for topology in TOPOLOGIES {
+            for policy in POLICIES {
+                md.push_str(&format!("| {topology} | {policy} |"));
+                for (m, _) in CELL_METRICS {
+                    let v = figures
+                        .get(&format!("matrix.{topology}.{policy}.ts{ts}.{m}"))
+                        .copied()
+                        .unwrap_or(f64::NAN);
+                    md.push_str(&format!(" {} |", fmt(v)));
+                }
+                md.push('\n');
+            }
+        }
+    }
+    md.push_str("\n## Plots (time-scale 1)\n\nSee [plots/report.md](plots/report.md): ![TTFT CDF](plots/ttft_cdf.svg) ![Latency CDF](plots/latency_cdf.svg)\n");
+    let path = ctx.out.join("report.md");
+    std::fs::write(&path, md).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+fn fmt(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.0}")
+    } else if v.abs() >= 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.4}")
+    }
+}
+
+fn compare(baseline: &Path, figures: &Figures) -> Result<(), String> {
+    let base = read_json(baseline)?;
+    let base = base
+        .as_object()
+        .ok_or_else(|| format!("{}: not a JSON object", baseline.display()))?;
+    println!("\nchanges against {}:", baseline.display());
+    println!(
+        "{:<52} {:>14} {:>14} {:>9}",
+        "key", "baseline", "now", "change"
+    );
+    for (k, now) in figures {
+        match base.get(k).and_then(Value::as_f64) {
+            Some(b) => {
+                let change = if b.abs() > 1e-12 {
+                    format!("{:+.1}%", (now - b) / b * 100.0)
+                } else {
+                    format!("{:+.4}", now - b)
+                };
+                println!("{k:<52} {:>14} {:>14} {change:>9}", fmt(b), fmt(*now));
+            }
+            None => println!("{k:<52} {:>14} {:>14} {:>9}", "-", fmt(*now), "new"),
+        }
+    }
+    for k in base.keys().filter(|k| !figures.contains_key(*k)) {
+        println!("{k:<52} {:>14} {:>14} {:>9}", "(was present)", "-", "gone");
+    }
+    Ok(())
+}
+
+/// Runs the whole bench; writes `target/bench/summary.json` and `target/bench/report.md`.
+pub(crate) fn bench(opts: &Options) -> Result<(), String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .ok_or("xtask has no parent directory")?
+        .to_path_buf();
+    let ctx = Ctx {
+        out: root.join("target/bench"),
+        root,
+        quick: opts.quick,
+        cargo: std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()),
+    };
+    std::fs::create_dir_all(&ctx.out).map_err(|e| format!("cannot create target/bench: {e}"))?;
+    let started = Instant::now();
+    run(
+        "build kvc-replay (release)",
+        ctx.cargo()
+            .args(["build", "--locked", "--release", "-p", "kvc-replay"]),
+    )?;
+    let mut figures = Figures::new();
+    micro_benches(&ctx, &mut figures)?;
+    sim_speed(&ctx, &mut figures)?;
+    let dirs = matrix(&ctx, &mut figures)?;
+    report(&ctx, &figures, &dirs)?;
+    let obj: Map<String, Value> = figures
+        .iter()
+        .map(|(k, v)| (k.clone(), Value::from(*v)))
+        .collect();
+    let path = ctx.out.join("summary.json");
+    let text = serde_json::to_string_pretty(&Value::Object(obj)).map_err(|e| e.to_string())?;
+    std::fs::write(&path, text + "\n")
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    eprintln!(
+        "xtask bench: wrote {} and {} ({:.0} s)",
+        path.display(),
+        ctx.out.join("report.md").display(),
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(b) = &opts.baseline {
+        compare(b, &figures)?;
+    }
+    Ok(())
+}
