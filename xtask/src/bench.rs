@@ -378,10 +378,7 @@ fn compare(baseline: &Path, figures: &Figures) -> Result<(), String> {
 
 /// Runs the whole bench; writes `target/bench/summary.json` and `target/bench/report.md`.
 pub(crate) fn bench(opts: &Options) -> Result<(), String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .ok_or("xtask has no parent directory")?
-        .to_path_buf();
+    let root = crate::workspace_root();
     let ctx = Ctx {
         out: root.join("target/bench"),
         root,

@@ -69,6 +69,16 @@ fn main() -> ExitCode {
     }
 }
 
+/// The workspace root: `CARGO_MANIFEST_DIR` of xtask as `cargo run` sets it, else as compiled.
+pub(crate) fn workspace_root() -> std::path::PathBuf {
+    let dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into());
+    dir.parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or(dir)
+}
+
 fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
@@ -95,10 +105,10 @@ fn test() -> ExitCode {
     if let Err(code) = unit {
         return code;
     }
-    let loom_tests = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../crates/kvc-admission/tests/loom.rs");
+    let root = workspace_root();
+    let loom_tests = root.join("crates/kvc-admission/tests/loom.rs");
     if loom_tests.exists() {
-        let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/loom");
+        let target = root.join("target/loom");
         let loom = run(
             "loom model checks",
             cargo()

@@ -23,6 +23,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod live;
 pub mod output;
 pub mod report;
 pub mod sim;

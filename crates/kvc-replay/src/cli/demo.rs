@@ -22,7 +22,7 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 52)]
     pub(crate) sessions: usize,
     /// No progress bars.
-    #[arg(long)]
+    #[arg(long, short)]
     pub(crate) quiet: bool,
 }
 

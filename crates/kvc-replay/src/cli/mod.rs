@@ -3,6 +3,7 @@
 pub(crate) mod compare;
 pub(crate) mod demo;
 pub(crate) mod generate;
+pub(crate) mod live;
 pub(crate) mod policies;
 pub(crate) mod report;
 pub(crate) mod sim;

@@ -23,7 +23,7 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) out: PathBuf,
     /// No progress bar.
-    #[arg(long)]
+    #[arg(long, short)]
     pub(crate) quiet: bool,
 }
 

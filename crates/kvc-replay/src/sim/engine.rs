@@ -108,8 +108,6 @@ enum Stage {
     Transfer,
     /// Decoding.
     Decode,
-    /// Finished.
-    Done,
 }
 
 #[derive(Debug, Clone)]
@@ -283,6 +281,20 @@ impl Engine {
             .map(|r| r.tokens)
     }
 
+    /// Sessions resident on worker `w`: (session, tokens, last access, running), by session id.
+    pub fn residents(&self, w: WorkerId) -> Vec<(SessionId, u64, Micros, bool)> {
+        self.workers[w.0 as usize]
+            .residents
+            .iter()
+            .map(|(s, r)| (*s, r.tokens, r.last_access, r.running))
+            .collect()
+    }
+
+    /// Number of workers.
+    pub fn worker_count(&self) -> usize {
+        self.workers.len()
+    }
+
     /// Used fraction of every worker's pool, by worker index.
     pub fn occupancy(&self) -> Vec<f64> {
         (0..self.workers.len())
@@ -348,7 +360,7 @@ impl Engine {
             return false;
         }
         for v in plan.victims {
-            self.drop_resident(w, v.session, now);
+            self.drop_resident(w, v.session);
             self.events.push(Event::Evicted {
                 session: v.session,
                 worker: w,
@@ -358,8 +370,8 @@ impl Engine {
         wk.capacity.saturating_sub(wk.resident_tokens) >= need
     }
 
-    /// Removes `session`'s KV from decode worker `w` (retracting its running job if any).
-    fn drop_resident(&mut self, w: WorkerId, session: SessionId, now: Micros) {
+    /// Removes `session`'s KV from decode worker `w`.
+    fn drop_resident(&mut self, w: WorkerId, session: SessionId) {
         let wk = &mut self.workers[w.0 as usize];
         if let Some(r) = wk.residents.remove(&session) {
             wk.resident_tokens -= r.tokens;
@@ -367,7 +379,6 @@ impl Engine {
                 wk.idle_tokens -= r.tokens;
             }
         }
-        let _ = now;
     }
 
     /// Drops `session`'s resident KV on `w` if any (the router moved it elsewhere).
@@ -377,7 +388,7 @@ impl Engine {
             .get(&session)
             .is_some_and(|r| r.running);
         if !running {
-            self.drop_resident(w, session, now);
+            self.drop_resident(w, session);
             self.retry_waiting(w, now);
         }
     }
@@ -501,11 +512,6 @@ impl Engine {
         DirectAdmission::Admitted { cached }
     }
 
-    /// Tokens a job reused from a cache (known once it started prefilling).
-    pub fn cached_tokens(&self, id: usize) -> u64 {
-        self.jobs.get(&id).map_or(0, |a| a.cached)
-    }
-
     /// Admits waiting jobs of worker `w` while there is room (FIFO, no overtaking).
     fn retry_waiting(&mut self, w: WorkerId, now: Micros) {
         while let Some(&id) = self.workers[w.0 as usize].waiting.front() {
@@ -556,7 +562,7 @@ impl Engine {
             .get(&session)
             .is_some_and(|r| !r.running)
         {
-            self.drop_resident(d, session, now);
+            self.drop_resident(d, session);
         }
         if !self.make_room_d(d, need, Some(session), now) {
             return false;
@@ -743,8 +749,7 @@ impl Engine {
     }
 
     fn finish(&mut self, id: usize, now: Micros) {
-        let mut a = self.jobs.remove(&id).expect("job");
-        a.stage = Stage::Done;
+        let a = self.jobs.remove(&id).expect("job");
         let w = a.decode_on;
         let cached = a.cached;
         self.workers[w.0 as usize].running.retain(|x| *x != id);
@@ -772,5 +777,241 @@ impl Engine {
             cached,
         });
         self.retry_waiting(w, now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvc_admission::EvictionConfig;
+    use kvc_core::BlockHash;
+
+    fn engine(roles: &[WorkerRole], pool: u64, timeout_s: f64) -> Engine {
+        let mut profile = Profile::default();
+        profile.hardware.kv_pool_tokens = pool;
+        profile.model.max_input_tokens = pool / 2;
+        profile.fit.transfer_timeout_s = timeout_s;
+        let eviction = EvictionConfig {
+            allow_cold: false,
+            allow_hot: false,
+            ..EvictionConfig::default()
+        };
+        Engine::new(
+            profile,
+            EngineOptions {
+                eviction,
+                block_size: BlockSize::default(),
+            },
+            roles,
+            1,
+            0.0,
+        )
+    }
+
+    fn job(id: usize, session: u64, blocks: &[u64], input: u64, output: u64) -> Job {
+        Job {
+            id,
+            session: SessionId(session),
+            input,
+            output,
+            hashes: blocks
+                .iter()
+                .copied()
+                .map(BlockHash)
+                .collect::<Vec<_>>()
+                .into(),
+        }
+    }
+
+    /// Runs the engine until it has nothing scheduled; returns the events.
+    fn settle(e: &mut Engine, now: &mut Micros) -> Vec<Event> {
+        let mut events = e.take_events();
+        let mut wakes = e.take_wakes();
+        while !wakes.is_empty() {
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            *now = (*now).max(t);
+            e.wake(w, *now);
+            events.extend(e.take_events());
+            wakes.extend(e.take_wakes());
+        }
+        events
+    }
+
+    const P: WorkerId = WorkerId(0);
+    const D: WorkerId = WorkerId(1);
+
+    #[test]
+    fn p_to_d_turn_leaves_the_session_resident_and_direct_reuses_it() {
+        let mut e = engine(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, 32.0);
+        let mut now = 0;
+        e.start_p_to_d(job(1, 7, &[1, 2, 3], 1500, 4), P, D, now);
+        let ev = settle(&mut e, &mut now);
+        let first = ev
+            .iter()
+            .position(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+            .expect("first token");
+        let done = ev
+            .iter()
+            .position(|x| matches!(x, Event::Done { id: 1, .. }))
+            .expect("done");
+        assert!(first < done);
+        assert!(matches!(
+            ev[done],
+            Event::Done {
+                resident_tokens: 1504,
+                cached: 0,
+                ..
+            }
+        ));
+        assert_eq!(e.resident_tokens(D, SessionId(7)), Some(1504));
+        let s = e.state(D);
+        assert_eq!(
+            (s.used_tokens, s.evictable_tokens, s.resident_sessions),
+            (1504, 1504, 1)
+        );
+        // The next turn extends the prompt: two full blocks are reused on D.
+        let adm = e.try_direct(job(2, 7, &[1, 2, 4, 5], 1900, 3), D, 403, now);
+        assert_eq!(adm, DirectAdmission::Admitted { cached: 1024 });
+        assert_eq!(
+            e.state(D).evictable_tokens,
+            0,
+            "a running session is not evictable"
+        );
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(
+            x,
+            Event::Done {
+                id: 2,
+                resident_tokens: 1903,
+                cached: 1024,
+                ..
+            }
+        )));
+        // A session that is not on D cannot go direct.
+        assert_eq!(
+            e.try_direct(job(3, 8, &[9], 100, 1), D, 10, now),
+            DirectAdmission::NotResident
+        );
+    }
+
+    #[test]
+    fn direct_admission_rejects_an_estimate_over_the_room() {
+        let mut e = engine(&[WorkerRole::Prefill, WorkerRole::Decode], 4096, 32.0);
+        let mut now = 0;
+        e.start_p_to_d(job(1, 1, &[1, 2, 3, 4], 2000, 10), P, D, now);
+        settle(&mut e, &mut now);
+        // 2,010 used, 2,086 free; the session's own idle tokens do not count as room for it.
+        // (The fourth block was partial; grown into a full block it has a new id.)
+        assert_eq!(
+            e.try_direct(job(2, 1, &[1, 2, 3, 6, 5], 2100, 10), D, 2_087, now),
+            DirectAdmission::Rejected
+        );
+        assert_eq!(
+            e.try_direct(job(2, 1, &[1, 2, 3, 6, 5], 2100, 10), D, 2_086, now),
+            DirectAdmission::Admitted { cached: 1536 }
+        );
+    }
+
+    #[test]
+    fn idle_sessions_are_evicted_for_a_transfer_and_reported() {
+        let mut e = engine(&[WorkerRole::Prefill, WorkerRole::Decode], 4096, 32.0);
+        let mut now = 0;
+        e.start_p_to_d(job(1, 1, &[1, 2, 3, 4], 2000, 10), P, D, now);
+        settle(&mut e, &mut now);
+        // 2,010 tokens resident, 2,086 free: a 2,510-token arrival needs the idle session gone.
+        e.start_p_to_d(job(2, 2, &[11, 12, 13, 14, 15], 2500, 10), P, D, now);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(
+            x,
+            Event::Evicted {
+                session: SessionId(1),
+                worker: D
+            }
+        )));
+        assert_eq!(e.resident_tokens(D, SessionId(1)), None);
+        assert_eq!(e.resident_tokens(D, SessionId(2)), Some(2510));
+    }
+
+    #[test]
+    fn a_transfer_without_room_times_out() {
+        let mut e = engine(&[WorkerRole::Prefill, WorkerRole::Decode], 4096, 2.0);
+        let mut now = 0;
+        // A long-running request holds most of D while the second transfer waits.
+        e.start_p_to_d(job(1, 1, &[1, 2, 3, 4], 2000, 1_000_000), P, D, now);
+        let mut wakes = Vec::new();
+        let mut events = Vec::new();
+        // Run until the first request decodes, then start the second one.
+        loop {
+            events.extend(e.take_events());
+            wakes.extend(e.take_wakes());
+            if events
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+            {
+                break;
+            }
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            now = t;
+            e.wake(w, now);
+        }
+        e.start_p_to_d(job(2, 2, &[11, 12, 13, 14], 2000, 10), P, D, now);
+        let deadline = now + micros(2.0);
+        let mut timed_out = None;
+        for _ in 0..1_000_000 {
+            events.extend(e.take_events());
+            if let Some(Event::TransferTimedOut { id, at }) = events
+                .iter()
+                .find(|x| matches!(x, Event::TransferTimedOut { .. }))
+            {
+                timed_out = Some((*id, *at));
+                break;
+            }
+            wakes.extend(e.take_wakes());
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            now = t;
+            e.wake(w, now);
+        }
+        let (id, at) = timed_out.expect("the second transfer times out");
+        assert_eq!(id, 2);
+        assert!(
+            at >= deadline && at < deadline + micros(1.0),
+            "{at} vs {deadline}"
+        );
+        assert_eq!(e.resident_tokens(D, SessionId(2)), None);
+    }
+
+    #[test]
+    fn colocated_worker_reuses_its_prefix_cache() {
+        let mut e = engine(&[WorkerRole::Colocated], 8192, 32.0);
+        let w = WorkerId(0);
+        let mut now = 0;
+        e.start_colocated(job(1, 1, &[1, 2, 3], 1400, 2), w, now);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(
+            x,
+            Event::Done {
+                id: 1,
+                cached: 0,
+                resident_tokens: 0,
+                ..
+            }
+        )));
+        e.start_colocated(job(2, 1, &[1, 2, 4, 5], 2000, 2), w, now);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(
+            x,
+            Event::Done {
+                id: 2,
+                cached: 1024,
+                ..
+            }
+        )));
+        // Blocks stay cached and become evictable once nothing runs.
+        let s = e.state(w);
+        assert_eq!(s.used_tokens, 5 * 512);
+        assert_eq!(s.evictable_tokens, 5 * 512);
     }
 }

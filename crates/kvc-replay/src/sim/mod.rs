@@ -17,10 +17,7 @@ pub mod profile;
 use crate::trace::{Trace, TraceRequest};
 use engine::{DirectAdmission, Engine, EngineOptions, Event, Job, Micros, Wake, micros};
 use kvc_admission::EvictionConfig;
-use kvc_core::{
-    BlockSize, ExecutionMode, FallThroughReason, Outcome, StableName, Topology, WorkerId,
-    WorkerRole,
-};
+use kvc_core::{BlockSize, ExecutionMode, Outcome, StableName, Topology, WorkerId, WorkerRole};
 use kvc_policy::{
     ClusterView, Decision, Observation, PolicyConfig, RouteRequest, RouterState, WorkerView,
 };
@@ -150,6 +147,8 @@ enum Ev {
     Engine(WakeKey),
     /// Sample pool occupancy.
     Sample,
+    /// Periodic hook tick.
+    Tick,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -185,7 +184,7 @@ struct ReqState {
     dispatch: Micros,
     started: Micros,
     first: Option<Micros>,
-    decision: Option<Decision>,
+    decision: Option<Routed>,
     cached: u64,
 }
 
@@ -225,13 +224,115 @@ pub fn worker_names(roles: &[WorkerRole]) -> Vec<String> {
         .collect()
 }
 
+/// A routing decision as the replay carries it out.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    /// Path.
+    pub mode: ExecutionMode,
+    /// Decode (or colocated) worker.
+    pub decode: WorkerId,
+    /// Prefill worker on P→D paths.
+    pub prefill: Option<WorkerId>,
+    /// Why a later turn did not go direct.
+    pub reason: Option<kvc_core::FallThroughReason>,
+    /// The router's footprint estimate on D (what admission checks).
+    pub need_tokens: u64,
+    /// Pause the client should honour before starting.
+    pub recommended_pause_ms: u32,
+    /// The router's id of the decision (0 when the router has none).
+    pub decision_id: u64,
+    /// The state change to apply when carried out (local policies only).
+    pub change: Option<kvc_policy::StateChange>,
+}
+
+impl From<Decision> for Routed {
+    fn from(d: Decision) -> Self {
+        Routed {
+            mode: d.mode,
+            decode: d.decode,
+            prefill: d.prefill,
+            reason: d.reason,
+            need_tokens: d.need_tokens,
+            recommended_pause_ms: d.recommended_pause_ms,
+            decision_id: 0,
+            change: Some(d.change),
+        }
+    }
+}
+
+/// Where routing decisions come from: the policy in process ([`LocalPolicy`]) or a router
+/// service (the live replay).
+pub trait Decider {
+    /// Routes one request; `None` when no worker can take it.
+    fn route(&mut self, cluster: &ClusterView<'_>, req: &RouteRequest<'_>) -> Option<Routed>;
+    /// The data plane carried `routed` out (admission passed, work started).
+    fn carried_out(&mut self, routed: &Routed);
+    /// Feedback from the data plane; `routed` is the decision it concerns, when there is one.
+    fn observe(&mut self, event: &Observation, routed: Option<&Routed>);
+}
+
+/// The policy of a [`SimConfig`], run in process with its own [`RouterState`].
+#[derive(Debug)]
+pub struct LocalPolicy {
+    config: PolicyConfig,
+    state: RouterState,
+}
+
+impl LocalPolicy {
+    /// A fresh router state for `config` over `workers`.
+    pub fn new(config: PolicyConfig, workers: &[WorkerView]) -> Self {
+        let state = RouterState::new(&config, workers);
+        LocalPolicy { config, state }
+    }
+}
+
+impl Decider for LocalPolicy {
+    fn route(&mut self, cluster: &ClusterView<'_>, req: &RouteRequest<'_>) -> Option<Routed> {
+        kvc_policy::route(&self.config, &self.state, cluster, req)
+            .ok()
+            .map(Routed::from)
+    }
+
+    fn carried_out(&mut self, routed: &Routed) {
+        if let Some(change) = &routed.change {
+            self.state.apply(change);
+        }
+    }
+
+    fn observe(&mut self, event: &Observation, _routed: Option<&Routed>) {
+        self.state.observe(event);
+    }
+}
+
+/// Hooks of a run on another clock (the live replay): pacing and publishing worker state.
+pub trait Hooks {
+    /// Called before an event at simulated time `t` is handled (a real-clock run sleeps here).
+    fn before(&mut self, t: Micros);
+    /// Called after events are handled at time `t`, with the engine's new state.
+    fn after(&mut self, t: Micros, engine: &Engine);
+    /// A period of simulated time at which [`Hooks::after`] should run even without events.
+    fn tick_every(&self) -> Option<Micros>;
+}
+
+/// No hooks: the virtual clock of `simulate`.
+#[derive(Debug, Default)]
+pub struct Virtual;
+
+impl Hooks for Virtual {
+    fn before(&mut self, _t: Micros) {}
+    fn after(&mut self, _t: Micros, _engine: &Engine) {}
+    fn tick_every(&self) -> Option<Micros> {
+        None
+    }
+}
+
 struct Sim<'a> {
     cfg: &'a SimConfig,
     trace: &'a Trace,
     engine: Engine,
     roles: Vec<WorkerRole>,
     names: Vec<String>,
-    state: RouterState,
+    decider: &'a mut dyn Decider,
     queue: BinaryHeap<Reverse<(Micros, u64, Ev)>>,
     seq: u64,
     now: Micros,
@@ -246,10 +347,36 @@ struct Sim<'a> {
     completed: usize,
 }
 
-/// Runs the simulation. `progress` is called with (completed, total) as requests finish.
+/// The initial view of a cluster: every worker empty and healthy.
+pub fn initial_views(cfg: &SimConfig) -> Vec<WorkerView> {
+    worker_roles(cfg.topology)
+        .iter()
+        .enumerate()
+        .map(|(i, r)| WorkerView {
+            id: WorkerId(i as u32),
+            role: *r,
+            state: kvc_core::WorkerState::empty(cfg.profile.hardware.kv_pool_tokens),
+        })
+        .collect()
+}
+
+/// Runs the simulation with the config's policy in process, on the virtual clock.
+/// `progress` is called with (completed, total) as requests finish.
 pub fn simulate(
     trace: &Trace,
     cfg: &SimConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<SimOutput, SimError> {
+    let mut policy = LocalPolicy::new(cfg.policy.clone(), &initial_views(cfg));
+    run(trace, cfg, &mut policy, &mut Virtual, progress)
+}
+
+/// Runs the replay with decisions from `decider` and the clock hooks `hooks`.
+pub fn run(
+    trace: &Trace,
+    cfg: &SimConfig,
+    decider: &mut dyn Decider,
+    hooks: &mut dyn Hooks,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimOutput, SimError> {
     if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
@@ -264,15 +391,6 @@ pub fn simulate(
     let wall = std::time::Instant::now();
     let roles = worker_roles(cfg.topology);
     let names = worker_names(&roles);
-    let views: Vec<WorkerView> = roles
-        .iter()
-        .enumerate()
-        .map(|(i, r)| WorkerView {
-            id: WorkerId(i as u32),
-            role: *r,
-            state: kvc_core::WorkerState::empty(cfg.profile.hardware.kv_pool_tokens),
-        })
-        .collect();
     let engine = Engine::new(
         cfg.profile.clone(),
         EngineOptions {
@@ -304,7 +422,7 @@ pub fn simulate(
         cfg,
         trace,
         engine,
-        state: RouterState::new(&cfg.policy, &views),
+        decider,
         roles,
         names,
         queue: BinaryHeap::new(),
@@ -324,9 +442,13 @@ pub fn simulate(
     }
     if n > 0 {
         sim.push(0, Ev::Sample);
+        if hooks.tick_every().is_some() {
+            sim.push(0, Ev::Tick);
+        }
     }
     let mut reported = 0;
     while let Some(Reverse((t, _, ev))) = sim.queue.pop() {
+        hooks.before(t);
         sim.now = t;
         match ev {
             Ev::Ready(i) => {
@@ -346,7 +468,15 @@ pub fn simulate(
                     sim.push(t + SAMPLE_EVERY, Ev::Sample);
                 }
             }
+            Ev::Tick => {
+                if let Some(every) = hooks.tick_every()
+                    && sim.completed < n
+                {
+                    sim.push(t + every.max(1), Ev::Tick);
+                }
+            }
         }
+        hooks.after(t, &sim.engine);
         if sim.completed >= reported + 64 {
             reported = sim.completed;
             progress(sim.completed, n);
@@ -430,7 +560,7 @@ impl Sim<'_> {
             .collect()
     }
 
-    fn route(&self, i: usize, rejected_by: Option<WorkerId>) -> Option<Decision> {
+    fn route(&mut self, i: usize, rejected_by: Option<WorkerId>) -> Option<Routed> {
         let r = &self.trace.requests[i];
         let views = self.cluster_views();
         let cluster = ClusterView {
@@ -446,7 +576,7 @@ impl Sim<'_> {
             hash_ids: &r.hash_ids,
             rejected_by,
         };
-        kvc_policy::route(&self.cfg.policy, &self.state, &cluster, &req).ok()
+        self.decider.route(&cluster, &req)
     }
 
     fn route_and_start(&mut self, i: usize) {
@@ -494,17 +624,20 @@ impl Sim<'_> {
                 .try_direct(job, decision.decode, decision.need_tokens, self.now)
             {
                 DirectAdmission::Admitted { cached } => {
-                    self.state.apply(&decision.change);
+                    self.decider.carried_out(&decision);
                     self.reqs[i].cached = cached;
                     self.reqs[i].decision = Some(decision);
                     self.drain_engine();
                     return;
                 }
                 DirectAdmission::NotResident | DirectAdmission::Rejected => {
-                    self.state.observe(&Observation::AdmissionRejected {
-                        session,
-                        worker: decision.decode,
-                    });
+                    self.decider.observe(
+                        &Observation::AdmissionRejected {
+                            session,
+                            worker: decision.decode,
+                        },
+                        Some(&decision),
+                    );
                     match self.route(i, Some(decision.decode)) {
                         Some(d) => decision = d,
                         None => {
@@ -515,7 +648,7 @@ impl Sim<'_> {
                 }
             }
         }
-        self.state.apply(&decision.change);
+        self.decider.carried_out(&decision);
         let job = self.job(i);
         let session = job.session;
         match (decision.mode, decision.prefill) {
@@ -565,8 +698,8 @@ impl Sim<'_> {
                     self.finish(id, Outcome::KvTransferTimeout);
                 }
                 Event::Evicted { session, worker } => {
-                    self.state
-                        .observe(&Observation::Evicted { session, worker });
+                    self.decider
+                        .observe(&Observation::Evicted { session, worker }, None);
                 }
             }
         }
@@ -584,7 +717,8 @@ impl Sim<'_> {
             resident_tokens,
             direct: d.mode == ExecutionMode::DirectToD,
         };
-        self.state.observe(&ev);
+        let d = d.clone();
+        self.decider.observe(&ev, Some(&d));
     }
 
     fn finish(&mut self, i: usize, outcome: Outcome) {
@@ -603,7 +737,6 @@ impl Sim<'_> {
         };
         let first = st.first.filter(|_| outcome == Outcome::Ok);
         let reason = reason.filter(|_| mode != Some(ExecutionMode::DirectToD));
-        let _: Option<FallThroughReason> = reason;
         self.records[i] = Some(RequestRecord {
             index: i,
             session: r.session,

@@ -1,0 +1,444 @@
+//! Live replay: the simulated cluster on a real clock, behind a real `kvc-router`.
+//!
+//! The workers are the simulator's engine model paced to wall time (`speedup` times faster than
+//! the trace's own time scale). Every worker publishes its state into a shared-memory snapshot
+//! (`kvc-admission`'s layout) after each step and at least every 100 ms, so the router's probes
+//! read live state. Each turn asks the router (`kvc.v1.Router/Route`) where to go, runs there,
+//! and reports back (`ReportOutcome`); a direct-to-D turn that the worker refuses is asked again
+//! with `rejected_by`. Records and summary have the same shape as `sim`'s.
+//!
+//! The router learns evictions from the snapshots (a session missing from D's resident table
+//! is not resident), as it would from a real engine.
+
+use crate::sim::engine::{Engine, Micros};
+use crate::sim::{Decider, Hooks, Routed, SimConfig, SimError, SimOutput, run, worker_roles};
+use crate::trace::Trace;
+use kvc_admission::{
+    Clock, ResidentEntry, ResidentState, SnapshotData, SnapshotWriter, SystemClock,
+};
+use kvc_core::{ExecutionMode, FallThroughReason, WorkerId};
+use kvc_policy::{ClusterView, Observation, RouteRequest};
+use kvc_router::convert::ProtoEnum;
+use kvc_router::pb;
+use kvc_router::pb::router_client::RouterClient;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+/// Which router the live replay talks to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouterTarget {
+    /// A running router at this URI (`http://127.0.0.1:50051`), configured with the snapshot
+    /// files of [`snapshot_path`].
+    Address(String),
+    /// A router started inside this process on a loopback port, with the run's policy.
+    Spawn,
+}
+
+/// Settings of a live replay besides the [`SimConfig`].
+#[derive(Debug, Clone)]
+pub struct LiveOptions {
+    /// Wall time runs this many times faster than (scaled) trace time.
+    pub speedup: f64,
+    /// The router.
+    pub router: RouterTarget,
+    /// Directory of the workers' snapshot files (`w<id>.snap`).
+    pub snapshot_dir: PathBuf,
+    /// Resident-session slots in each snapshot.
+    pub table_slots: usize,
+    /// How long to wait for the router to answer before giving up.
+    pub connect_timeout: Duration,
+}
+
+/// Why a live replay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveError {
+    /// A bad setting.
+    #[error("invalid live replay setting: {0}")]
+    Invalid(String),
+    /// The snapshot files could not be created or published.
+    #[error("snapshot {path}: {message}")]
+    Snapshot {
+        /// The file.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+    /// The router could not be started or reached.
+    #[error("router: {0}")]
+    Router(String),
+    /// The replay itself failed.
+    #[error(transparent)]
+    Sim(#[from] SimError),
+}
+
+/// The snapshot file of worker `id` in `dir`.
+pub fn snapshot_path(dir: &Path, id: WorkerId) -> PathBuf {
+    dir.join(format!("w{}.snap", id.0))
+}
+
+/// The router configuration that matches a live replay of `cfg` publishing into `dir`.
+pub fn router_config(
+    cfg: &SimConfig,
+    dir: &Path,
+    listen: SocketAddr,
+    metrics_listen: Option<SocketAddr>,
+) -> kvc_router::config::RouterConfig {
+    let roles = worker_roles(cfg.topology);
+    let names = crate::sim::worker_names(&roles);
+    kvc_router::config::RouterConfig {
+        listen,
+        metrics_listen,
+        policy: cfg.policy.clone(),
+        workers: roles
+            .iter()
+            .enumerate()
+            .map(|(i, role)| kvc_router::config::WorkerConfig {
+                id: i as u32,
+                name: Some(names[i].clone()),
+                role: *role,
+                capacity_tokens: cfg.profile.hardware.kv_pool_tokens,
+                snapshot: Some(snapshot_path(dir, WorkerId(i as u32))),
+                address: None,
+            })
+            .collect(),
+        ..kvc_router::config::RouterConfig::default()
+    }
+}
+
+/// Publishes every worker's state into its snapshot file.
+struct Publisher {
+    writers: Vec<SnapshotWriter>,
+    data: SnapshotData,
+}
+
+impl Publisher {
+    fn create(cfg: &SimConfig, opts: &LiveOptions) -> Result<Self, LiveError> {
+        std::fs::create_dir_all(&opts.snapshot_dir).map_err(|e| LiveError::Snapshot {
+            path: opts.snapshot_dir.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let capacity = cfg.profile.hardware.kv_pool_tokens;
+        let mut writers = Vec::new();
+        for i in 0..worker_roles(cfg.topology).len() {
+            let id = WorkerId(i as u32);
+            let path = snapshot_path(&opts.snapshot_dir, id);
+            let w = SnapshotWriter::create(&path, id, capacity, opts.table_slots).map_err(|e| {
+                LiveError::Snapshot {
+                    path: path.display().to_string(),
+                    message: e.to_string(),
+                }
+            })?;
+            writers.push(w);
+        }
+        Ok(Publisher {
+            data: SnapshotData::empty(WorkerId(0), capacity),
+            writers,
+        })
+    }
+
+    /// Publishes the engine's state of every worker, stamped with the wall clock.
+    /// Engine time `t` (simulated µs since the start) is wall time `start_ms + t / speedup`.
+    fn publish(&mut self, engine: &Engine, start_ms: u64, speedup: f64) -> Result<(), LiveError> {
+        let now = SystemClock.now_ms();
+        let to_wall = |t: Micros| start_ms + (t as f64 / 1e3 / speedup) as u64;
+        for (i, w) in self.writers.iter_mut().enumerate() {
+            let id = WorkerId(i as u32);
+            let s = engine.state(id);
+            let d = &mut self.data;
+            d.worker_id = id;
+            d.capacity_tokens = s.capacity_tokens;
+            d.used_tokens = s.used_tokens.min(s.capacity_tokens);
+            d.free_tokens = s.free_tokens();
+            d.evictable_tokens = s.evictable_tokens.min(d.used_tokens);
+            d.queue_depth = s.queue_depth;
+            d.in_flight = s.in_flight;
+            d.publish_ms = now;
+            d.residents.clear();
+            let slots = w.max_sessions();
+            d.residents
+                .extend(engine.residents(id).into_iter().take(slots).map(
+                    |(session, tokens, last, running)| ResidentEntry {
+                        session,
+                        tokens,
+                        last_access_ms: to_wall(last).min(now),
+                        state: if running {
+                            ResidentState::Running
+                        } else {
+                            ResidentState::Idle
+                        },
+                    },
+                ));
+            w.publish(d).map_err(|e| LiveError::Snapshot {
+                path: format!("worker {i}"),
+                message: e.to_string(),
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Paces the replay to wall time and publishes snapshots.
+struct LiveHooks {
+    start: Instant,
+    start_wall_ms: u64,
+    speedup: f64,
+    publisher: Publisher,
+    error: Option<LiveError>,
+    /// Largest lag behind wall time, µs of simulated time.
+    max_lag: Micros,
+}
+
+impl LiveHooks {
+    fn wall_of(&self, t: Micros) -> Duration {
+        Duration::from_secs_f64(t as f64 / 1e6 / self.speedup)
+    }
+}
+
+impl Hooks for LiveHooks {
+    fn before(&mut self, t: Micros) {
+        let target = self.start + self.wall_of(t);
+        let now = Instant::now();
+        if target > now {
+            std::thread::sleep(target - now);
+        } else {
+            let lag = (now - target).as_secs_f64() * 1e6 * self.speedup;
+            self.max_lag = self.max_lag.max(lag as Micros);
+        }
+    }
+
+    fn after(&mut self, _t: Micros, engine: &Engine) {
+        if self.error.is_some() {
+            return;
+        }
+        if let Err(e) = self
+            .publisher
+            .publish(engine, self.start_wall_ms, self.speedup)
+        {
+            self.error = Some(e);
+        }
+    }
+
+    fn tick_every(&self) -> Option<Micros> {
+        // Every 100 ms of wall time.
+        Some((100_000.0 * self.speedup) as Micros)
+    }
+}
+
+/// Decisions from a `kvc-router` over gRPC.
+struct RemoteDecider {
+    rt: tokio::runtime::Runtime,
+    client: RouterClient<Channel>,
+    names: Vec<String>,
+    failures: usize,
+    last_error: Option<String>,
+}
+
+impl RemoteDecider {
+    fn call<T>(
+        &mut self,
+        f: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Option<T> {
+        match self.rt.block_on(f) {
+            Ok(r) => Some(r.into_inner()),
+            Err(status) => {
+                self.failures += 1;
+                self.last_error = Some(status.to_string());
+                None
+            }
+        }
+    }
+}
+
+impl Decider for RemoteDecider {
+    fn route(&mut self, _cluster: &ClusterView<'_>, req: &RouteRequest<'_>) -> Option<Routed> {
+        let msg = pb::RouteRequest {
+            request_id: req.request_id.0,
+            session_id: req.session.map(|s| s.0),
+            turn_id: req.turn.map(|t| t.0),
+            input_length: req.input_length,
+            output_hint: req.output_hint,
+            hash_ids: req.hash_ids.iter().map(|h| h.0).collect(),
+            rejected_by: req.rejected_by.map(|w| w.0),
+        };
+        let mut client = self.client.clone();
+        let d = self.call(async move { client.route(msg).await })?;
+        let mode = ExecutionMode::from_proto(d.mode).ok()?;
+        let reason = d
+            .fall_through_reason
+            .and_then(|r| FallThroughReason::from_proto(r).ok());
+        let decode = WorkerId(d.decode_worker);
+        if decode.0 as usize >= self.names.len() {
+            self.failures += 1;
+            self.last_error = Some(format!("router named unknown worker {}", d.decode_worker));
+            return None;
+        }
+        Some(Routed {
+            mode,
+            decode,
+            prefill: d.prefill_worker.map(WorkerId),
+            reason,
+            need_tokens: d.need_tokens,
+            recommended_pause_ms: d.recommended_pause_ms,
+            decision_id: d.decision_id,
+            change: None,
+        })
+    }
+
+    fn carried_out(&mut self, _routed: &Routed) {}
+
+    fn observe(&mut self, event: &Observation, routed: Option<&Routed>) {
+        if let (
+            Observation::Completed {
+                request_id,
+                outcome,
+                resident_tokens,
+                ..
+            },
+            Some(r),
+        ) = (event, routed)
+        {
+            let msg = pb::OutcomeReport {
+                decision_id: r.decision_id,
+                request_id: request_id.0,
+                outcome: outcome.to_proto(),
+                resident_tokens: *resident_tokens,
+            };
+            let mut client = self.client.clone();
+            let _ = self.call(async move { client.report_outcome(msg).await });
+        }
+    }
+}
+
+/// A router started in this process, stopped when dropped.
+struct SpawnedRouter {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for SpawnedRouter {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// Runs the live replay of `trace` under `cfg` (its policy is used when the router is spawned
+/// here). `progress` gets (completed, total).
+pub fn live(
+    trace: &Trace,
+    cfg: &SimConfig,
+    opts: &LiveOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<SimOutput, LiveError> {
+    if !(opts.speedup.is_finite() && opts.speedup > 0.0) {
+        return Err(LiveError::Invalid(format!(
+            "speedup must be a positive number (got {})",
+            opts.speedup
+        )));
+    }
+    let roles = worker_roles(cfg.topology);
+    if opts.table_slots == 0 {
+        return Err(LiveError::Invalid("table slots must be at least 1".into()));
+    }
+    let mut publisher = Publisher::create(cfg, opts)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| LiveError::Router(format!("cannot start the async runtime: {e}")))?;
+    let start_wall_ms = SystemClock.now_ms();
+    // Publish once so the router finds fresh snapshots from its first read.
+    let engine_for_first = crate::sim::engine::Engine::new(
+        cfg.profile.clone(),
+        crate::sim::engine::EngineOptions {
+            eviction: kvc_admission::EvictionConfig::default(),
+            block_size: kvc_core::BlockSize::default(),
+        },
+        &roles,
+        0,
+        0.0,
+    );
+    publisher.publish(&engine_for_first, start_wall_ms, opts.speedup)?;
+    let mut _spawned = None;
+    let uri = match &opts.router {
+        RouterTarget::Address(a) => a.clone(),
+        RouterTarget::Spawn => {
+            let rc = router_config(
+                cfg,
+                &opts.snapshot_dir,
+                "127.0.0.1:0".parse().expect("loopback address"),
+                None,
+            );
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let running = rt
+                .block_on(kvc_router::serve(rc, async move {
+                    let _ = rx.await;
+                }))
+                .map_err(|e| LiveError::Router(format!("cannot start the router: {e}")))?;
+            let addr = running.grpc_addr();
+            rt.spawn(async move {
+                let _ = running.wait().await;
+            });
+            _spawned = Some(SpawnedRouter { stop: Some(tx) });
+            format!("http://{addr}")
+        }
+    };
+    // Connect, retrying until the router answers Ping (it may still be starting).
+    let deadline = Instant::now() + opts.connect_timeout;
+    let client = loop {
+        let attempt = rt.block_on(async {
+            let mut c = RouterClient::connect(uri.clone())
+                .await
+                .map_err(|e| e.to_string())?;
+            c.ping(pb::PingRequest {})
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(c)
+        });
+        match attempt {
+            Ok(c) => break c,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(LiveError::Router(format!("no answer from {uri}: {e}")));
+            }
+            Err(_) => {
+                publisher.publish(&engine_for_first, start_wall_ms, opts.speedup)?;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    let mut decider = RemoteDecider {
+        rt,
+        client,
+        names: crate::sim::worker_names(&roles),
+        failures: 0,
+        last_error: None,
+    };
+    let mut hooks = LiveHooks {
+        start: Instant::now(),
+        start_wall_ms: SystemClock.now_ms(),
+        speedup: opts.speedup,
+        publisher,
+        error: None,
+        max_lag: 0,
+    };
+    let out = run(trace, cfg, &mut decider, &mut hooks, progress)?;
+    if let Some(e) = hooks.error {
+        return Err(e);
+    }
+    if decider.failures > 0 {
+        eprintln!(
+            "kvc-replay live: {} router call(s) failed; last: {}",
+            decider.failures,
+            decider.last_error.unwrap_or_default()
+        );
+    }
+    if hooks.max_lag > 0 {
+        eprintln!(
+            "kvc-replay live: fell behind the wall clock by up to {:.3} s of trace time",
+            hooks.max_lag as f64 / 1e6
+        );
+    }
+    Ok(out)
+}

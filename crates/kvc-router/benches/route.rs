@@ -1,0 +1,176 @@
+//! `Route` over loopback gRPC at 32 concurrent requests versus a no-op RPC (`Ping`) on the same
+//! server stack, and the router's own decision latency.
+//!
+//! ```text
+//! CARGO_TARGET_DIR=/work/tgt-router cargo bench -p kvc-router --bench route -- \
+//!     --warm-up-time 0.5 --measurement-time 2
+//! ```
+//!
+//! Bench ids: `router/route_rps`, `router/noop_rps` (throughput in requests per second). After
+//! them it prints the Route/Ping throughput ratio from a fixed run of each and the decision
+//! latency quantiles recorded by the router's histogram.
+#![allow(missing_docs)]
+
+use criterion::{Criterion, Throughput};
+use kvc_core::{WorkerId, WorkerRole};
+use kvc_router::pb::router_client::RouterClient;
+use kvc_router::{RouterConfig, RunningRouter, WorkerConfig, pb};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+const STREAMS: u64 = 32;
+const SESSIONS: u64 = 4_096;
+
+struct Fixture {
+    rt: tokio::runtime::Runtime,
+    router: RunningRouter,
+    client: RouterClient<Channel>,
+    next: Arc<AtomicU64>,
+    _dir: std::path::PathBuf,
+    _writers: Vec<kvc_admission::SnapshotWriter>,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = std::env::temp_dir().join(format!("kvc-router-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let now = {
+            use kvc_admission::Clock;
+            kvc_admission::SystemClock.now_ms()
+        };
+        let mut cfg = RouterConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            metrics_listen: None,
+            // The snapshots are published once; keep them fresh for the whole run.
+            stale_after_ms: 3_600_000,
+            max_pending_decisions: 10_000,
+            ..RouterConfig::default()
+        };
+        let mut writers = Vec::new();
+        for (i, role) in [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode]
+            .into_iter()
+            .enumerate()
+        {
+            let path = dir.join(format!("w{i}.snap"));
+            let mut w =
+                kvc_admission::SnapshotWriter::create(&path, WorkerId(i as u32), 92_000, 64)
+                    .unwrap();
+            let mut d = w.empty_data();
+            d.free_tokens = 92_000;
+            d.publish_ms = now;
+            w.publish(&d).unwrap();
+            writers.push(w);
+            cfg.workers.push(WorkerConfig {
+                id: i as u32,
+                name: None,
+                role,
+                capacity_tokens: 92_000,
+                snapshot: Some(path),
+                address: None,
+            });
+        }
+        let (router, client) = rt.block_on(async {
+            let router = kvc_router::serve(cfg, std::future::pending())
+                .await
+                .unwrap();
+            let client = RouterClient::connect(format!("http://{}", router.grpc_addr()))
+                .await
+                .unwrap();
+            (router, client)
+        });
+        Fixture {
+            rt,
+            router,
+            client,
+            next: Arc::new(AtomicU64::new(0)),
+            _dir: dir,
+            _writers: writers,
+        }
+    }
+
+    /// `total` calls spread over 32 concurrent tasks; returns the wall time.
+    fn run(&self, total: u64, route: bool) -> Duration {
+        self.rt.block_on(async {
+            let started = Instant::now();
+            let mut tasks = Vec::with_capacity(STREAMS as usize);
+            for s in 0..STREAMS {
+                let n = total / STREAMS + u64::from(s < total % STREAMS);
+                let mut client = self.client.clone();
+                let next = Arc::clone(&self.next);
+                tasks.push(tokio::spawn(async move {
+                    for _ in 0..n {
+                        if route {
+                            let r = next.fetch_add(1, Ordering::Relaxed);
+                            let session = r % SESSIONS;
+                            let base = session * 64;
+                            let req = pb::RouteRequest {
+                                request_id: r,
+                                session_id: Some(session),
+                                turn_id: None,
+                                input_length: 1_300,
+                                output_hint: 40,
+                                hash_ids: vec![base + 1, base + 2, base + 3],
+                                rejected_by: None,
+                            };
+                            client.route(req).await.unwrap();
+                        } else {
+                            client.ping(pb::PingRequest {}).await.unwrap();
+                        }
+                    }
+                }));
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+            started.elapsed()
+        })
+    }
+}
+
+fn main() {
+    let mut c = Criterion::default().sample_size(10).configure_from_args();
+    let f = Fixture::new();
+    {
+        let mut g = c.benchmark_group("router");
+        g.throughput(Throughput::Elements(1));
+        g.bench_function("route_rps", |b| b.iter_custom(|iters| f.run(iters, true)));
+        g.bench_function("noop_rps", |b| b.iter_custom(|iters| f.run(iters, false)));
+        g.finish();
+    }
+
+    // A fixed, bounded run of each for the ratio.
+    const CALLS: u64 = 20_000;
+    let ping = f.run(CALLS, false);
+    let route = f.run(CALLS, true);
+    let rps = |d: Duration| CALLS as f64 / d.as_secs_f64();
+    let m = f.router.service().metrics();
+    println!(
+        "router: {CALLS} calls x {STREAMS} streams: route {:.0} req/s, ping {:.0} req/s, route/ping throughput ratio {:.3}",
+        rps(route),
+        rps(ping),
+        rps(route) / rps(ping)
+    );
+    println!(
+        "router: decision latency over {} decisions: p50 {:?}, p99 {:?}, p99.9 {:?}",
+        m.decision_count(),
+        m.decision_latency(0.5),
+        m.decision_latency(0.99),
+        m.decision_latency(0.999)
+    );
+    f.router.shutdown();
+    let Fixture {
+        rt, router, _dir, ..
+    } = f;
+    rt.block_on(async {
+        let _ = tokio::time::timeout(Duration::from_secs(10), router.wait()).await;
+    });
+    let _ = std::fs::remove_dir_all(&_dir);
+    c.final_summary();
+}

@@ -1,0 +1,146 @@
+//! `kvc-router`: the kvc routing service (gRPC `kvc.v1.Router`, Prometheus `/metrics`).
+//!
+//! Reads a TOML configuration (see `crates/kvc-router/examples/router.toml`), applies the
+//! command-line overrides, serves until SIGTERM or SIGINT, then stops gracefully. Once both
+//! listeners are bound it prints one line on stdout:
+//! `kvc-router grpc=<addr> metrics=<addr|none>`.
+
+use anyhow::Context as _;
+use clap::Parser;
+use kvc_policy::PolicyConfig;
+use kvc_router::RouterConfig;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// The kvc routing service: routes agent-session requests across prefill/decode workers from
+/// live worker state, with a snapshot probe before every direct-to-D decision.
+#[derive(Debug, Parser)]
+#[command(name = "kvc-router", version, about, long_about = None)]
+struct Cli {
+    /// TOML configuration file (listen addresses, workers, policy and knobs, session limits).
+    /// Without it, the defaults are used: no workers, 127.0.0.1:50051 and 127.0.0.1:9464.
+    #[arg(long, short = 'c', value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    /// gRPC listen address (overrides `listen`; port 0 picks a free port).
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+
+    /// Prometheus /metrics listen address (overrides `metrics-listen`; port 0 picks a free port).
+    #[arg(long, value_name = "ADDR", conflicts_with = "no_metrics")]
+    metrics_listen: Option<SocketAddr>,
+
+    /// Serve no /metrics endpoint.
+    #[arg(long)]
+    no_metrics: bool,
+
+    /// Routing policy by name, with its default knobs (overrides the `[policy]` table):
+    /// round-robin, cache-aware, kv-aware-v0 or kvc-v2.
+    #[arg(long, value_name = "NAME")]
+    policy: Option<String>,
+
+    /// Forget a session after this many milliseconds without a request (overrides
+    /// `sessions.ttl-ms`).
+    #[arg(long, value_name = "MS")]
+    session_ttl_ms: Option<u64>,
+
+    /// Most sessions tracked; the least recently seen is forgotten beyond it (overrides
+    /// `sessions.max`).
+    #[arg(long, value_name = "N")]
+    max_sessions: Option<usize>,
+
+    /// A worker whose state is older than this is out of rotation (overrides `stale-after-ms`).
+    #[arg(long, value_name = "MS")]
+    stale_after_ms: Option<u64>,
+
+    /// Log filter in `tracing` env-filter syntax (default: `RUST_LOG`, else `info`).
+    #[arg(long, value_name = "FILTER")]
+    log: Option<String>,
+}
+
+fn load(cli: &Cli) -> anyhow::Result<RouterConfig> {
+    let mut cfg = match &cli.config {
+        Some(path) => RouterConfig::from_file(path)?,
+        None => RouterConfig::default(),
+    };
+    if let Some(a) = cli.listen {
+        cfg.listen = a;
+    }
+    if cli.no_metrics {
+        cfg.metrics_listen = None;
+    } else if let Some(a) = cli.metrics_listen {
+        cfg.metrics_listen = Some(a);
+    }
+    if let Some(p) = &cli.policy {
+        cfg.policy = PolicyConfig::from_name(p)?;
+    }
+    if let Some(v) = cli.session_ttl_ms {
+        cfg.sessions.ttl_ms = v;
+    }
+    if let Some(v) = cli.max_sessions {
+        cfg.sessions.max_sessions = v;
+    }
+    if let Some(v) = cli.stale_after_ms {
+        cfg.stale_after_ms = v;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+                    _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; SIGINT only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = match &cli.log {
+        Some(f) => tracing_subscriber::EnvFilter::try_new(f).context("invalid --log filter")?,
+        None => tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let config = load(&cli)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    runtime.block_on(async move {
+        let router = kvc_router::serve(config, shutdown_signal()).await?;
+        let metrics = router
+            .metrics_addr()
+            .map_or_else(|| "none".to_owned(), |a| a.to_string());
+        let mut out = std::io::stdout().lock();
+        writeln!(
+            out,
+            "kvc-router grpc={} metrics={metrics}",
+            router.grpc_addr()
+        )?;
+        out.flush()?;
+        drop(out);
+        router.wait().await?;
+        anyhow::Ok(())
+    })
+}

@@ -1,0 +1,626 @@
+//! Router metrics: lock-free counters, a decision-latency histogram, and the Prometheus text
+//! exposition (format 0.0.4) served on `/metrics`.
+//!
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `kvc_router_decisions_total` | counter | `mode`, `reason` (`none` when direct or first turn) |
+//! | `kvc_router_route_errors_total` | counter | `code` (gRPC code name, e.g. `invalid_argument`) |
+//! | `kvc_router_decision_latency_seconds` | histogram | — |
+//! | `kvc_router_decision_latency_quantile_seconds` | gauge | `quantile` (0.5, 0.99, 0.999) |
+//! | `kvc_router_probes_total` | counter | `result` (`admit`, `reject`, `stale`, `contended`, `state`) |
+//! | `kvc_router_probe_reroutes_total` | counter | — |
+//! | `kvc_router_commit_evicts_total` | counter | `result` (`admitted`, `rejected`, `busy`, `error`) |
+//! | `kvc_router_outcomes_total` | counter | `outcome` |
+//! | `kvc_router_sessions_tracked` | gauge | — |
+//! | `kvc_router_sessions_forgotten_total` | counter | `cause` (`expired`, `evicted`) |
+//! | `kvc_router_pending_decisions` | gauge | — |
+//! | `kvc_router_pending_dropped_total` | counter | — |
+//! | `kvc_router_worker_capacity_tokens` | gauge | `worker`, `name`, `role` |
+//! | `kvc_router_worker_used_tokens` | gauge | `worker`, `name`, `role` |
+//! | `kvc_router_worker_used_fraction` | gauge | `worker`, `name`, `role` |
+//! | `kvc_router_worker_queue_depth` | gauge | `worker`, `name`, `role` |
+//! | `kvc_router_worker_in_flight` | gauge | `worker`, `name`, `role` |
+//! | `kvc_router_worker_state_age_seconds` | gauge | `worker`, `name`, `role` (staleness) |
+//! | `kvc_router_worker_health` | gauge | `worker`, `name`, `role`, `health` (1 for the current health) |
+
+use kvc_core::{ExecutionMode, FallThroughReason, Health, Outcome, StableName, WorkerRole};
+use kvc_core::{WorkerId, WorkerState};
+use parking_lot::Mutex;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds of the latency histogram buckets, in seconds (`+Inf` is implicit).
+pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
+    0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+const MODES: usize = 5;
+const REASONS: usize = 7; // "none" + 6 reasons
+const OUTCOMES: usize = 6;
+
+/// The result of one admission probe, as counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeKind {
+    /// The snapshot is fresh and has room.
+    Admit,
+    /// The snapshot is fresh and has no room.
+    Reject,
+    /// The snapshot is stale (or was never published).
+    Stale,
+    /// Every read attempt overlapped a publish.
+    Contended,
+    /// No snapshot: answered from the last polled state.
+    State,
+}
+
+impl ProbeKind {
+    const ALL: [ProbeKind; 5] = [
+        ProbeKind::Admit,
+        ProbeKind::Reject,
+        ProbeKind::Stale,
+        ProbeKind::Contended,
+        ProbeKind::State,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            ProbeKind::Admit => "admit",
+            ProbeKind::Reject => "reject",
+            ProbeKind::Stale => "stale",
+            ProbeKind::Contended => "contended",
+            ProbeKind::State => "state",
+        }
+    }
+}
+
+/// The result of one `CommitEvict`, as counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitKind {
+    /// The worker made room.
+    Admitted,
+    /// The worker could not make room.
+    Rejected,
+    /// The worker's commit queue was full.
+    Busy,
+    /// The worker did not answer or failed.
+    Error,
+}
+
+impl CommitKind {
+    const ALL: [CommitKind; 4] = [
+        CommitKind::Admitted,
+        CommitKind::Rejected,
+        CommitKind::Busy,
+        CommitKind::Error,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            CommitKind::Admitted => "admitted",
+            CommitKind::Rejected => "rejected",
+            CommitKind::Busy => "busy",
+            CommitKind::Error => "error",
+        }
+    }
+}
+
+const ERROR_CODES: [tonic::Code; 7] = [
+    tonic::Code::InvalidArgument,
+    tonic::Code::NotFound,
+    tonic::Code::FailedPrecondition,
+    tonic::Code::Unavailable,
+    tonic::Code::DeadlineExceeded,
+    tonic::Code::ResourceExhausted,
+    tonic::Code::Internal,
+];
+
+fn code_label(code: tonic::Code) -> &'static str {
+    match code {
+        tonic::Code::InvalidArgument => "invalid_argument",
+        tonic::Code::NotFound => "not_found",
+        tonic::Code::FailedPrecondition => "failed_precondition",
+        tonic::Code::Unavailable => "unavailable",
+        tonic::Code::DeadlineExceeded => "deadline_exceeded",
+        tonic::Code::ResourceExhausted => "resource_exhausted",
+        _ => "internal",
+    }
+}
+
+/// One worker as the metrics report it.
+#[derive(Debug, Clone)]
+pub struct WorkerSample {
+    /// The worker.
+    pub id: WorkerId,
+    /// Its display name.
+    pub name: String,
+    /// Its role.
+    pub role: WorkerRole,
+    /// Its last known state (health included).
+    pub state: WorkerState,
+}
+
+/// Gauges read at scrape time.
+#[derive(Debug, Clone, Default)]
+pub struct Gauges {
+    /// Every worker.
+    pub workers: Vec<WorkerSample>,
+    /// Sessions in the session table.
+    pub sessions_tracked: usize,
+    /// Decisions awaiting an outcome report.
+    pub pending_decisions: usize,
+}
+
+/// The router's counters and histograms. Recording is lock-free except for the quantile
+/// histogram (one short uncontended-in-practice lock per decision).
+#[derive(Debug)]
+pub struct Metrics {
+    decisions: [[AtomicU64; REASONS]; MODES],
+    route_errors: [AtomicU64; ERROR_CODES.len()],
+    latency_buckets: [AtomicU64; LATENCY_BUCKETS_SECONDS.len() + 1],
+    latency_sum_ns: AtomicU64,
+    latency_count: AtomicU64,
+    latency_hist: Mutex<hdrhistogram::Histogram<u64>>,
+    probes: [AtomicU64; 5],
+    reroutes: AtomicU64,
+    commits: [AtomicU64; 4],
+    outcomes: [AtomicU64; OUTCOMES],
+    forgotten_expired: AtomicU64,
+    forgotten_evicted: AtomicU64,
+    pending_dropped: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn mode_index(m: ExecutionMode) -> usize {
+    ExecutionMode::ALL.iter().position(|x| *x == m).unwrap_or(0)
+}
+
+fn reason_index(r: Option<FallThroughReason>) -> usize {
+    r.map_or(0, |r| {
+        1 + FallThroughReason::ALL
+            .iter()
+            .position(|x| *x == r)
+            .unwrap_or(0)
+    })
+}
+
+impl Metrics {
+    /// All counters at zero.
+    pub fn new() -> Self {
+        // 1 ns to 60 s at 3 significant figures.
+        let hist = hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 3)
+            .expect("constant histogram bounds are valid");
+        Metrics {
+            decisions: Default::default(),
+            route_errors: Default::default(),
+            latency_buckets: Default::default(),
+            latency_sum_ns: AtomicU64::new(0),
+            latency_count: AtomicU64::new(0),
+            latency_hist: Mutex::new(hist),
+            probes: Default::default(),
+            reroutes: AtomicU64::new(0),
+            commits: Default::default(),
+            outcomes: Default::default(),
+            forgotten_expired: AtomicU64::new(0),
+            forgotten_evicted: AtomicU64::new(0),
+            pending_dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts a decision.
+    pub fn record_decision(&self, mode: ExecutionMode, reason: Option<FallThroughReason>) {
+        self.decisions[mode_index(mode)][reason_index(reason)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Decisions counted with this mode and reason.
+    pub fn decisions(&self, mode: ExecutionMode, reason: Option<FallThroughReason>) -> u64 {
+        self.decisions[mode_index(mode)][reason_index(reason)].load(Ordering::Relaxed)
+    }
+
+    /// Counts a failed `Route`.
+    pub fn record_route_error(&self, code: tonic::Code) {
+        let label = code_label(code);
+        if let Some(i) = ERROR_CODES.iter().position(|c| code_label(*c) == label) {
+            self.route_errors[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Records the latency of one decision.
+    pub fn record_latency(&self, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        let bucket = LATENCY_BUCKETS_SECONDS
+            .iter()
+            .position(|le| secs <= *le)
+            .unwrap_or(LATENCY_BUCKETS_SECONDS.len());
+        self.latency_buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        self.latency_sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.latency_count.fetch_add(1, Ordering::Relaxed);
+        self.latency_hist.lock().saturating_record(ns.max(1));
+    }
+
+    /// The decision latency at quantile `q` in `[0, 1]` (zero before any decision).
+    pub fn decision_latency(&self, q: f64) -> Duration {
+        let h = self.latency_hist.lock();
+        if h.is_empty() {
+            return Duration::ZERO;
+        }
+        Duration::from_nanos(h.value_at_quantile(q.clamp(0.0, 1.0)))
+    }
+
+    /// Decisions whose latency was recorded.
+    pub fn decision_count(&self) -> u64 {
+        self.latency_count.load(Ordering::Relaxed)
+    }
+
+    /// Counts a probe.
+    pub fn record_probe(&self, kind: ProbeKind) {
+        let i = ProbeKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
+        self.probes[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Probes counted with this result.
+    pub fn probes(&self, kind: ProbeKind) -> u64 {
+        let i = ProbeKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
+        self.probes[i].load(Ordering::Relaxed)
+    }
+
+    /// Counts a re-route after a probe reject.
+    pub fn record_reroute(&self) {
+        self.reroutes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a `CommitEvict`.
+    pub fn record_commit(&self, kind: CommitKind) {
+        let i = CommitKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
+        self.commits[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts an outcome report.
+    pub fn record_outcome(&self, outcome: Outcome) {
+        let i = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.outcomes[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts sessions leaving the table (`expired` by TTL or `evicted` by the bound).
+    pub fn record_forgotten(&self, expired: u64, evicted: u64) {
+        self.forgotten_expired.fetch_add(expired, Ordering::Relaxed);
+        self.forgotten_evicted.fetch_add(evicted, Ordering::Relaxed);
+    }
+
+    /// Counts pending decisions dropped unreported.
+    pub fn record_pending_dropped(&self, n: u64) {
+        self.pending_dropped.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition (format 0.0.4) of every metric.
+    pub fn render(&self, gauges: &Gauges) -> String {
+        let mut out = String::with_capacity(8 * 1024);
+        let o = &mut out;
+
+        header(
+            o,
+            "kvc_router_decisions_total",
+            "counter",
+            "Routing decisions by execution mode and fall-through reason.",
+        );
+        for (mi, mode) in ExecutionMode::ALL.iter().enumerate() {
+            for ri in 0..REASONS {
+                let reason = if ri == 0 {
+                    "none"
+                } else {
+                    FallThroughReason::ALL[ri - 1].as_str()
+                };
+                let v = self.decisions[mi][ri].load(Ordering::Relaxed);
+                let _ = writeln!(
+                    o,
+                    "kvc_router_decisions_total{{mode=\"{}\",reason=\"{reason}\"}} {v}",
+                    mode.as_str()
+                );
+            }
+        }
+
+        header(
+            o,
+            "kvc_router_route_errors_total",
+            "counter",
+            "Route calls that failed, by gRPC status code.",
+        );
+        for (i, code) in ERROR_CODES.iter().enumerate() {
+            let v = self.route_errors[i].load(Ordering::Relaxed);
+            let _ = writeln!(
+                o,
+                "kvc_router_route_errors_total{{code=\"{}\"}} {v}",
+                code_label(*code)
+            );
+        }
+
+        header(
+            o,
+            "kvc_router_decision_latency_seconds",
+            "histogram",
+            "Time to decide one Route call inside the router (validation, policy, probe, re-route).",
+        );
+        let mut cumulative = 0u64;
+        for (i, le) in LATENCY_BUCKETS_SECONDS.iter().enumerate() {
+            cumulative += self.latency_buckets[i].load(Ordering::Relaxed);
+            let _ = writeln!(
+                o,
+                "kvc_router_decision_latency_seconds_bucket{{le=\"{le}\"}} {cumulative}"
+            );
+        }
+        cumulative += self.latency_buckets[LATENCY_BUCKETS_SECONDS.len()].load(Ordering::Relaxed);
+        let _ = writeln!(
+            o,
+            "kvc_router_decision_latency_seconds_bucket{{le=\"+Inf\"}} {cumulative}"
+        );
+        let sum = self.latency_sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(o, "kvc_router_decision_latency_seconds_sum {sum}");
+        let _ = writeln!(o, "kvc_router_decision_latency_seconds_count {cumulative}");
+
+        header(
+            o,
+            "kvc_router_decision_latency_quantile_seconds",
+            "gauge",
+            "Decision latency quantiles since start, from the router's HDR histogram.",
+        );
+        for q in [0.5, 0.99, 0.999] {
+            let v = self.decision_latency(q).as_secs_f64();
+            let _ = writeln!(
+                o,
+                "kvc_router_decision_latency_quantile_seconds{{quantile=\"{q}\"}} {v}"
+            );
+        }
+
+        header(
+            o,
+            "kvc_router_probes_total",
+            "counter",
+            "Admission probes of decode-worker snapshots, by result.",
+        );
+        for (i, k) in ProbeKind::ALL.iter().enumerate() {
+            let v = self.probes[i].load(Ordering::Relaxed);
+            let _ = writeln!(o, "kvc_router_probes_total{{result=\"{}\"}} {v}", k.label());
+        }
+        header(
+            o,
+            "kvc_router_probe_reroutes_total",
+            "counter",
+            "Requests re-routed through a prefill worker after a probe could not admit them.",
+        );
+        let _ = writeln!(
+            o,
+            "kvc_router_probe_reroutes_total {}",
+            self.reroutes.load(Ordering::Relaxed)
+        );
+
+        header(
+            o,
+            "kvc_router_commit_evicts_total",
+            "counter",
+            "CommitEvict calls forwarded to workers, by result.",
+        );
+        for (i, k) in CommitKind::ALL.iter().enumerate() {
+            let v = self.commits[i].load(Ordering::Relaxed);
+            let _ = writeln!(
+                o,
+                "kvc_router_commit_evicts_total{{result=\"{}\"}} {v}",
+                k.label()
+            );
+        }
+
+        header(
+            o,
+            "kvc_router_outcomes_total",
+            "counter",
+            "Outcomes reported for routed requests.",
+        );
+        for (i, outcome) in Outcome::ALL.iter().enumerate() {
+            let v = self.outcomes[i].load(Ordering::Relaxed);
+            let _ = writeln!(
+                o,
+                "kvc_router_outcomes_total{{outcome=\"{}\"}} {v}",
+                outcome.as_str()
+            );
+        }
+
+        header(
+            o,
+            "kvc_router_sessions_tracked",
+            "gauge",
+            "Sessions in the router's session table.",
+        );
+        let _ = writeln!(o, "kvc_router_sessions_tracked {}", gauges.sessions_tracked);
+        header(
+            o,
+            "kvc_router_sessions_forgotten_total",
+            "counter",
+            "Sessions dropped from the table, by cause.",
+        );
+        let _ = writeln!(
+            o,
+            "kvc_router_sessions_forgotten_total{{cause=\"expired\"}} {}",
+            self.forgotten_expired.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "kvc_router_sessions_forgotten_total{{cause=\"evicted\"}} {}",
+            self.forgotten_evicted.load(Ordering::Relaxed)
+        );
+        header(
+            o,
+            "kvc_router_pending_decisions",
+            "gauge",
+            "Decisions awaiting an outcome report.",
+        );
+        let _ = writeln!(
+            o,
+            "kvc_router_pending_decisions {}",
+            gauges.pending_decisions
+        );
+        header(
+            o,
+            "kvc_router_pending_dropped_total",
+            "counter",
+            "Decisions dropped unreported (pending table full).",
+        );
+        let _ = writeln!(
+            o,
+            "kvc_router_pending_dropped_total {}",
+            self.pending_dropped.load(Ordering::Relaxed)
+        );
+
+        worker_gauges(o, &gauges.workers);
+        out
+    }
+}
+
+fn header(o: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(o, "# HELP {name} {help}");
+    let _ = writeln!(o, "# TYPE {name} {kind}");
+}
+
+/// Escapes a label value for the text format (`\`, `"` and newline).
+fn escape(v: &str) -> String {
+    let mut s = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => s.push_str("\\\\"),
+            '"' => s.push_str("\\\""),
+            '\n' => s.push_str("\\n"),
+            c => s.push(c),
+        }
+    }
+    s
+}
+
+fn worker_gauges(o: &mut String, workers: &[WorkerSample]) {
+    type Getter = fn(&WorkerState) -> f64;
+    let series: [(&str, &str, Getter); 6] = [
+        (
+            "kvc_router_worker_capacity_tokens",
+            "KV pool size of each worker, in tokens.",
+            |s| s.capacity_tokens as f64,
+        ),
+        (
+            "kvc_router_worker_used_tokens",
+            "KV tokens used on each worker, as last published.",
+            |s| s.used_tokens as f64,
+        ),
+        (
+            "kvc_router_worker_used_fraction",
+            "Used fraction of each worker's KV pool, as last published.",
+            |s| s.used_fraction(),
+        ),
+        (
+            "kvc_router_worker_queue_depth",
+            "Queue depth of each worker, as last published.",
+            |s| f64::from(s.queue_depth),
+        ),
+        (
+            "kvc_router_worker_in_flight",
+            "Requests running on each worker, as last published.",
+            |s| f64::from(s.in_flight),
+        ),
+        (
+            "kvc_router_worker_state_age_seconds",
+            "Age of each worker's last published state (staleness).",
+            |s| {
+                if s.state_age_ms == u64::MAX {
+                    f64::INFINITY
+                } else {
+                    s.state_age_ms as f64 / 1e3
+                }
+            },
+        ),
+    ];
+    for (name, help, get) in series {
+        header(o, name, "gauge", help);
+        for w in workers {
+            let v = get(&w.state);
+            let v = if v.is_infinite() {
+                "+Inf".to_owned()
+            } else {
+                v.to_string()
+            };
+            let _ = writeln!(
+                o,
+                "{name}{{worker=\"{}\",name=\"{}\",role=\"{}\"}} {v}",
+                w.id.0,
+                escape(&w.name),
+                w.role.as_str()
+            );
+        }
+    }
+    header(
+        o,
+        "kvc_router_worker_health",
+        "gauge",
+        "1 for each worker's current health (healthy workers are in rotation), 0 otherwise.",
+    );
+    for w in workers {
+        for h in Health::ALL {
+            let v = u8::from(w.state.health == *h);
+            let _ = writeln!(
+                o,
+                "kvc_router_worker_health{{worker=\"{}\",name=\"{}\",role=\"{}\",health=\"{}\"}} {v}",
+                w.id.0,
+                escape(&w.name),
+                w.role.as_str(),
+                h.as_str()
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_buckets_are_cumulative_and_quantiles_ordered() {
+        let m = Metrics::new();
+        for us in [3u64, 7, 20, 40, 2_000_000] {
+            m.record_latency(Duration::from_micros(us));
+        }
+        let text = m.render(&Gauges::default());
+        assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"0.000005\"} 1\n"));
+        assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"0.00005\"} 4\n"));
+        assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"1\"} 4\n"));
+        assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"+Inf\"} 5\n"));
+        assert!(text.contains("kvc_router_decision_latency_seconds_count 5\n"));
+        assert!(m.decision_latency(0.5) <= m.decision_latency(0.99));
+        assert!(m.decision_latency(0.99) >= Duration::from_secs(1));
+        assert_eq!(m.decision_count(), 5);
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn decisions_count_by_mode_and_reason() {
+        let m = Metrics::new();
+        m.record_decision(
+            ExecutionMode::Fallback,
+            Some(FallThroughReason::SessionCapRejected),
+        );
+        m.record_decision(ExecutionMode::DirectToD, None);
+        m.record_decision(ExecutionMode::DirectToD, None);
+        assert_eq!(m.decisions(ExecutionMode::DirectToD, None), 2);
+        let text = m.render(&Gauges::default());
+        assert!(text.contains(
+            "kvc_router_decisions_total{mode=\"fallback\",reason=\"session-cap-rejected\"} 1\n"
+        ));
+        assert!(
+            text.contains("kvc_router_decisions_total{mode=\"direct-to-d\",reason=\"none\"} 2\n")
+        );
+    }
+}

@@ -1,0 +1,350 @@
+//! Running the router: bind the gRPC and metrics listeners, start the background tasks, stop
+//! on a shutdown future.
+
+use crate::config::RouterConfig;
+use crate::error::ServeError;
+use crate::grpc::{LocalWorker, RouterGrpc};
+use crate::pb;
+use crate::service::RouterService;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+
+/// A router serving in this process.
+#[derive(Debug)]
+pub struct RunningRouter {
+    grpc_addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    service: Arc<RouterService>,
+    stop: CancellationToken,
+    task: JoinHandle<Result<(), ServeError>>,
+}
+
+impl RunningRouter {
+    /// The bound gRPC address (the real port when the configuration asked for port 0).
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+
+    /// The bound metrics address, if metrics are served.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The service behind the listeners.
+    pub fn service(&self) -> &Arc<RouterService> {
+        &self.service
+    }
+
+    /// Starts a graceful shutdown (as if the shutdown future had completed).
+    pub fn shutdown(&self) {
+        self.stop.cancel();
+    }
+
+    /// Waits until the servers and background tasks have stopped.
+    pub async fn wait(self) -> Result<(), ServeError> {
+        self.task
+            .await
+            .map_err(|e| ServeError::Join(e.to_string()))?
+    }
+}
+
+/// Builds a [`RouterService`] from `config` and serves it until `shutdown` completes.
+///
+/// Returns once both listeners are bound (port 0 picks a free port; see
+/// [`RunningRouter::grpc_addr`]). Serves `kvc.v1.Router`, `grpc.health.v1.Health` and gRPC
+/// reflection on the gRPC address, and Prometheus text on `/metrics` at the metrics address.
+/// Must be called within a tokio runtime.
+pub async fn serve(
+    config: RouterConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<RunningRouter, ServeError> {
+    let service = Arc::new(RouterService::new(config)?);
+    serve_service(service, shutdown).await
+}
+
+/// Serves an existing [`RouterService`] (e.g. one on a test clock) until `shutdown` completes.
+pub async fn serve_service(
+    service: Arc<RouterService>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<RunningRouter, ServeError> {
+    let config = service.config().clone();
+    let grpc_listener =
+        TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| ServeError::Bind {
+                what: "grpc",
+                addr: config.listen,
+                source,
+            })?;
+    let grpc_addr = grpc_listener
+        .local_addr()
+        .map_err(|source| ServeError::Bind {
+            what: "grpc",
+            addr: config.listen,
+            source,
+        })?;
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind {
+                    what: "metrics",
+                    addr,
+                    source,
+                })?,
+        ),
+        None => None,
+    };
+    let metrics_addr = match &metrics_listener {
+        Some(l) => Some(l.local_addr().map_err(|source| ServeError::Bind {
+            what: "metrics",
+            addr: config.metrics_listen.unwrap_or(grpc_addr),
+            source,
+        })?),
+        None => None,
+    };
+
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| ServeError::Reflection(e.to_string()))?;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<pb::router_server::RouterServer<RouterGrpc>>()
+        .await;
+
+    let stop = CancellationToken::new();
+    {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = shutdown => stop.cancel(),
+                () = stop.cancelled() => {}
+            }
+        });
+    }
+
+    let background = spawn_background(&service, &stop);
+
+    let grpc = {
+        let stop = stop.clone();
+        let router = RouterGrpc::new(Arc::clone(&service)).into_server();
+        let incoming = TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
+        tokio::spawn(async move {
+            Server::builder()
+                .add_service(health_service)
+                .add_service(reflection)
+                .add_service(router)
+                .serve_with_incoming_shutdown(incoming, async move {
+                    stop.cancelled().await;
+                    health
+                        .set_not_serving::<pb::router_server::RouterServer<RouterGrpc>>()
+                        .await;
+                })
+                .await
+                .map_err(ServeError::from)
+        })
+    };
+
+    let metrics = metrics_listener.map(|listener| {
+        let stop = stop.clone();
+        let svc = Arc::clone(&service);
+        tokio::spawn(async move {
+            let app = axum::Router::new().route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let svc = Arc::clone(&svc);
+                    async move {
+                        (
+                            [(
+                                axum::http::header::CONTENT_TYPE,
+                                "text/plain; version=0.0.4; charset=utf-8",
+                            )],
+                            svc.render_metrics(),
+                        )
+                    }
+                }),
+            );
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+                .map_err(ServeError::Metrics)
+        })
+    });
+
+    tracing::info!(
+        grpc = %grpc_addr,
+        metrics = ?metrics_addr,
+        policy = service.config().policy.name(),
+        workers = service.config().workers.len(),
+        "kvc-router serving"
+    );
+
+    let grace = Duration::from_millis(service.config().shutdown_grace_ms);
+    let task = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let grpc_result = finish(grpc, &stop, grace, "grpc").await;
+            // Whatever ended the gRPC server ends everything else.
+            stop.cancel();
+            let metrics_result = match metrics {
+                Some(m) => finish(m, &stop, grace, "metrics").await,
+                None => Ok(()),
+            };
+            for b in background {
+                let _ = b.await;
+            }
+            grpc_result?;
+            metrics_result?;
+            tracing::info!("kvc-router stopped");
+            Ok(())
+        })
+    };
+
+    Ok(RunningRouter {
+        grpc_addr,
+        metrics_addr,
+        service,
+        stop,
+        task,
+    })
+}
+
+/// Waits for a server task; once `stop` is cancelled, waits at most `grace` more (clients
+/// holding idle connections would otherwise delay a graceful shutdown forever), then aborts it.
+async fn finish(
+    mut task: JoinHandle<Result<(), ServeError>>,
+    stop: &CancellationToken,
+    grace: Duration,
+    what: &'static str,
+) -> Result<(), ServeError> {
+    let joined = tokio::select! {
+        r = &mut task => r,
+        () = async {
+            stop.cancelled().await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!(server = what, grace_ms = grace.as_millis() as u64, "connections still open after the grace period; closing them");
+            task.abort();
+            match task.await {
+                Err(e) if e.is_cancelled() => Ok(Ok(())),
+                other => other,
+            }
+        }
+    };
+    joined.map_err(|e| ServeError::Join(e.to_string()))?
+}
+
+/// Starts the background tasks of `service` until `stop` is cancelled: the snapshot refresher
+/// (every `refresh-interval-ms`, also expiring idle sessions) and, if any worker is known only
+/// by its address, the state poller (every `poll-interval-ms`).
+pub fn spawn_background(
+    service: &Arc<RouterService>,
+    stop: &CancellationToken,
+) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    let refresh = Duration::from_millis(service.config().refresh_interval_ms);
+    {
+        let svc = Arc::clone(service);
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(refresh);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    _ = tick.tick() => {
+                        svc.refresh_workers();
+                        svc.expire_sessions();
+                    }
+                }
+            }
+        }));
+    }
+    if service.has_polled_workers() {
+        let svc = Arc::clone(service);
+        let stop = stop.clone();
+        let every = Duration::from_millis(service.config().poll_interval_ms);
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    _ = tick.tick() => svc.poll_workers().await,
+                }
+            }
+        }));
+    }
+    tasks
+}
+
+/// A worker service running in this process.
+#[derive(Debug)]
+pub struct RunningWorker {
+    addr: SocketAddr,
+    stop: CancellationToken,
+    task: JoinHandle<Result<(), ServeError>>,
+}
+
+impl RunningWorker {
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The address as a URI for [`crate::WorkerConfig::address`].
+    pub fn uri(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops it and waits until it has stopped.
+    pub async fn stop(self) -> Result<(), ServeError> {
+        self.stop.cancel();
+        self.task
+            .await
+            .map_err(|e| ServeError::Join(e.to_string()))?
+    }
+}
+
+/// Serves `worker` as `kvc.v1.Worker` on `addr` (port 0 picks a free port) until stopped.
+pub async fn serve_worker(
+    addr: SocketAddr,
+    worker: LocalWorker,
+) -> Result<RunningWorker, ServeError> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            what: "grpc",
+            addr,
+            source,
+        })?;
+    let bound = listener.local_addr().map_err(|source| ServeError::Bind {
+        what: "grpc",
+        addr,
+        source,
+    })?;
+    let stop = CancellationToken::new();
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let server = worker.into_server();
+    let token = stop.clone();
+    let task = tokio::spawn(async move {
+        Server::builder()
+            .add_service(server)
+            .serve_with_incoming_shutdown(incoming, token.cancelled_owned())
+            .await
+            .map_err(ServeError::from)
+    });
+    Ok(RunningWorker {
+        addr: bound,
+        stop,
+        task,
+    })
+}

@@ -1,0 +1,154 @@
+//! The bounded session table: which sessions the router remembers and when each was last seen.
+//!
+//! The router calls [`SessionTable::touch`] for every request of a session and
+//! [`SessionTable::expire`] regularly; both hand back the sessions to forget (idle longer than
+//! the TTL, or least recently seen beyond the bound), which the router then drops from its
+//! [`kvc_policy::RouterState`] with `forget_session`.
+
+use kvc_core::SessionId;
+use std::collections::{BTreeSet, HashMap};
+
+/// Why a session left the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Forgotten {
+    /// Not seen for longer than the TTL.
+    Expired,
+    /// The least recently seen session when the table was over its bound.
+    Evicted,
+}
+
+/// Sessions with their last-seen time, bounded by a TTL and a maximum count.
+///
+/// ```
+/// use kvc_core::SessionId;
+/// use kvc_router::sessions::{Forgotten, SessionTable};
+///
+/// let mut table = SessionTable::new(2, 1_000);
+/// let mut gone = Vec::new();
+/// table.touch(SessionId(1), 0, &mut gone);
+/// table.touch(SessionId(2), 10, &mut gone);
+/// table.touch(SessionId(3), 20, &mut gone);
+/// assert_eq!(gone, [(SessionId(1), Forgotten::Evicted)]);
+/// gone.clear();
+/// table.expire(1_015, &mut gone);
+/// assert_eq!(gone, [(SessionId(2), Forgotten::Expired)]);
+/// assert_eq!(table.len(), 1);
+/// ```
+#[derive(Debug, Clone)]
+pub struct SessionTable {
+    max_sessions: usize,
+    ttl_ms: u64,
+    last_seen: HashMap<SessionId, u64>,
+    by_age: BTreeSet<(u64, SessionId)>,
+}
+
+impl SessionTable {
+    /// An empty table holding at most `max_sessions` (at least 1), each for `ttl_ms` after it
+    /// was last seen.
+    pub fn new(max_sessions: usize, ttl_ms: u64) -> Self {
+        SessionTable {
+            max_sessions: max_sessions.max(1),
+            ttl_ms,
+            last_seen: HashMap::new(),
+            by_age: BTreeSet::new(),
+        }
+    }
+
+    /// Records that `session` was seen at `now_ms`; pushes onto `forgotten` the sessions that
+    /// leave the table to keep it within its bound (never `session` itself).
+    pub fn touch(
+        &mut self,
+        session: SessionId,
+        now_ms: u64,
+        forgotten: &mut Vec<(SessionId, Forgotten)>,
+    ) {
+        if let Some(old) = self.last_seen.insert(session, now_ms) {
+            self.by_age.remove(&(old, session));
+        }
+        self.by_age.insert((now_ms, session));
+        while self.last_seen.len() > self.max_sessions {
+            let Some(&(seen, oldest)) = self.by_age.iter().find(|(_, s)| *s != session) else {
+                break;
+            };
+            self.by_age.remove(&(seen, oldest));
+            self.last_seen.remove(&oldest);
+            forgotten.push((oldest, Forgotten::Evicted));
+        }
+    }
+
+    /// Removes the sessions not seen for more than the TTL at `now_ms`, pushing them onto
+    /// `forgotten`.
+    pub fn expire(&mut self, now_ms: u64, forgotten: &mut Vec<(SessionId, Forgotten)>) {
+        while let Some(&(seen, session)) = self.by_age.first() {
+            if now_ms.saturating_sub(seen) <= self.ttl_ms {
+                break;
+            }
+            self.by_age.pop_first();
+            self.last_seen.remove(&session);
+            forgotten.push((session, Forgotten::Expired));
+        }
+    }
+
+    /// When `session` was last seen, if it is in the table.
+    pub fn last_seen(&self, session: SessionId) -> Option<u64> {
+        self.last_seen.get(&session).copied()
+    }
+
+    /// Sessions in the table.
+    pub fn len(&self) -> usize {
+        self.last_seen.len()
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.last_seen.is_empty()
+    }
+
+    /// The bound on the number of sessions.
+    pub fn max_sessions(&self) -> usize {
+        self.max_sessions
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bound_evicts_least_recently_seen() {
+        let mut t = SessionTable::new(3, 10_000);
+        let mut gone = Vec::new();
+        for i in 0..3 {
+            t.touch(SessionId(i), i, &mut gone);
+        }
+        // Session 0 is seen again: session 1 is now the least recently seen.
+        t.touch(SessionId(0), 5, &mut gone);
+        t.touch(SessionId(9), 6, &mut gone);
+        assert_eq!(gone, [(SessionId(1), Forgotten::Evicted)]);
+        assert_eq!(t.len(), 3);
+        assert_eq!(t.last_seen(SessionId(0)), Some(5));
+        assert_eq!(t.last_seen(SessionId(1)), None);
+        gone.clear();
+        for i in 100..110 {
+            t.touch(SessionId(i), 7, &mut gone);
+            assert!(t.len() <= 3);
+        }
+        assert_eq!(gone.len(), 10);
+        assert_eq!(t.len(), t.by_age.len());
+    }
+
+    #[test]
+    fn ttl_expiry_is_strictly_after_the_ttl() {
+        let mut t = SessionTable::new(10, 100);
+        let mut gone = Vec::new();
+        t.touch(SessionId(1), 0, &mut gone);
+        t.touch(SessionId(2), 50, &mut gone);
+        t.expire(100, &mut gone);
+        assert!(gone.is_empty());
+        t.expire(101, &mut gone);
+        assert_eq!(gone, [(SessionId(1), Forgotten::Expired)]);
+        t.expire(1_000, &mut gone);
+        assert_eq!(gone.len(), 2);
+        assert!(t.is_empty());
+    }
+}

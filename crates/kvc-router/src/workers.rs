@@ -1,0 +1,309 @@
+//! The router's view of each worker: where its state comes from (a shared-memory snapshot or a
+//! polled `kvc.v1.Worker` service), its last known state, and its health.
+//!
+//! Health is judged at the time of use from the age of the last good state:
+//! - never seen, snapshot unreadable, or the last poll failed: `down`;
+//! - last good state older than `stale-after-ms`: `stale`;
+//! - otherwise `healthy` (or the health a polled worker reports about itself).
+//!
+//! So a worker leaves rotation as soon as its state is too old, without waiting for a refresh,
+//! and comes back at the first refresh that sees it publish (or answer) again.
+
+use crate::config::WorkerConfig;
+use crate::convert::ProtoEnum;
+use crate::pb;
+use kvc_admission::{ReadError, SnapshotReader};
+use kvc_core::{Health, WorkerId, WorkerRole, WorkerState};
+use kvc_policy::WorkerView;
+use parking_lot::{Mutex, RwLock};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+/// Where a worker's state comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateSource {
+    /// A shared-memory snapshot file (read without RPC).
+    Snapshot,
+    /// A `kvc.v1.Worker` service polled with `State`.
+    Service,
+}
+
+impl StateSource {
+    /// `"snapshot"` or `"service"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StateSource::Snapshot => "snapshot",
+            StateSource::Service => "service",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Live {
+    /// Last good state (its health and age are recomputed at use).
+    state: WorkerState,
+    /// Time of the last good state on the router clock (publish time for a snapshot).
+    last_ok_ms: Option<u64>,
+    /// The snapshot cannot be read, or the last poll failed.
+    failing: bool,
+    /// Health a polled worker reports about itself.
+    reported: Health,
+}
+
+/// One worker.
+pub(crate) struct WorkerEntry {
+    pub(crate) id: WorkerId,
+    pub(crate) name: String,
+    pub(crate) role: WorkerRole,
+    pub(crate) capacity_tokens: u64,
+    pub(crate) source: StateSource,
+    snapshot_path: Option<PathBuf>,
+    reader: RwLock<Option<Arc<SnapshotReader>>>,
+    last_open_attempt_ms: Mutex<Option<u64>>,
+    address: Option<String>,
+    client: OnceLock<pb::worker_client::WorkerClient<Channel>>,
+    live: RwLock<Live>,
+    stale_after_ms: u64,
+    rpc_timeout: Duration,
+}
+
+impl std::fmt::Debug for WorkerEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerEntry")
+            .field("id", &self.id)
+            .field("role", &self.role)
+            .field("source", &self.source)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerEntry {
+    pub(crate) fn new(cfg: &WorkerConfig, stale_after_ms: u64, rpc_timeout: Duration) -> Self {
+        let source = if cfg.snapshot.is_some() {
+            StateSource::Snapshot
+        } else {
+            StateSource::Service
+        };
+        let mut state = WorkerState::empty(cfg.capacity_tokens);
+        state.health = Health::Down;
+        WorkerEntry {
+            id: cfg.worker_id(),
+            name: cfg.display_name(),
+            role: cfg.role,
+            capacity_tokens: cfg.capacity_tokens,
+            source,
+            snapshot_path: cfg.snapshot.clone(),
+            reader: RwLock::new(None),
+            last_open_attempt_ms: Mutex::new(None),
+            address: cfg.address.clone(),
+            client: OnceLock::new(),
+            live: RwLock::new(Live {
+                state,
+                last_ok_ms: None,
+                failing: false,
+                reported: Health::Healthy,
+            }),
+            stale_after_ms,
+            rpc_timeout,
+        }
+    }
+
+    /// The last known state with health and age judged at `now_ms`.
+    pub(crate) fn state_at(&self, now_ms: u64) -> WorkerState {
+        let live = *self.live.read();
+        let mut s = live.state;
+        match live.last_ok_ms {
+            None => {
+                s.health = Health::Down;
+                s.state_age_ms = u64::MAX;
+            }
+            Some(ok) => {
+                s.state_age_ms = now_ms.saturating_sub(ok);
+                s.health = if live.failing {
+                    Health::Down
+                } else if s.state_age_ms > self.stale_after_ms {
+                    Health::Stale
+                } else {
+                    live.reported
+                };
+            }
+        }
+        s
+    }
+
+    pub(crate) fn view_at(&self, now_ms: u64) -> WorkerView {
+        WorkerView::new(self.id, self.role, self.state_at(now_ms))
+    }
+
+    /// The snapshot reader, once the file could be opened.
+    pub(crate) fn reader(&self) -> Option<Arc<SnapshotReader>> {
+        self.reader.read().clone()
+    }
+
+    fn open_reader(&self, now_ms: u64) -> Option<Arc<SnapshotReader>> {
+        let path = self.snapshot_path.as_ref()?;
+        {
+            let mut last = self.last_open_attempt_ms.lock();
+            // Reopen at most twice per staleness period.
+            if let Some(t) = *last
+                && now_ms.saturating_sub(t) < (self.stale_after_ms / 2).max(1)
+                && now_ms >= t
+            {
+                return None;
+            }
+            *last = Some(now_ms);
+        }
+        match SnapshotReader::open(path) {
+            Ok(r) => {
+                if r.worker_id() != self.id || r.capacity_tokens() != self.capacity_tokens {
+                    tracing::warn!(
+                        worker = self.id.0,
+                        path = %path.display(),
+                        file_worker = r.worker_id().0,
+                        file_capacity = r.capacity_tokens(),
+                        config_capacity = self.capacity_tokens,
+                        "snapshot header does not match the configured worker; ignoring it"
+                    );
+                    self.live.write().failing = true;
+                    return None;
+                }
+                let r = Arc::new(r.with_stale_after_ms(self.stale_after_ms));
+                *self.reader.write() = Some(Arc::clone(&r));
+                Some(r)
+            }
+            Err(e) => {
+                tracing::debug!(worker = self.id.0, error = %e, "cannot open snapshot");
+                None
+            }
+        }
+    }
+
+    /// Re-reads the snapshot (opening or reopening the file when needed).
+    pub(crate) fn refresh_snapshot(&self, now_ms: u64) {
+        if self.source != StateSource::Snapshot {
+            return;
+        }
+        let reader = match self.reader() {
+            Some(r) => r,
+            None => match self.open_reader(now_ms) {
+                Some(r) => r,
+                None => return,
+            },
+        };
+        let fresh = self.apply_read(&reader, now_ms);
+        if !fresh {
+            // The writer may have replaced the file (a restarted worker renames a new one
+            // over the path): try the file now under the name.
+            if let Some(r) = self.open_reader(now_ms)
+                && !Arc::ptr_eq(&r, &reader)
+            {
+                self.apply_read(&r, now_ms);
+            }
+        }
+    }
+
+    /// Applies one read of `reader`; returns whether the state is fresh.
+    fn apply_read(&self, reader: &SnapshotReader, now_ms: u64) -> bool {
+        match reader.read() {
+            Ok(data) => {
+                let mut live = self.live.write();
+                let newer = live.last_ok_ms.is_none_or(|t| data.publish_ms >= t);
+                if newer {
+                    live.state = data.worker_state(now_ms, Health::Healthy);
+                    live.last_ok_ms = Some(data.publish_ms);
+                    live.failing = false;
+                    live.reported = Health::Healthy;
+                }
+                now_ms.saturating_sub(data.publish_ms) <= self.stale_after_ms
+            }
+            Err(ReadError::Contended) => true,
+            Err(ReadError::NotPublished) => false,
+            Err(e @ ReadError::Checksum { .. }) => {
+                tracing::warn!(worker = self.id.0, error = %e, "snapshot read failed");
+                self.live.write().failing = true;
+                false
+            }
+        }
+    }
+
+    fn client(&self) -> Option<pb::worker_client::WorkerClient<Channel>> {
+        let addr = self.address.as_ref()?;
+        if let Some(c) = self.client.get() {
+            return Some(c.clone());
+        }
+        let endpoint = Endpoint::from_shared(addr.clone())
+            .ok()?
+            .connect_timeout(self.rpc_timeout)
+            .timeout(self.rpc_timeout);
+        let client = pb::worker_client::WorkerClient::new(endpoint.connect_lazy());
+        Some(self.client.get_or_init(|| client).clone())
+    }
+
+    /// Whether the worker has a service address.
+    pub(crate) fn has_service(&self) -> bool {
+        self.address.is_some()
+    }
+
+    /// Asks the worker service for its state and records the answer (or the failure).
+    pub(crate) async fn poll(&self, now_ms: impl Fn() -> u64) {
+        let Some(mut client) = self.client() else {
+            return;
+        };
+        let answer =
+            tokio::time::timeout(self.rpc_timeout, client.state(pb::WorkerStateRequest {})).await;
+        let now = now_ms();
+        let parsed = match answer {
+            Ok(Ok(reply)) => WorkerState::try_from(reply.into_inner()).map_err(|e| e.to_string()),
+            Ok(Err(status)) => Err(status.to_string()),
+            Err(_) => Err("timed out".to_owned()),
+        };
+        let mut live = self.live.write();
+        match parsed {
+            Ok(state) => {
+                let was_down = live.failing || live.last_ok_ms.is_none();
+                live.reported = state.health;
+                live.state = state;
+                live.last_ok_ms = Some(now.saturating_sub(state.state_age_ms));
+                live.failing = false;
+                if was_down {
+                    tracing::info!(worker = self.id.0, "worker answers; in rotation");
+                }
+            }
+            Err(e) => {
+                if !live.failing {
+                    tracing::warn!(worker = self.id.0, error = %e, "worker state poll failed; out of rotation");
+                }
+                live.failing = true;
+            }
+        }
+    }
+
+    /// Forwards a `CommitEvict` to the worker service.
+    pub(crate) async fn commit_evict(
+        &self,
+        req: pb::CommitEvictRequest,
+    ) -> Option<Result<pb::CommitEvictReply, tonic::Status>> {
+        let mut client = self.client()?;
+        let answer = tokio::time::timeout(self.rpc_timeout, client.commit_evict(req)).await;
+        Some(match answer {
+            Ok(r) => r.map(tonic::Response::into_inner),
+            Err(_) => Err(tonic::Status::deadline_exceeded(format!(
+                "worker {} did not answer CommitEvict within {} ms",
+                self.id.0,
+                self.rpc_timeout.as_millis()
+            ))),
+        })
+    }
+
+    pub(crate) fn info_at(&self, now_ms: u64) -> pb::WorkerInfo {
+        pb::WorkerInfo {
+            id: self.id.0,
+            name: self.name.clone(),
+            role: self.role.to_proto(),
+            state: Some(self.state_at(now_ms).into()),
+            source: self.source.as_str().to_owned(),
+        }
+    }
+}
