@@ -109,6 +109,33 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
             criterion_median(ctx, &format!("select/{d}"))?,
         );
     }
+    // The router bench also writes its same-run throughput ratio and decision p99.
+    let extra = ctx.out.join("router.json");
+    let _ = std::fs::remove_file(&extra);
+    {
+        let mut cmd = ctx.cargo();
+        cmd.args([
+            "bench",
+            "--locked",
+            "-p",
+            "kvc-router",
+            "--bench",
+            "route",
+            "--",
+        ]);
+        if ctx.quick {
+            cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1.5"]);
+        }
+        cmd.env("KVC_BENCH_OUT", &extra);
+        run("criterion kvc-router/route", &mut cmd)?;
+    }
+    let r = read_json(&extra)?;
+    for key in ["route_rps", "noop_rps", "route_vs_noop", "decision_p99_us"] {
+        let v = r[key]
+            .as_f64()
+            .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
+        figures.insert(format!("router.{key}"), v);
+    }
     criterion(ctx, "kvc-admission", "probe")?;
     criterion(ctx, "kvc-admission", "commit")?;
     let probe = criterion_median(ctx, "probe/readers1")?;

@@ -19,11 +19,13 @@ USAGE:
 
 COMMANDS:
     test       Run the whole test suite: `cargo test --workspace --locked`, then the loom
-               model checks of kvc-admission (built with `--cfg loom` into target/loom).
+               model checks of kvc-admission (built with `--cfg loom` into target/loom),
+               then scripts/python-client/check.sh (a Python client generated from proto/
+               by grpcio-tools calls a running kvc-router; needs python3 and PyPI).
 
     bench      Measure everything and write target/bench/summary.json (one flat JSON object
                of numbers) and target/bench/report.md (tables and plots):
-               the criterion benches of kvc-policy and kvc-admission, the simulator's speed
+               the criterion benches of kvc-policy, kvc-admission and kvc-router, the simulator's speed
                (default run and a ~100,000-request run), and the policy matrix (topologies
                1p3d, 4dp, 2p6d, 8dp x policies cache-aware, kv-aware-v0, kvc-v2 x
                time-scales 1 and 10 on the generated SWE trace, seed 7).
@@ -39,6 +41,11 @@ COMMANDS:
                      and probes per second per reader thread (1e9 / probe_ns)
                  admission.commit_evict_us
                      median commit_evict round trip through the queue, µs
+                 router.route_rps, router.noop_rps, router.route_vs_noop
+                     Route and no-op (Ping) requests/s on loopback at 32 concurrent
+                     streams against the same server, in one fixed run, and their ratio
+                 router.decision_p99_us
+                     99th percentile of the router's own decision time (policy + probe), µs
                  sim.default.wall_s, sim.default.requests_per_sec
                      simulator wall time (median of runs) of 1p3d + kvc-v2 on the seed-7
                      trace (4,449 requests), and requests simulated per second
@@ -126,6 +133,24 @@ fn test() -> ExitCode {
         );
         if let Err(code) = loom {
             return code;
+        }
+    }
+    let script = root.join("scripts/python-client/check.sh");
+    let has_python = Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if script.exists() {
+        if has_python {
+            let py = run(
+                "Python gRPC client check",
+                Command::new("bash").arg(&script),
+            );
+            if let Err(code) = py {
+                return code;
+            }
+        } else {
+            eprintln!("xtask test: python3 not found; the Python gRPC client check is skipped");
         }
     }
     ExitCode::SUCCESS

@@ -14,7 +14,8 @@ use crate::sim::engine::{Engine, Micros};
 use crate::sim::{Decider, Hooks, Routed, SimConfig, SimError, SimOutput, run, worker_roles};
 use crate::trace::Trace;
 use kvc_admission::{
-    Clock, ResidentEntry, ResidentState, SnapshotData, SnapshotWriter, SystemClock,
+    Clock, CommitReceiver, CommitReply, ResidentEntry, ResidentState, SnapshotData, SnapshotReader,
+    SnapshotWriter, SystemClock, commit_queue,
 };
 use kvc_core::{ExecutionMode, FallThroughReason, WorkerId};
 use kvc_policy::{ClusterView, Observation, RouteRequest};
@@ -49,6 +50,9 @@ pub struct LiveOptions {
     pub table_slots: usize,
     /// How long to wait for the router to answer before giving up.
     pub connect_timeout: Duration,
+    /// Serve each worker's `kvc.v1.Worker` service on `127.0.0.1:<base + id>` (a spawned
+    /// router always gets worker services, on free ports).
+    pub worker_base_port: Option<u16>,
 }
 
 /// Why a live replay could not run.
@@ -78,12 +82,14 @@ pub fn snapshot_path(dir: &Path, id: WorkerId) -> PathBuf {
     dir.join(format!("w{}.snap", id.0))
 }
 
-/// The router configuration that matches a live replay of `cfg` publishing into `dir`.
+/// The router configuration that matches a live replay of `cfg` publishing into `dir`, with
+/// the workers' service addresses when they are served (`worker_addrs[id]`).
 pub fn router_config(
     cfg: &SimConfig,
     dir: &Path,
     listen: SocketAddr,
     metrics_listen: Option<SocketAddr>,
+    worker_addrs: &[SocketAddr],
 ) -> kvc_router::config::RouterConfig {
     let roles = worker_roles(cfg.topology);
     let names = crate::sim::worker_names(&roles);
@@ -100,7 +106,7 @@ pub fn router_config(
                 role: *role,
                 capacity_tokens: cfg.profile.hardware.kv_pool_tokens,
                 snapshot: Some(snapshot_path(dir, WorkerId(i as u32))),
-                address: None,
+                address: worker_addrs.get(i).map(|a| format!("http://{a}")),
             })
             .collect(),
         ..kvc_router::config::RouterConfig::default()
@@ -179,8 +185,10 @@ impl Publisher {
     }
 }
 
-/// Paces the replay to wall time and publishes snapshots.
+/// Paces the replay to wall time, publishes snapshots and answers worker commands.
 struct LiveHooks {
+    /// Per worker: the commit_evict queue its worker service feeds.
+    commits: Vec<CommitReceiver>,
     start: Instant,
     start_wall_ms: u64,
     speedup: f64,
@@ -208,9 +216,22 @@ impl Hooks for LiveHooks {
         }
     }
 
-    fn after(&mut self, _t: Micros, engine: &Engine) {
+    fn after(&mut self, t: Micros, engine: &mut Engine) {
         if self.error.is_some() {
             return;
+        }
+        // The worker's step boundary: answer the commit_evicts queued by its service.
+        for (i, rx) in self.commits.iter_mut().enumerate() {
+            while let Some(job) = rx.try_recv() {
+                let req = *job.request();
+                let (admitted, freed, evicted) =
+                    engine.commit_evict(WorkerId(i as u32), req.need_tokens, req.session, t);
+                let mut reply = CommitReply::rejected(0);
+                reply.admitted = admitted;
+                reply.freed_tokens = freed;
+                reply.evicted = evicted;
+                job.answer(reply);
+            }
         }
         if let Err(e) = self
             .publisher
@@ -361,6 +382,39 @@ pub fn live(
         0.0,
     );
     publisher.publish(&engine_for_first, start_wall_ms, opts.speedup)?;
+    // Worker services: State from the snapshot, CommitEvict through a queue the replay loop
+    // answers at its step boundary.
+    let mut commits = Vec::new();
+    let mut worker_addrs = Vec::new();
+    let mut _workers = Vec::new();
+    let serve_workers = opts.worker_base_port.is_some() || opts.router == RouterTarget::Spawn;
+    if serve_workers {
+        for i in 0..roles.len() {
+            let id = WorkerId(i as u32);
+            let port = opts
+                .worker_base_port
+                .map_or(0, |b| b.saturating_add(i as u16));
+            let (tx, rx) = commit_queue(64);
+            let path = snapshot_path(&opts.snapshot_dir, id);
+            let reader = SnapshotReader::open(&path).map_err(|e| LiveError::Snapshot {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            })?;
+            let worker = kvc_router::LocalWorker::new(
+                reader,
+                tx,
+                std::sync::Arc::new(SystemClock),
+                Duration::from_secs(2),
+            );
+            let addr = SocketAddr::from(([127, 0, 0, 1], port));
+            let running = rt
+                .block_on(kvc_router::serve_worker(addr, worker))
+                .map_err(|e| LiveError::Router(format!("cannot serve worker {i}: {e}")))?;
+            worker_addrs.push(running.addr());
+            _workers.push(running);
+            commits.push(rx);
+        }
+    }
     let mut _spawned = None;
     let uri = match &opts.router {
         RouterTarget::Address(a) => a.clone(),
@@ -370,6 +424,7 @@ pub fn live(
                 &opts.snapshot_dir,
                 "127.0.0.1:0".parse().expect("loopback address"),
                 None,
+                &worker_addrs,
             );
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
             let running = rt
@@ -416,6 +471,7 @@ pub fn live(
         last_error: None,
     };
     let mut hooks = LiveHooks {
+        commits,
         start: Instant::now(),
         start_wall_ms: SystemClock.now_ms(),
         speedup: opts.speedup,
@@ -424,6 +480,9 @@ pub fn live(
         max_lag: 0,
     };
     let out = run(trace, cfg, &mut decider, &mut hooks, progress)?;
+    for w in _workers {
+        let _ = decider.rt.block_on(w.stop());
+    }
     if let Some(e) = hooks.error {
         return Err(e);
     }

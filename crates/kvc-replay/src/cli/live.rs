@@ -44,6 +44,11 @@ pub(crate) struct Args {
     /// temp directory where /dev/shm does not exist).
     #[arg(long)]
     pub(crate) snapshot_dir: Option<PathBuf>,
+    /// Serve each worker's kvc.v1.Worker service (State, CommitEvict) on 127.0.0.1:PORT+id
+    /// (also written into --write-router-config). With --spawn-router, worker services are
+    /// always served, on free ports.
+    #[arg(long, value_name = "PORT")]
+    pub(crate) worker_base_port: Option<u16>,
     /// Resident-session slots in each snapshot.
     #[arg(long, default_value_t = 512)]
     pub(crate) table_slots: usize,
@@ -75,11 +80,23 @@ pub(crate) fn run(args: Args) -> Result<()> {
         .clone()
         .unwrap_or_else(default_snapshot_dir);
     if let Some(file) = &args.write_router_config {
+        let n = kvc_replay::sim::worker_roles(cfg.topology).len();
+        let worker_addrs: Vec<std::net::SocketAddr> = args
+            .worker_base_port
+            .map(|b| {
+                (0..n)
+                    .map(|i| {
+                        std::net::SocketAddr::from(([127, 0, 0, 1], b.saturating_add(i as u16)))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         let rc = router_config(
             &cfg,
             &snapshot_dir,
             args.router_listen,
             Some(args.router_metrics_listen),
+            &worker_addrs,
         );
         let text = toml::to_string_pretty(&rc)?;
         std::fs::write(file, text)?;
@@ -102,6 +119,7 @@ pub(crate) fn run(args: Args) -> Result<()> {
         snapshot_dir,
         table_slots: args.table_slots,
         connect_timeout: Duration::from_secs_f64(args.connect_timeout_s),
+        worker_base_port: args.worker_base_port,
     };
     let quiet = args.quiet;
     let mut last = 0;

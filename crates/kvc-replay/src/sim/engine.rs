@@ -381,6 +381,38 @@ impl Engine {
         }
     }
 
+    /// A commit_evict asked of decode worker `w`: frees room for `need` tokens by evicting
+    /// sessions other than `requester` (reported as [`Event::Evicted`]). Returns whether the
+    /// room is there now, the tokens freed and the sessions evicted.
+    pub fn commit_evict(
+        &mut self,
+        w: WorkerId,
+        need: u64,
+        requester: Option<SessionId>,
+        now: Micros,
+    ) -> (bool, u64, Vec<SessionId>) {
+        if self.workers[w.0 as usize].role != WorkerRole::Decode {
+            return (false, 0, Vec::new());
+        }
+        let before: Vec<SessionId> = self.workers[w.0 as usize]
+            .residents
+            .keys()
+            .copied()
+            .collect();
+        let used_before = self.workers[w.0 as usize].resident_tokens;
+        let ok = self.make_room_d(w, need, requester, now);
+        let wk = &self.workers[w.0 as usize];
+        let evicted: Vec<SessionId> = before
+            .into_iter()
+            .filter(|s| !wk.residents.contains_key(s))
+            .collect();
+        let freed = used_before - wk.resident_tokens;
+        if freed > 0 {
+            self.retry_waiting(w, now);
+        }
+        (ok, freed, evicted)
+    }
+
     /// Drops `session`'s resident KV on `w` if any (the router moved it elsewhere).
     pub fn release_session(&mut self, w: WorkerId, session: SessionId, now: Micros) {
         let running = self.workers[w.0 as usize]

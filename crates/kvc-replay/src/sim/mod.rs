@@ -308,8 +308,9 @@ impl Decider for LocalPolicy {
 pub trait Hooks {
     /// Called before an event at simulated time `t` is handled (a real-clock run sleeps here).
     fn before(&mut self, t: Micros);
-    /// Called after events are handled at time `t`, with the engine's new state.
-    fn after(&mut self, t: Micros, engine: &Engine);
+    /// Called after events are handled at time `t`, with the engine (a live run publishes its
+    /// state and answers queued worker commands here).
+    fn after(&mut self, t: Micros, engine: &mut Engine);
     /// A period of simulated time at which [`Hooks::after`] should run even without events.
     fn tick_every(&self) -> Option<Micros>;
 }
@@ -320,7 +321,7 @@ pub struct Virtual;
 
 impl Hooks for Virtual {
     fn before(&mut self, _t: Micros) {}
-    fn after(&mut self, _t: Micros, _engine: &Engine) {}
+    fn after(&mut self, _t: Micros, _engine: &mut Engine) {}
     fn tick_every(&self) -> Option<Micros> {
         None
     }
@@ -476,7 +477,8 @@ pub fn run(
                 }
             }
         }
-        hooks.after(t, &sim.engine);
+        hooks.after(t, &mut sim.engine);
+        sim.drain_engine();
         if sim.completed >= reported + 64 {
             reported = sim.completed;
             progress(sim.completed, n);
