@@ -12,40 +12,9 @@
 //!
 //! The requesting session is never a victim, and neither is a session holding no tokens.
 
-use kvc_core::{SessionId, StableName, UnknownName};
+use kvc_core::SessionId;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
-use std::fmt;
-use std::str::FromStr;
-
-macro_rules! stable_names {
-    ($name:ident, $kind:literal { $($variant:ident => $text:literal),+ $(,)? }) => {
-        impl StableName for $name {
-            const ALL: &'static [Self] = &[$($name::$variant),+];
-            const KIND: &'static str = $kind;
-            fn as_str(self) -> &'static str {
-                match self { $($name::$variant => $text),+ }
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl FromStr for $name {
-            type Err = UnknownName;
-            fn from_str(s: &str) -> Result<Self, Self::Err> {
-                Self::from_name(s).ok_or_else(|| UnknownName {
-                    kind: $kind,
-                    name: s.to_owned(),
-                    expected: Self::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", "),
-                })
-            }
-        }
-    };
-}
 
 /// Whether a resident session has a request running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -57,7 +26,7 @@ pub enum ResidentState {
     Running,
 }
 
-stable_names!(ResidentState, "resident state" { Idle => "idle", Running => "running" });
+kvc_core::impl_stable_name!(ResidentState, "resident state" { Idle => "idle", Running => "running" });
 
 /// A session whose KV is resident on a worker, as the planner sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,7 +56,7 @@ pub enum VictimOrder {
     PredictedNextUse,
 }
 
-stable_names!(VictimOrder, "victim order" { Lru => "lru", PredictedNextUse => "predicted-next-use" });
+kvc_core::impl_stable_name!(VictimOrder, "victim order" { Lru => "lru", PredictedNextUse => "predicted-next-use" });
 
 /// Eviction settings.
 ///
@@ -134,7 +103,7 @@ pub enum Tier {
     Hot,
 }
 
-stable_names!(Tier, "eviction tier" { Idle => "idle", Cold => "cold", Hot => "hot" });
+kvc_core::impl_stable_name!(Tier, "eviction tier" { Idle => "idle", Cold => "cold", Hot => "hot" });
 
 /// One session to evict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -302,6 +271,7 @@ pub fn hard_cap_tokens(capacity_tokens: u64, cfg: &EvictionConfig) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvc_core::StableName;
 
     fn r(id: u64, tokens: u64, state: ResidentState, last: u64) -> Resident {
         Resident {

@@ -1,8 +1,6 @@
 //! Enums with stable kebab-case names.
 
 use serde::{Deserialize, Serialize};
-use std::fmt;
-use std::str::FromStr;
 
 /// An enum whose variants have stable kebab-case names, shared by JSON, metrics labels and CLI
 /// flags. `as_str` and `FromStr` agree with serde.
@@ -31,6 +29,54 @@ pub struct UnknownName {
     pub expected: String,
 }
 
+/// Implements [`StableName`], `Display` and `FromStr` for an enum from a table of variants and
+/// their stable names (the enum's serde names must be the same strings).
+///
+/// ```
+/// use kvc_core::{StableName, impl_stable_name};
+///
+/// #[derive(Debug, Clone, Copy, PartialEq)]
+/// enum Color { DeepRed, Blue }
+/// impl_stable_name!(Color, "color" { DeepRed => "deep-red", Blue => "blue" });
+///
+/// assert_eq!(Color::DeepRed.as_str(), "deep-red");
+/// assert_eq!("blue".parse::<Color>().unwrap(), Color::Blue);
+/// assert!("green".parse::<Color>().unwrap_err().to_string().contains("deep-red, blue"));
+/// ```
+#[macro_export]
+macro_rules! impl_stable_name {
+    ($name:ident, $kind:literal { $($variant:ident => $text:literal),+ $(,)? }) => {
+        impl $crate::StableName for $name {
+            const ALL: &'static [Self] = &[$($name::$variant),+];
+            const KIND: &'static str = $kind;
+            fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+        }
+
+        impl ::core::fmt::Display for $name {
+            fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+                f.write_str($crate::StableName::as_str(*self))
+            }
+        }
+
+        impl ::core::str::FromStr for $name {
+            type Err = $crate::UnknownName;
+            fn from_str(s: &str) -> ::core::result::Result<Self, Self::Err> {
+                <Self as $crate::StableName>::from_name(s).ok_or_else(|| $crate::UnknownName {
+                    kind: $kind,
+                    name: s.to_owned(),
+                    expected: <Self as $crate::StableName>::ALL
+                        .iter()
+                        .map(|v| $crate::StableName::as_str(*v))
+                        .collect::<::std::vec::Vec<_>>()
+                        .join(", "),
+                })
+            }
+        }
+    };
+}
+
 macro_rules! stable_enum {
     (
         $(#[$meta:meta])*
@@ -44,30 +90,7 @@ macro_rules! stable_enum {
             $( $(#[$vmeta])* #[serde(rename = $text)] $variant, )+
         }
 
-        impl StableName for $name {
-            const ALL: &'static [Self] = &[ $( $name::$variant, )+ ];
-            const KIND: &'static str = $kind;
-            fn as_str(self) -> &'static str {
-                match self { $( $name::$variant => $text, )+ }
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl FromStr for $name {
-            type Err = UnknownName;
-            fn from_str(s: &str) -> Result<Self, Self::Err> {
-                Self::from_name(s).ok_or_else(|| UnknownName {
-                    kind: $kind,
-                    name: s.to_owned(),
-                    expected: Self::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", "),
-                })
-            }
-        }
+        impl_stable_name!($name, $kind { $( $variant => $text ),+ });
     };
 }
 

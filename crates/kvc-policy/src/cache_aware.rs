@@ -28,7 +28,7 @@ use crate::decision::{Decision, ScoreEntry};
 use crate::error::PolicyError;
 use crate::index::{BlockView, WorkerSet};
 use crate::route::{Ctx, Knobs, Plan};
-use kvc_core::{BlockSize, ExecutionMode, WorkerId, WorkerRole};
+use kvc_core::{BlockSize, WorkerId, WorkerRole};
 use serde::{Deserialize, Serialize};
 
 /// Configuration of `cache-aware` (defaults are the SGLang router's CLI defaults).
@@ -157,17 +157,7 @@ pub(crate) fn route(cfg: &CacheAwareConfig, ctx: &Ctx<'_>) -> Result<Decision, P
     let (d, d_depth) = pick(ctx, cfg, ctx.healthy_d, ctx.d_role(), &mut scores);
     if ctx.colocated {
         let cached = ctx.reusable(d_depth, cfg.block_size);
-        let plan = Plan {
-            mode: ExecutionMode::Colocated,
-            decode: d,
-            prefill: None,
-            reason: None,
-            cached_tokens: cached,
-            cached_on_d: cached,
-            scores,
-            reject_count: None,
-        };
-        return Ok(ctx.finish(plan, knobs));
+        return Ok(ctx.finish(Plan::colocated(d, cached, scores), knobs));
     }
     if ctx.healthy_p.is_empty() {
         return Err(PolicyError::NoHealthyWorker {

@@ -148,17 +148,7 @@ pub(crate) fn route(cfg: &KvAwareV0Config, ctx: &Ctx<'_>) -> Result<Decision, Po
     let (best, best_depth) = pick(ctx, cfg, pinned, &mut scores);
     if ctx.colocated {
         let cached = ctx.reusable(best_depth, cfg.block_size);
-        let plan = Plan {
-            mode: ExecutionMode::Colocated,
-            decode: best,
-            prefill: None,
-            reason: None,
-            cached_tokens: cached,
-            cached_on_d: cached,
-            scores,
-            reject_count: None,
-        };
-        return Ok(ctx.finish(plan, knobs));
+        return Ok(ctx.finish(Plan::colocated(best, cached, scores), knobs));
     }
     let reject_count = match (ctx.req.rejected_by, ctx.req.session) {
         (Some(r), Some(_)) => Some((r, session.map_or(1, |s| s.rejects_after(r)))),

@@ -293,17 +293,7 @@ pub(crate) fn route(cfg: &KvcV2Config, ctx: &Ctx<'_>) -> Result<Decision, Policy
             .index()
             .depth(ctx.req.hash_ids, w.0 as usize, BlockView::Live);
         let cached = ctx.reusable(depth, cfg.block_size);
-        let plan = Plan {
-            mode: ExecutionMode::Colocated,
-            decode: w,
-            prefill: None,
-            reason: None,
-            cached_tokens: cached,
-            cached_on_d: cached,
-            scores,
-            reject_count: None,
-        };
-        return Ok(ctx.finish(plan, knobs));
+        return Ok(ctx.finish(Plan::colocated(w, cached, scores), knobs));
     }
 
     let migrated = (ExecutionMode::Reseed, Some(FallThroughReason::Migrated));

@@ -16,7 +16,7 @@ use crate::error::PolicyError;
 use crate::index::{BlockView, WorkerSet};
 use crate::prefill::{self, PrefillPolicy};
 use crate::route::{Ctx, Knobs, Plan};
-use kvc_core::{BlockSize, ExecutionMode, WorkerId, WorkerRole};
+use kvc_core::{BlockSize, WorkerId, WorkerRole};
 use serde::{Deserialize, Serialize};
 
 /// Configuration of `round-robin`.
@@ -101,17 +101,7 @@ pub(crate) fn route(cfg: &RoundRobinConfig, ctx: &Ctx<'_>) -> Result<Decision, P
             .index()
             .depth(ctx.req.hash_ids, d.0 as usize, BlockView::Seen);
         let cached = ctx.reusable(depth, cfg.block_size);
-        let plan = Plan {
-            mode: ExecutionMode::Colocated,
-            decode: d,
-            prefill: None,
-            reason: None,
-            cached_tokens: cached,
-            cached_on_d: cached,
-            scores,
-            reject_count: None,
-        };
-        return Ok(ctx.finish(plan, knobs));
+        return Ok(ctx.finish(Plan::colocated(d, cached, scores), knobs));
     }
     let (p, cached) = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
     let (mode, reason) = ctx.sessionless_path();

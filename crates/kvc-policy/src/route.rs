@@ -228,6 +228,22 @@ pub(crate) struct Plan {
     pub(crate) reject_count: Option<(WorkerId, u32)>,
 }
 
+impl Plan {
+    /// The plan of a colocated cluster: worker `w`, which holds `cached` tokens of the input.
+    pub(crate) fn colocated(w: WorkerId, cached: u64, scores: Vec<ScoreEntry>) -> Plan {
+        Plan {
+            mode: ExecutionMode::Colocated,
+            decode: w,
+            prefill: None,
+            reason: None,
+            cached_tokens: cached,
+            cached_on_d: cached,
+            scores,
+            reject_count: None,
+        }
+    }
+}
+
 /// Config values every policy has.
 #[derive(Clone, Copy)]
 pub(crate) struct Knobs {
