@@ -131,3 +131,34 @@ fn turns_of_a_session_run_in_order() {
         last.insert(r.session, (r.turn.0, r.done_s));
     }
 }
+
+#[test]
+fn a_policy_counting_other_blocks_than_the_trace_is_refused() {
+    use kvc_core::{BlockSize, Topology};
+    use kvc_policy::PolicyConfig;
+    use kvc_replay::sim::{SimConfig, SimError, simulate};
+    use kvc_replay::trace::{LoadOptions, generate, parse, write_jsonl};
+    let records = generate::swe(&generate::SweConfig {
+        seed: 1,
+        sessions: 1,
+        ..Default::default()
+    });
+    let mut bytes = Vec::new();
+    write_jsonl(&mut bytes, &records).unwrap();
+    let trace = parse(&bytes[..], "t", &LoadOptions::default()).unwrap().0;
+    let mut cfg = SimConfig::new(
+        Topology::Disaggregated {
+            prefill: 1,
+            decode: 1,
+        },
+        PolicyConfig::from_name("kvc-v2").unwrap(),
+    );
+    if let PolicyConfig::KvcV2(c) = &mut cfg.policy {
+        c.block_size = BlockSize::new(256).unwrap();
+    }
+    let err = simulate(&trace, &cfg, &mut |_, _| {}).unwrap_err();
+    assert!(
+        matches!(err, SimError::Invalid(ref m) if m.contains("512-token blocks")),
+        "{err}"
+    );
+}

@@ -110,6 +110,7 @@ pub(crate) fn run(args: Args) -> Result<()> {
         bail!("--connect-timeout-s must be a number of seconds ≥ 0");
     }
     let trace = args.trace_opts.load(trace_path, args.quiet)?;
+    let cfg = args.run.config_for(&trace)?;
     let opts = LiveOptions {
         speedup: args.speedup,
         router: match &args.router {

@@ -82,6 +82,19 @@ pub(crate) struct RunArgs {
 }
 
 impl RunArgs {
+    /// The config for `trace`: the policy counts blocks of the trace's size unless a
+    /// `block-size` knob says otherwise.
+    pub(crate) fn config_for(&self, trace: &kvc_replay::trace::Trace) -> Result<SimConfig> {
+        let mut args = self.clone();
+        let bs = trace.block_size().tokens();
+        if bs != kvc_core::DEFAULT_BLOCK_SIZE
+            && !args.knobs.iter().any(|k| k.starts_with("block-size="))
+        {
+            args.knobs.push(format!("block-size={bs}"));
+        }
+        args.config()
+    }
+
     /// The simulation config these options describe.
     pub(crate) fn config(&self) -> Result<SimConfig> {
         let policy = policy_config(&self.policy, self.prefill_policy.as_deref(), &self.knobs)?;
@@ -152,8 +165,8 @@ pub(crate) fn policy_config(
 
 /// Runs `kvc-replay sim`.
 pub(crate) fn run(args: Args) -> Result<()> {
-    let cfg = args.run.config()?;
     let trace = args.trace_opts.load(&args.trace, args.quiet)?;
+    let cfg = args.run.config_for(&trace)?;
     let out = output::run_and_write(&trace, &cfg, &args.out, args.quiet)?;
     print!("{}", output::summary_table(&[(label(&cfg), &out.summary)]));
     eprintln!("wrote {}", args.out.display());

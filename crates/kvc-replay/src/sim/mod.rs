@@ -17,7 +17,7 @@ pub mod profile;
 use crate::trace::{Trace, TraceRequest};
 use engine::{DirectAdmission, Engine, EngineOptions, Event, Job, Micros, Wake, micros};
 use kvc_admission::EvictionConfig;
-use kvc_core::{BlockSize, ExecutionMode, Outcome, StableName, Topology, WorkerId, WorkerRole};
+use kvc_core::{ExecutionMode, Outcome, StableName, Topology, WorkerId, WorkerRole};
 use kvc_policy::{
     ClusterView, Decision, Observation, PolicyConfig, RouteRequest, RouterState, WorkerView,
 };
@@ -389,6 +389,14 @@ pub fn run(
     if cfg.concurrency == 0 {
         return Err(SimError::Invalid("concurrency must be at least 1".into()));
     }
+    if cfg.policy.block_size() != trace.block_size() {
+        return Err(SimError::Invalid(format!(
+            "the trace has {}-token blocks but the policy counts {}-token blocks \
+             (set the policy knob block-size)",
+            trace.block_size().tokens(),
+            cfg.policy.block_size().tokens()
+        )));
+    }
     let wall = std::time::Instant::now();
     let roles = worker_roles(cfg.topology);
     let names = worker_names(&roles);
@@ -396,7 +404,7 @@ pub fn run(
         cfg.profile.clone(),
         EngineOptions {
             eviction: cfg.eviction.config(),
-            block_size: BlockSize::default(),
+            block_size: trace.block_size(),
         },
         &roles,
         cfg.seed,
