@@ -16,7 +16,7 @@ pub(crate) struct Options {
 /// Topology pairs of the matrix: (disaggregated, colocated with the same GPU count).
 const TOPOLOGIES: [&str; 4] = ["1p3d", "4dp", "2p6d", "8dp"];
 /// Policies of the matrix.
-const POLICIES: [&str; 3] = ["cache-aware", "kv-aware-v0", "kvc-v2"];
+const POLICIES: [&str; 4] = ["cache-aware", "kv-aware-v0", "kvc-v2", "kvc"];
 /// Time-scales of the matrix.
 const TIME_SCALES: [u32; 2] = [1, 10];
 /// Metrics of each matrix cell: (key, path in summary.json).

@@ -27,14 +27,14 @@ COMMANDS:
                of numbers) and target/bench/report.md (tables and plots):
                the criterion benches of kvc-policy, kvc-admission and kvc-router, the simulator's speed
                (default run and a ~100,000-request run), and the policy matrix (topologies
-               1p3d, 4dp, 2p6d, 8dp x policies cache-aware, kv-aware-v0, kvc-v2 x
+               1p3d, 4dp, 2p6d, 8dp x policies cache-aware, kv-aware-v0, kvc-v2, kvc x
                time-scales 1 and 10 on the generated SWE trace, seed 7).
                --quick          shorter criterion measurements (the matrix stays complete)
                --baseline FILE  print each figure's change against an earlier summary.json
 
                Keys of summary.json:
                  policy.select_ns.d8, policy.select_ns.d64
-                     median ns per routing decision of the default policy with 8 / 64 decode
+                     median ns per routing decision of kvc-v2 with 8 / 64 decode
                      workers, a 180-block request, 1,000+ known blocks per worker
                  admission.probe_ns, admission.probe_ns_2_readers, admission.probes_per_sec
                      median probe time with a writer publishing continuously (1 / 2 readers),

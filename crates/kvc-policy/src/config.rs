@@ -3,6 +3,7 @@
 use crate::cache_aware::CacheAwareConfig;
 use crate::error::PolicyError;
 use crate::kv_aware_v0::KvAwareV0Config;
+use crate::kvc::KvcConfig;
 use crate::kvc_v2::KvcV2Config;
 use crate::prefill::PrefillPolicy;
 use crate::round_robin::RoundRobinConfig;
@@ -36,14 +37,16 @@ pub enum PolicyConfig {
     KvAwareV0(KvAwareV0Config),
     /// `kvc-v2`: the study's fix (capacity term, hard cap, migration).
     KvcV2(KvcV2Config),
+    /// `kvc`: the default: `kvc-v2`'s procedure with active-session-aware placement.
+    Kvc(KvcConfig),
 }
 
-const NAMES: &[&str] = &["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2"];
+const NAMES: &[&str] = &["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2", "kvc"];
 
 impl Default for PolicyConfig {
-    /// `kvc-v2` with its defaults.
+    /// `kvc` with its defaults.
     fn default() -> Self {
-        PolicyConfig::KvcV2(KvcV2Config::default())
+        PolicyConfig::Kvc(KvcConfig::default())
     }
 }
 
@@ -55,6 +58,7 @@ impl PolicyConfig {
             PolicyConfig::CacheAware(_) => NAMES[1],
             PolicyConfig::KvAwareV0(_) => NAMES[2],
             PolicyConfig::KvcV2(_) => NAMES[3],
+            PolicyConfig::Kvc(_) => NAMES[4],
         }
     }
 
@@ -65,6 +69,7 @@ impl PolicyConfig {
             "cache-aware" => Ok(PolicyConfig::CacheAware(CacheAwareConfig::default())),
             "kv-aware-v0" => Ok(PolicyConfig::KvAwareV0(KvAwareV0Config::default())),
             "kvc-v2" => Ok(PolicyConfig::KvcV2(KvcV2Config::default())),
+            "kvc" => Ok(PolicyConfig::Kvc(KvcConfig::default())),
             other => Err(PolicyError::UnknownPolicy(other.to_owned())),
         }
     }
@@ -81,6 +86,7 @@ impl PolicyConfig {
             PolicyConfig::CacheAware(c) => c.validate(),
             PolicyConfig::KvAwareV0(c) => c.validate(),
             PolicyConfig::KvcV2(c) => c.validate(),
+            PolicyConfig::Kvc(c) => c.validate(),
         }
     }
 
@@ -92,6 +98,7 @@ impl PolicyConfig {
             PolicyConfig::CacheAware(_) => None,
             PolicyConfig::KvAwareV0(c) => Some(c.prefill),
             PolicyConfig::KvcV2(c) => Some(c.prefill),
+            PolicyConfig::Kvc(c) => Some(c.prefill),
         }
     }
 
@@ -102,6 +109,7 @@ impl PolicyConfig {
             PolicyConfig::RoundRobin(_) | PolicyConfig::CacheAware(_) => None,
             PolicyConfig::KvAwareV0(c) => Some(c.direct_limit_tokens),
             PolicyConfig::KvcV2(c) => Some(c.direct_limit_tokens),
+            PolicyConfig::Kvc(c) => Some(c.direct_limit_tokens),
         }
     }
 
@@ -112,6 +120,7 @@ impl PolicyConfig {
             PolicyConfig::CacheAware(c) => c.block_size,
             PolicyConfig::KvAwareV0(c) => c.block_size,
             PolicyConfig::KvcV2(c) => c.block_size,
+            PolicyConfig::Kvc(c) => c.block_size,
         }
     }
 }

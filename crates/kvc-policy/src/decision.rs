@@ -56,7 +56,7 @@ pub struct Component {
 }
 
 /// Most components a score entry holds.
-const MAX_COMPONENTS: usize = 6;
+const MAX_COMPONENTS: usize = 8;
 
 /// The score of one candidate, for debugging. `total` is what the policy maximised (each
 /// policy documents it); ties are broken as the policy documents. Components are stored inline
@@ -91,8 +91,13 @@ impl ScoreEntry {
         }
     }
 
-    /// Adds a component (ignored past the inline capacity, which no policy reaches).
+    /// Adds a component (ignored past the inline capacity, which no policy reaches; debug
+    /// builds check it).
     pub(crate) fn with(mut self, name: &'static str, value: f64) -> Self {
+        debug_assert!(
+            (self.len as usize) < MAX_COMPONENTS,
+            "score entry full: raise MAX_COMPONENTS for `{name}`"
+        );
         if (self.len as usize) < MAX_COMPONENTS {
             self.components[self.len as usize] = Component { name, value };
             self.len += 1;

@@ -159,9 +159,19 @@ impl KvcV2Config {
 /// Ranking of an eligible D: score, then lower load, fewer assignments, lower id.
 type RankKey = (f64, Reverse<u64>, Reverse<u64>, Reverse<WorkerId>);
 
+/// Placement terms that `kvc` adds to the v2 score (see [`crate::KvcConfig`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Placement {
+    /// Penalty per session active on D (routed within `active_window_ms`, still resident).
+    pub(crate) active_weight: f64,
+    /// How recent a session's last turn must be for it to count as active.
+    pub(crate) active_window_ms: u64,
+}
+
 struct V2<'c, 'a> {
     cfg: &'c KvcV2Config,
     ctx: &'c Ctx<'a>,
+    placement: Option<Placement>,
 }
 
 impl V2<'_, '_> {
@@ -194,6 +204,20 @@ impl V2<'_, '_> {
         };
         let any_under = self.any_under(candidates);
         let depths = ctx.depths(ctx.healthy_d, BlockView::Live);
+        // Sessions active on each D: the decode batch a new session would join.
+        let mut active = [0u32; crate::view::MAX_WORKERS];
+        if let Some(p) = self.placement {
+            let me = ctx.req.session;
+            for (id, r) in ctx.state.sessions() {
+                if Some(id) != me
+                    && r.residency == Residency::Resident
+                    && ctx.now_ms().saturating_sub(r.last_routed_ms) <= p.active_window_ms
+                    && let Some(d) = r.current_d
+                {
+                    active[d.0 as usize] += 1;
+                }
+            }
+        }
         let cap = f64::from(cfg.overlap_cap_blocks);
         let mut best: Option<RankKey> = None;
         for slot in ctx.healthy_d.iter() {
@@ -211,7 +235,10 @@ impl V2<'_, '_> {
             };
             let capacity_term = 0.0 - cfg.capacity_weight * used;
             let load_term = 0.0 - cfg.load_weight * load as f64;
-            let total = overlap_term + sticky_term + capacity_term + load_term;
+            let active_term = self
+                .placement
+                .map_or(0.0, |p| 0.0 - p.active_weight * f64::from(active[slot]));
+            let total = overlap_term + sticky_term + capacity_term + load_term + active_term;
             let eligible = candidates.contains(slot) && (!any_under || used <= cfg.hard_cap);
             if eligible {
                 let key = (
@@ -236,6 +263,7 @@ impl V2<'_, '_> {
                 .with("sticky_term", sticky_term)
                 .with("capacity_term", capacity_term)
                 .with("load_term", load_term)
+                .with("active_term", active_term)
                 .with("committed_fraction", used);
             e.total = total;
             e.eligible = eligible;
@@ -274,12 +302,25 @@ impl V2<'_, '_> {
 }
 
 pub(crate) fn route(cfg: &KvcV2Config, ctx: &Ctx<'_>) -> Result<Decision, PolicyError> {
+    route_with(cfg, None, ctx)
+}
+
+/// The v2 decision procedure, with `kvc`'s placement terms when given.
+pub(crate) fn route_with(
+    cfg: &KvcV2Config,
+    placement: Option<Placement>,
+    ctx: &Ctx<'_>,
+) -> Result<Decision, PolicyError> {
     ctx.require_d()?;
     let knobs = Knobs {
         incremental_footprint: cfg.incremental_footprint,
         backpressure: cfg.backpressure,
     };
-    let v2 = V2 { cfg, ctx };
+    let v2 = V2 {
+        cfg,
+        ctx,
+        placement,
+    };
     let session = ctx.session();
     let mut scores = Vec::with_capacity(ctx.healthy_d.len() + ctx.healthy_p.len());
 

@@ -9,7 +9,7 @@ use crate::footprint::footprint_tokens;
 use crate::index::{BlockView, WorkerSet};
 use crate::state::{RouterState, SessionRoute};
 use crate::view::{ClusterView, MAX_WORKERS, RouteRequest, WorkerView};
-use crate::{cache_aware, kv_aware_v0, kvc_v2, round_robin};
+use crate::{cache_aware, kv_aware_v0, kvc, kvc_v2, round_robin};
 use kvc_core::{
     BlockSize, ExecutionMode, FallThroughReason, Topology, WorkerId, WorkerRole, WorkerState,
 };
@@ -42,6 +42,7 @@ pub fn route(
         PolicyConfig::CacheAware(c) => cache_aware::route(c, &ctx),
         PolicyConfig::KvAwareV0(c) => kv_aware_v0::route(c, &ctx),
         PolicyConfig::KvcV2(c) => kvc_v2::route(c, &ctx),
+        PolicyConfig::Kvc(c) => kvc::route(c, &ctx),
     }
 }
 
@@ -127,6 +128,11 @@ impl<'a> Ctx<'a> {
     }
 
     /// The request's session state, if any.
+    /// The caller's clock at this decision.
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
     pub(crate) fn session(&self) -> Option<&'a SessionRoute> {
         self.req.session.and_then(|s| self.state.session(s))
     }

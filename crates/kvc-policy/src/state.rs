@@ -381,6 +381,11 @@ impl RouterState {
         }
     }
 
+    /// Every session with routing state, in no particular order.
+    pub fn sessions(&self) -> impl Iterator<Item = (SessionId, &SessionRoute)> + '_ {
+        self.sessions.iter().map(|(id, r)| (*id, r))
+    }
+
     /// Sessions with routing state.
     pub fn session_count(&self) -> usize {
         self.sessions.len()

@@ -10,7 +10,7 @@ use kvc_policy::{
 fn stable_names_round_trip() {
     assert_eq!(
         PolicyConfig::all_names(),
-        &["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2"]
+        &["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2", "kvc"]
     );
     for name in PolicyConfig::all_names() {
         let cfg = PolicyConfig::from_name(name).unwrap();
@@ -29,9 +29,9 @@ fn stable_names_round_trip() {
     assert_eq!(err, PolicyError::UnknownPolicy("sticky".into()));
     assert_eq!(
         err.to_string(),
-        "unknown policy `sticky` (expected one of: round-robin, cache-aware, kv-aware-v0, kvc-v2)"
+        "unknown policy `sticky` (expected one of: round-robin, cache-aware, kv-aware-v0, kvc-v2, kvc)"
     );
-    assert_eq!(PolicyConfig::default().name(), "kvc-v2");
+    assert_eq!(PolicyConfig::default().name(), "kvc");
 }
 
 #[test]

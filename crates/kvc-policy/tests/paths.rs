@@ -13,7 +13,7 @@ use kvc_policy::{
     recommended_pause_ms, route,
 };
 
-const ALL: [&str; 4] = ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2"];
+const ALL: [&str; 5] = ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2", "kvc"];
 
 fn sid(s: u64) -> SessionId {
     SessionId(s)

@@ -14,7 +14,7 @@ use kvc_policy::{
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
-const ALL: [&str; 4] = ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2"];
+const ALL: [&str; 5] = ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2", "kvc"];
 
 #[derive(Debug, Clone)]
 struct WorkerSpec {

@@ -4,10 +4,12 @@ mod common;
 
 use common::*;
 use kvc_core::{
-    BlockHash, ExecutionMode, FallThroughReason, Health, RequestId, SessionId, WorkerId, WorkerRole,
+    BlockHash, ExecutionMode, FallThroughReason, Health, RequestId, SessionId, TurnId, WorkerId,
+    WorkerRole,
 };
 use kvc_policy::{
-    Decision, KvcV2Config, Observation, PolicyConfig, PrefillPolicy, RouteRequest, StateChange,
+    ClusterView, Decision, KvcV2Config, Observation, PolicyConfig, PrefillPolicy, RouteRequest,
+    StateChange, route,
 };
 
 /// Checks the entry of `worker` in `role`: `(component, value)` pairs, total and eligibility.
@@ -514,4 +516,54 @@ fn d_health_aware_prefill_cost() {
     assert_eq!(r.state.cursor(WorkerRole::Prefill), Some(WorkerId(0)));
     let d = r.decide(&ws, &req).unwrap();
     assert_eq!(d.prefill, Some(WorkerId(1)));
+}
+
+#[test]
+fn kvc_places_a_new_session_away_from_active_sessions() {
+    // 1 P + 2 D, identical state: the only difference is that d1 hosts an active session.
+    let ws = pd(1, 2);
+    let mut r = Router::named("kvc", &ws);
+    let a = ctx_blocks(1, 0, 8);
+    let first = r.serve(&ws, Some((1, 1)), &a);
+    assert_eq!(first.mode, ExecutionMode::Turn1Seed);
+    let busy = first.decode;
+    let b = ctx_blocks(2, 0, 8);
+    let req = RouteRequest::new(RequestId(50), 8 * BS, 10, &b).in_session(SessionId(2), TurnId(1));
+    let d = r.decide(&ws, &req).unwrap();
+    let other = if busy == WorkerId(1) {
+        WorkerId(2)
+    } else {
+        WorkerId(1)
+    };
+    assert_eq!(
+        d.decode, other,
+        "the new session avoids the D with an active session"
+    );
+    let dr = WorkerRole::Decode;
+    // Hand-computed: active_term = −0.5 × 1 on the busy D, 0 on the other; nothing else differs
+    // (no load, no committed memory, no overlap beyond the shared system prompt on the busy D).
+    let e_busy = d.score(busy, dr).unwrap();
+    let e_other = d.score(other, dr).unwrap();
+    assert!(approx(e_busy.component("active_term").unwrap(), -0.5));
+    assert!(approx(e_other.component("active_term").unwrap(), 0.0));
+    // kvc-v2 has no such term: it reports 0 everywhere.
+    let v2 = Router::named("kvc-v2", &ws);
+    let dv2 = v2.decide(&ws, &req).unwrap();
+    assert!(approx(
+        dv2.score(busy, dr)
+            .unwrap()
+            .component("active_term")
+            .unwrap(),
+        0.0
+    ));
+    // A session routed longer ago than the window no longer counts.
+    let later = route(&r.config, &r.state, &ClusterView::new(31_000, &ws), &req).unwrap();
+    assert!(approx(
+        later
+            .score(busy, dr)
+            .unwrap()
+            .component("active_term")
+            .unwrap(),
+        0.0
+    ));
 }

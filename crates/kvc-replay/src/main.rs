@@ -28,7 +28,7 @@ enum Command {
     Compare(cli::compare::Args),
     /// Write a Markdown report with SVG plots for run directories.
     Report(cli::report::Args),
-    /// Generate the SWE-agent trace, simulate the reference configurations, compare, report.
+    /// Generate the SWE-agent trace, simulate the reference configurations and kvc, compare, report.
     Demo(cli::demo::Args),
     /// List the routing policies and their knobs with default values.
     Policies(cli::policies::Args),

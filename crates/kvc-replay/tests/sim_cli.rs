@@ -195,7 +195,7 @@ fn knobs_reach_the_policy() {
 }
 
 #[test]
-fn demo_runs_the_three_reference_configurations() {
+fn demo_runs_the_reference_configurations_and_kvc() {
     let dir = tmp("demo");
     let stdout = ok(bin()
         .args(["demo", "--quiet", "--sessions", "4", "--out"])
@@ -216,7 +216,7 @@ fn demo_runs_the_three_reference_configurations() {
 #[test]
 fn policies_lists_every_policy_with_knobs() {
     let out = ok(bin().arg("policies").output().unwrap());
-    for name in ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2"] {
+    for name in ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2", "kvc"] {
         assert!(out.lines().any(|l| l == name), "{out}");
     }
     assert!(out.contains("direct-limit-tokens = 8192"), "{out}");

@@ -44,7 +44,7 @@ Outputs (in --out):
 
 Policy knobs: --knob KEY=VALUE sets a field of the policy's configuration (repeatable); the
 keys are those `kvc-replay policies` prints for the policy. Example:
-  kvc-replay sim --trace t.jsonl --topology 1p3d --policy kvc-v2 --knob hard_cap=0.9 --out run/";
+  kvc-replay sim --trace t.jsonl --topology 1p3d --policy kvc --knob hard-cap=0.9 --out run/";
 
 /// Cluster, policy and replay settings shared by `sim` and `live`.
 #[derive(Debug, Clone, clap::Args)]
@@ -53,7 +53,7 @@ pub(crate) struct RunArgs {
     #[arg(long, default_value = "1p3d")]
     pub(crate) topology: Topology,
     /// Routing policy (see `kvc-replay policies`).
-    #[arg(long, default_value = "kvc-v2")]
+    #[arg(long, default_value = "kvc")]
     pub(crate) policy: String,
     /// Prefill selection on P/D clusters: round-robin or d-health-aware (default: the policy's).
     #[arg(long)]

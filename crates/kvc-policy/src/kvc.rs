@@ -1,0 +1,156 @@
+//! `kvc`: the default policy. It keeps `kvc-v2`'s decision procedure (strict stickiness of
+//! resident sessions, the hard cap, migration after repeated rejects with the counter reset by
+//! every successful direct-to-D turn, the 8,192-token direct limit, the incremental footprint)
+//! and changes where a session is *placed* — on its first turn, after an eviction, and when it
+//! migrates:
+//!
+//! - **active-session term**: each session active on a D (resident there and routed within
+//!   `active-window-ms`) costs `active-weight`. Those sessions decode alongside the new one and
+//!   will grow into the same pool; co-locating active sessions is what later forces D to evict
+//!   one of them (a `session-evicted` fall-through through P) and slows every decode step.
+//! - **weak stickiness for non-resident sessions**: a session that lost its KV does not get a
+//!   large bonus to return to the D that evicted it (`sticky-weight` 0.5 instead of 2.0); the
+//!   old D is usually still the fullest.
+//! - **stronger capacity and load terms** (`capacity-weight` 5, `load-weight` 0.5): place by
+//!   committed memory and queue rather than by overlap.
+//!
+//! `docs/kvc-policy.md` has the measurements behind each part (an ablation on the generated SWE
+//! traces).
+//!
+//! Score of a candidate D, highest wins:
+//!
+//! ```text
+//! total = overlap_weight  × min(overlap, overlap_cap_blocks) / overlap_cap_blocks
+//!       + sticky_weight   × [D is the session's current D]
+//!       − capacity_weight × committed_fraction(D)
+//!       − load_weight     × (in_flight(D) + queue_depth(D))
+//!       − active_weight   × active_sessions(D)
+//! ```
+
+use crate::backpressure::BackpressureConfig;
+use crate::decision::Decision;
+use crate::error::PolicyError;
+use crate::kvc_v2::{KvcV2Config, Placement, route_with};
+use crate::prefill::PrefillPolicy;
+use crate::route::Ctx;
+use kvc_core::BlockSize;
+use serde::{Deserialize, Serialize};
+
+/// Configuration of `kvc`.
+///
+/// | field | default |
+/// |---|---|
+/// | `direct-limit-tokens` | 8,192 |
+/// | `hard-cap` | 0.85 (committed fraction) |
+/// | `migrate-after-rejects` | 3 |
+/// | `overlap-cap-blocks` | 16 |
+/// | `overlap-weight` | 1.0 |
+/// | `sticky-weight` | 0.5 |
+/// | `capacity-weight` | 5.0 |
+/// | `load-weight` | 0.5 |
+/// | `active-weight` | 0.5 |
+/// | `active-window-ms` | 30,000 |
+/// | `incremental-footprint` | `true` |
+/// | `prefill` | `d-health-aware` |
+/// | `backpressure` | disabled |
+/// | `block-size` | 512 |
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct KvcConfig {
+    /// Largest uncached append (tokens) that may go direct-to-D.
+    pub direct_limit_tokens: u64,
+    /// Committed fraction above which a D is skipped while another is at or below it.
+    pub hard_cap: f64,
+    /// Rejects of a session on a D (no successful direct-to-D turn in between) that trigger
+    /// migration. At least 1.
+    pub migrate_after_rejects: u32,
+    /// Overlap (blocks) beyond which more overlap adds nothing. At least 1.
+    pub overlap_cap_blocks: u32,
+    /// Weight of the capped overlap.
+    pub overlap_weight: f64,
+    /// Bonus of the session's last D when it is not resident anywhere.
+    pub sticky_weight: f64,
+    /// Penalty per unit of committed fraction.
+    pub capacity_weight: f64,
+    /// Penalty per request in flight or queued.
+    pub load_weight: f64,
+    /// Penalty per session active on the D.
+    pub active_weight: f64,
+    /// A session routed within this many milliseconds (and still resident) is active.
+    pub active_window_ms: u64,
+    /// Use `max(0, input − cached) + output` for later turns.
+    pub incremental_footprint: bool,
+    /// How P is chosen.
+    pub prefill: PrefillPolicy,
+    /// Backpressure hint parameters.
+    pub backpressure: BackpressureConfig,
+    /// Tokens per block of `hash_ids`.
+    pub block_size: BlockSize,
+}
+
+impl Default for KvcConfig {
+    fn default() -> Self {
+        KvcConfig {
+            direct_limit_tokens: 8_192,
+            hard_cap: 0.85,
+            migrate_after_rejects: 3,
+            overlap_cap_blocks: 16,
+            overlap_weight: 1.0,
+            sticky_weight: 0.5,
+            capacity_weight: 5.0,
+            load_weight: 0.5,
+            active_weight: 0.5,
+            active_window_ms: 30_000,
+            incremental_footprint: true,
+            prefill: PrefillPolicy::DHealthAware,
+            backpressure: BackpressureConfig::DISABLED,
+            block_size: BlockSize::default(),
+        }
+    }
+}
+
+impl KvcConfig {
+    /// The v2 part of the configuration.
+    fn v2(&self) -> KvcV2Config {
+        KvcV2Config {
+            direct_limit_tokens: self.direct_limit_tokens,
+            hard_cap: self.hard_cap,
+            migrate_after_rejects: self.migrate_after_rejects,
+            overlap_cap_blocks: self.overlap_cap_blocks,
+            overlap_weight: self.overlap_weight,
+            sticky_weight: self.sticky_weight,
+            capacity_weight: self.capacity_weight,
+            load_weight: self.load_weight,
+            incremental_footprint: self.incremental_footprint,
+            prefill: self.prefill,
+            backpressure: self.backpressure,
+            block_size: self.block_size,
+        }
+    }
+
+    /// Checks the values are in range.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        self.v2().validate().map_err(|e| match e {
+            PolicyError::InvalidConfig { detail, .. } => PolicyError::InvalidConfig {
+                policy: "kvc",
+                detail,
+            },
+            other => other,
+        })?;
+        if !(self.active_weight.is_finite() && self.active_weight >= 0.0) {
+            return Err(PolicyError::InvalidConfig {
+                policy: "kvc",
+                detail: "active-weight must be a finite number ≥ 0",
+            });
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn route(cfg: &KvcConfig, ctx: &Ctx<'_>) -> Result<Decision, PolicyError> {
+    let placement = Placement {
+        active_weight: cfg.active_weight,
+        active_window_ms: cfg.active_window_ms,
+    };
+    route_with(&cfg.v2(), Some(placement), ctx)
+}
