@@ -43,7 +43,7 @@ pub struct RouterConfig {
     /// Prometheus `/metrics` listen address; `None` serves no metrics. Default `127.0.0.1:9464`.
     pub metrics_listen: Option<SocketAddr>,
     /// The routing policy and its knobs (a table tagged by `policy`, see
-    /// [`kvc_policy::PolicyConfig`]). Default `kvc-v2` with its defaults.
+    /// [`kvc_policy::PolicyConfig`]). Default `kvc` with its defaults.
     pub policy: PolicyConfig,
     /// Bounds of the session table.
     pub sessions: SessionLimits,
@@ -231,7 +231,7 @@ mod tests {
         assert_eq!(cfg.workers.len(), 3);
         assert_eq!(cfg.workers[0].role, WorkerRole::Prefill);
         assert_eq!(cfg.sessions.ttl_ms, 600_000);
-        assert_eq!(cfg.policy.name(), "kvc-v2");
+        assert_eq!(cfg.policy.name(), "kvc");
     }
 
     #[test]

@@ -36,7 +36,7 @@ struct Cli {
     no_metrics: bool,
 
     /// Routing policy by name, with its default knobs (overrides the `[policy]` table):
-    /// round-robin, cache-aware, kv-aware-v0 or kvc-v2.
+    /// round-robin, cache-aware, kv-aware-v0, kvc-v2 or kvc.
     #[arg(long, value_name = "NAME")]
     policy: Option<String>,
 
