@@ -166,15 +166,7 @@ pub(crate) fn route(cfg: &CacheAwareConfig, ctx: &Ctx<'_>) -> Result<Decision, P
     }
     let (p, p_depth) = pick(ctx, cfg, ctx.healthy_p, WorkerRole::Prefill, &mut scores);
     let (mode, reason) = ctx.sessionless_path();
-    let plan = Plan {
-        mode,
-        decode: d,
-        prefill: Some(p),
-        reason,
-        cached_tokens: ctx.reusable(p_depth, cfg.block_size),
-        cached_on_d: 0,
-        scores,
-        reject_count: None,
-    };
+    let cached = ctx.reusable(p_depth, cfg.block_size);
+    let plan = Plan::p_to_d((mode, reason), d, (p, cached), scores, None);
     Ok(ctx.finish(plan, knobs))
 }

@@ -174,16 +174,7 @@ pub(crate) fn route(cfg: &KvAwareV0Config, ctx: &Ctx<'_>) -> Result<Decision, Po
         TurnClass::FirstTurn => (ExecutionMode::Turn1Seed, None),
         TurnClass::FallThrough { reason, .. } => (ExecutionMode::Fallback, Some(reason)),
     };
-    let (p, cached) = prefill::choose(ctx, cfg.prefill, best, cfg.block_size, &mut scores)?;
-    let plan = Plan {
-        mode,
-        decode: best,
-        prefill: Some(p),
-        reason,
-        cached_tokens: cached,
-        cached_on_d: 0,
-        scores,
-        reject_count,
-    };
+    let chosen_p = prefill::choose(ctx, cfg.prefill, best, cfg.block_size, &mut scores)?;
+    let plan = Plan::p_to_d((mode, reason), best, chosen_p, scores, reject_count);
     Ok(ctx.finish(plan, knobs))
 }

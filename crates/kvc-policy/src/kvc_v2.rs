@@ -408,16 +408,7 @@ pub(crate) fn route_with(
             }
         }
     };
-    let (p, cached) = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
-    let plan = Plan {
-        mode,
-        decode: d,
-        prefill: Some(p),
-        reason,
-        cached_tokens: cached,
-        cached_on_d: 0,
-        scores,
-        reject_count,
-    };
+    let chosen_p = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
+    let plan = Plan::p_to_d((mode, reason), d, chosen_p, scores, reject_count);
     Ok(ctx.finish(plan, knobs))
 }

@@ -103,17 +103,8 @@ pub(crate) fn route(cfg: &RoundRobinConfig, ctx: &Ctx<'_>) -> Result<Decision, P
         let cached = ctx.reusable(depth, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(d, cached, scores), knobs));
     }
-    let (p, cached) = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
-    let (mode, reason) = ctx.sessionless_path();
-    let plan = Plan {
-        mode,
-        decode: d,
-        prefill: Some(p),
-        reason,
-        cached_tokens: cached,
-        cached_on_d: 0,
-        scores,
-        reject_count: None,
-    };
+    let chosen_p = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
+    let path = ctx.sessionless_path();
+    let plan = Plan::p_to_d(path, d, chosen_p, scores, None);
     Ok(ctx.finish(plan, knobs))
 }

@@ -235,6 +235,26 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
+    /// A P→D plan: prefill on `prefill` (holding `cached` tokens of the input), decode on `decode`.
+    pub(crate) fn p_to_d(
+        (mode, reason): (ExecutionMode, Option<FallThroughReason>),
+        decode: WorkerId,
+        (prefill, cached): (WorkerId, u64),
+        scores: Vec<ScoreEntry>,
+        reject_count: Option<(WorkerId, u32)>,
+    ) -> Plan {
+        Plan {
+            mode,
+            decode,
+            prefill: Some(prefill),
+            reason,
+            cached_tokens: cached,
+            cached_on_d: 0,
+            scores,
+            reject_count,
+        }
+    }
+
     /// The plan of a colocated cluster: worker `w`, which holds `cached` tokens of the input.
     pub(crate) fn colocated(w: WorkerId, cached: u64, scores: Vec<ScoreEntry>) -> Plan {
         Plan {
