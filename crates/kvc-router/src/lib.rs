@@ -118,6 +118,7 @@ pub mod config;
 pub mod convert;
 mod error;
 mod grpc;
+pub mod http;
 pub mod metrics;
 mod server;
 mod service;

@@ -1,0 +1,622 @@
+//! The HTTP data plane: a front for SGLang-style prefill/decode workers.
+//!
+//! [`http_app`] builds an `axum` router that takes the client's request, asks the
+//! [`RouterService`] where it goes (the same decision path as the gRPC `Route`, without gRPC),
+//! forwards it the way SGLang's disaggregation expects, returns the decode worker's answer and
+//! feeds the outcome back (`ReportOutcome`).
+//!
+//! | Route | Body |
+//! |---|---|
+//! | `POST /generate` | SGLang: `text` or `input_ids`, `sampling_params.max_new_tokens`, optional `session_params.id`, `stream` absent or `false` |
+//! | `POST /v1/completions` | OpenAI: `prompt` (text or token ids), `max_tokens`, `stream` absent or `false` |
+//! | `GET /health` | 200 while at least one worker is routable, else 503 |
+//! | `GET /v1/models` | the configured model name, OpenAI list shape |
+//!
+//! A malformed body gets 400 with `{"error": {"message": "...", "type": "invalid_request_error"}}`;
+//! one over [`HttpOptions::max_body_bytes`] gets 413 with the same shape.
+//!
+//! **Session and turn.** The session key is the `x-session-id` header (name configurable in
+//! [`HttpOptions`]) or, for `/generate`, `session_params.id`; it maps to a session id with
+//! [`kvc_core::SessionId::from_key`]. The turn is a per-session counter kept here (bounded by
+//! the router's `sessions.ttl-ms` and `sessions.max`). A request without a key is routed
+//! without a session.
+//!
+//! **Block hashes.** From `input_ids` (or a token-id `prompt`) with [`block_hashes`] over the
+//! policy's block size; text goes through [`fallback_tokens`] (one token per word) first. The
+//! input length is the number of tokens.
+//!
+//! **Forwarding.** For a decision through a prefill worker (`turn1-seed`, `fallback`,
+//! `reseed`) the same JSON body, with `bootstrap_host` (P's host), `bootstrap_port` (P's
+//! bootstrap port) and a random `bootstrap_room` injected, goes to P and D concurrently; D's
+//! answer is returned. `direct-to-d` sends the body unchanged to D alone, `colocated` to the
+//! worker. Each worker call has the deadline [`HttpOptions::request_timeout`]. The outcome is
+//! `ok` when every worker answered 2xx (the resident tokens are the input plus the answer's
+//! `meta_info.completion_tokens` or `usage.completion_tokens`), else `worker-failed`. A worker
+//! that answered non-2xx has its status and body passed through; one that did not answer
+//! gives 502 (504 on a timeout). Responses carry `x-kvc-mode`, `x-kvc-decode-worker` and, on
+//! the P→D path, `x-kvc-prefill-worker`.
+//!
+//! ```
+//! use kvc_core::WorkerId;
+//! use kvc_router::http::{HttpWorkers, http_app};
+//! use kvc_router::{RouterConfig, RouterService};
+//! use std::sync::Arc;
+//!
+//! let service = Arc::new(RouterService::new(RouterConfig::default())?);
+//! let mut workers = HttpWorkers::new();
+//! workers.insert(WorkerId(0), "http://10.0.0.1:30000", Some(8998))?;
+//! workers.insert(WorkerId(1), "http://10.0.0.2:30000", None)?;
+//! assert_eq!(workers.len(), 2);
+//! let app: axum::Router = http_app(service, workers);
+//! // axum::serve(tokio::net::TcpListener::bind("0.0.0.0:8000").await?, app).await?;
+//! # drop(app);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod client;
+mod request;
+mod tokens;
+
+pub use client::{
+    BaseUrl, ForwardError, MAX_RESPONSE_BYTES, WorkerResponse, parse_response, post_json,
+};
+pub use request::{DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS};
+pub use tokens::{block_hashes, fallback_tokens};
+
+use crate::convert::ProtoEnum;
+use crate::{RequestError, RouterService, pb};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvc_core::{ExecutionMode, Outcome, SessionId, StableName, WorkerId};
+use parking_lot::Mutex;
+use request::{Api, Prompt};
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// SGLang's default disaggregation bootstrap port, used for a prefill worker registered
+/// without one.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// Where the HTTP front reaches each worker.
+#[derive(Debug, Clone, Default)]
+pub struct HttpWorkers {
+    workers: HashMap<WorkerId, HttpWorker>,
+}
+
+/// One worker's HTTP endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpWorker {
+    /// Its base URL, parsed.
+    pub url: BaseUrl,
+    /// The bootstrap port of a prefill worker (ignored for others).
+    pub bootstrap_port: u16,
+}
+
+impl HttpWorkers {
+    /// No workers.
+    pub fn new() -> Self {
+        HttpWorkers::default()
+    }
+
+    /// Registers worker `id` at `url` (`http://host:port`); `bootstrap_port` is the
+    /// disaggregation bootstrap port of a prefill worker ([`DEFAULT_BOOTSTRAP_PORT`] when
+    /// `None`). Replaces an earlier entry for `id`.
+    pub fn insert(
+        &mut self,
+        id: WorkerId,
+        url: &str,
+        bootstrap_port: Option<u16>,
+    ) -> Result<(), ForwardError> {
+        let url = BaseUrl::parse(url)?;
+        self.workers.insert(
+            id,
+            HttpWorker {
+                url,
+                bootstrap_port: bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT),
+            },
+        );
+        Ok(())
+    }
+
+    /// Worker `id`'s endpoint.
+    pub fn get(&self, id: WorkerId) -> Option<&HttpWorker> {
+        self.workers.get(&id)
+    }
+
+    /// Number of workers registered.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Whether no worker is registered.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+}
+
+/// Settings of the HTTP front.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpOptions {
+    /// Header carrying the session key. Default `x-session-id`.
+    pub session_header: String,
+    /// Deadline of each worker call (connect, send, whole answer). Default 300 s.
+    pub request_timeout: Duration,
+    /// The model name `/v1/models` lists. Default `default`.
+    pub model: String,
+    /// Largest request body accepted, in bytes; larger ones get 413 with a JSON error.
+    /// Default 16 MiB.
+    pub max_body_bytes: usize,
+}
+
+impl Default for HttpOptions {
+    fn default() -> Self {
+        HttpOptions {
+            session_header: "x-session-id".to_owned(),
+            request_timeout: Duration::from_secs(300),
+            model: "default".to_owned(),
+            max_body_bytes: 16 << 20,
+        }
+    }
+}
+
+/// The HTTP front with the default [`HttpOptions`].
+pub fn http_app(service: Arc<RouterService>, workers: HttpWorkers) -> Router {
+    http_app_with(service, workers, HttpOptions::default())
+}
+
+/// The HTTP front with explicit options.
+pub fn http_app_with(
+    service: Arc<RouterService>,
+    workers: HttpWorkers,
+    options: HttpOptions,
+) -> Router {
+    let body_limit = DefaultBodyLimit::max(options.max_body_bytes);
+    let app = Arc::new(App {
+        service,
+        workers,
+        options,
+        turns: Mutex::new(HashMap::new()),
+        next_request: AtomicU64::new(1),
+        rooms: std::collections::hash_map::RandomState::new(),
+        room_counter: AtomicU64::new(0),
+    });
+    Router::new()
+        .route("/generate", post(generate))
+        .route("/v1/completions", post(completions))
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .layer(body_limit)
+        .with_state(app)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct TurnEntry {
+    turn: u32,
+    last_ms: u64,
+}
+
+struct App {
+    service: Arc<RouterService>,
+    workers: HttpWorkers,
+    options: HttpOptions,
+    turns: Mutex<HashMap<SessionId, TurnEntry>>,
+    next_request: AtomicU64,
+    rooms: std::collections::hash_map::RandomState,
+    room_counter: AtomicU64,
+}
+
+impl App {
+    /// The next turn of `session` (1 for a new or expired session). The table is bounded by
+    /// the router's session limits.
+    fn next_turn(&self, session: SessionId) -> u32 {
+        let limits = self.service.config().sessions;
+        let now = self.service.now_ms();
+        let mut turns = self.turns.lock();
+        let turn = match turns.get_mut(&session) {
+            Some(e) if now.saturating_sub(e.last_ms) <= limits.ttl_ms => {
+                e.turn = e.turn.saturating_add(1);
+                e.last_ms = now;
+                e.turn
+            }
+            _ => {
+                turns.insert(
+                    session,
+                    TurnEntry {
+                        turn: 1,
+                        last_ms: now,
+                    },
+                );
+                1
+            }
+        };
+        let max = limits.max_sessions.max(1);
+        if turns.len() > max {
+            turns.retain(|_, e| now.saturating_sub(e.last_ms) <= limits.ttl_ms);
+            while turns.len() > max {
+                let oldest = turns
+                    .iter()
+                    .filter(|(s, _)| **s != session)
+                    .min_by_key(|(_, e)| e.last_ms)
+                    .map(|(s, _)| *s);
+                match oldest {
+                    Some(s) => turns.remove(&s),
+                    None => break,
+                };
+            }
+        }
+        turn
+    }
+
+    /// A random bootstrap room in `0..2^63`.
+    fn room(&self) -> u64 {
+        let mut h = self.rooms.build_hasher();
+        h.write_u64(self.room_counter.fetch_add(1, Ordering::Relaxed));
+        h.finish() >> 1
+    }
+}
+
+fn json_response(status: StatusCode, body: &Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
+    json_response(
+        status,
+        &json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }),
+    )
+}
+
+async fn generate(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match body {
+        Ok(body) => handle(&app, Api::Generate, &headers, &body).await,
+        Err(e) => body_error_response(&e),
+    }
+}
+
+async fn completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match body {
+        Ok(body) => handle(&app, Api::Completions, &headers, &body).await,
+        Err(e) => body_error_response(&e),
+    }
+}
+
+/// A body that could not be read (too large, cut short) as a JSON error.
+fn body_error_response(e: &BytesRejection) -> Response {
+    error_response(e.status(), "invalid_request_error", &e.body_text())
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    let views = app.service.worker_views();
+    let healthy = views.iter().filter(|v| v.is_routable()).count();
+    if healthy > 0 {
+        json_response(
+            StatusCode::OK,
+            &json!({ "status": "ok", "healthy_workers": healthy, "workers": views.len() }),
+        )
+    } else {
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "no routable worker",
+        )
+    }
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "object": "list",
+            "data": [{ "id": app.options.model, "object": "model", "owned_by": "kvc" }],
+        }),
+    )
+}
+
+fn route_error_response(e: &RequestError) -> Response {
+    let (status, kind) = match e {
+        RequestError::InvalidArgument(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+        RequestError::Unavailable(_) | RequestError::ResourceExhausted(_) => {
+            (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+        }
+        RequestError::DeadlineExceeded(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
+        RequestError::NotFound(_)
+        | RequestError::FailedPrecondition(_)
+        | RequestError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+    };
+    error_response(status, kind, &e.to_string())
+}
+
+fn forward_error_response(who: &str, e: &ForwardError) -> Response {
+    let status = match e {
+        ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        _ => StatusCode::BAD_GATEWAY,
+    };
+    error_response(status, "worker_error", &format!("{who}: {e}"))
+}
+
+/// Tokens generated, as the worker's answer reports them (SGLang `meta_info` or OpenAI
+/// `usage`).
+fn completion_tokens(body: &[u8]) -> Option<u64> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    v.pointer("/meta_info/completion_tokens")
+        .or_else(|| v.pointer("/usage/completion_tokens"))
+        .and_then(Value::as_u64)
+}
+
+fn is_success(r: &Result<WorkerResponse, ForwardError>) -> bool {
+    matches!(r, Ok(w) if (200..300).contains(&w.status))
+}
+
+async fn handle(app: &App, api: Api, headers: &HeaderMap, bytes: &[u8]) -> Response {
+    let req = match request::parse(api, bytes) {
+        Ok(r) => r,
+        Err(m) => return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", &m),
+    };
+    let header_key = match headers.get(app.options.session_header.as_str()) {
+        None => None,
+        Some(v) => match v.to_str() {
+            Ok(s) if !s.trim().is_empty() => Some(s.trim().to_owned()),
+            _ => {
+                return error_response(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    &format!(
+                        "header `{}` must be non-empty text",
+                        app.options.session_header
+                    ),
+                );
+            }
+        },
+    };
+    let tokens = match &req.prompt {
+        Prompt::Tokens(t) => t.clone(),
+        Prompt::Text(text) => fallback_tokens(text),
+    };
+    if tokens.is_empty() {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "the prompt is empty",
+        );
+    }
+    let session = header_key
+        .or(req.session_key.clone())
+        .map(|k| SessionId::from_key(&k));
+    let turn = session.map(|s| app.next_turn(s));
+    let block = app.service.config().policy.block_size();
+    let request_id = app.next_request.fetch_add(1, Ordering::Relaxed);
+    let input_length = tokens.len() as u64;
+    let route_req = pb::RouteRequest {
+        request_id,
+        session_id: session.map(|s| s.0),
+        turn_id: turn,
+        input_length,
+        output_hint: req.output_hint,
+        hash_ids: block_hashes(&tokens, block),
+        rejected_by: None,
+    };
+    let decision = match app.service.route(&route_req) {
+        Ok(d) => d,
+        Err(e) => return route_error_response(&e),
+    };
+    let mode = ExecutionMode::from_proto(decision.mode).ok();
+    let (answer, outcome) = forward(app, api, req.body, &decision).await;
+    let resident_tokens = match (&answer, outcome) {
+        (Ok(w), Outcome::Ok) => input_length + completion_tokens(&w.body).unwrap_or(0),
+        _ => 0,
+    };
+    if let Err(e) = app.service.report_outcome(&pb::OutcomeReport {
+        decision_id: decision.decision_id,
+        request_id,
+        outcome: outcome.to_proto(),
+        resident_tokens,
+    }) {
+        tracing::warn!(decision = decision.decision_id, error = %e, "outcome not recorded");
+    }
+    let mut response = match answer {
+        Ok(w) => {
+            let status = StatusCode::from_u16(w.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            let content_type = w
+                .content_type
+                .and_then(|c| HeaderValue::from_str(&c).ok())
+                .unwrap_or(HeaderValue::from_static("application/json"));
+            (status, [(header::CONTENT_TYPE, content_type)], w.body).into_response()
+        }
+        Err(resp) => resp,
+    };
+    let h = response.headers_mut();
+    if let Some(mode) = mode {
+        h.insert("x-kvc-mode", HeaderValue::from_static(mode.as_str()));
+    }
+    h.insert(
+        "x-kvc-decode-worker",
+        HeaderValue::from(decision.decode_worker),
+    );
+    if let Some(p) = decision.prefill_worker {
+        h.insert("x-kvc-prefill-worker", HeaderValue::from(p));
+    }
+    response
+}
+
+/// Sends the request where `decision` says; returns D's answer (or the error response) and
+/// the outcome to report.
+async fn forward(
+    app: &App,
+    api: Api,
+    mut body: serde_json::Map<String, Value>,
+    decision: &pb::RouteDecision,
+) -> (Result<WorkerResponse, Response>, Outcome) {
+    let timeout = app.options.request_timeout;
+    let path = api.path();
+    let Some(d) = app.workers.get(WorkerId(decision.decode_worker)) else {
+        let e = error_response(
+            StatusCode::BAD_GATEWAY,
+            "worker_error",
+            &format!("worker {} has no HTTP address", decision.decode_worker),
+        );
+        return (Err(e), Outcome::WorkerFailed);
+    };
+    match decision.prefill_worker {
+        None => {
+            let payload = Value::Object(body).to_string();
+            let r = post_json(&d.url, path, payload.as_bytes(), timeout).await;
+            let outcome = if is_success(&r) {
+                Outcome::Ok
+            } else {
+                Outcome::WorkerFailed
+            };
+            (
+                r.map_err(|e| forward_error_response("decode worker", &e)),
+                outcome,
+            )
+        }
+        Some(p_id) => {
+            let Some(p) = app.workers.get(WorkerId(p_id)) else {
+                let e = error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "worker_error",
+                    &format!("worker {p_id} has no HTTP address"),
+                );
+                return (Err(e), Outcome::WorkerFailed);
+            };
+            body.insert("bootstrap_host".into(), Value::from(p.url.host.clone()));
+            body.insert("bootstrap_port".into(), Value::from(p.bootstrap_port));
+            body.insert("bootstrap_room".into(), Value::from(app.room()));
+            let payload = Value::Object(body).to_string();
+            let (pr, dr) = tokio::join!(
+                post_json(&p.url, path, payload.as_bytes(), timeout),
+                post_json(&d.url, path, payload.as_bytes(), timeout),
+            );
+            let outcome = if is_success(&pr) && is_success(&dr) {
+                Outcome::Ok
+            } else {
+                Outcome::WorkerFailed
+            };
+            if !is_success(&pr) {
+                let detail = match &pr {
+                    Ok(w) => format!("status {}", w.status),
+                    Err(e) => e.to_string(),
+                };
+                tracing::warn!(worker = p_id, %detail, "prefill worker failed");
+            }
+            (
+                dr.map_err(|e| forward_error_response("decode worker", &e)),
+                outcome,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{RouterConfig, SessionLimits};
+    use kvc_admission::ManualClock;
+
+    fn app(limits: SessionLimits) -> (App, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(1_000));
+        let config = RouterConfig {
+            sessions: limits,
+            ..RouterConfig::default()
+        };
+        let service = Arc::new(RouterService::with_clock(config, clock.clone()).unwrap());
+        let app = App {
+            service,
+            workers: HttpWorkers::new(),
+            options: HttpOptions::default(),
+            turns: Mutex::new(HashMap::new()),
+            next_request: AtomicU64::new(1),
+            rooms: std::collections::hash_map::RandomState::new(),
+            room_counter: AtomicU64::new(0),
+        };
+        (app, clock)
+    }
+
+    #[test]
+    fn turns_count_per_session_and_restart_after_the_ttl() {
+        let (app, clock) = app(SessionLimits {
+            ttl_ms: 100,
+            max_sessions: 10,
+        });
+        let (a, b) = (SessionId::from_key("a"), SessionId::from_key("b"));
+        assert_eq!(app.next_turn(a), 1);
+        assert_eq!(app.next_turn(a), 2);
+        assert_eq!(app.next_turn(b), 1);
+        clock.advance(100);
+        assert_eq!(app.next_turn(a), 3);
+        clock.advance(101);
+        assert_eq!(app.next_turn(a), 1, "expired: a new session");
+        assert_eq!(app.next_turn(b), 1);
+    }
+
+    #[test]
+    fn the_turn_table_is_bounded_by_the_session_limit() {
+        let (app, clock) = app(SessionLimits {
+            ttl_ms: 1_000_000,
+            max_sessions: 2,
+        });
+        let ids: Vec<SessionId> = (0..3)
+            .map(|i| SessionId::from_key(&i.to_string()))
+            .collect();
+        for id in &ids {
+            app.next_turn(*id);
+            app.next_turn(*id);
+            clock.advance(1);
+        }
+        assert_eq!(app.turns.lock().len(), 2);
+        // The least recently seen session was forgotten; the others kept their count.
+        assert_eq!(app.next_turn(ids[0]), 1);
+        assert_eq!(app.next_turn(ids[2]), 3);
+        assert_eq!(app.turns.lock().len(), 2);
+    }
+
+    #[test]
+    fn rooms_are_below_2_pow_63_and_differ() {
+        let (app, _) = app(SessionLimits::default());
+        let rooms: std::collections::HashSet<u64> = (0..1_000).map(|_| app.room()).collect();
+        assert_eq!(rooms.len(), 1_000);
+        assert!(rooms.iter().all(|r| *r < 1 << 63));
+    }
+
+    #[test]
+    fn workers_need_http_urls() {
+        let mut w = HttpWorkers::new();
+        assert!(w.is_empty());
+        w.insert(WorkerId(3), "http://h:1", None).unwrap();
+        assert_eq!(
+            w.get(WorkerId(3)).unwrap().bootstrap_port,
+            DEFAULT_BOOTSTRAP_PORT
+        );
+        w.insert(WorkerId(3), "http://h:2", Some(7)).unwrap();
+        assert_eq!(w.len(), 1);
+        assert_eq!(w.get(WorkerId(3)).unwrap().url.port, 2);
+        assert_eq!(w.get(WorkerId(3)).unwrap().bootstrap_port, 7);
+        assert!(matches!(
+            w.insert(WorkerId(4), "https://h:1", None),
+            Err(ForwardError::BadUrl(_))
+        ));
+        assert_eq!(w.get(WorkerId(4)), None);
+    }
+}

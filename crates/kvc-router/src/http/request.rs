@@ -1,0 +1,247 @@
+//! Parsing of the client request bodies the HTTP front accepts.
+
+use serde_json::{Map, Value};
+
+/// Output-length hint when `/generate` gives no `sampling_params.max_new_tokens` (SGLang's
+/// default).
+pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
+/// Output-length hint when `/v1/completions` gives no `max_tokens` (OpenAI's default).
+pub const DEFAULT_MAX_TOKENS: u64 = 16;
+
+/// The prompt of a request: token ids, or text to tokenize.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Prompt {
+    Tokens(Vec<u32>),
+    Text(String),
+}
+
+/// A parsed client request: the JSON object to forward, and what routing needs from it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ClientRequest {
+    pub(crate) body: Map<String, Value>,
+    pub(crate) prompt: Prompt,
+    pub(crate) output_hint: u64,
+    /// SGLang `session_params.id`, as text.
+    pub(crate) session_key: Option<String>,
+}
+
+/// Which API a request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Api {
+    /// SGLang `POST /generate`.
+    Generate,
+    /// OpenAI `POST /v1/completions`.
+    Completions,
+}
+
+impl Api {
+    pub(crate) fn path(self) -> &'static str {
+        match self {
+            Api::Generate => "/generate",
+            Api::Completions => "/v1/completions",
+        }
+    }
+}
+
+fn token_ids(value: &Value, field: &str) -> Result<Vec<u32>, String> {
+    let Value::Array(items) = value else {
+        return Err(format!(
+            "`{field}` must be a string or an array of token ids"
+        ));
+    };
+    items
+        .iter()
+        .map(|v| match v {
+            Value::Array(_) | Value::String(_) => Err(format!(
+                "`{field}`: batched requests are not supported; send one prompt per request"
+            )),
+            _ => v
+                .as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| format!("`{field}`: token ids are integers in 0..2^32")),
+        })
+        .collect()
+}
+
+fn prompt_from(value: &Value, field: &str) -> Result<Prompt, String> {
+    match value {
+        Value::String(s) => Ok(Prompt::Text(s.clone())),
+        other => token_ids(other, field).map(Prompt::Tokens),
+    }
+}
+
+fn optional_u64(obj: &Map<String, Value>, field: &str, what: &str) -> Result<Option<u64>, String> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| format!("`{what}` must be a non-negative integer")),
+    }
+}
+
+fn reject_stream(obj: &Map<String, Value>) -> Result<(), String> {
+    match obj.get("stream") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
+        Some(Value::Bool(true)) => Err("`stream: true` is not supported yet".to_owned()),
+        Some(_) => Err("`stream` must be a boolean".to_owned()),
+    }
+}
+
+/// Parses a request body of `api`. The error is the message for a 400 answer.
+pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
+    let value: Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("invalid JSON body: {e}"))?;
+    let Value::Object(body) = value else {
+        return Err("the body must be a JSON object".to_owned());
+    };
+    reject_stream(&body)?;
+    match api {
+        Api::Generate => {
+            let prompt = match (body.get("input_ids"), body.get("text")) {
+                (Some(ids), None) => Prompt::Tokens(token_ids(ids, "input_ids")?),
+                (None, Some(Value::String(text))) => Prompt::Text(text.clone()),
+                (None, Some(Value::Array(_))) => {
+                    return Err(
+                        "`text`: batched requests are not supported; send one prompt per request"
+                            .to_owned(),
+                    );
+                }
+                (None, Some(_)) => return Err("`text` must be a string".to_owned()),
+                (Some(_), Some(_)) => {
+                    return Err("give either `text` or `input_ids`, not both".to_owned());
+                }
+                (None, None) => return Err("missing `text` or `input_ids`".to_owned()),
+            };
+            let output_hint = match body.get("sampling_params") {
+                None | Some(Value::Null) => None,
+                Some(Value::Object(sp)) => {
+                    optional_u64(sp, "max_new_tokens", "sampling_params.max_new_tokens")?
+                }
+                Some(_) => return Err("`sampling_params` must be an object".to_owned()),
+            }
+            .unwrap_or(DEFAULT_MAX_NEW_TOKENS);
+            let session_key = match body.get("session_params") {
+                None | Some(Value::Null) => None,
+                Some(Value::Object(sp)) => match sp.get("id") {
+                    None | Some(Value::Null) => None,
+                    Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+                    Some(Value::Number(n)) => Some(n.to_string()),
+                    Some(_) => {
+                        return Err(
+                            "`session_params.id` must be a non-empty string or a number".to_owned()
+                        );
+                    }
+                },
+                Some(_) => return Err("`session_params` must be an object".to_owned()),
+            };
+            Ok(ClientRequest {
+                prompt,
+                output_hint,
+                session_key,
+                body,
+            })
+        }
+        Api::Completions => {
+            let prompt = match body.get("prompt") {
+                Some(p) => prompt_from(p, "prompt")?,
+                None => return Err("missing `prompt`".to_owned()),
+            };
+            let output_hint =
+                optional_u64(&body, "max_tokens", "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS);
+            Ok(ClientRequest {
+                prompt,
+                output_hint,
+                session_key: None,
+                body,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generate_bodies() {
+        let r = parse(
+            Api::Generate,
+            br#"{"text":"a b","sampling_params":{"max_new_tokens":7},"session_params":{"id":"s1"}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, Prompt::Text("a b".into()));
+        assert_eq!(r.output_hint, 7);
+        assert_eq!(r.session_key.as_deref(), Some("s1"));
+
+        let r = parse(
+            Api::Generate,
+            br#"{"input_ids":[1,2,3],"stream":false,"session_params":{"id":42}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(r.output_hint, DEFAULT_MAX_NEW_TOKENS);
+        assert_eq!(r.session_key.as_deref(), Some("42"));
+    }
+
+    #[test]
+    fn completions_bodies() {
+        let r = parse(
+            Api::Completions,
+            br#"{"model":"m","prompt":"hi","max_tokens":3}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, Prompt::Text("hi".into()));
+        assert_eq!(r.output_hint, 3);
+        assert_eq!(r.session_key, None);
+        let r = parse(Api::Completions, br#"{"prompt":[5,6]}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![5, 6]));
+        assert_eq!(r.output_hint, DEFAULT_MAX_TOKENS);
+    }
+
+    #[test]
+    fn malformed_bodies_are_rejected_with_a_reason() {
+        let cases: [(Api, &[u8], &str); 12] = [
+            (Api::Generate, b"{", "invalid JSON"),
+            (Api::Generate, b"[1]", "JSON object"),
+            (Api::Generate, br#"{}"#, "missing"),
+            (
+                Api::Generate,
+                br#"{"text":"a","input_ids":[1]}"#,
+                "not both",
+            ),
+            (Api::Generate, br#"{"text":["a","b"]}"#, "batched"),
+            (Api::Generate, br#"{"input_ids":[[1],[2]]}"#, "batched"),
+            (Api::Generate, br#"{"input_ids":[-1]}"#, "token ids"),
+            (
+                Api::Generate,
+                br#"{"text":"a","stream":true}"#,
+                "not supported",
+            ),
+            (
+                Api::Generate,
+                br#"{"text":"a","sampling_params":{"max_new_tokens":"x"}}"#,
+                "max_new_tokens",
+            ),
+            (
+                Api::Generate,
+                br#"{"text":"a","session_params":{"id":true}}"#,
+                "session_params.id",
+            ),
+            (Api::Completions, br#"{"max_tokens":3}"#, "missing `prompt`"),
+            (
+                Api::Completions,
+                br#"{"prompt":"a","max_tokens":-3}"#,
+                "max_tokens",
+            ),
+        ];
+        for (api, body, want) in cases {
+            let err = parse(api, body).unwrap_err();
+            assert!(
+                err.contains(want),
+                "{}: {err}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+}

@@ -1,0 +1,542 @@
+//! The HTTP front end to end: a router over one prefill and two decode snapshot workers (manual
+//! clock), with in-process mock HTTP workers that record what they receive.
+
+mod common;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use common::Cluster;
+use kvc_core::{Health, WorkerId};
+use kvc_router::http::{HttpOptions, HttpWorkers, http_app_with};
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// What a mock worker does with a request.
+#[derive(Clone, Copy, PartialEq)]
+enum Behaviour {
+    Answer,
+    Fail,
+    Stall,
+}
+
+struct Mock {
+    name: String,
+    received: Mutex<Vec<(String, Value)>>,
+    behaviour: Mutex<Behaviour>,
+}
+
+async fn mock_handler(
+    State(m): State<Arc<Mock>>,
+    uri: axum::http::Uri,
+    body: Bytes,
+) -> (StatusCode, [(&'static str, &'static str); 1], String) {
+    let value: Value = serde_json::from_slice(&body).expect("router forwarded invalid JSON");
+    m.received.lock().push((uri.path().to_owned(), value));
+    let behaviour = *m.behaviour.lock();
+    match behaviour {
+        Behaviour::Fail => {
+            return (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                [("content-type", "application/json")],
+                json!({"error": {"message": format!("{} failed", m.name)}}).to_string(),
+            );
+        }
+        Behaviour::Stall => tokio::time::sleep(Duration::from_secs(3)).await,
+        Behaviour::Answer => {}
+    }
+    let answer = if uri.path() == "/generate" {
+        json!({"text": format!("answer from {}", m.name), "meta_info": {"completion_tokens": 40}})
+    } else {
+        json!({"choices": [{"text": format!("answer from {}", m.name)}],
+               "usage": {"completion_tokens": 12}})
+    };
+    (
+        StatusCode::OK,
+        [("content-type", "application/json")],
+        answer.to_string(),
+    )
+}
+
+async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
+    let mock = Arc::new(Mock {
+        name: name.to_owned(),
+        received: Mutex::new(Vec::new()),
+        behaviour: Mutex::new(Behaviour::Answer),
+    });
+    let app = axum::Router::new()
+        .route("/generate", post(mock_handler))
+        .route("/v1/completions", post(mock_handler))
+        .with_state(mock.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (mock, addr)
+}
+
+struct Setup {
+    cluster: Cluster,
+    /// Mock workers by id: 0 = P, 1 and 2 = D.
+    mocks: Vec<Arc<Mock>>,
+    prefill_addr: SocketAddr,
+    front: SocketAddr,
+}
+
+impl Setup {
+    async fn start() -> Setup {
+        Setup::start_with(|_| {}).await
+    }
+
+    async fn start_with(edit: impl FnOnce(&mut HttpWorkers)) -> Setup {
+        Setup::start_full(edit, |_| {}).await
+    }
+
+    async fn start_full(
+        edit: impl FnOnce(&mut HttpWorkers),
+        edit_options: impl FnOnce(&mut HttpOptions),
+    ) -> Setup {
+        let cluster = Cluster::start(|_| {}).await;
+        cluster.wait_health(&[0, 1, 2], Health::Healthy).await;
+        let mut mocks = Vec::new();
+        let mut workers = HttpWorkers::new();
+        let mut prefill_addr = None;
+        for (id, name) in ["p0", "d1", "d2"].iter().enumerate() {
+            let (mock, addr) = spawn_mock(name).await;
+            let bootstrap = (id == 0).then_some(8_998 + 100);
+            workers
+                .insert(WorkerId(id as u32), &format!("http://{addr}"), bootstrap)
+                .unwrap();
+            if id == 0 {
+                prefill_addr = Some(addr);
+            }
+            mocks.push(mock);
+        }
+        edit(&mut workers);
+        let mut options = HttpOptions {
+            request_timeout: Duration::from_millis(500),
+            model: "test-model".to_owned(),
+            max_body_bytes: 64 * 1024,
+            ..HttpOptions::default()
+        };
+        edit_options(&mut options);
+        let app = http_app_with(cluster.service().clone(), workers, options);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let front = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Setup {
+            cluster,
+            mocks,
+            prefill_addr: prefill_addr.unwrap(),
+            front,
+        }
+    }
+
+    fn received(&self, id: usize) -> Vec<(String, Value)> {
+        self.mocks[id].received.lock().clone()
+    }
+
+    fn counts(&self) -> [usize; 3] {
+        [0, 1, 2].map(|i| self.mocks[i].received.lock().len())
+    }
+
+    async fn post(&self, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+        request(self.front, "POST", path, headers, body).await
+    }
+}
+
+struct Reply {
+    status: u16,
+    headers: HashMap<String, String>,
+    body: Value,
+}
+
+/// One bounded HTTP/1.1 exchange with the front; the body must be JSON.
+async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let fut = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).await.unwrap();
+        // The front may answer (413) and close before reading a body over its limit: a
+        // failed write or a reset after the answer is not an error here.
+        let _ = s.write_all(body.as_bytes()).await;
+        let mut buf = Vec::new();
+        if let Err(e) = s.read_to_end(&mut buf).await {
+            assert!(!buf.is_empty(), "no answer: {e}");
+        }
+        buf
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(5), fut)
+        .await
+        .expect("request to the HTTP front timed out");
+    let text = String::from_utf8(raw).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let body = serde_json::from_str(body).unwrap_or_else(|e| panic!("non-JSON body {body:?}: {e}"));
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// `kvc_router_outcomes_total{outcome}` as the service renders it.
+fn outcomes(s: &Setup, outcome: &str) -> f64 {
+    let samples = common::parse_prometheus(&s.cluster.service().render_metrics());
+    common::value(
+        &samples,
+        "kvc_router_outcomes_total",
+        &[("outcome", outcome)],
+    )
+}
+
+fn ids(range: std::ops::Range<u32>) -> Value {
+    Value::from(range.collect::<Vec<u32>>())
+}
+
+fn generate_body(tokens: std::ops::Range<u32>) -> String {
+    json!({"input_ids": ids(tokens), "sampling_params": {"max_new_tokens": 40}, "stream": false})
+        .to_string()
+}
+
+#[tokio::test]
+async fn first_turn_goes_to_p_and_d_then_direct_to_d() {
+    let s = Setup::start().await;
+    let session = [("x-session-id", "agent-7")];
+
+    let r = s
+        .post("/generate", &session, &generate_body(0..1_300))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.headers["x-kvc-mode"], "turn1-seed");
+    assert_eq!(r.headers["x-kvc-prefill-worker"], "0");
+    let d: usize = r.headers["x-kvc-decode-worker"].parse().unwrap();
+    assert!(d == 1 || d == 2);
+    let other = 3 - d;
+    assert_eq!(r.body["text"], format!("answer from d{d}"));
+
+    let p_got = s.received(0);
+    let d_got = s.received(d);
+    assert_eq!(p_got.len(), 1);
+    assert_eq!(d_got.len(), 1);
+    assert!(s.received(other).is_empty());
+    let (p_path, p_body) = &p_got[0];
+    let (d_path, d_body) = &d_got[0];
+    assert_eq!(p_path, "/generate");
+    assert_eq!(d_path, "/generate");
+    // The same body to both, with the bootstrap fields of P injected.
+    assert_eq!(p_body, d_body);
+    assert_eq!(p_body["bootstrap_host"], s.prefill_addr.ip().to_string());
+    assert_eq!(p_body["bootstrap_port"], 9_098);
+    let room = p_body["bootstrap_room"].as_u64().expect("room is a u64");
+    assert!(room < 1 << 63);
+    assert_eq!(p_body["input_ids"], ids(0..1_300));
+    assert_eq!(p_body["sampling_params"]["max_new_tokens"], 40);
+    assert_eq!(p_body["stream"], false);
+    // The outcome was reported.
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+    assert_eq!(outcomes(&s, "ok"), 1.0);
+
+    // Turn 2 extends the prompt: the session is resident on D, so D alone gets it, unchanged.
+    let r = s
+        .post("/generate", &session, &generate_body(0..1_900))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.headers["x-kvc-mode"], "direct-to-d");
+    assert_eq!(r.headers["x-kvc-decode-worker"], d.to_string());
+    assert!(!r.headers.contains_key("x-kvc-prefill-worker"));
+    assert_eq!(r.body["text"], format!("answer from d{d}"));
+    assert_eq!(s.received(0).len(), 1, "P must not see a direct-to-D turn");
+    assert!(s.received(other).is_empty());
+    let d_got = s.received(d);
+    assert_eq!(d_got.len(), 2);
+    let body = d_got[1].1.as_object().unwrap();
+    assert!(!body.contains_key("bootstrap_room"));
+    assert!(!body.contains_key("bootstrap_host"));
+    assert_eq!(body["input_ids"], ids(0..1_900));
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+    assert_eq!(outcomes(&s, "ok"), 2.0);
+
+    // Another session starts on the P path again, with a different room.
+    let r = s
+        .post(
+            "/generate",
+            &[("x-session-id", "agent-8")],
+            &generate_body(5_000..5_600),
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["x-kvc-mode"], "turn1-seed");
+    let p_got = s.received(0);
+    assert_eq!(p_got.len(), 2);
+    assert_ne!(p_got[1].1["bootstrap_room"], room);
+}
+
+#[tokio::test]
+async fn text_prompts_and_session_params_follow_the_session() {
+    let s = Setup::start().await;
+    let words: Vec<String> = (0..1_900).map(|i| format!("w{i}")).collect();
+    let body = |n: usize| {
+        json!({"text": words[..n].join(" "), "session_params": {"id": "chat-1"},
+               "sampling_params": {"max_new_tokens": 40}})
+        .to_string()
+    };
+    let r = s.post("/generate", &[], &body(1_300)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.headers["x-kvc-mode"], "turn1-seed");
+    let d = r.headers["x-kvc-decode-worker"].clone();
+    assert_eq!(s.received(0)[0].1["text"], words[..1_300].join(" "));
+
+    let r = s.post("/generate", &[], &body(1_900)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.headers["x-kvc-mode"], "direct-to-d");
+    assert_eq!(r.headers["x-kvc-decode-worker"], d);
+    assert_eq!(s.counts()[0], 1);
+}
+
+#[tokio::test]
+async fn openai_completions_are_forwarded_on_the_same_path() {
+    let s = Setup::start().await;
+    let body =
+        json!({"model": "test-model", "prompt": "say hello to the cluster", "max_tokens": 12})
+            .to_string();
+    let r = s.post("/v1/completions", &[], &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let d: usize = r.headers["x-kvc-decode-worker"].parse().unwrap();
+    assert_eq!(r.body["choices"][0]["text"], format!("answer from d{d}"));
+    assert_eq!(r.headers["x-kvc-prefill-worker"], "0");
+    let (path, got) = &s.received(d)[0];
+    assert_eq!(path, "/v1/completions");
+    assert_eq!(got["prompt"], "say hello to the cluster");
+    assert_eq!(got["max_tokens"], 12);
+    assert_eq!(got["bootstrap_room"], s.received(0)[0].1["bootstrap_room"]);
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+}
+
+#[tokio::test]
+async fn malformed_bodies_get_400_with_a_json_error() {
+    let s = Setup::start().await;
+    let cases: [(&str, &str, &str); 7] = [
+        ("/generate", "{not json", "invalid JSON"),
+        ("/generate", "[1, 2]", "JSON object"),
+        ("/generate", r#"{"sampling_params": {}}"#, "missing"),
+        ("/generate", r#"{"text": "a", "stream": true}"#, "stream"),
+        ("/generate", r#"{"text": "   "}"#, "empty"),
+        ("/v1/completions", r#"{"prompt": ["a", "b"]}"#, "batched"),
+        (
+            "/v1/completions",
+            r#"{"prompt": "a", "max_tokens": "many"}"#,
+            "max_tokens",
+        ),
+    ];
+    for (path, body, want) in cases {
+        let r = s.post(path, &[], body).await;
+        assert_eq!(r.status, 400, "{path} {body}");
+        let message = r.body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(want), "{body}: {message}");
+        assert_eq!(r.body["error"]["type"], "invalid_request_error");
+    }
+    // An empty session header is malformed too.
+    let r = s
+        .post("/generate", &[("x-session-id", " ")], r#"{"text":"a"}"#)
+        .await;
+    assert_eq!(r.status, 400);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("x-session-id")
+    );
+    // A body over the limit: 413, same error shape.
+    let big = generate_body(0..20_000);
+    assert!(big.len() > 64 * 1024);
+    let r = s.post("/generate", &[], &big).await;
+    assert_eq!(r.status, 413);
+    assert!(r.body["error"]["message"].is_string());
+    assert_eq!(r.body["error"]["type"], "invalid_request_error");
+    assert_eq!(s.counts(), [0, 0, 0], "nothing malformed reaches a worker");
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+}
+
+#[tokio::test]
+async fn health_and_models_answer() {
+    let s = Setup::start().await;
+    let r = request(s.front, "GET", "/health", &[], "").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body["status"], "ok");
+    assert_eq!(r.body["healthy_workers"], 3);
+    let r = request(s.front, "GET", "/v1/models", &[], "").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body["object"], "list");
+    assert_eq!(r.body["data"][0]["id"], "test-model");
+    assert_eq!(r.body["data"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn health_is_503_when_no_worker_is_routable() {
+    let s = Setup::start().await;
+    // Let every snapshot go stale.
+    s.cluster.clock.advance(common::STALE_MS + 500);
+    s.cluster.wait_health(&[0, 1, 2], Health::Stale).await;
+    let r = request(s.front, "GET", "/health", &[], "").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.body["error"]["message"], "no routable worker");
+    // Routing fails too: 503, nothing forwarded.
+    let r = s.post("/generate", &[], &generate_body(0..100)).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body["error"]["message"].is_string());
+    assert_eq!(s.counts(), [0, 0, 0]);
+}
+
+#[tokio::test]
+async fn failed_prefill_is_reported_and_the_next_turn_is_not_direct() {
+    let s = Setup::start().await;
+    *s.mocks[0].behaviour.lock() = Behaviour::Fail;
+    let session = [("x-session-id", "agent-9")];
+    let r = s
+        .post("/generate", &session, &generate_body(0..1_300))
+        .await;
+    // D answered; the request is still counted as worker-failed, so nothing is resident.
+    assert_eq!(r.status, 200);
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+    assert_eq!(outcomes(&s, "worker-failed"), 1.0);
+    assert_eq!(outcomes(&s, "ok"), 0.0);
+    *s.mocks[0].behaviour.lock() = Behaviour::Answer;
+    let r = s
+        .post("/generate", &session, &generate_body(0..1_900))
+        .await;
+    assert_eq!(r.status, 200);
+    assert_ne!(r.headers["x-kvc-mode"], "direct-to-d");
+    assert_eq!(r.headers["x-kvc-prefill-worker"], "0");
+    assert_eq!(s.counts()[0], 2);
+}
+
+#[tokio::test]
+async fn failing_stalled_and_dead_decode_workers_give_json_errors() {
+    let s = Setup::start_with(|w| {
+        // Worker 2 points at a port nobody listens on.
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = dead.local_addr().unwrap();
+        drop(dead);
+        w.insert(WorkerId(2), &format!("http://{addr}"), None)
+            .unwrap();
+    })
+    .await;
+    *s.mocks[1].behaviour.lock() = Behaviour::Fail;
+    let mut seen: HashMap<&str, u32> = HashMap::new();
+    let mut requests = 0.0;
+    // Distinct sessions and prompts until both decode workers were chosen (bounded).
+    for i in 0..32u32 {
+        if seen.contains_key("failing") && seen.contains_key("dead") {
+            break;
+        }
+        let key = format!("s{i}");
+        let r = s
+            .post(
+                "/generate",
+                &[("x-session-id", key.as_str())],
+                &generate_body(i * 1_000..i * 1_000 + 600),
+            )
+            .await;
+        requests += 1.0;
+        match r.headers["x-kvc-decode-worker"].as_str() {
+            "1" => {
+                // The worker's own error is passed through.
+                assert_eq!(r.status, 500);
+                assert_eq!(r.body["error"]["message"], "d1 failed");
+                *seen.entry("failing").or_default() += 1;
+            }
+            "2" => {
+                assert_eq!(r.status, 502);
+                assert_eq!(r.body["error"]["type"], "worker_error");
+                *seen.entry("dead").or_default() += 1;
+            }
+            other => panic!("unexpected decode worker {other}"),
+        }
+    }
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+    assert_eq!(outcomes(&s, "worker-failed"), requests);
+
+    *s.mocks[1].behaviour.lock() = Behaviour::Stall;
+    for i in 0..32u32 {
+        let key = format!("t{i}");
+        let r = s
+            .post(
+                "/generate",
+                &[("x-session-id", key.as_str())],
+                &generate_body(50_000 + i * 1_000..50_000 + i * 1_000 + 600),
+            )
+            .await;
+        if r.headers["x-kvc-decode-worker"] == "1" {
+            assert_eq!(r.status, 504, "{}", r.body);
+            let message = r.body["error"]["message"].as_str().unwrap();
+            assert!(message.contains("no answer within"), "{message}");
+            *seen.entry("stalled").or_default() += 1;
+            break;
+        }
+    }
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+    assert_eq!(seen.len(), 3, "every failure kind exercised: {seen:?}");
+}
+
+#[tokio::test]
+async fn the_session_header_name_is_configurable() {
+    let s = Setup::start_full(|_| {}, |o| o.session_header = "x-conversation".to_owned()).await;
+    let r = s
+        .post(
+            "/generate",
+            &[("x-conversation", "c1")],
+            &generate_body(0..1_300),
+        )
+        .await;
+    assert_eq!(r.headers["x-kvc-mode"], "turn1-seed");
+    let r = s
+        .post(
+            "/generate",
+            &[("x-conversation", "c1")],
+            &generate_body(0..1_900),
+        )
+        .await;
+    assert_eq!(r.headers["x-kvc-mode"], "direct-to-d");
+    // The default header now names no session: a sessionless request takes the P path.
+    let r = s
+        .post(
+            "/generate",
+            &[("x-session-id", "c1")],
+            &generate_body(0..2_000),
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["x-kvc-prefill-worker"], "0");
+    assert_eq!(s.counts()[0], 2);
+}
