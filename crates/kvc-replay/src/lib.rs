@@ -1,12 +1,39 @@
 //! # kvc-replay — traces, simulation and replay
 //!
-//! The replay side of kvc: trace tools now, and (in further modules) a deterministic
-//! simulator of P/D and colocated clusters and live replay against the router.
+//! The replay side of kvc: how anyone learns whether a routing policy is better, on a laptop,
+//! deterministically.
 //!
-//! [`trace`] reads and writes JSONL traces in the Mooncake shape (plus optional session and
-//! turn ids), rebuilds sessions of traces that have none, generates SWE-agent-like traces from a
-//! seed, and summarizes a trace. The `kvc-replay` binary exposes it as `kvc-replay gen swe` and
-//! `kvc-replay stats`.
+//! - [`trace`] reads and writes JSONL traces in the Mooncake shape (plus optional session and
+//!   turn ids), rebuilds sessions of traces that have none, generates SWE-agent-like traces
+//!   from a seed, and summarizes a trace (`kvc-replay gen swe`, `kvc-replay stats`).
+//! - [`sim`] is the discrete-event simulator: a calibrated engine model of prefill, decode and
+//!   colocated workers ([`sim::engine`], [`sim::profile`]) driven on a virtual clock, with the
+//!   decisions of a `kvc-policy` policy ([`sim::simulate`]; `kvc-replay sim`).
+//! - [`live`] runs the same engine on a real clock behind a real `kvc-router`, publishing the
+//!   workers' shared-memory snapshots (`kvc-replay live`).
+//! - [`output`] and [`report`] write and read run directories (`metrics.jsonl`,
+//!   `summary.json`, `occupancy.csv`), compare runs and draw SVG plots (`kvc-replay compare`,
+//!   `kvc-replay report`, `kvc-replay demo`).
+//!
+//! Simulating a generated trace with the default policy:
+//!
+//! ```
+//! use kvc_core::Topology;
+//! use kvc_policy::PolicyConfig;
+//! use kvc_replay::sim::{SimConfig, simulate};
+//! use kvc_replay::trace::{self, generate, LoadOptions};
+//!
+//! let records = generate::swe(&generate::SweConfig { seed: 3, sessions: 2, ..Default::default() });
+//! let mut file = Vec::new();
+//! trace::write_jsonl(&mut file, &records).unwrap();
+//! let (trace, _) = trace::parse(&file[..], "gen.jsonl", &LoadOptions::default()).unwrap();
+//! let cfg = SimConfig::new("1p2d".parse::<Topology>().unwrap(), PolicyConfig::default());
+//! let out = simulate(&trace, &cfg, &mut |_, _| {}).unwrap();
+//! assert_eq!(out.records.len(), trace.requests.len());
+//! assert_eq!(out.summary.config.policy, "kvc");
+//! ```
+//!
+//! Loading and summarizing a trace:
 //!
 //! ```
 //! use kvc_replay::trace::{self, generate, stats, LoadOptions};
