@@ -4,7 +4,7 @@ use crate::error::ConfigError;
 use kvc_core::{WorkerId, WorkerRole};
 use kvc_policy::{MAX_WORKERS, PolicyConfig};
 use serde::{Deserialize, Serialize};
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 /// # Ok::<(), kvc_router::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+#[serde(try_from = "RawRouterConfig", into = "RawRouterConfig")]
 pub struct RouterConfig {
     /// gRPC listen address (port 0 picks a free port). Default `127.0.0.1:50051`.
     pub listen: SocketAddr,
@@ -65,8 +65,25 @@ pub struct RouterConfig {
     /// On shutdown, how long open connections may finish before they are closed. Default
     /// 5,000 ms.
     pub shutdown_grace_ms: u64,
+    /// HTTP data-plane listen address (see [`crate::http`]); `None` (the default) serves no
+    /// HTTP front. Port 0 picks a free port.
+    pub http_listen: Option<SocketAddr>,
     /// The workers.
     pub workers: Vec<WorkerConfig>,
+    /// Each worker's HTTP endpoint for the data plane, by worker id. In TOML these are the
+    /// `http-url` and `bootstrap-port` keys of the worker's `[[workers]]` entry; a worker
+    /// without `http-url` gets no forwarded requests.
+    pub worker_http: BTreeMap<u32, WorkerHttpConfig>,
+}
+
+/// A worker's HTTP endpoint (the `http-url` and `bootstrap-port` keys of `[[workers]]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerHttpConfig {
+    /// Base URL of its SGLang-style HTTP server, `http://host:port[/prefix]`.
+    pub url: String,
+    /// The disaggregation bootstrap port of a prefill worker (default
+    /// [`crate::http::DEFAULT_BOOTSTRAP_PORT`]); ignored for other roles.
+    pub bootstrap_port: Option<u16>,
 }
 
 impl Default for RouterConfig {
@@ -83,7 +100,143 @@ impl Default for RouterConfig {
             max_message_bytes: 1 << 20,
             max_pending_decisions: 100_000,
             shutdown_grace_ms: 5_000,
+            http_listen: None,
             workers: Vec::new(),
+            worker_http: BTreeMap::new(),
+        }
+    }
+}
+
+/// The TOML shape of [`RouterConfig`]: the same keys, with each worker's HTTP endpoint inline
+/// in its `[[workers]]` entry.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+struct RawRouterConfig {
+    listen: SocketAddr,
+    metrics_listen: Option<SocketAddr>,
+    http_listen: Option<SocketAddr>,
+    policy: PolicyConfig,
+    sessions: SessionLimits,
+    stale_after_ms: u64,
+    refresh_interval_ms: u64,
+    poll_interval_ms: u64,
+    rpc_timeout_ms: u64,
+    max_message_bytes: usize,
+    max_pending_decisions: usize,
+    shutdown_grace_ms: u64,
+    workers: Vec<RawWorkerConfig>,
+}
+
+impl Default for RawRouterConfig {
+    fn default() -> Self {
+        RouterConfig::default().into()
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+struct RawWorkerConfig {
+    id: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
+    role: WorkerRole,
+    capacity_tokens: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    snapshot: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    address: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    http_url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bootstrap_port: Option<u16>,
+}
+
+impl TryFrom<RawRouterConfig> for RouterConfig {
+    type Error = String;
+
+    fn try_from(raw: RawRouterConfig) -> Result<Self, String> {
+        let mut worker_http = BTreeMap::new();
+        let mut workers = Vec::with_capacity(raw.workers.len());
+        for w in raw.workers {
+            match (w.http_url, w.bootstrap_port) {
+                (Some(url), bootstrap_port) => {
+                    worker_http.insert(
+                        w.id,
+                        WorkerHttpConfig {
+                            url,
+                            bootstrap_port,
+                        },
+                    );
+                }
+                (None, Some(_)) => {
+                    return Err(format!(
+                        "worker {}: `bootstrap-port` needs `http-url`",
+                        w.id
+                    ));
+                }
+                (None, None) => {}
+            }
+            workers.push(WorkerConfig {
+                id: w.id,
+                name: w.name,
+                role: w.role,
+                capacity_tokens: w.capacity_tokens,
+                snapshot: w.snapshot,
+                address: w.address,
+            });
+        }
+        Ok(RouterConfig {
+            listen: raw.listen,
+            metrics_listen: raw.metrics_listen,
+            policy: raw.policy,
+            sessions: raw.sessions,
+            stale_after_ms: raw.stale_after_ms,
+            refresh_interval_ms: raw.refresh_interval_ms,
+            poll_interval_ms: raw.poll_interval_ms,
+            rpc_timeout_ms: raw.rpc_timeout_ms,
+            max_message_bytes: raw.max_message_bytes,
+            max_pending_decisions: raw.max_pending_decisions,
+            shutdown_grace_ms: raw.shutdown_grace_ms,
+            http_listen: raw.http_listen,
+            workers,
+            worker_http,
+        })
+    }
+}
+
+impl From<RouterConfig> for RawRouterConfig {
+    fn from(cfg: RouterConfig) -> Self {
+        let mut http = cfg.worker_http;
+        RawRouterConfig {
+            listen: cfg.listen,
+            metrics_listen: cfg.metrics_listen,
+            http_listen: cfg.http_listen,
+            policy: cfg.policy,
+            sessions: cfg.sessions,
+            stale_after_ms: cfg.stale_after_ms,
+            refresh_interval_ms: cfg.refresh_interval_ms,
+            poll_interval_ms: cfg.poll_interval_ms,
+            rpc_timeout_ms: cfg.rpc_timeout_ms,
+            max_message_bytes: cfg.max_message_bytes,
+            max_pending_decisions: cfg.max_pending_decisions,
+            shutdown_grace_ms: cfg.shutdown_grace_ms,
+            workers: cfg
+                .workers
+                .into_iter()
+                .map(|w| {
+                    let h = http.remove(&w.id);
+                    RawWorkerConfig {
+                        id: w.id,
+                        name: w.name,
+                        role: w.role,
+                        capacity_tokens: w.capacity_tokens,
+                        snapshot: w.snapshot,
+                        address: w.address,
+                        bootstrap_port: h.as_ref().and_then(|h| h.bootstrap_port),
+                        http_url: h.map(|h| h.url),
+                    }
+                })
+                .collect(),
         }
     }
 }
@@ -216,7 +369,31 @@ impl RouterConfig {
                 )));
             }
         }
+        for (id, h) in &self.worker_http {
+            if !seen.contains(id) {
+                return Err(ConfigError::Invalid(format!(
+                    "HTTP endpoint for worker {id}, which is not configured"
+                )));
+            }
+            if crate::http::BaseUrl::parse(&h.url).is_err() {
+                return Err(ConfigError::Invalid(format!(
+                    "worker {id} http-url `{}` is not http://host:port[/prefix]",
+                    h.url
+                )));
+            }
+        }
         Ok(())
+    }
+
+    /// The HTTP endpoints of the workers that have one, for [`crate::http::http_app`].
+    pub fn http_workers(&self) -> Result<crate::http::HttpWorkers, ConfigError> {
+        let mut workers = crate::http::HttpWorkers::new();
+        for (id, h) in &self.worker_http {
+            workers
+                .insert(WorkerId(*id), &h.url, h.bootstrap_port)
+                .map_err(|e| ConfigError::Invalid(format!("worker {id}: {e}")))?;
+        }
+        Ok(workers)
     }
 }
 
@@ -232,6 +409,59 @@ mod tests {
         assert_eq!(cfg.workers[0].role, WorkerRole::Prefill);
         assert_eq!(cfg.sessions.ttl_ms, 600_000);
         assert_eq!(cfg.policy.name(), "kvc");
+        assert_eq!(
+            cfg.http_listen,
+            Some(SocketAddr::from(([127, 0, 0, 1], 8000)))
+        );
+        assert_eq!(cfg.worker_http.len(), 3);
+        assert_eq!(cfg.worker_http[&0].bootstrap_port, Some(8998));
+        assert_eq!(cfg.worker_http[&1].url, "http://127.0.0.1:30001");
+        assert_eq!(cfg.worker_http[&2].bootstrap_port, None);
+        let workers = cfg.http_workers().unwrap();
+        assert_eq!(workers.len(), 3);
+        assert_eq!(workers.get(WorkerId(0)).unwrap().url.port, 30000);
+        // The HTTP keys survive a round trip inline in `[[workers]]`.
+        let text = toml::to_string(&cfg).unwrap();
+        assert!(
+            text.contains("http-url = \"http://127.0.0.1:30002\""),
+            "{text}"
+        );
+        assert_eq!(RouterConfig::from_toml_str(&text).unwrap(), cfg);
+    }
+
+    #[test]
+    fn http_keys_are_validated() {
+        let worker =
+            "[[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/x\"\n";
+        let cfg = RouterConfig::from_toml_str(worker).unwrap();
+        assert_eq!(cfg.http_listen, None);
+        assert!(cfg.worker_http.is_empty());
+        let bad_url = format!("{worker}http-url = \"https://h:1\"\n");
+        let err = RouterConfig::from_toml_str(&bad_url).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::Invalid(ref m) if m.contains("http-url")),
+            "{err}"
+        );
+        let orphan_port = format!("{worker}bootstrap-port = 9000\n");
+        let err = RouterConfig::from_toml_str(&orphan_port).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::Parse(ref m) if m.contains("needs `http-url`")),
+            "{err}"
+        );
+        let bad_listen = format!("http-listen = \"nowhere\"\n{worker}");
+        assert!(matches!(
+            RouterConfig::from_toml_str(&bad_listen),
+            Err(ConfigError::Parse(_))
+        ));
+        let mut cfg = RouterConfig::from_toml_str(worker).unwrap();
+        cfg.worker_http.insert(
+            7,
+            WorkerHttpConfig {
+                url: "http://h:1".into(),
+                bootstrap_port: None,
+            },
+        );
+        assert!(cfg.validate().unwrap_err().to_string().contains("worker 7"));
     }
 
     #[test]

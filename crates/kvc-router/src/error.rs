@@ -31,7 +31,7 @@ pub enum ServeError {
     /// A listener could not be bound.
     #[error("cannot bind {what} on {addr}: {source}")]
     Bind {
-        /// `"grpc"` or `"metrics"`.
+        /// `"grpc"`, `"metrics"` or `"http"`.
         what: &'static str,
         /// The address.
         addr: std::net::SocketAddr,
@@ -48,6 +48,9 @@ pub enum ServeError {
     /// The metrics server failed.
     #[error("metrics server: {0}")]
     Metrics(std::io::Error),
+    /// The HTTP data-plane server failed.
+    #[error("http server: {0}")]
+    Http(std::io::Error),
     /// A server task panicked or was cancelled.
     #[error("server task: {0}")]
     Join(String),

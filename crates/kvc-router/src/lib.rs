@@ -25,6 +25,10 @@
 //!   `hash_ids` than `ceil(input_length / block)`, zero input, a turn without a session, an
 //!   unknown worker, including in `rejected_by`, a message over `max-message-bytes`) get
 //!   `INVALID_ARGUMENT`.
+//! - **HTTP data plane** ([`http`]): with `http-listen` set, an SGLang/OpenAI-compatible HTTP
+//!   front (`/generate`, `/v1/completions`, `/v1/chat/completions`, `/health`, `/v1/models`)
+//!   routes each request and forwards it to the workers' `http-url`s, P→D with the bootstrap
+//!   fields of the prefill worker (`bootstrap-port`).
 //! - **Operations**: standard gRPC health and reflection, Prometheus text on `/metrics` (see
 //!   [`metrics`] for the series), `tracing` logs, graceful shutdown.
 //!
@@ -36,8 +40,8 @@
 //! RUST_LOG=kvc_router=debug kvc-router --config router.toml
 //! ```
 //!
-//! It prints `kvc-router grpc=<addr> metrics=<addr>` on stdout once bound and stops cleanly on
-//! SIGTERM or SIGINT. `kvc-router --help` lists every option.
+//! It prints `kvc-router grpc=<addr> metrics=<addr|none> http=<addr|none>` on stdout once
+//! bound and stops cleanly on SIGTERM or SIGINT. `kvc-router --help` lists every option.
 //!
 //! ## Configuration
 //!
@@ -47,6 +51,8 @@
 //! ```toml
 //! listen = "127.0.0.1:50051"
 //! metrics-listen = "127.0.0.1:9464"
+//! # Optional: the HTTP data plane (absent: none).
+//! http-listen = "127.0.0.1:8000"
 //! stale-after-ms = 1000
 //!
 //! [sessions]
@@ -62,12 +68,16 @@
 //! role = "prefill"
 //! capacity-tokens = 92000
 //! address = "http://127.0.0.1:50060"
+//! # Its SGLang HTTP server and disaggregation bootstrap port (default 8998).
+//! http-url = "http://127.0.0.1:30000"
+//! bootstrap-port = 8998
 //!
 //! [[workers]]
 //! id = 1
 //! role = "decode"
 //! capacity-tokens = 92000
 //! snapshot = "/dev/shm/kvc-w1.snap"
+//! http-url = "http://127.0.0.1:30001"
 //! ```
 //!
 //! ## In process
@@ -125,7 +135,7 @@ mod service;
 pub mod sessions;
 mod workers;
 
-pub use config::{RouterConfig, SessionLimits, WorkerConfig};
+pub use config::{RouterConfig, SessionLimits, WorkerConfig, WorkerHttpConfig};
 pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::{LocalWorker, RouterGrpc};
 pub use server::{

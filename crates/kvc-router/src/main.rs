@@ -3,7 +3,7 @@
 //! Reads a TOML configuration (see `crates/kvc-router/examples/router.toml`), applies the
 //! command-line overrides, serves until SIGTERM or SIGINT, then stops gracefully. Once both
 //! listeners are bound it prints one line on stdout:
-//! `kvc-router grpc=<addr> metrics=<addr|none>`.
+//! `kvc-router grpc=<addr> metrics=<addr|none> http=<addr|none>`.
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -30,6 +30,11 @@ struct Cli {
     /// Prometheus /metrics listen address (overrides `metrics-listen`; port 0 picks a free port).
     #[arg(long, value_name = "ADDR", conflicts_with = "no_metrics")]
     metrics_listen: Option<SocketAddr>,
+
+    /// HTTP data-plane listen address (overrides `http-listen`; port 0 picks a free port).
+    /// Workers get requests at their `http-url`.
+    #[arg(long, value_name = "ADDR")]
+    http_listen: Option<SocketAddr>,
 
     /// Serve no /metrics endpoint.
     #[arg(long)]
@@ -71,6 +76,9 @@ fn load(cli: &Cli) -> anyhow::Result<RouterConfig> {
         cfg.metrics_listen = None;
     } else if let Some(a) = cli.metrics_listen {
         cfg.metrics_listen = Some(a);
+    }
+    if let Some(a) = cli.http_listen {
+        cfg.http_listen = Some(a);
     }
     if let Some(p) = &cli.policy {
         cfg.policy = PolicyConfig::from_name(p)?;
@@ -132,10 +140,13 @@ fn main() -> anyhow::Result<()> {
         let metrics = router
             .metrics_addr()
             .map_or_else(|| "none".to_owned(), |a| a.to_string());
+        let http = router
+            .http_addr()
+            .map_or_else(|| "none".to_owned(), |a| a.to_string());
         let mut out = std::io::stdout().lock();
         writeln!(
             out,
-            "kvc-router grpc={} metrics={metrics}",
+            "kvc-router grpc={} metrics={metrics} http={http}",
             router.grpc_addr()
         )?;
         out.flush()?;

@@ -21,6 +21,7 @@ use tonic::transport::server::TcpIncoming;
 pub struct RunningRouter {
     grpc_addr: SocketAddr,
     metrics_addr: Option<SocketAddr>,
+    http_addr: Option<SocketAddr>,
     service: Arc<RouterService>,
     stop: CancellationToken,
     task: JoinHandle<Result<(), ServeError>>,
@@ -35,6 +36,11 @@ impl RunningRouter {
     /// The bound metrics address, if metrics are served.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_addr
+    }
+
+    /// The bound HTTP data-plane address, if the HTTP front is served (`http-listen`).
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
     }
 
     /// The service behind the listeners.
@@ -57,9 +63,11 @@ impl RunningRouter {
 
 /// Builds a [`RouterService`] from `config` and serves it until `shutdown` completes.
 ///
-/// Returns once both listeners are bound (port 0 picks a free port; see
+/// Returns once every listener is bound (port 0 picks a free port; see
 /// [`RunningRouter::grpc_addr`]). Serves `kvc.v1.Router`, `grpc.health.v1.Health` and gRPC
-/// reflection on the gRPC address, and Prometheus text on `/metrics` at the metrics address.
+/// reflection on the gRPC address, Prometheus text on `/metrics` at the metrics address, and,
+/// when `http-listen` is set, the HTTP data plane ([`crate::http::http_app`], forwarding to the
+/// workers' `http-url`s) at that address.
 /// Must be called within a tokio runtime.
 pub async fn serve(
     config: RouterConfig,
@@ -110,6 +118,27 @@ pub async fn serve_service(
         })?),
         None => None,
     };
+
+    let http = match config.http_listen {
+        Some(addr) => {
+            let workers = config.http_workers()?;
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind {
+                    what: "http",
+                    addr,
+                    source,
+                })?;
+            let bound = listener.local_addr().map_err(|source| ServeError::Bind {
+                what: "http",
+                addr,
+                source,
+            })?;
+            Some((listener, bound, workers))
+        }
+        None => None,
+    };
+    let http_addr = http.as_ref().map(|(_, a, _)| *a);
 
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
@@ -179,9 +208,21 @@ pub async fn serve_service(
         })
     });
 
+    let http = http.map(|(listener, _, workers)| {
+        let stop = stop.clone();
+        let app = crate::http::http_app(Arc::clone(&service), workers);
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+                .map_err(ServeError::Http)
+        })
+    });
+
     tracing::info!(
         grpc = %grpc_addr,
         metrics = ?metrics_addr,
+        http = ?http_addr,
         policy = service.config().policy.name(),
         workers = service.config().workers.len(),
         "kvc-router serving"
@@ -194,15 +235,27 @@ pub async fn serve_service(
             let grpc_result = finish(grpc, &stop, grace, "grpc").await;
             // Whatever ended the gRPC server ends everything else.
             stop.cancel();
-            let metrics_result = match metrics {
-                Some(m) => finish(m, &stop, grace, "metrics").await,
-                None => Ok(()),
-            };
+            // The other servers drain concurrently: the grace period bounds them together.
+            let (metrics_result, http_result) = tokio::join!(
+                async {
+                    match metrics {
+                        Some(m) => finish(m, &stop, grace, "metrics").await,
+                        None => Ok(()),
+                    }
+                },
+                async {
+                    match http {
+                        Some(h) => finish(h, &stop, grace, "http").await,
+                        None => Ok(()),
+                    }
+                },
+            );
             for b in background {
                 let _ = b.await;
             }
             grpc_result?;
             metrics_result?;
+            http_result?;
             tracing::info!("kvc-router stopped");
             Ok(())
         })
@@ -211,6 +264,7 @@ pub async fn serve_service(
     Ok(RunningRouter {
         grpc_addr,
         metrics_addr,
+        http_addr,
         service,
         stop,
         task,

@@ -18,6 +18,7 @@ fn help_explains_every_option() {
         "--listen",
         "--metrics-listen",
         "--no-metrics",
+        "--http-listen",
         "--policy",
         "--session-ttl-ms",
         "--max-sessions",
@@ -55,7 +56,9 @@ fn starts_serves_and_stops_on_sigterm() {
         &path,
         format!(
             "listen = \"127.0.0.1:0\"\nmetrics-listen = \"127.0.0.1:0\"\nshutdown-grace-ms = 300\n\
+             http-listen = \"192.0.2.1:0\"\n\
              [[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 1000\naddress = \"http://127.0.0.1:1\"\n\
+             http-url = \"http://127.0.0.1:1\"\nbootstrap-port = 2\n\
              [[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 1000\nsnapshot = \"{}\"\n",
             snap.display()
         ),
@@ -64,6 +67,9 @@ fn starts_serves_and_stops_on_sigterm() {
     let mut child = Command::new(BIN)
         .arg("--config")
         .arg(&path)
+        // Overrides the config's unbindable (TEST-NET) `http-listen`.
+        .arg("--http-listen")
+        .arg("127.0.0.1:0")
         .arg("--max-sessions")
         .arg("10")
         .arg("--log")
@@ -93,6 +99,18 @@ fn starts_serves_and_stops_on_sigterm() {
         .unwrap()
         .parse()
         .unwrap();
+    let http: std::net::SocketAddr = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("http="))
+        .unwrap_or_else(|| panic!("no http= in {line:?}"))
+        .parse()
+        .unwrap();
+    // The existing fields keep their order: grpc first, then metrics, then http.
+    assert!(line.starts_with("kvc-router grpc="), "{line:?}");
+    assert!(
+        line.find(" metrics=").unwrap() < line.find(" http=").unwrap(),
+        "{line:?}"
+    );
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -135,6 +153,16 @@ fn starts_serves_and_stops_on_sigterm() {
         );
         let (_, body) = common::http_get(metrics, "/metrics").await;
         assert!(body.contains("kvc_router_sessions_tracked 0"));
+        // The HTTP front answers: no worker is routable yet, so /health is 503 with a JSON
+        // error; /v1/models lists the model.
+        let (head, body) = common::http_get(http, "/health").await;
+        assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"]["message"], "no routable worker");
+        let (head, body) = common::http_get(http, "/v1/models").await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["object"], "list");
     });
 
     // The runtime (and its idle client connection) stays alive: the grace period bounds the

@@ -24,20 +24,43 @@ enum Behaviour {
     Answer,
     Fail,
     Stall,
+    /// A streamed answer that breaks off after two events.
+    DieMidStream,
 }
 
 struct Mock {
     name: String,
     received: Mutex<Vec<(String, Value)>>,
     behaviour: Mutex<Behaviour>,
+    /// A streamed answer waits here after its first event.
+    gate: tokio::sync::Notify,
+}
+
+/// The SSE events a mock worker streams for `path`, then `data: [DONE]`.
+fn stream_events(name: &str, path: &str) -> Vec<String> {
+    let mut events: Vec<String> = (0..3u64)
+        .map(|i| {
+            let v = if path == "/generate" {
+                json!({"text": format!("{name} tok{i}"), "meta_info": {"completion_tokens": i + 1}})
+            } else {
+                json!({"choices": [{"text": format!("{name} tok{i}")}],
+                       "usage": {"completion_tokens": i + 1}})
+            };
+            format!("data: {v}\n\n")
+        })
+        .collect();
+    events.push("data: [DONE]\n\n".to_owned());
+    events
 }
 
 async fn mock_handler(
     State(m): State<Arc<Mock>>,
     uri: axum::http::Uri,
     body: Bytes,
-) -> (StatusCode, [(&'static str, &'static str); 1], String) {
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
     let value: Value = serde_json::from_slice(&body).expect("router forwarded invalid JSON");
+    let stream = value["stream"] == true;
     m.received.lock().push((uri.path().to_owned(), value));
     let behaviour = *m.behaviour.lock();
     match behaviour {
@@ -46,13 +69,48 @@ async fn mock_handler(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 [("content-type", "application/json")],
                 json!({"error": {"message": format!("{} failed", m.name)}}).to_string(),
-            );
+            )
+                .into_response();
         }
         Behaviour::Stall => tokio::time::sleep(Duration::from_secs(3)).await,
-        Behaviour::Answer => {}
+        Behaviour::Answer | Behaviour::DieMidStream => {}
+    }
+    if stream {
+        let events = stream_events(&m.name, uri.path());
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(8);
+        let mock = m.clone();
+        tokio::spawn(async move {
+            for (i, e) in events.into_iter().enumerate() {
+                if i == 2 && behaviour == Behaviour::DieMidStream {
+                    // Half an event, then the connection breaks.
+                    let _ = tx.send(Ok("data: {\"text\": \"cut".to_owned())).await;
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    let _ = tx.send(Err(std::io::Error::other("worker died"))).await;
+                    return;
+                }
+                if tx.send(Ok(e)).await.is_err() {
+                    return;
+                }
+                if i == 0 && behaviour == Behaviour::Answer {
+                    mock.gate.notified().await;
+                }
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+        });
+        let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+        return (
+            StatusCode::OK,
+            [("content-type", "text/event-stream")],
+            body,
+        )
+            .into_response();
     }
     let answer = if uri.path() == "/generate" {
         json!({"text": format!("answer from {}", m.name), "meta_info": {"completion_tokens": 40}})
+    } else if uri.path() == "/v1/chat/completions" {
+        json!({"object": "chat.completion",
+               "choices": [{"message": {"role": "assistant", "content": format!("answer from {}", m.name)}}],
+               "usage": {"completion_tokens": 12}})
     } else {
         json!({"choices": [{"text": format!("answer from {}", m.name)}],
                "usage": {"completion_tokens": 12}})
@@ -62,6 +120,7 @@ async fn mock_handler(
         [("content-type", "application/json")],
         answer.to_string(),
     )
+        .into_response()
 }
 
 async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
@@ -69,10 +128,12 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         name: name.to_owned(),
         received: Mutex::new(Vec::new()),
         behaviour: Mutex::new(Behaviour::Answer),
+        gate: tokio::sync::Notify::new(),
     });
     let app = axum::Router::new()
         .route("/generate", post(mock_handler))
         .route("/v1/completions", post(mock_handler))
+        .route("/v1/chat/completions", post(mock_handler))
         .with_state(mock.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -344,13 +405,76 @@ async fn openai_completions_are_forwarded_on_the_same_path() {
 }
 
 #[tokio::test]
+async fn chat_completions_are_forwarded_unchanged_and_follow_the_session() {
+    let s = Setup::start().await;
+    let words = |r: std::ops::Range<u32>| r.map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are terse."}),
+        json!({"role": "user", "content": words(0..1_300)}),
+    ];
+    let session = [("x-session-id", "chat-9")];
+    let body = json!({"model": "test-model", "messages": messages, "max_tokens": 12}).to_string();
+    let r = s.post("/v1/chat/completions", &session, &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.headers["x-kvc-mode"], "turn1-seed");
+    assert_eq!(r.headers["x-kvc-prefill-worker"], "0");
+    let d: usize = r.headers["x-kvc-decode-worker"].parse().unwrap();
+    assert_eq!(
+        r.body["choices"][0]["message"]["content"],
+        format!("answer from d{d}")
+    );
+    let (p_path, p_body) = &s.received(0)[0];
+    let (d_path, d_body) = &s.received(d)[0];
+    assert_eq!(p_path, "/v1/chat/completions");
+    assert_eq!(d_path, "/v1/chat/completions");
+    assert_eq!(p_body, d_body);
+    // The messages go through as the client sent them (no template applied).
+    assert_eq!(d_body["messages"], Value::from(messages.clone()));
+    assert_eq!(d_body["max_tokens"], 12);
+    assert_eq!(d_body["bootstrap_port"], 9_098);
+    assert_eq!(outcomes(&s, "ok"), 1.0);
+
+    // The next turn repeats the conversation and adds to it: direct to the same D, unchanged.
+    messages.push(json!({"role": "assistant", "content": format!("answer from d{d}")}));
+    messages.push(json!({"role": "user", "content": words(1_300..1_900)}));
+    let body = json!({"model": "test-model", "messages": messages, "max_tokens": 12}).to_string();
+    let r = s.post("/v1/chat/completions", &session, &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.headers["x-kvc-mode"], "direct-to-d");
+    assert_eq!(r.headers["x-kvc-decode-worker"], d.to_string());
+    assert_eq!(s.counts()[0], 1, "P must not see a direct-to-D turn");
+    let (_, d_body) = &s.received(d)[1];
+    assert!(!d_body.as_object().unwrap().contains_key("bootstrap_room"));
+    assert_eq!(d_body["messages"], Value::from(messages));
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+    assert_eq!(outcomes(&s, "ok"), 2.0);
+
+    // Malformed chat bodies: 400 with the JSON error shape, nothing forwarded.
+    for (bad, want) in [
+        (r#"{"messages": []}"#, "empty"),
+        (
+            r#"{"messages": [{"role": "user", "content": 3}]}"#,
+            "content",
+        ),
+        (r#"{"prompt": "a"}"#, "missing `messages`"),
+    ] {
+        let r = s.post("/v1/chat/completions", &[], bad).await;
+        assert_eq!(r.status, 400, "{bad}");
+        assert_eq!(r.body["error"]["type"], "invalid_request_error");
+        let message = r.body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(want), "{bad}: {message}");
+    }
+    assert_eq!(s.counts()[0], 1);
+}
+
+#[tokio::test]
 async fn malformed_bodies_get_400_with_a_json_error() {
     let s = Setup::start().await;
     let cases: [(&str, &str, &str); 7] = [
         ("/generate", "{not json", "invalid JSON"),
         ("/generate", "[1, 2]", "JSON object"),
         ("/generate", r#"{"sampling_params": {}}"#, "missing"),
-        ("/generate", r#"{"text": "a", "stream": true}"#, "stream"),
+        ("/generate", r#"{"text": "a", "stream": 1}"#, "stream"),
         ("/generate", r#"{"text": "   "}"#, "empty"),
         ("/v1/completions", r#"{"prompt": ["a", "b"]}"#, "batched"),
         (
@@ -539,4 +663,179 @@ async fn the_session_header_name_is_configurable() {
     assert_eq!(r.status, 200);
     assert_eq!(r.headers["x-kvc-prefill-worker"], "0");
     assert_eq!(s.counts()[0], 2);
+}
+
+/// A streamed request to the front, read with the crate's own streaming client.
+async fn open_stream(s: &Setup, path: &str, body: &Value) -> kvc_router::http::WorkerStream {
+    let base = kvc_router::http::BaseUrl::parse(&format!("http://{}", s.front)).unwrap();
+    kvc_router::http::post_streaming(
+        &base,
+        path,
+        body.to_string().as_bytes(),
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("the front answers a streamed request")
+}
+
+/// The next piece of a streamed answer, within a bound.
+async fn next_piece(ws: &mut kvc_router::http::WorkerStream) -> Option<Vec<u8>> {
+    tokio::time::timeout(Duration::from_secs(5), ws.next_chunk())
+        .await
+        .expect("the stream stalled")
+        .expect("the front's stream is well formed")
+}
+
+async fn read_all(ws: &mut kvc_router::http::WorkerStream) -> String {
+    let mut all = Vec::new();
+    while let Some(p) = next_piece(ws).await {
+        all.extend_from_slice(&p);
+    }
+    String::from_utf8(all).unwrap()
+}
+
+/// Outcomes are reported once a stream has ended: wait (bounded) until none is pending.
+async fn settle(s: &Setup) {
+    for _ in 0..500 {
+        if s.cluster.service().pending_decisions() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("a streamed request's outcome was never reported");
+}
+
+fn chosen_decode(s: &Setup, before: [usize; 3]) -> usize {
+    let now = s.counts();
+    match (now[1] > before[1], now[2] > before[2]) {
+        (true, false) => 1,
+        (false, true) => 2,
+        other => panic!("exactly one decode worker should be called: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn streamed_answers_are_relayed_as_they_arrive() {
+    let s = Setup::start().await;
+    let body = |n: u32| {
+        json!({"input_ids": ids(0..n), "sampling_params": {"max_new_tokens": 40},
+               "session_params": {"id": "stream-1"}, "stream": true})
+    };
+    // P streams too (its answer is drained, not relayed): let it through at once.
+    s.mocks[0].gate.notify_one();
+    let mut ws = open_stream(&s, "/generate", &body(1_300)).await;
+    assert_eq!(ws.status, 200);
+    assert_eq!(ws.content_type.as_deref(), Some("text/event-stream"));
+    let d = chosen_decode(&s, [1, 0, 0]);
+    // The first event reaches the client while the worker still holds the rest back: the
+    // answer is not buffered.
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("tok0") {
+        got.extend(next_piece(&mut ws).await.expect("the first event"));
+    }
+    assert!(!String::from_utf8_lossy(&got).contains("tok1"));
+    s.mocks[d].gate.notify_one();
+    let rest = read_all(&mut ws).await;
+    let all = format!("{}{rest}", String::from_utf8(got).unwrap());
+    assert_eq!(all, stream_events(&format!("d{d}"), "/generate").concat());
+    // The outcome is reported once P has answered too.
+    settle(&s).await;
+    // P and D got the same body, with the bootstrap fields and `stream: true`.
+    let (_, p_body) = &s.received(0)[0];
+    let (_, d_body) = &s.received(d)[0];
+    assert_eq!(p_body, d_body);
+    assert_eq!(d_body["stream"], true);
+    assert!(d_body["bootstrap_room"].is_u64());
+    assert_eq!(outcomes(&s, "ok"), 1.0);
+
+    // The outcome made the session resident on D: the next turn streams direct-to-D.
+    let before = s.counts();
+    let mut ws = open_stream(&s, "/generate", &body(1_900)).await;
+    assert_eq!(chosen_decode(&s, before), d);
+    s.mocks[d].gate.notify_one();
+    let all = read_all(&mut ws).await;
+    assert_eq!(all, stream_events(&format!("d{d}"), "/generate").concat());
+    assert_eq!(s.counts()[0], 1, "P must not see a direct-to-D turn");
+    settle(&s).await;
+    assert_eq!(outcomes(&s, "ok"), 2.0);
+
+    // OpenAI completions stream the same way, to the same path.
+    s.mocks[0].gate.notify_one();
+    let before = s.counts();
+    let mut ws = open_stream(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "stream this please", "max_tokens": 3, "stream": true}),
+    )
+    .await;
+    let d = chosen_decode(&s, before);
+    s.mocks[d].gate.notify_one();
+    let all = read_all(&mut ws).await;
+    assert_eq!(
+        all,
+        stream_events(&format!("d{d}"), "/v1/completions").concat()
+    );
+    assert_eq!(s.received(d).last().unwrap().0, "/v1/completions");
+    settle(&s).await;
+    assert_eq!(outcomes(&s, "ok"), 3.0);
+    assert_eq!(outcomes(&s, "worker-failed"), 0.0);
+}
+
+#[tokio::test]
+async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
+    let s = Setup::start().await;
+    for m in &s.mocks[1..] {
+        *m.behaviour.lock() = Behaviour::DieMidStream;
+    }
+    let chat = json!({"messages": [{"role": "user", "content": "tell me a long story"}],
+                      "max_tokens": 50, "stream": true});
+    let mut ws = open_stream(&s, "/v1/chat/completions", &chat).await;
+    assert_eq!(ws.status, 200);
+    let d = chosen_decode(&s, [1, 0, 0]);
+    let all = read_all(&mut ws).await;
+    let events = stream_events(&format!("d{d}"), "/v1/chat/completions");
+    // What the worker sent before it died comes first, unchanged.
+    assert!(all.starts_with(&events[..2].concat()), "{all}");
+    // The stream ends with one well-formed SSE error event.
+    assert!(all.ends_with("\n\n"), "{all:?}");
+    let last = all
+        .trim_end()
+        .rsplit("\n\n")
+        .next()
+        .unwrap()
+        .strip_prefix("data: ")
+        .unwrap_or_else(|| panic!("no error event at the end: {all:?}"));
+    let error: Value = serde_json::from_str(last).unwrap();
+    assert_eq!(error["error"]["type"], "worker_error");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("decode worker")
+    );
+    assert!(!all.contains("[DONE]"));
+    // Counted, as a worker failure.
+    settle(&s).await;
+    assert_eq!(outcomes(&s, "worker-failed"), 1.0);
+    assert_eq!(outcomes(&s, "ok"), 0.0);
+}
+
+#[tokio::test]
+async fn a_stream_to_a_dead_decode_worker_gets_a_json_error() {
+    let s = Setup::start_with(|w| {
+        for id in [1, 2] {
+            let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = dead.local_addr().unwrap();
+            drop(dead);
+            w.insert(WorkerId(id), &format!("http://{addr}"), None)
+                .unwrap();
+        }
+    })
+    .await;
+    let body = json!({"text": "a b c", "stream": true}).to_string();
+    let r = s.post("/generate", &[], &body).await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert_eq!(r.body["error"]["type"], "worker_error");
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+    assert_eq!(outcomes(&s, "worker-failed"), 1.0);
 }

@@ -1,6 +1,8 @@
 //! A minimal HTTP/1.1 client for forwarding: one `POST` per connection (`Connection: close`),
 //! a `Content-Length` request body, a whole-request deadline. Responses may carry a
 //! `Content-Length` body, a chunked body, or a body delimited by the connection's end.
+//! [`post_streaming`] returns once the response head has arrived and yields the body piece by
+//! piece ([`WorkerStream::next_chunk`]) as the worker sends it.
 
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -102,11 +104,8 @@ pub async fn post_json(
         .map_err(|_| ForwardError::Timeout(timeout))?
 }
 
-async fn post_inner(
-    base: &BaseUrl,
-    path: &str,
-    body: &[u8],
-) -> Result<WorkerResponse, ForwardError> {
+/// Opens a connection to `base` and sends the `POST`.
+async fn send_post(base: &BaseUrl, path: &str, body: &[u8]) -> Result<TcpStream, ForwardError> {
     let mut stream = TcpStream::connect((base.host.as_str(), base.port)).await?;
     let _ = stream.set_nodelay(true);
     let head = format!(
@@ -119,6 +118,15 @@ async fn post_inner(
     let mut request = head.into_bytes();
     request.extend_from_slice(body);
     stream.write_all(&request).await?;
+    Ok(stream)
+}
+
+async fn post_inner(
+    base: &BaseUrl,
+    path: &str,
+    body: &[u8],
+) -> Result<WorkerResponse, ForwardError> {
+    let mut stream = send_post(base, path, body).await?;
     // Read until the answer is complete (by its length or its last chunk) or the worker
     // closes the connection, whichever comes first.
     let mut raw = Vec::new();
@@ -157,8 +165,52 @@ fn parse_partial(raw: &[u8], at_eof: bool) -> Result<Option<WorkerResponse>, For
             Ok(None)
         };
     };
-    let head = std::str::from_utf8(&raw[..end]).map_err(|_| bad("headers are not UTF-8"))?;
     let rest = &raw[end + 4..];
+    let Head {
+        status,
+        content_type,
+        content_length,
+        chunked,
+    } = parse_head(&raw[..end])?;
+    let body = if chunked {
+        match dechunk(rest)? {
+            Some(body) => body,
+            None if at_eof => return Err(bad("truncated chunk")),
+            None => return Ok(None),
+        }
+    } else if let Some(n) = content_length {
+        if rest.len() < n {
+            return if at_eof {
+                Err(bad("body shorter than content-length"))
+            } else {
+                Ok(None)
+            };
+        }
+        rest[..n].to_vec()
+    } else if at_eof {
+        rest.to_vec()
+    } else {
+        return Ok(None);
+    };
+    Ok(Some(WorkerResponse {
+        status,
+        content_type,
+        body,
+    }))
+}
+
+/// A response's status line and the headers that matter here.
+struct Head {
+    status: u16,
+    content_type: Option<String>,
+    content_length: Option<usize>,
+    chunked: bool,
+}
+
+/// Parses the response head (without its final blank line).
+fn parse_head(head: &[u8]) -> Result<Head, ForwardError> {
+    let bad = |m: &str| ForwardError::BadResponse(m.to_owned());
+    let head = std::str::from_utf8(head).map_err(|_| bad("headers are not UTF-8"))?;
     let mut lines = head.split("\r\n");
     let status_line = lines.next().unwrap_or_default();
     let mut parts = status_line.splitn(3, ' ');
@@ -190,31 +242,170 @@ fn parse_partial(raw: &[u8], at_eof: bool) -> Result<Option<WorkerResponse>, For
             chunked = value.to_ascii_lowercase().contains("chunked");
         }
     }
-    let body = if chunked {
-        match dechunk(rest)? {
-            Some(body) => body,
-            None if at_eof => return Err(bad("truncated chunk")),
-            None => return Ok(None),
-        }
-    } else if let Some(n) = content_length {
-        if rest.len() < n {
-            return if at_eof {
-                Err(bad("body shorter than content-length"))
-            } else {
-                Ok(None)
-            };
-        }
-        rest[..n].to_vec()
-    } else if at_eof {
-        rest.to_vec()
-    } else {
-        return Ok(None);
-    };
-    Ok(Some(WorkerResponse {
+    Ok(Head {
         status,
         content_type,
-        body,
-    }))
+        content_length,
+        chunked,
+    })
+}
+
+/// How the rest of a streamed body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// This many bytes remain.
+    Length(usize),
+    /// Chunked: waiting for a chunk-size line.
+    ChunkSize,
+    /// Chunked: this many bytes of the current chunk remain.
+    ChunkData(usize),
+    /// Chunked: the line end after a chunk's data.
+    ChunkEnd,
+    /// Until the worker closes the connection.
+    UntilClose,
+    /// The body is complete.
+    Done,
+}
+
+/// A worker's answer whose body is read as it arrives (see [`post_streaming`]).
+#[derive(Debug)]
+pub struct WorkerStream {
+    /// HTTP status code.
+    pub status: u16,
+    /// The `Content-Type` header, if any.
+    pub content_type: Option<String>,
+    conn: TcpStream,
+    /// Bytes read but not yet decoded.
+    buf: Vec<u8>,
+    framing: Framing,
+}
+
+impl WorkerStream {
+    /// The next piece of the (de-chunked) body as the worker sent it, `None` once the body is
+    /// complete. A connection that breaks or ends before the body is complete is an error
+    /// ([`ForwardError::Io`] or [`ForwardError::BadResponse`]). No deadline: wrap each call in
+    /// one.
+    pub async fn next_chunk(&mut self) -> Result<Option<Vec<u8>>, ForwardError> {
+        let bad = |m: &str| ForwardError::BadResponse(m.to_owned());
+        loop {
+            match self.framing {
+                Framing::Done => return Ok(None),
+                Framing::Length(0) => {
+                    self.framing = Framing::Done;
+                    return Ok(None);
+                }
+                Framing::Length(n) if !self.buf.is_empty() => {
+                    let take = n.min(self.buf.len());
+                    let out: Vec<u8> = self.buf.drain(..take).collect();
+                    self.framing = Framing::Length(n - take);
+                    return Ok(Some(out));
+                }
+                Framing::UntilClose if !self.buf.is_empty() => {
+                    return Ok(Some(std::mem::take(&mut self.buf)));
+                }
+                Framing::ChunkSize => {
+                    if let Some(eol) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                        let line = std::str::from_utf8(&self.buf[..eol])
+                            .map_err(|_| bad("bad chunk size"))?;
+                        let size_text = line.split(';').next().unwrap_or_default().trim();
+                        let size = usize::from_str_radix(size_text, 16)
+                            .map_err(|_| bad("bad chunk size"))?;
+                        self.buf.drain(..eol + 2);
+                        // After the last chunk only (rare) trailers remain: the body is done.
+                        self.framing = if size == 0 {
+                            Framing::Done
+                        } else {
+                            Framing::ChunkData(size)
+                        };
+                        continue;
+                    }
+                    if self.buf.len() > 1024 {
+                        return Err(bad("chunk-size line too long"));
+                    }
+                }
+                Framing::ChunkData(n) if !self.buf.is_empty() => {
+                    let take = n.min(self.buf.len());
+                    let out: Vec<u8> = self.buf.drain(..take).collect();
+                    self.framing = if take == n {
+                        Framing::ChunkEnd
+                    } else {
+                        Framing::ChunkData(n - take)
+                    };
+                    return Ok(Some(out));
+                }
+                Framing::ChunkEnd if self.buf.len() >= 2 => {
+                    if &self.buf[..2] != b"\r\n" {
+                        return Err(bad("chunk without its line end"));
+                    }
+                    self.buf.drain(..2);
+                    self.framing = Framing::ChunkSize;
+                    continue;
+                }
+                _ => {}
+            }
+            // More input is needed.
+            let mut piece = vec![0u8; 16 * 1024];
+            let n = self.conn.read(&mut piece).await?;
+            if n == 0 {
+                return match self.framing {
+                    Framing::UntilClose => {
+                        self.framing = Framing::Done;
+                        Ok(None)
+                    }
+                    _ => Err(bad("connection closed before the end of the body")),
+                };
+            }
+            self.buf.extend_from_slice(&piece[..n]);
+        }
+    }
+}
+
+/// `POST`s `body` (JSON) to `base` + `path` and returns once the response head has arrived,
+/// within `timeout`; the body is then read with [`WorkerStream::next_chunk`].
+pub async fn post_streaming(
+    base: &BaseUrl,
+    path: &str,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<WorkerStream, ForwardError> {
+    let open = async {
+        let mut conn = send_post(base, path, body).await?;
+        let mut raw = Vec::new();
+        let mut piece = vec![0u8; 16 * 1024];
+        let end = loop {
+            if let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+                break end;
+            }
+            if raw.len() > 64 * 1024 {
+                return Err(ForwardError::BadResponse(
+                    "response head too long".to_owned(),
+                ));
+            }
+            let n = conn.read(&mut piece).await?;
+            if n == 0 {
+                return Err(ForwardError::BadResponse("no end of headers".to_owned()));
+            }
+            raw.extend_from_slice(&piece[..n]);
+        };
+        let head = parse_head(&raw[..end])?;
+        let framing = if head.chunked {
+            Framing::ChunkSize
+        } else if let Some(n) = head.content_length {
+            Framing::Length(n)
+        } else {
+            Framing::UntilClose
+        };
+        Ok(WorkerStream {
+            status: head.status,
+            content_type: head.content_type,
+            conn,
+            buf: raw[end + 4..].to_vec(),
+            framing,
+        })
+    };
+    tokio::time::timeout(timeout, open)
+        .await
+        .map_err(|_| ForwardError::Timeout(timeout))?
 }
 
 /// The de-chunked body, `None` while the last chunk has not arrived.
@@ -373,6 +564,91 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, ForwardError::Io(_)), "{err:?}");
+    }
+
+    /// Serves `parts` on one connection, with a pause between them, then closes it.
+    async fn serve_parts(parts: Vec<&'static [u8]>) -> BaseUrl {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let _ = s.read(&mut buf).await.unwrap();
+            for p in parts {
+                s.write_all(p).await.unwrap();
+                s.flush().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        BaseUrl::parse(&format!("http://{addr}")).unwrap()
+    }
+
+    async fn drain(ws: &mut WorkerStream) -> Result<Vec<Vec<u8>>, ForwardError> {
+        let mut pieces = Vec::new();
+        while let Some(p) = tokio::time::timeout(Duration::from_secs(5), ws.next_chunk())
+            .await
+            .expect("bounded")?
+        {
+            pieces.push(p);
+        }
+        Ok(pieces)
+    }
+
+    #[tokio::test]
+    async fn streamed_bodies_arrive_piece_by_piece() {
+        let base = serve_parts(vec![
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab",
+            b"cde\r\n3;x\r\nfgh\r\n",
+            b"0\r\n\r\n",
+        ])
+        .await;
+        let mut ws = post_streaming(&base, "/g", b"{}", Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(ws.status, 200);
+        assert_eq!(ws.content_type.as_deref(), Some("text/event-stream"));
+        let pieces = drain(&mut ws).await.unwrap();
+        assert_eq!(pieces.concat(), b"abcdefgh");
+        assert!(pieces.len() >= 3, "not buffered: {pieces:?}");
+
+        let base = serve_parts(vec![
+            b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab",
+            b"cdXX",
+        ])
+        .await;
+        let mut ws = post_streaming(&base, "/g", b"{}", Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(drain(&mut ws).await.unwrap().concat(), b"abcd");
+
+        let base = serve_parts(vec![b"HTTP/1.0 200 OK\r\n\r\nxy", b"z"]).await;
+        let mut ws = post_streaming(&base, "/g", b"{}", Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(drain(&mut ws).await.unwrap().concat(), b"xyz");
+    }
+
+    #[tokio::test]
+    async fn a_stream_cut_short_is_an_error() {
+        for parts in [
+            vec![&b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab"[..]],
+            vec![b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nab"],
+            vec![b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY"],
+        ] {
+            let base = serve_parts(parts).await;
+            let mut ws = post_streaming(&base, "/g", b"{}", Duration::from_secs(2))
+                .await
+                .unwrap();
+            let err = drain(&mut ws).await.unwrap_err();
+            assert!(matches!(err, ForwardError::BadResponse(_)), "{err:?}");
+        }
+        // No head at all within the deadline.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = BaseUrl::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+        let err = post_streaming(&base, "/g", b"{}", Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ForwardError::Timeout(_)), "{err:?}");
     }
 
     #[test]

@@ -7,8 +7,9 @@
 //!
 //! | Route | Body |
 //! |---|---|
-//! | `POST /generate` | SGLang: `text` or `input_ids`, `sampling_params.max_new_tokens`, optional `session_params.id`, `stream` absent or `false` |
-//! | `POST /v1/completions` | OpenAI: `prompt` (text or token ids), `max_tokens`, `stream` absent or `false` |
+//! | `POST /generate` | SGLang: `text` or `input_ids`, `sampling_params.max_new_tokens`, optional `session_params.id`, optional `stream` |
+//! | `POST /v1/completions` | OpenAI: `prompt` (text or token ids), `max_tokens`, optional `stream` |
+//! | `POST /v1/chat/completions` | OpenAI: `messages` (`[{role, content}]`), `max_completion_tokens` or `max_tokens`, optional `stream` |
 //! | `GET /health` | 200 while at least one worker is routable, else 503 |
 //! | `GET /v1/models` | the configured model name, OpenAI list shape |
 //!
@@ -22,8 +23,10 @@
 //! without a session.
 //!
 //! **Block hashes.** From `input_ids` (or a token-id `prompt`) with [`block_hashes`] over the
-//! policy's block size; text goes through [`fallback_tokens`] (one token per word) first. The
-//! input length is the number of tokens.
+//! policy's block size; text goes through [`fallback_tokens`] (one token per word) first. A
+//! chat request's text is its messages through the simple template of [`chat_prompt`] (used
+//! for hashing only; the worker gets the messages and applies its own template). The input
+//! length is the number of tokens.
 //!
 //! **Forwarding.** For a decision through a prefill worker (`turn1-seed`, `fallback`,
 //! `reseed`) the same JSON body, with `bootstrap_host` (P's host), `bootstrap_port` (P's
@@ -35,6 +38,19 @@
 //! that answered non-2xx has its status and body passed through; one that did not answer
 //! gives 502 (504 on a timeout). Responses carry `x-kvc-mode`, `x-kvc-decode-worker` and, on
 //! the P→D path, `x-kvc-prefill-worker`.
+//!
+//! **Streaming.** With `"stream": true` the body is forwarded the same way, but D's answer is
+//! relayed to the client as it arrives (chunked, with D's `Content-Type`, normally
+//! `text/event-stream`), never buffered whole; P's answer is read and dropped. The deadline
+//! [`HttpOptions::request_timeout`] then bounds the wait for D's response head and each wait
+//! for more of its body. If D's connection breaks, its body is malformed or it goes silent
+//! past the deadline mid-stream, the client's stream ends with one SSE error event,
+//! `data: {"error": {"message": "...", "type": "worker_error", "code": 502}}`, and the
+//! request is reported `worker-failed`. The outcome is reported when the stream has ended:
+//! `ok` (resident tokens: the input plus the last `completion_tokens` seen in a `data:` event)
+//! when D's stream completed with a 2xx status and P answered 2xx, else `worker-failed` (also
+//! when the client went away first: nothing is claimed resident). A D that cannot be reached
+//! gets the same JSON 502/504 as without streaming.
 //!
 //! ```
 //! use kvc_core::WorkerId;
@@ -58,9 +74,12 @@ mod request;
 mod tokens;
 
 pub use client::{
-    BaseUrl, ForwardError, MAX_RESPONSE_BYTES, WorkerResponse, parse_response, post_json,
+    BaseUrl, ForwardError, MAX_RESPONSE_BYTES, WorkerResponse, WorkerStream, parse_response,
+    post_json, post_streaming,
 };
-pub use request::{DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS};
+pub use request::{
+    DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS, chat_prompt,
+};
 pub use tokens::{block_hashes, fallback_tokens};
 
 use crate::convert::ProtoEnum;
@@ -192,6 +211,7 @@ pub fn http_app_with(
     Router::new()
         .route("/generate", post(generate))
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .layer(body_limit)
@@ -302,6 +322,17 @@ async fn completions(
     }
 }
 
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match body {
+        Ok(body) => handle(&app, Api::ChatCompletions, &headers, &body).await,
+        Err(e) => body_error_response(&e),
+    }
+}
+
 /// A body that could not be read (too large, cut short) as a JSON error.
 fn body_error_response(e: &BytesRejection) -> Response {
     error_response(e.status(), "invalid_request_error", &e.body_text())
@@ -369,7 +400,7 @@ fn is_success(r: &Result<WorkerResponse, ForwardError>) -> bool {
     matches!(r, Ok(w) if (200..300).contains(&w.status))
 }
 
-async fn handle(app: &App, api: Api, headers: &HeaderMap, bytes: &[u8]) -> Response {
+async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> Response {
     let req = match request::parse(api, bytes) {
         Ok(r) => r,
         Err(m) => return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", &m),
@@ -421,21 +452,24 @@ async fn handle(app: &App, api: Api, headers: &HeaderMap, bytes: &[u8]) -> Respo
         Ok(d) => d,
         Err(e) => return route_error_response(&e),
     };
-    let mode = ExecutionMode::from_proto(decision.mode).ok();
+    if req.stream {
+        let response =
+            forward_stream(app, api, req.body, &decision, request_id, input_length).await;
+        return with_decision_headers(response, &decision);
+    }
     let (answer, outcome) = forward(app, api, req.body, &decision).await;
     let resident_tokens = match (&answer, outcome) {
         (Ok(w), Outcome::Ok) => input_length + completion_tokens(&w.body).unwrap_or(0),
         _ => 0,
     };
-    if let Err(e) = app.service.report_outcome(&pb::OutcomeReport {
-        decision_id: decision.decision_id,
+    report(
+        app,
+        decision.decision_id,
         request_id,
-        outcome: outcome.to_proto(),
+        outcome,
         resident_tokens,
-    }) {
-        tracing::warn!(decision = decision.decision_id, error = %e, "outcome not recorded");
-    }
-    let mut response = match answer {
+    );
+    let response = match answer {
         Ok(w) => {
             let status = StatusCode::from_u16(w.status).unwrap_or(StatusCode::BAD_GATEWAY);
             let content_type = w
@@ -446,6 +480,12 @@ async fn handle(app: &App, api: Api, headers: &HeaderMap, bytes: &[u8]) -> Respo
         }
         Err(resp) => resp,
     };
+    with_decision_headers(response, &decision)
+}
+
+/// Adds `x-kvc-mode`, `x-kvc-decode-worker` and (P→D) `x-kvc-prefill-worker`.
+fn with_decision_headers(mut response: Response, decision: &pb::RouteDecision) -> Response {
+    let mode = ExecutionMode::from_proto(decision.mode).ok();
     let h = response.headers_mut();
     if let Some(mode) = mode {
         h.insert("x-kvc-mode", HeaderValue::from_static(mode.as_str()));
@@ -458,6 +498,189 @@ async fn handle(app: &App, api: Api, headers: &HeaderMap, bytes: &[u8]) -> Respo
         h.insert("x-kvc-prefill-worker", HeaderValue::from(p));
     }
     response
+}
+
+/// Reports the outcome of `decision` (logged, never fatal).
+fn report(app: &App, decision_id: u64, request_id: u64, outcome: Outcome, resident_tokens: u64) {
+    if let Err(e) = app.service.report_outcome(&pb::OutcomeReport {
+        decision_id,
+        request_id,
+        outcome: outcome.to_proto(),
+        resident_tokens,
+    }) {
+        tracing::warn!(decision = decision_id, error = %e, "outcome not recorded");
+    }
+}
+
+/// Finds the generated-token count in a streamed answer: the last `data:` line (SSE) or line
+/// of JSON that carries `meta_info.completion_tokens` or `usage.completion_tokens`.
+#[derive(Debug, Default)]
+struct CompletionScan {
+    line: Vec<u8>,
+    overflow: bool,
+    tokens: Option<u64>,
+}
+
+impl CompletionScan {
+    /// Longest line examined; longer ones are skipped.
+    const MAX_LINE: usize = 1 << 20;
+
+    fn feed(&mut self, bytes: &[u8]) {
+        for part in bytes.split_inclusive(|b| *b == b'\n') {
+            if self.line.len() + part.len() > Self::MAX_LINE {
+                self.overflow = true;
+                self.line.clear();
+            } else {
+                self.line.extend_from_slice(part);
+            }
+            if part.ends_with(b"\n") {
+                self.end_line();
+            }
+        }
+    }
+
+    fn end_line(&mut self) {
+        if !self.overflow {
+            let line = self.line.trim_ascii();
+            let json = line.strip_prefix(b"data:").unwrap_or(line).trim_ascii();
+            if let Some(n) = completion_tokens(json) {
+                self.tokens = Some(n);
+            }
+        }
+        self.line.clear();
+        self.overflow = false;
+    }
+
+    fn finish(mut self) -> Option<u64> {
+        self.end_line();
+        self.tokens
+    }
+}
+
+/// The SSE event that ends a client's stream when the worker failed mid-stream.
+fn sse_error_event(message: &str, after_partial_event: bool) -> Bytes {
+    let event = json!({ "error": {
+        "message": message,
+        "type": "worker_error",
+        "code": StatusCode::BAD_GATEWAY.as_u16(),
+    } });
+    let lead = if after_partial_event { "\n\n" } else { "" };
+    Bytes::from(format!("{lead}data: {event}\n\n"))
+}
+
+/// The streaming variant of [`forward`]: P (if any) gets the request as before; D's answer is
+/// relayed to the client as it arrives, and the outcome is reported when it has ended.
+async fn forward_stream(
+    app: &Arc<App>,
+    api: Api,
+    mut body: serde_json::Map<String, Value>,
+    decision: &pb::RouteDecision,
+    request_id: u64,
+    input_length: u64,
+) -> Response {
+    let timeout = app.options.request_timeout;
+    let path = api.path();
+    let decision_id = decision.decision_id;
+    let fail = |response: Response| {
+        report(app, decision_id, request_id, Outcome::WorkerFailed, 0);
+        response
+    };
+    let Some(d) = app.workers.get(WorkerId(decision.decode_worker)).cloned() else {
+        return fail(error_response(
+            StatusCode::BAD_GATEWAY,
+            "worker_error",
+            &format!("worker {} has no HTTP address", decision.decode_worker),
+        ));
+    };
+    let prefill = match decision.prefill_worker {
+        None => None,
+        Some(p_id) => {
+            let Some(p) = app.workers.get(WorkerId(p_id)).cloned() else {
+                return fail(error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "worker_error",
+                    &format!("worker {p_id} has no HTTP address"),
+                ));
+            };
+            body.insert("bootstrap_host".into(), Value::from(p.url.host.clone()));
+            body.insert("bootstrap_port".into(), Value::from(p.bootstrap_port));
+            body.insert("bootstrap_room".into(), Value::from(app.room()));
+            let payload = Value::Object(body.clone()).to_string();
+            Some(tokio::spawn(async move {
+                let r = post_json(&p.url, path, payload.as_bytes(), timeout).await;
+                let ok = is_success(&r);
+                if !ok {
+                    let detail = match &r {
+                        Ok(w) => format!("status {}", w.status),
+                        Err(e) => e.to_string(),
+                    };
+                    tracing::warn!(worker = p_id, %detail, "prefill worker failed");
+                }
+                ok
+            }))
+        }
+    };
+    let payload = Value::Object(body).to_string();
+    let mut ws = match post_streaming(&d.url, path, payload.as_bytes(), timeout).await {
+        Ok(ws) => ws,
+        Err(e) => {
+            if let Some(p) = prefill {
+                p.abort();
+            }
+            return fail(forward_error_response("decode worker", &e));
+        }
+    };
+    let status = StatusCode::from_u16(ws.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = ws
+        .content_type
+        .as_deref()
+        .and_then(|c| HeaderValue::from_str(c).ok())
+        .unwrap_or(HeaderValue::from_static("text/event-stream"));
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
+    let relay_app = Arc::clone(app);
+    tokio::spawn(async move {
+        let app = relay_app;
+        let mut scan = CompletionScan::default();
+        let mut ends_event = true;
+        let relayed = loop {
+            let failure = match tokio::time::timeout(timeout, ws.next_chunk()).await {
+                Ok(Ok(Some(piece))) => {
+                    scan.feed(&piece);
+                    ends_event = piece.ends_with(b"\n\n");
+                    if tx.send(Ok(Bytes::from(piece))).await.is_err() {
+                        tracing::debug!(request = request_id, "client went away mid-stream");
+                        break false;
+                    }
+                    continue;
+                }
+                Ok(Ok(None)) => break true,
+                Ok(Err(e)) => format!("decode worker: {e}"),
+                Err(_) => format!("decode worker: nothing within {timeout:?}"),
+            };
+            tracing::warn!(request = request_id, error = %failure, "stream ended early");
+            let _ = tx.send(Ok(sse_error_event(&failure, !ends_event))).await;
+            break false;
+        };
+        // The client's stream ends here, before P is waited for.
+        drop(tx);
+        let prefill_ok = match prefill {
+            None => true,
+            Some(p) if relayed => matches!(tokio::time::timeout(timeout, p).await, Ok(Ok(true))),
+            Some(p) => {
+                p.abort();
+                false
+            }
+        };
+        let ok = relayed && prefill_ok && status.is_success();
+        let (outcome, resident) = if ok {
+            (Outcome::Ok, input_length + scan.finish().unwrap_or(0))
+        } else {
+            (Outcome::WorkerFailed, 0)
+        };
+        report(&app, decision_id, request_id, outcome, resident);
+    });
+    let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    (status, [(header::CONTENT_TYPE, content_type)], body).into_response()
 }
 
 /// Sends the request where `decision` says; returns D's answer (or the error response) and
@@ -598,6 +821,43 @@ mod tests {
         let rooms: std::collections::HashSet<u64> = (0..1_000).map(|_| app.room()).collect();
         assert_eq!(rooms.len(), 1_000);
         assert!(rooms.iter().all(|r| *r < 1 << 63));
+    }
+
+    #[test]
+    fn completion_tokens_are_found_in_split_sse_events() {
+        let mut scan = CompletionScan::default();
+        scan.feed(b"data: {\"meta_info\": {\"completion_");
+        scan.feed(b"tokens\": 3}}\n\ndata: {\"usage\": {\"completion_tokens\": 5}}\n");
+        scan.feed(b"\ndata: {\"text\": \"no count\"}\n\ndata: [DONE]\n\n");
+        assert_eq!(scan.finish(), Some(5), "the last count seen");
+        let mut scan = CompletionScan::default();
+        scan.feed(b"{\"usage\": {\"completion_tokens\": 7}}");
+        assert_eq!(scan.finish(), Some(7), "a final line without its line end");
+        let mut scan = CompletionScan::default();
+        scan.feed(&vec![b'x'; CompletionScan::MAX_LINE + 1]);
+        scan.feed(b"{\"usage\": {\"completion_tokens\": 9}}\n");
+        assert_eq!(scan.finish(), None, "an over-long line is skipped whole");
+        assert_eq!(CompletionScan::default().finish(), None);
+    }
+
+    #[test]
+    fn sse_error_events_are_well_formed() {
+        let e = sse_error_event("decode worker: gone", false);
+        let text = std::str::from_utf8(&e).unwrap();
+        let json = text
+            .strip_prefix("data: ")
+            .unwrap()
+            .strip_suffix("\n\n")
+            .unwrap();
+        let v: Value = serde_json::from_str(json).unwrap();
+        assert_eq!(v["error"]["message"], "decode worker: gone");
+        assert_eq!(v["error"]["type"], "worker_error");
+        assert_eq!(v["error"]["code"], 502);
+        let after = sse_error_event("x", true);
+        assert!(
+            after.starts_with(b"\n\ndata: "),
+            "a cut event is closed first"
+        );
     }
 
     #[test]

@@ -8,6 +8,99 @@ pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
 /// Output-length hint when `/v1/completions` gives no `max_tokens` (OpenAI's default).
 pub const DEFAULT_MAX_TOKENS: u64 = 16;
 
+/// Output-length hint when `/v1/chat/completions` gives neither `max_completion_tokens` nor
+/// `max_tokens`.
+pub const DEFAULT_CHAT_MAX_TOKENS: u64 = 128;
+
+/// The prompt text of a chat request, for hashing and session inference only (the worker gets
+/// the messages unchanged and applies its own chat template): each message as
+/// `<|role|>\ncontent\n`, in order, then `<|assistant|>\n`. A conversation that grows turn by
+/// turn (previous messages, the assistant's reply, a new user message) therefore extends the
+/// previous turn's text, and its blocks repeat.
+///
+/// ```
+/// use kvc_router::http::chat_prompt;
+///
+/// let turn1 = chat_prompt([("system", "Be brief."), ("user", "Hi")]);
+/// assert_eq!(turn1, "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n");
+/// let turn2 = chat_prompt([
+///     ("system", "Be brief."),
+///     ("user", "Hi"),
+///     ("assistant", "Hello."),
+///     ("user", "Bye"),
+/// ]);
+/// assert!(turn2.starts_with(&turn1));
+/// ```
+pub fn chat_prompt<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut text = String::new();
+    for (role, content) in messages {
+        text.push_str("<|");
+        text.push_str(role);
+        text.push_str("|>\n");
+        text.push_str(content);
+        text.push('\n');
+    }
+    text.push_str("<|assistant|>\n");
+    text
+}
+
+/// The text of a chat message's `content`: a string, `null` (empty), or an array of parts whose
+/// `text` parts are concatenated (other parts, e.g. images, add no text).
+fn message_text(content: Option<&Value>, index: usize) -> Result<String, String> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                let Value::Object(part) = part else {
+                    return Err(format!("`messages[{index}].content` parts must be objects"));
+                };
+                if part.get("type").and_then(Value::as_str) == Some("text") {
+                    match part.get("text") {
+                        Some(Value::String(t)) => text.push_str(t),
+                        _ => {
+                            return Err(format!(
+                                "`messages[{index}].content`: a text part needs a string `text`"
+                            ));
+                        }
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(format!(
+            "`messages[{index}].content` must be a string, an array of parts or null"
+        )),
+    }
+}
+
+fn chat_messages(body: &Map<String, Value>) -> Result<String, String> {
+    let Some(messages) = body.get("messages") else {
+        return Err("missing `messages`".to_owned());
+    };
+    let Value::Array(messages) = messages else {
+        return Err("`messages` must be an array".to_owned());
+    };
+    if messages.is_empty() {
+        return Err("`messages` is empty".to_owned());
+    }
+    let mut pairs = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let Value::Object(m) = m else {
+            return Err(format!("`messages[{i}]` must be an object"));
+        };
+        let role = match m.get("role") {
+            Some(Value::String(r)) if !r.is_empty() => r.clone(),
+            _ => return Err(format!("`messages[{i}].role` must be a non-empty string")),
+        };
+        pairs.push((role, message_text(m.get("content"), i)?));
+    }
+    Ok(chat_prompt(
+        pairs.iter().map(|(r, c)| (r.as_str(), c.as_str())),
+    ))
+}
+
 /// The prompt of a request: token ids, or text to tokenize.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Prompt {
@@ -23,6 +116,8 @@ pub(crate) struct ClientRequest {
     pub(crate) output_hint: u64,
     /// SGLang `session_params.id`, as text.
     pub(crate) session_key: Option<String>,
+    /// `stream: true`: the answer is relayed as it arrives.
+    pub(crate) stream: bool,
 }
 
 /// Which API a request came through.
@@ -32,6 +127,8 @@ pub(crate) enum Api {
     Generate,
     /// OpenAI `POST /v1/completions`.
     Completions,
+    /// OpenAI `POST /v1/chat/completions`.
+    ChatCompletions,
 }
 
 impl Api {
@@ -39,6 +136,7 @@ impl Api {
         match self {
             Api::Generate => "/generate",
             Api::Completions => "/v1/completions",
+            Api::ChatCompletions => "/v1/chat/completions",
         }
     }
 }
@@ -80,10 +178,10 @@ fn optional_u64(obj: &Map<String, Value>, field: &str, what: &str) -> Result<Opt
     }
 }
 
-fn reject_stream(obj: &Map<String, Value>) -> Result<(), String> {
+fn stream_flag(obj: &Map<String, Value>) -> Result<bool, String> {
     match obj.get("stream") {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
-        Some(Value::Bool(true)) => Err("`stream: true` is not supported yet".to_owned()),
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
         Some(_) => Err("`stream` must be a boolean".to_owned()),
     }
 }
@@ -95,7 +193,7 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
     let Value::Object(body) = value else {
         return Err("the body must be a JSON object".to_owned());
     };
-    reject_stream(&body)?;
+    let stream = stream_flag(&body)?;
     match api {
         Api::Generate => {
             let prompt = match (body.get("input_ids"), body.get("text")) {
@@ -139,6 +237,7 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
                 prompt,
                 output_hint,
                 session_key,
+                stream,
                 body,
             })
         }
@@ -153,6 +252,23 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
                 prompt,
                 output_hint,
                 session_key: None,
+                stream,
+                body,
+            })
+        }
+        Api::ChatCompletions => {
+            let prompt = Prompt::Text(chat_messages(&body)?);
+            let output_hint =
+                match optional_u64(&body, "max_completion_tokens", "max_completion_tokens")? {
+                    Some(n) => n,
+                    None => optional_u64(&body, "max_tokens", "max_tokens")?
+                        .unwrap_or(DEFAULT_CHAT_MAX_TOKENS),
+                };
+            Ok(ClientRequest {
+                prompt,
+                output_hint,
+                session_key: None,
+                stream,
                 body,
             })
         }
@@ -182,6 +298,15 @@ mod tests {
         assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
         assert_eq!(r.output_hint, DEFAULT_MAX_NEW_TOKENS);
         assert_eq!(r.session_key.as_deref(), Some("42"));
+        assert!(!r.stream);
+        let r = parse(Api::Generate, br#"{"text":"a","stream":true}"#).unwrap();
+        assert!(r.stream);
+        let r = parse(
+            Api::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"q"}],"stream":true}"#,
+        )
+        .unwrap();
+        assert!(r.stream);
     }
 
     #[test]
@@ -200,6 +325,67 @@ mod tests {
     }
 
     #[test]
+    fn chat_bodies() {
+        let r = parse(
+            Api::ChatCompletions,
+            br#"{"model":"m","messages":[{"role":"system","content":"S"},
+                {"role":"user","content":[{"type":"text","text":"a "},
+                {"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]},
+                {"role":"assistant","content":null}],"max_tokens":9}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.prompt,
+            Prompt::Text("<|system|>\nS\n<|user|>\na b\n<|assistant|>\n\n<|assistant|>\n".into())
+        );
+        assert_eq!(r.output_hint, 9);
+        assert_eq!(r.session_key, None);
+        let r = parse(
+            Api::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"q"}],"max_tokens":9,"max_completion_tokens":4}"#,
+        )
+        .unwrap();
+        assert_eq!(r.output_hint, 4, "max_completion_tokens wins");
+        let r = parse(
+            Api::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"q"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.output_hint, DEFAULT_CHAT_MAX_TOKENS);
+    }
+
+    #[test]
+    fn malformed_chat_bodies_are_rejected_with_a_reason() {
+        let cases: [(&[u8], &str); 8] = [
+            (br#"{"prompt":"a"}"#, "missing `messages`"),
+            (br#"{"messages":"a"}"#, "must be an array"),
+            (br#"{"messages":[]}"#, "empty"),
+            (br#"{"messages":[1]}"#, "`messages[0]` must be an object"),
+            (br#"{"messages":[{"content":"a"}]}"#, "`messages[0].role`"),
+            (
+                br#"{"messages":[{"role":"user","content":"a"},{"role":"user","content":5}]}"#,
+                "`messages[1].content`",
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":[{"type":"text"}]}]}"#,
+                "text part",
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":"a"}],"max_completion_tokens":-1}"#,
+                "max_completion_tokens",
+            ),
+        ];
+        for (body, want) in cases {
+            let err = parse(Api::ChatCompletions, body).unwrap_err();
+            assert!(
+                err.contains(want),
+                "{}: {err}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
     fn malformed_bodies_are_rejected_with_a_reason() {
         let cases: [(Api, &[u8], &str); 12] = [
             (Api::Generate, b"{", "invalid JSON"),
@@ -215,8 +401,8 @@ mod tests {
             (Api::Generate, br#"{"input_ids":[-1]}"#, "token ids"),
             (
                 Api::Generate,
-                br#"{"text":"a","stream":true}"#,
-                "not supported",
+                br#"{"text":"a","stream":"yes"}"#,
+                "must be a boolean",
             ),
             (
                 Api::Generate,
