@@ -26,12 +26,14 @@ pub(crate) struct Args {
     pub(crate) quiet: bool,
 }
 
-/// The demo's configurations: the colocated baseline, the study's KVC baseline and its fix.
+/// The demo's configurations: the colocated baseline, the study's KVC baseline, its fix, and
+/// kvc's default policy.
 pub(crate) fn demo_configs() -> Result<Vec<(String, SimConfig)>> {
     let runs = [
         ("4dp", "cache-aware"),
         ("1p3d", "kv-aware-v0"),
         ("1p3d", "kvc-v2"),
+        ("1p3d", "kvc"),
     ];
     runs.iter()
         .map(|(t, p)| {
