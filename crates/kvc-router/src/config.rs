@@ -68,6 +68,9 @@ pub struct RouterConfig {
     /// HTTP data-plane listen address (see [`crate::http`]); `None` (the default) serves no
     /// HTTP front. Port 0 picks a free port.
     pub http_listen: Option<SocketAddr>,
+    /// Resilience of the HTTP data plane (the `[http]` table): timeouts, retries, circuit
+    /// breakers, health checks.
+    pub http: HttpConfig,
     /// The workers.
     pub workers: Vec<WorkerConfig>,
     /// Each worker's HTTP endpoint for the data plane, by worker id. In TOML these are the
@@ -101,6 +104,7 @@ impl Default for RouterConfig {
             max_pending_decisions: 100_000,
             shutdown_grace_ms: 5_000,
             http_listen: None,
+            http: HttpConfig::default(),
             workers: Vec::new(),
             worker_http: BTreeMap::new(),
         }
@@ -124,6 +128,7 @@ struct RawRouterConfig {
     max_message_bytes: usize,
     max_pending_decisions: usize,
     shutdown_grace_ms: u64,
+    http: HttpConfig,
     workers: Vec<RawWorkerConfig>,
 }
 
@@ -198,6 +203,7 @@ impl TryFrom<RawRouterConfig> for RouterConfig {
             max_pending_decisions: raw.max_pending_decisions,
             shutdown_grace_ms: raw.shutdown_grace_ms,
             http_listen: raw.http_listen,
+            http: raw.http,
             workers,
             worker_http,
         })
@@ -220,6 +226,7 @@ impl From<RouterConfig> for RawRouterConfig {
             max_message_bytes: cfg.max_message_bytes,
             max_pending_decisions: cfg.max_pending_decisions,
             shutdown_grace_ms: cfg.shutdown_grace_ms,
+            http: cfg.http,
             workers: cfg
                 .workers
                 .into_iter()
@@ -238,6 +245,96 @@ impl From<RouterConfig> for RawRouterConfig {
                 })
                 .collect(),
         }
+    }
+}
+
+/// Resilience of the HTTP data plane: the `[http]` table (see [`crate::http`] for what each
+/// knob does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Deadline of each call to a worker (a streamed answer: its head, then each wait for
+    /// more). Default 300,000 ms.
+    pub request_timeout_ms: u64,
+    /// Times a request that failed before any byte reached the client is routed and
+    /// forwarded again. Default 2.
+    pub max_retries: u32,
+    /// Wait before the first retry, doubled for each further one, with jitter. Default 25 ms.
+    pub retry_backoff_ms: u64,
+    /// Consecutive failures that open a worker's circuit breaker; 0 disables the breakers.
+    /// Default 3.
+    pub breaker_failures: u32,
+    /// First cool-down of an open breaker, doubled on each re-opening. Default 1,000 ms.
+    pub breaker_cooldown_ms: u64,
+    /// Longest cool-down. Default 30,000 ms.
+    pub breaker_max_cooldown_ms: u64,
+    /// How often each worker's `GET /health` is checked; 0 disables the checks. Default
+    /// 5,000 ms.
+    pub health_check_interval_ms: u64,
+    /// Deadline of one health check. Default 1,000 ms.
+    pub health_check_timeout_ms: u64,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            request_timeout_ms: 300_000,
+            max_retries: 2,
+            retry_backoff_ms: 25,
+            breaker_failures: 3,
+            breaker_cooldown_ms: 1_000,
+            breaker_max_cooldown_ms: 30_000,
+            health_check_interval_ms: 5_000,
+            health_check_timeout_ms: 1_000,
+        }
+    }
+}
+
+impl HttpConfig {
+    /// Largest `max-retries` accepted.
+    pub const MAX_RETRIES: u32 = 10;
+
+    /// These settings as [`crate::http::HttpOptions`] (the other options at their defaults).
+    pub fn options(&self) -> crate::http::HttpOptions {
+        use std::time::Duration;
+        crate::http::HttpOptions {
+            request_timeout: Duration::from_millis(self.request_timeout_ms),
+            max_retries: self.max_retries,
+            retry_backoff: Duration::from_millis(self.retry_backoff_ms),
+            breaker: crate::http::BreakerOptions {
+                failure_threshold: self.breaker_failures,
+                cooldown: Duration::from_millis(self.breaker_cooldown_ms),
+                max_cooldown: Duration::from_millis(self.breaker_max_cooldown_ms),
+            },
+            health_check_interval: (self.health_check_interval_ms > 0)
+                .then(|| Duration::from_millis(self.health_check_interval_ms)),
+            health_check_timeout: Duration::from_millis(self.health_check_timeout_ms),
+            ..crate::http::HttpOptions::default()
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("http.request-timeout-ms", self.request_timeout_ms),
+            ("http.health-check-timeout-ms", self.health_check_timeout_ms),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(ConfigError::Invalid(format!("{name} must be positive")));
+            }
+        }
+        if self.max_retries > Self::MAX_RETRIES {
+            return Err(ConfigError::Invalid(format!(
+                "http.max-retries must be at most {}",
+                Self::MAX_RETRIES
+            )));
+        }
+        if self.breaker_max_cooldown_ms < self.breaker_cooldown_ms {
+            return Err(ConfigError::Invalid(
+                "http.breaker-max-cooldown-ms must be at least http.breaker-cooldown-ms".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -334,6 +431,7 @@ impl RouterConfig {
                 return Err(ConfigError::Invalid(format!("{name} must be positive")));
             }
         }
+        self.http.validate()?;
         let mut seen = HashSet::new();
         for w in &self.workers {
             if w.id as usize >= MAX_WORKERS {
@@ -413,6 +511,8 @@ mod tests {
             cfg.http_listen,
             Some(SocketAddr::from(([127, 0, 0, 1], 8000)))
         );
+        assert_eq!(cfg.http, HttpConfig::default());
+        assert_eq!(cfg.http.options().max_retries, 2);
         assert_eq!(cfg.worker_http.len(), 3);
         assert_eq!(cfg.worker_http[&0].bootstrap_port, Some(8998));
         assert_eq!(cfg.worker_http[&1].url, "http://127.0.0.1:30001");
@@ -462,6 +562,54 @@ mod tests {
             },
         );
         assert!(cfg.validate().unwrap_err().to_string().contains("worker 7"));
+    }
+
+    #[test]
+    fn the_http_table_is_parsed_and_validated() {
+        let cfg = RouterConfig::from_toml_str(
+            "[http]\nmax-retries = 1\nbreaker-failures = 0\nhealth-check-interval-ms = 0\n\
+             request-timeout-ms = 700\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.http.max_retries, 1);
+        assert_eq!(
+            cfg.http.retry_backoff_ms, 25,
+            "absent keys take their defaults"
+        );
+        let o = cfg.http.options();
+        assert_eq!(o.max_retries, 1);
+        assert_eq!(o.breaker.failure_threshold, 0);
+        assert_eq!(o.health_check_interval, None);
+        assert_eq!(o.request_timeout, std::time::Duration::from_millis(700));
+        assert_eq!(o.session_header, "x-session-id");
+        let defaults = HttpConfig::default().options();
+        assert_eq!(
+            defaults.health_check_interval,
+            Some(std::time::Duration::from_secs(5))
+        );
+        assert_eq!(defaults.breaker, crate::http::BreakerOptions::default());
+        for (text, key) in [
+            ("[http]\nrequest-timeout-ms = 0\n", "request-timeout-ms"),
+            (
+                "[http]\nhealth-check-timeout-ms = 0\n",
+                "health-check-timeout-ms",
+            ),
+            ("[http]\nmax-retries = 11\n", "max-retries"),
+            (
+                "[http]\nbreaker-cooldown-ms = 10\nbreaker-max-cooldown-ms = 5\n",
+                "breaker-max-cooldown-ms",
+            ),
+        ] {
+            let err = RouterConfig::from_toml_str(text).unwrap_err();
+            assert!(
+                matches!(err, ConfigError::Invalid(ref m) if m.contains(key)),
+                "{text}: {err}"
+            );
+        }
+        assert!(matches!(
+            RouterConfig::from_toml_str("[http]\nretries = 1\n"),
+            Err(ConfigError::Parse(_))
+        ));
     }
 
     #[test]

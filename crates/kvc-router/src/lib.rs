@@ -135,7 +135,7 @@ mod service;
 pub mod sessions;
 mod workers;
 
-pub use config::{RouterConfig, SessionLimits, WorkerConfig, WorkerHttpConfig};
+pub use config::{HttpConfig, RouterConfig, SessionLimits, WorkerConfig, WorkerHttpConfig};
 pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::{LocalWorker, RouterGrpc};
 pub use server::{

@@ -22,10 +22,16 @@
 //! | `kvc_router_worker_in_flight` | gauge | `worker`, `name`, `role` |
 //! | `kvc_router_worker_state_age_seconds` | gauge | `worker`, `name`, `role` (staleness) |
 //! | `kvc_router_worker_health` | gauge | `worker`, `name`, `role`, `health` (1 for the current health) |
+//! | `kvc_router_http_breaker_state` | gauge | `worker`, `state` (`closed`, `open`, `half-open`; 1 for the current state of each worker the HTTP front forwarded to or checked) |
+//! | `kvc_router_http_breaker_transitions_total` | counter | `to` (the state entered) |
+//! | `kvc_router_http_retries_total` | counter | — (requests forwarded again after a failure before any byte reached the client) |
+//! | `kvc_router_http_health_checks_total` | counter | `result` (`ok`, `failed`) |
 
+use crate::http::BreakerState;
 use kvc_core::{ExecutionMode, FallThroughReason, Health, Outcome, StableName, WorkerRole};
 use kvc_core::{WorkerId, WorkerState};
 use parking_lot::Mutex;
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -169,6 +175,10 @@ pub struct Metrics {
     forgotten_expired: AtomicU64,
     forgotten_evicted: AtomicU64,
     pending_dropped: AtomicU64,
+    breaker_states: Mutex<BTreeMap<u32, BreakerState>>,
+    breaker_transitions: [AtomicU64; 3],
+    http_retries: AtomicU64,
+    health_checks: [AtomicU64; 2],
 }
 
 impl Default for Metrics {
@@ -210,6 +220,10 @@ impl Metrics {
             forgotten_expired: AtomicU64::new(0),
             forgotten_evicted: AtomicU64::new(0),
             pending_dropped: AtomicU64::new(0),
+            breaker_states: Mutex::new(BTreeMap::new()),
+            breaker_transitions: Default::default(),
+            http_retries: AtomicU64::new(0),
+            health_checks: Default::default(),
         }
     }
 
@@ -297,6 +311,47 @@ impl Metrics {
     /// Counts pending decisions dropped unreported.
     pub fn record_pending_dropped(&self, n: u64) {
         self.pending_dropped.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Sets `worker`'s circuit-breaker state; a change of state is counted as a transition.
+    pub fn record_breaker_state(&self, worker: WorkerId, state: BreakerState) {
+        let previous = self.breaker_states.lock().insert(worker.0, state);
+        if previous.is_some_and(|p| p != state)
+            || (previous.is_none() && state != BreakerState::Closed)
+        {
+            self.breaker_transitions[state.index()].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// `worker`'s circuit-breaker state as last recorded (`None` before the HTTP front
+    /// forwarded to or checked it).
+    pub fn breaker_state(&self, worker: WorkerId) -> Option<BreakerState> {
+        self.breaker_states.lock().get(&worker.0).copied()
+    }
+
+    /// Circuit-breaker transitions into `state` so far.
+    pub fn breaker_transitions(&self, state: BreakerState) -> u64 {
+        self.breaker_transitions[state.index()].load(Ordering::Relaxed)
+    }
+
+    /// Counts one HTTP request forwarded again after a failure.
+    pub fn record_http_retry(&self) {
+        self.http_retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// HTTP requests forwarded again after a failure so far.
+    pub fn http_retries(&self) -> u64 {
+        self.http_retries.load(Ordering::Relaxed)
+    }
+
+    /// Counts one active health check of a worker's `/health`.
+    pub fn record_health_check(&self, ok: bool) {
+        self.health_checks[usize::from(!ok)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Active health checks so far that succeeded (`ok`) or failed.
+    pub fn health_checks(&self, ok: bool) -> u64 {
+        self.health_checks[usize::from(!ok)].load(Ordering::Relaxed)
     }
 
     /// The Prometheus text exposition (format 0.0.4) of every metric.
@@ -475,6 +530,61 @@ impl Metrics {
             "kvc_router_pending_dropped_total {}",
             self.pending_dropped.load(Ordering::Relaxed)
         );
+
+        header(
+            o,
+            "kvc_router_http_breaker_state",
+            "gauge",
+            "Circuit-breaker state of each worker the HTTP front has used (1 for the current state).",
+        );
+        for (worker, current) in self.breaker_states.lock().iter() {
+            for state in BreakerState::ALL {
+                let v = u8::from(state == *current);
+                let _ = writeln!(
+                    o,
+                    "kvc_router_http_breaker_state{{worker=\"{worker}\",state=\"{}\"}} {v}",
+                    state.as_str()
+                );
+            }
+        }
+        header(
+            o,
+            "kvc_router_http_breaker_transitions_total",
+            "counter",
+            "Circuit-breaker transitions, by the state entered.",
+        );
+        for state in BreakerState::ALL {
+            let v = self.breaker_transitions[state.index()].load(Ordering::Relaxed);
+            let _ = writeln!(
+                o,
+                "kvc_router_http_breaker_transitions_total{{to=\"{}\"}} {v}",
+                state.as_str()
+            );
+        }
+        header(
+            o,
+            "kvc_router_http_retries_total",
+            "counter",
+            "HTTP requests forwarded again after a failure before any byte reached the client.",
+        );
+        let _ = writeln!(
+            o,
+            "kvc_router_http_retries_total {}",
+            self.http_retries.load(Ordering::Relaxed)
+        );
+        header(
+            o,
+            "kvc_router_http_health_checks_total",
+            "counter",
+            "Active health checks of the workers' /health, by result.",
+        );
+        for (i, result) in ["ok", "failed"].iter().enumerate() {
+            let v = self.health_checks[i].load(Ordering::Relaxed);
+            let _ = writeln!(
+                o,
+                "kvc_router_http_health_checks_total{{result=\"{result}\"}} {v}"
+            );
+        }
 
         worker_gauges(o, &gauges.workers);
         out

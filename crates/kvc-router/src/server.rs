@@ -210,7 +210,11 @@ pub async fn serve_service(
 
     let http = http.map(|(listener, _, workers)| {
         let stop = stop.clone();
-        let app = crate::http::http_app(Arc::clone(&service), workers);
+        let app = crate::http::http_app_with(
+            Arc::clone(&service),
+            workers,
+            service.config().http.options(),
+        );
         tokio::spawn(async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(stop.cancelled_owned())

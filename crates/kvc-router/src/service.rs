@@ -183,6 +183,26 @@ impl RouterService {
         self.workers.iter().map(|w| w.view_at(now)).collect()
     }
 
+    /// Takes `worker` out of rotation (`down`), or returns it to what its state says: while
+    /// down its health is [`kvc_core::Health::Down`] in [`RouterService::worker_views`], the
+    /// metrics and every routing decision, so no policy picks it. The HTTP front's circuit
+    /// breaker sets this. Returns `false` for an unknown worker.
+    pub fn set_http_down(&self, worker: WorkerId, down: bool) -> bool {
+        match self.entry(worker.0) {
+            Some(e) => {
+                e.http_down.store(down, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether `worker` was taken out of rotation with [`RouterService::set_http_down`].
+    pub fn is_http_down(&self, worker: WorkerId) -> bool {
+        self.entry(worker.0)
+            .is_some_and(|e| e.http_down.load(Ordering::Relaxed))
+    }
+
     /// Drops sessions idle longer than the TTL (also done on every `Route`).
     pub fn expire_sessions(&self) {
         let now = self.now_ms();
@@ -331,8 +351,19 @@ impl RouterService {
     /// a prefill worker. The decision is applied to the router state and remembered under its
     /// decision id until [`RouterService::report_outcome`].
     pub fn route(&self, req: &pb::RouteRequest) -> Result<pb::RouteDecision, RequestError> {
+        self.route_excluding(req, &[])
+    }
+
+    /// [`RouterService::route`] with the workers in `exclude` treated as down for this one
+    /// decision (a request re-routed after those workers failed it). `UNAVAILABLE` when no
+    /// other worker can take it.
+    pub fn route_excluding(
+        &self,
+        req: &pb::RouteRequest,
+        exclude: &[WorkerId],
+    ) -> Result<pb::RouteDecision, RequestError> {
         let started = Instant::now();
-        let result = self.route_inner(req);
+        let result = self.route_inner(req, exclude);
         match &result {
             Ok(d) => {
                 let mode = kvc_core::ExecutionMode::from_proto(d.mode).ok();
@@ -349,7 +380,11 @@ impl RouterService {
         result
     }
 
-    fn route_inner(&self, req: &pb::RouteRequest) -> Result<pb::RouteDecision, RequestError> {
+    fn route_inner(
+        &self,
+        req: &pb::RouteRequest,
+        exclude: &[WorkerId],
+    ) -> Result<pb::RouteDecision, RequestError> {
         self.validate_route(req)?;
         let hash_ids: Vec<BlockHash> = req.hash_ids.iter().copied().map(BlockHash).collect();
         let session = req.session_id.map(SessionId);
@@ -365,7 +400,12 @@ impl RouterService {
         // again; the policy counts that reject and answers with a P->D path.
         rreq.rejected_by = req.rejected_by.map(WorkerId);
         let now = self.now_ms();
-        let views: Vec<WorkerView> = self.workers.iter().map(|w| w.view_at(now)).collect();
+        let mut views: Vec<WorkerView> = self.workers.iter().map(|w| w.view_at(now)).collect();
+        for v in &mut views {
+            if exclude.contains(&v.id) {
+                v.state.health = kvc_core::Health::Down;
+            }
+        }
         let cluster = ClusterView::new(now, &views);
         let policy = &self.config.policy;
 

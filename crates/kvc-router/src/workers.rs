@@ -65,6 +65,8 @@ pub(crate) struct WorkerEntry {
     address: Option<String>,
     client: OnceLock<pb::worker_client::WorkerClient<Channel>>,
     live: RwLock<Live>,
+    /// Out of rotation by the HTTP front's circuit breaker (overrides any other health).
+    pub(crate) http_down: std::sync::atomic::AtomicBool,
     stale_after_ms: u64,
     rpc_timeout: Duration,
 }
@@ -105,6 +107,7 @@ impl WorkerEntry {
                 failing: false,
                 reported: Health::Healthy,
             }),
+            http_down: std::sync::atomic::AtomicBool::new(false),
             stale_after_ms,
             rpc_timeout,
         }
@@ -129,6 +132,9 @@ impl WorkerEntry {
                     live.reported
                 };
             }
+        }
+        if self.http_down.load(std::sync::atomic::Ordering::Relaxed) {
+            s.health = Health::Down;
         }
         s
     }

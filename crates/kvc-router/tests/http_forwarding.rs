@@ -18,10 +18,27 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// A loopback address nobody listens on (connections are refused).
+fn dead_addr() -> SocketAddr {
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = dead.local_addr().unwrap();
+    drop(dead);
+    addr
+}
+
+/// No retries, no circuit breakers, no health checks: every failure reaches the client.
+fn without_resilience(o: &mut HttpOptions) {
+    o.max_retries = 0;
+    o.breaker.failure_threshold = 0;
+    o.health_check_interval = None;
+}
+
 /// What a mock worker does with a request.
 #[derive(Clone, Copy, PartialEq)]
 enum Behaviour {
     Answer,
+    /// Like `Answer`, but a streamed answer is not held back after its first event.
+    Flow,
     Fail,
     Stall,
     /// A streamed answer that breaks off after two events.
@@ -32,6 +49,8 @@ struct Mock {
     name: String,
     received: Mutex<Vec<(String, Value)>>,
     behaviour: Mutex<Behaviour>,
+    /// What its `GET /health` answers: 200 while up, else 503.
+    up: std::sync::atomic::AtomicBool,
     /// A streamed answer waits here after its first event.
     gate: tokio::sync::Notify,
 }
@@ -73,7 +92,7 @@ async fn mock_handler(
                 .into_response();
         }
         Behaviour::Stall => tokio::time::sleep(Duration::from_secs(3)).await,
-        Behaviour::Answer | Behaviour::DieMidStream => {}
+        Behaviour::Answer | Behaviour::Flow | Behaviour::DieMidStream => {}
     }
     if stream {
         let events = stream_events(&m.name, uri.path());
@@ -123,17 +142,27 @@ async fn mock_handler(
         .into_response()
 }
 
+async fn mock_health(State(m): State<Arc<Mock>>) -> StatusCode {
+    if m.up.load(std::sync::atomic::Ordering::SeqCst) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
 async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
     let mock = Arc::new(Mock {
         name: name.to_owned(),
         received: Mutex::new(Vec::new()),
         behaviour: Mutex::new(Behaviour::Answer),
+        up: std::sync::atomic::AtomicBool::new(true),
         gate: tokio::sync::Notify::new(),
     });
     let app = axum::Router::new()
         .route("/generate", post(mock_handler))
         .route("/v1/completions", post(mock_handler))
         .route("/v1/chat/completions", post(mock_handler))
+        .route("/health", axum::routing::get(mock_health))
         .with_state(mock.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -567,14 +596,14 @@ async fn failed_prefill_is_reported_and_the_next_turn_is_not_direct() {
 
 #[tokio::test]
 async fn failing_stalled_and_dead_decode_workers_give_json_errors() {
-    let s = Setup::start_with(|w| {
-        // Worker 2 points at a port nobody listens on.
-        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = dead.local_addr().unwrap();
-        drop(dead);
-        w.insert(WorkerId(2), &format!("http://{addr}"), None)
-            .unwrap();
-    })
+    let s = Setup::start_full(
+        |w| {
+            // Worker 2 points at a port nobody listens on.
+            w.insert(WorkerId(2), &format!("http://{}", dead_addr()), None)
+                .unwrap();
+        },
+        without_resilience,
+    )
     .await;
     *s.mocks[1].behaviour.lock() = Behaviour::Fail;
     let mut seen: HashMap<&str, u32> = HashMap::new();
@@ -822,15 +851,15 @@ async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
 
 #[tokio::test]
 async fn a_stream_to_a_dead_decode_worker_gets_a_json_error() {
-    let s = Setup::start_with(|w| {
-        for id in [1, 2] {
-            let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let addr = dead.local_addr().unwrap();
-            drop(dead);
-            w.insert(WorkerId(id), &format!("http://{addr}"), None)
-                .unwrap();
-        }
-    })
+    let s = Setup::start_full(
+        |w| {
+            for id in [1, 2] {
+                w.insert(WorkerId(id), &format!("http://{}", dead_addr()), None)
+                    .unwrap();
+            }
+        },
+        without_resilience,
+    )
     .await;
     let body = json!({"text": "a b c", "stream": true}).to_string();
     let r = s.post("/generate", &[], &body).await;
@@ -838,4 +867,237 @@ async fn a_stream_to_a_dead_decode_worker_gets_a_json_error() {
     assert_eq!(r.body["error"]["type"], "worker_error");
     assert_eq!(s.cluster.service().pending_decisions(), 0);
     assert_eq!(outcomes(&s, "worker-failed"), 1.0);
+}
+
+/// The front's metrics (the service's exposition) as samples.
+fn metric(s: &Setup, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let samples = common::parse_prometheus(&s.cluster.service().render_metrics());
+    common::value(&samples, name, labels)
+}
+
+#[tokio::test]
+async fn a_refused_decode_worker_is_retried_on_the_other_and_its_breaker_opens() {
+    let s = Setup::start_full(
+        |w| {
+            w.insert(WorkerId(2), &format!("http://{}", dead_addr()), None)
+                .unwrap();
+        },
+        |o| {
+            o.max_retries = 2;
+            o.retry_backoff = Duration::from_millis(2);
+            o.breaker.failure_threshold = 1;
+            o.health_check_interval = None;
+        },
+    )
+    .await;
+    let service = s.cluster.service().clone();
+    let mut requests = 0.0;
+    // Distinct sessions until one was first routed to the dead worker (bounded).
+    for i in 0..32u32 {
+        let key = format!("r{i}");
+        let r = s
+            .post(
+                "/generate",
+                &[("x-session-id", key.as_str())],
+                &generate_body(i * 1_000..i * 1_000 + 600),
+            )
+            .await;
+        requests += 1.0;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.headers["x-kvc-decode-worker"], "1");
+        assert_eq!(r.body["text"], "answer from d1");
+        if service.metrics().http_retries() > 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        service.metrics().http_retries(),
+        1,
+        "the dead worker was tried once"
+    );
+    assert_eq!(metric(&s, "kvc_router_http_retries_total", &[]), 1.0);
+    // One failure opened its breaker: out of rotation, nothing more is sent its way.
+    assert!(service.is_http_down(WorkerId(2)));
+    assert_eq!(
+        service.metrics().breaker_state(WorkerId(2)),
+        Some(kvc_router::http::BreakerState::Open)
+    );
+    assert_eq!(
+        metric(
+            &s,
+            "kvc_router_http_breaker_state",
+            &[("worker", "2"), ("state", "open")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &s,
+            "kvc_router_http_breaker_transitions_total",
+            &[("to", "open")]
+        ),
+        1.0
+    );
+    let views = service.worker_views();
+    assert_eq!(views[2].state.health, Health::Down);
+    assert_eq!(views[1].state.health, Health::Healthy);
+    for i in 100..104u32 {
+        let key = format!("r{i}");
+        let r = s
+            .post(
+                "/generate",
+                &[("x-session-id", key.as_str())],
+                &generate_body(i * 1_000..i * 1_000 + 600),
+            )
+            .await;
+        requests += 1.0;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.headers["x-kvc-decode-worker"], "1");
+    }
+    assert_eq!(service.metrics().http_retries(), 1);
+    // The failed decision and every answered one are reported.
+    assert_eq!(service.pending_decisions(), 0);
+    assert_eq!(outcomes(&s, "worker-failed"), 1.0);
+    assert_eq!(outcomes(&s, "ok"), requests);
+}
+
+#[tokio::test]
+async fn retries_stop_at_the_limit_and_the_last_failure_is_answered() {
+    let s = Setup::start_full(
+        |w| {
+            for id in [1, 2] {
+                w.insert(WorkerId(id), &format!("http://{}", dead_addr()), None)
+                    .unwrap();
+            }
+        },
+        |o| {
+            o.max_retries = 1;
+            o.retry_backoff = Duration::from_millis(2);
+            o.breaker.failure_threshold = 0;
+            o.health_check_interval = None;
+        },
+    )
+    .await;
+    let r = s.post("/generate", &[], &generate_body(0..600)).await;
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert_eq!(r.body["error"]["type"], "worker_error");
+    // The first attempt and one retry, each reported.
+    assert_eq!(s.cluster.service().metrics().http_retries(), 1);
+    assert_eq!(outcomes(&s, "worker-failed"), 2.0);
+    assert_eq!(s.cluster.service().pending_decisions(), 0);
+}
+
+#[tokio::test]
+async fn a_stream_is_retried_on_another_decode_worker_before_any_byte() {
+    let s = Setup::start_full(
+        |w| {
+            w.insert(WorkerId(2), &format!("http://{}", dead_addr()), None)
+                .unwrap();
+        },
+        |o| {
+            o.max_retries = 2;
+            o.retry_backoff = Duration::from_millis(2);
+            // No breaker: the dead worker stays in rotation, every pick of it is retried.
+            o.breaker.failure_threshold = 0;
+            o.health_check_interval = None;
+        },
+    )
+    .await;
+    for m in &s.mocks {
+        *m.behaviour.lock() = Behaviour::Flow;
+    }
+    let metrics = || s.cluster.service().metrics().http_retries();
+    let mut requests = 0.0;
+    for i in 0..32u32 {
+        let body = json!({"input_ids": ids(i * 1_000..i * 1_000 + 600),
+                          "session_params": {"id": format!("st{i}")}, "stream": true});
+        let mut ws = open_stream(&s, "/generate", &body).await;
+        requests += 1.0;
+        assert_eq!(ws.status, 200);
+        let text = read_all(&mut ws).await;
+        assert!(
+            text.contains("d1 tok2") && text.ends_with("data: [DONE]\n\n"),
+            "{text}"
+        );
+        settle(&s).await;
+        if metrics() > 0 {
+            break;
+        }
+    }
+    let retries = metrics() as f64;
+    assert!(retries >= 1.0, "the dead worker was never picked");
+    assert_eq!(outcomes(&s, "worker-failed"), retries);
+    assert_eq!(outcomes(&s, "ok"), requests);
+}
+
+#[tokio::test]
+async fn health_checks_open_the_breaker_and_recovery_closes_it() {
+    use kvc_router::http::BreakerState;
+    let s = Setup::start_full(
+        |_| {},
+        |o| {
+            o.max_retries = 0;
+            o.breaker.failure_threshold = 2;
+            o.breaker.cooldown = Duration::from_millis(10);
+            o.health_check_interval = Some(Duration::from_millis(20));
+            o.health_check_timeout = Duration::from_millis(300);
+        },
+    )
+    .await;
+    let service = s.cluster.service().clone();
+    let w2 = WorkerId(2);
+    s.mocks[2]
+        .up
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let mut opened = false;
+    for _ in 0..200 {
+        if service.metrics().breaker_state(w2) == Some(BreakerState::Open) {
+            opened = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(opened, "failing health checks never opened the breaker");
+    assert!(service.is_http_down(w2));
+    assert!(service.metrics().health_checks(false) >= 2);
+    assert!(
+        metric(
+            &s,
+            "kvc_router_http_health_checks_total",
+            &[("result", "ok")]
+        ) >= 2.0
+    );
+    // Out of rotation: requests go to the other decode worker.
+    for i in 0..4u32 {
+        let key = format!("h{i}");
+        let r = s
+            .post(
+                "/generate",
+                &[("x-session-id", key.as_str())],
+                &generate_body(i * 1_000..i * 1_000 + 600),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.headers["x-kvc-decode-worker"], "1");
+    }
+    // The router's clock is manual: the cool-down ends when it is advanced.
+    s.mocks[2]
+        .up
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    s.cluster.clock.advance(20);
+    let mut closed = false;
+    for _ in 0..200 {
+        if service.metrics().breaker_state(w2) == Some(BreakerState::Closed) {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(closed, "a healthy worker's breaker never closed");
+    assert!(!service.is_http_down(w2));
+    assert_eq!(service.worker_views()[2].state.health, Health::Healthy);
+    let m = service.metrics();
+    assert!(m.breaker_transitions(BreakerState::Open) >= 1);
+    assert!(m.breaker_transitions(BreakerState::HalfOpen) >= 1);
+    assert!(m.breaker_transitions(BreakerState::Closed) >= 1);
 }

@@ -99,17 +99,38 @@ pub async fn post_json(
     body: &[u8],
     timeout: Duration,
 ) -> Result<WorkerResponse, ForwardError> {
-    tokio::time::timeout(timeout, post_inner(base, path, body))
+    tokio::time::timeout(timeout, request_inner(base, "POST", path, body))
+        .await
+        .map_err(|_| ForwardError::Timeout(timeout))?
+}
+
+/// `GET`s `base` + `path` and reads the whole answer, all within `timeout`.
+pub(super) async fn get(
+    base: &BaseUrl,
+    path: &str,
+    timeout: Duration,
+) -> Result<WorkerResponse, ForwardError> {
+    tokio::time::timeout(timeout, request_inner(base, "GET", path, &[]))
         .await
         .map_err(|_| ForwardError::Timeout(timeout))?
 }
 
 /// Opens a connection to `base` and sends the `POST`.
 async fn send_post(base: &BaseUrl, path: &str, body: &[u8]) -> Result<TcpStream, ForwardError> {
+    send_request(base, "POST", path, body).await
+}
+
+/// Opens a connection to `base` and sends the request.
+async fn send_request(
+    base: &BaseUrl,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> Result<TcpStream, ForwardError> {
     let mut stream = TcpStream::connect((base.host.as_str(), base.port)).await?;
     let _ = stream.set_nodelay(true);
     let head = format!(
-        "POST {}{path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+        "{method} {}{path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n",
         base.prefix,
         base.host_header(),
@@ -121,12 +142,13 @@ async fn send_post(base: &BaseUrl, path: &str, body: &[u8]) -> Result<TcpStream,
     Ok(stream)
 }
 
-async fn post_inner(
+async fn request_inner(
     base: &BaseUrl,
+    method: &str,
     path: &str,
     body: &[u8],
 ) -> Result<WorkerResponse, ForwardError> {
-    let mut stream = send_post(base, path, body).await?;
+    let mut stream = send_request(base, method, path, body).await?;
     // Read until the answer is complete (by its length or its last chunk) or the worker
     // closes the connection, whichever comes first.
     let mut raw = Vec::new();

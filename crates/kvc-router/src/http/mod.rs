@@ -52,6 +52,35 @@
 //! when the client went away first: nothing is claimed resident). A D that cannot be reached
 //! gets the same JSON 502/504 as without streaming.
 //!
+//! **Resilience.** Options in [`HttpOptions`] (the `[http]` table of the configuration,
+//! [`crate::HttpConfig`]):
+//!
+//! - *Retries.* A request whose decode worker failed before any byte reached the client —
+//!   connection refused or broken, no answer (or, streaming, no response head) within the
+//!   deadline, or a 502, 503 or 504 — is reported `worker-failed`, then routed again with
+//!   [`RouterService::route_excluding`] (the workers that failed it count as down for that
+//!   decision) and forwarded again, at most [`HttpOptions::max_retries`] times, after a
+//!   jittered backoff ([`HttpOptions::retry_backoff`], doubling). A failing prefill worker
+//!   alongside is excluded too. When no other worker can take it, or the retries are spent,
+//!   the client gets the last failure. Nothing is retried once a stream has started.
+//! - *Circuit breakers.* Per worker, [`BreakerOptions::failure_threshold`] consecutive
+//!   failures (connect error, timeout, 5xx, a stream broken off, a failed health check) open
+//!   it: the worker is taken out of rotation with [`RouterService::set_http_down`], so no
+//!   policy picks it, for a cool-down that doubles with each re-opening up to
+//!   [`BreakerOptions::max_cooldown`] (with jitter). Then it is half-open: back in rotation
+//!   for one trial request (out again while the trial runs); the trial's success closes the
+//!   breaker, its failure (or no result within [`HttpOptions::request_timeout`]) opens it
+//!   again. Any successful request closes it.
+//! - *Health checks.* Every [`HttpOptions::health_check_interval`], each worker's `GET
+//!   /health` is checked within [`HttpOptions::health_check_timeout`]: no answer or a 5xx
+//!   counts against its breaker; any other answer closes a half-open breaker. The checks run
+//!   on the Tokio runtime the app is built in (none outside a runtime) and stop when the app
+//!   is dropped.
+//!
+//! Metrics: `kvc_router_http_breaker_state`, `kvc_router_http_breaker_transitions_total`,
+//! `kvc_router_http_retries_total`, `kvc_router_http_health_checks_total` (see
+//! [`crate::metrics`]).
+//!
 //! ```
 //! use kvc_core::WorkerId;
 //! use kvc_router::http::{HttpWorkers, http_app};
@@ -69,10 +98,12 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod breaker;
 mod client;
 mod request;
 mod tokens;
 
+pub use breaker::{BreakerOptions, BreakerState};
 pub use client::{
     BaseUrl, ForwardError, MAX_RESPONSE_BYTES, WorkerResponse, WorkerStream, parse_response,
     post_json, post_streaming,
@@ -91,6 +122,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use breaker::Breakers;
 use kvc_core::{ExecutionMode, Outcome, SessionId, StableName, WorkerId};
 use parking_lot::Mutex;
 use request::{Api, Prompt};
@@ -174,6 +206,18 @@ pub struct HttpOptions {
     /// Largest request body accepted, in bytes; larger ones get 413 with a JSON error.
     /// Default 16 MiB.
     pub max_body_bytes: usize,
+    /// How many times a request that failed before any byte reached the client is routed
+    /// and forwarded again (see the module docs). Default 2.
+    pub max_retries: u32,
+    /// Wait before the first retry; it doubles for each further one, and each wait is
+    /// shortened by a random jitter of up to a half. Default 25 ms.
+    pub retry_backoff: Duration,
+    /// The per-worker circuit breakers.
+    pub breaker: BreakerOptions,
+    /// How often every worker's `GET /health` is checked; `None` checks nothing. Default 5 s.
+    pub health_check_interval: Option<Duration>,
+    /// Deadline of one health check. Default 1 s.
+    pub health_check_timeout: Duration,
 }
 
 impl Default for HttpOptions {
@@ -183,6 +227,11 @@ impl Default for HttpOptions {
             request_timeout: Duration::from_secs(300),
             model: "default".to_owned(),
             max_body_bytes: 16 << 20,
+            max_retries: 2,
+            retry_backoff: Duration::from_millis(25),
+            breaker: BreakerOptions::default(),
+            health_check_interval: Some(Duration::from_secs(5)),
+            health_check_timeout: Duration::from_secs(1),
         }
     }
 }
@@ -199,15 +248,23 @@ pub fn http_app_with(
     options: HttpOptions,
 ) -> Router {
     let body_limit = DefaultBodyLimit::max(options.max_body_bytes);
+    let health_checks = options
+        .health_check_interval
+        .filter(|i| !i.is_zero() && !workers.is_empty());
     let app = Arc::new(App {
         service,
         workers,
+        breakers: Breakers::new(options.breaker, options.request_timeout),
         options,
         turns: Mutex::new(HashMap::new()),
         next_request: AtomicU64::new(1),
         rooms: std::collections::hash_map::RandomState::new(),
         room_counter: AtomicU64::new(0),
     });
+    // The checks run while the app lives, on the runtime it is built in (none: no checks).
+    if let (Some(interval), Ok(runtime)) = (health_checks, tokio::runtime::Handle::try_current()) {
+        runtime.spawn(health_checks_task(Arc::downgrade(&app), interval));
+    }
     Router::new()
         .route("/generate", post(generate))
         .route("/v1/completions", post(completions))
@@ -227,6 +284,7 @@ struct TurnEntry {
 struct App {
     service: Arc<RouterService>,
     workers: HttpWorkers,
+    breakers: Breakers,
     options: HttpOptions,
     turns: Mutex<HashMap<SessionId, TurnEntry>>,
     next_request: AtomicU64,
@@ -448,39 +506,61 @@ async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> 
         hash_ids: block_hashes(&tokens, block),
         rejected_by: None,
     };
-    let decision = match app.service.route(&route_req) {
-        Ok(d) => d,
-        Err(e) => return route_error_response(&e),
-    };
-    if req.stream {
-        let response =
-            forward_stream(app, api, req.body, &decision, request_id, input_length).await;
-        return with_decision_headers(response, &decision);
-    }
-    let (answer, outcome) = forward(app, api, req.body, &decision).await;
-    let resident_tokens = match (&answer, outcome) {
-        (Ok(w), Outcome::Ok) => input_length + completion_tokens(&w.body).unwrap_or(0),
-        _ => 0,
-    };
-    report(
-        app,
-        decision.decision_id,
-        request_id,
-        outcome,
-        resident_tokens,
-    );
-    let response = match answer {
-        Ok(w) => {
-            let status = StatusCode::from_u16(w.status).unwrap_or(StatusCode::BAD_GATEWAY);
-            let content_type = w
-                .content_type
-                .and_then(|c| HeaderValue::from_str(&c).ok())
-                .unwrap_or(HeaderValue::from_static("application/json"));
-            (status, [(header::CONTENT_TYPE, content_type)], w.body).into_response()
+    let mut excluded: Vec<WorkerId> = Vec::new();
+    let mut attempt = 0u32;
+    // The previous attempt's failure, answered when no other worker can take the request.
+    let mut previous: Option<Response> = None;
+    loop {
+        app.breakers.tick(&app.service, app.service.now_ms());
+        let decision = match app.service.route_excluding(&route_req, &excluded) {
+            Ok(d) => d,
+            Err(e) => return previous.unwrap_or_else(|| route_error_response(&e)),
+        };
+        if attempt > 0 {
+            app.service.metrics().record_http_retry();
         }
-        Err(resp) => resp,
-    };
-    with_decision_headers(response, &decision)
+        let may_retry = attempt < app.options.max_retries;
+        let body = req.body.clone();
+        let result = if req.stream {
+            forward_stream(
+                app,
+                api,
+                body,
+                &decision,
+                request_id,
+                input_length,
+                may_retry,
+            )
+            .await
+        } else {
+            forward_whole(app, api, body, &decision, request_id, input_length).await
+        };
+        match result {
+            Attempt::Done(response) => return with_decision_headers(response, &decision),
+            Attempt::Retry { response, failed } => {
+                let response = with_decision_headers(response, &decision);
+                if !may_retry {
+                    return response;
+                }
+                previous = Some(response);
+                attempt += 1;
+                for w in failed {
+                    if !excluded.contains(&w) {
+                        excluded.push(w);
+                    }
+                }
+                let wait = app.backoff(attempt);
+                tracing::info!(
+                    request = request_id,
+                    attempt,
+                    excluded = ?excluded,
+                    wait_ms = wait.as_millis() as u64,
+                    "re-routing a failed request"
+                );
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
 }
 
 /// Adds `x-kvc-mode`, `x-kvc-decode-worker` and (P→D) `x-kvc-prefill-worker`.
@@ -568,8 +648,85 @@ fn sse_error_event(message: &str, after_partial_event: bool) -> Bytes {
     Bytes::from(format!("{lead}data: {event}\n\n"))
 }
 
-/// The streaming variant of [`forward`]: P (if any) gets the request as before; D's answer is
-/// relayed to the client as it arrives, and the outcome is reported when it has ended.
+/// What one forwarding attempt came to. Either way its decision has been (or, for a relayed
+/// stream, will be) reported.
+enum Attempt {
+    /// The client's answer.
+    Done(Response),
+    /// Failed before any byte reached the client, in a way worth trying elsewhere (connection
+    /// refused or broken, timeout before an answer, 502-504): `response` is the failure as
+    /// the client would get it, `failed` the workers to avoid.
+    Retry {
+        response: Response,
+        failed: Vec<WorkerId>,
+    },
+}
+
+/// The 502 for a worker without an HTTP address.
+fn no_address(id: u32) -> Response {
+    error_response(
+        StatusCode::BAD_GATEWAY,
+        "worker_error",
+        &format!("worker {id} has no HTTP address"),
+    )
+}
+
+/// Whether a worker's answer (or its absence) counts against its circuit breaker: no answer,
+/// or a 5xx status.
+fn breaker_failure<T>(r: &Result<T, ForwardError>, status: impl Fn(&T) -> u16) -> bool {
+    match r {
+        Ok(w) => status(w) >= 500,
+        Err(_) => true,
+    }
+}
+
+/// Whether a worker's failure may be retried on another worker: no answer (connection
+/// refused or broken, timeout), or 502, 503 or 504.
+fn retryable<T>(r: &Result<T, ForwardError>, status: impl Fn(&T) -> u16) -> bool {
+    match r {
+        Ok(w) => (502..=504).contains(&status(w)),
+        Err(ForwardError::Io(_) | ForwardError::Timeout(_)) => true,
+        Err(_) => false,
+    }
+}
+
+impl App {
+    /// Feeds one worker's result to its circuit breaker.
+    fn feed_breaker(&self, worker: WorkerId, failed: bool) {
+        if failed {
+            self.breakers
+                .on_failure(&self.service, worker, self.service.now_ms());
+        } else {
+            self.breakers.on_success(&self.service, worker);
+        }
+    }
+
+    /// The jittered wait before retry `attempt` (from 1).
+    fn backoff(&self, attempt: u32) -> Duration {
+        let base = self
+            .options
+            .retry_backoff
+            .saturating_mul(1 << attempt.saturating_sub(1).min(16));
+        base.mul_f64(1.0 - 0.5 * self.breakers.unit())
+    }
+
+    /// Worker `id`'s endpoint.
+    fn endpoint(&self, id: u32) -> Option<HttpWorker> {
+        self.workers.get(WorkerId(id)).cloned()
+    }
+
+    /// Injects P's bootstrap address and a fresh room into `body`.
+    fn add_bootstrap(&self, body: &mut serde_json::Map<String, Value>, p: &HttpWorker) {
+        body.insert("bootstrap_host".into(), Value::from(p.url.host.clone()));
+        body.insert("bootstrap_port".into(), Value::from(p.bootstrap_port));
+        body.insert("bootstrap_room".into(), Value::from(self.room()));
+    }
+}
+
+/// The streaming variant of [`forward_whole`]: P (if any) gets the request as before; D's
+/// answer is relayed to the client as it arrives, and the outcome is reported when it has
+/// ended. A failure before D's answer began (and, when `may_retry`, a 502-504 head) is
+/// reported at once and returned as [`Attempt::Retry`].
 async fn forward_stream(
     app: &Arc<App>,
     api: Api,
@@ -577,37 +734,33 @@ async fn forward_stream(
     decision: &pb::RouteDecision,
     request_id: u64,
     input_length: u64,
-) -> Response {
+    may_retry: bool,
+) -> Attempt {
     let timeout = app.options.request_timeout;
     let path = api.path();
     let decision_id = decision.decision_id;
-    let fail = |response: Response| {
+    let d_id = WorkerId(decision.decode_worker);
+    let retry = |response: Response, failed: Vec<WorkerId>| {
         report(app, decision_id, request_id, Outcome::WorkerFailed, 0);
-        response
+        Attempt::Retry { response, failed }
     };
-    let Some(d) = app.workers.get(WorkerId(decision.decode_worker)).cloned() else {
-        return fail(error_response(
-            StatusCode::BAD_GATEWAY,
-            "worker_error",
-            &format!("worker {} has no HTTP address", decision.decode_worker),
-        ));
+    let Some(d) = app.endpoint(d_id.0) else {
+        return retry(no_address(d_id.0), vec![d_id]);
     };
     let prefill = match decision.prefill_worker {
         None => None,
         Some(p_id) => {
-            let Some(p) = app.workers.get(WorkerId(p_id)).cloned() else {
-                return fail(error_response(
-                    StatusCode::BAD_GATEWAY,
-                    "worker_error",
-                    &format!("worker {p_id} has no HTTP address"),
-                ));
+            let Some(p) = app.endpoint(p_id) else {
+                return retry(no_address(p_id), vec![WorkerId(p_id)]);
             };
-            body.insert("bootstrap_host".into(), Value::from(p.url.host.clone()));
-            body.insert("bootstrap_port".into(), Value::from(p.bootstrap_port));
-            body.insert("bootstrap_room".into(), Value::from(app.room()));
+            app.add_bootstrap(&mut body, &p);
             let payload = Value::Object(body.clone()).to_string();
+            let p_app = Arc::clone(app);
+            app.breakers
+                .on_dispatch(&app.service, WorkerId(p_id), app.service.now_ms());
             Some(tokio::spawn(async move {
                 let r = post_json(&p.url, path, payload.as_bytes(), timeout).await;
+                p_app.feed_breaker(WorkerId(p_id), breaker_failure(&r, |w| w.status));
                 let ok = is_success(&r);
                 if !ok {
                     let detail = match &r {
@@ -621,13 +774,31 @@ async fn forward_stream(
         }
     };
     let payload = Value::Object(body).to_string();
-    let mut ws = match post_streaming(&d.url, path, payload.as_bytes(), timeout).await {
-        Ok(ws) => ws,
-        Err(e) => {
+    app.breakers
+        .on_dispatch(&app.service, d_id, app.service.now_ms());
+    let opened = post_streaming(&d.url, path, payload.as_bytes(), timeout).await;
+    let head_failed = breaker_failure(&opened, |w| w.status);
+    let head_retryable = retryable(&opened, |w| w.status);
+    let mut ws = match opened {
+        Ok(ws) if !(may_retry && head_retryable) => ws,
+        other => {
+            app.feed_breaker(d_id, true);
             if let Some(p) = prefill {
                 p.abort();
             }
-            return fail(forward_error_response("decode worker", &e));
+            let response = match &other {
+                Ok(ws) => error_response(
+                    StatusCode::from_u16(ws.status).unwrap_or(StatusCode::BAD_GATEWAY),
+                    "worker_error",
+                    &format!("decode worker answered {}", ws.status),
+                ),
+                Err(e) => forward_error_response("decode worker", e),
+            };
+            if head_retryable {
+                return retry(response, vec![d_id]);
+            }
+            report(app, decision_id, request_id, Outcome::WorkerFailed, 0);
+            return Attempt::Done(response);
         }
     };
     let status = StatusCode::from_u16(ws.status).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -642,6 +813,7 @@ async fn forward_stream(
         let app = relay_app;
         let mut scan = CompletionScan::default();
         let mut ends_event = true;
+        let mut worker_broke = false;
         let relayed = loop {
             let failure = match tokio::time::timeout(timeout, ws.next_chunk()).await {
                 Ok(Ok(Some(piece))) => {
@@ -657,12 +829,14 @@ async fn forward_stream(
                 Ok(Err(e)) => format!("decode worker: {e}"),
                 Err(_) => format!("decode worker: nothing within {timeout:?}"),
             };
+            worker_broke = true;
             tracing::warn!(request = request_id, error = %failure, "stream ended early");
             let _ = tx.send(Ok(sse_error_event(&failure, !ends_event))).await;
             break false;
         };
         // The client's stream ends here, before P is waited for.
         drop(tx);
+        app.feed_breaker(d_id, head_failed || worker_broke);
         let prefill_ok = match prefill {
             None => true,
             Some(p) if relayed => matches!(tokio::time::timeout(timeout, p).await, Ok(Ok(true))),
@@ -680,63 +854,55 @@ async fn forward_stream(
         report(&app, decision_id, request_id, outcome, resident);
     });
     let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
-    (status, [(header::CONTENT_TYPE, content_type)], body).into_response()
+    Attempt::Done((status, [(header::CONTENT_TYPE, content_type)], body).into_response())
 }
 
-/// Sends the request where `decision` says; returns D's answer (or the error response) and
-/// the outcome to report.
-async fn forward(
+/// Sends the request where `decision` says, waits for the whole answer, reports the outcome
+/// and feeds the workers' breakers; a failure of D worth trying elsewhere is
+/// [`Attempt::Retry`].
+async fn forward_whole(
     app: &App,
     api: Api,
     mut body: serde_json::Map<String, Value>,
     decision: &pb::RouteDecision,
-) -> (Result<WorkerResponse, Response>, Outcome) {
+    request_id: u64,
+    input_length: u64,
+) -> Attempt {
     let timeout = app.options.request_timeout;
     let path = api.path();
-    let Some(d) = app.workers.get(WorkerId(decision.decode_worker)) else {
-        let e = error_response(
-            StatusCode::BAD_GATEWAY,
-            "worker_error",
-            &format!("worker {} has no HTTP address", decision.decode_worker),
-        );
-        return (Err(e), Outcome::WorkerFailed);
+    let decision_id = decision.decision_id;
+    let d_id = WorkerId(decision.decode_worker);
+    let retry = |response: Response, failed: Vec<WorkerId>| {
+        report(app, decision_id, request_id, Outcome::WorkerFailed, 0);
+        Attempt::Retry { response, failed }
     };
-    match decision.prefill_worker {
+    let Some(d) = app.endpoint(d_id.0) else {
+        return retry(no_address(d_id.0), vec![d_id]);
+    };
+    let (prefill, dr) = match decision.prefill_worker {
         None => {
             let payload = Value::Object(body).to_string();
-            let r = post_json(&d.url, path, payload.as_bytes(), timeout).await;
-            let outcome = if is_success(&r) {
-                Outcome::Ok
-            } else {
-                Outcome::WorkerFailed
-            };
-            (
-                r.map_err(|e| forward_error_response("decode worker", &e)),
-                outcome,
-            )
+            app.breakers
+                .on_dispatch(&app.service, d_id, app.service.now_ms());
+            let dr = post_json(&d.url, path, payload.as_bytes(), timeout).await;
+            (None, dr)
         }
         Some(p_id) => {
-            let Some(p) = app.workers.get(WorkerId(p_id)) else {
-                let e = error_response(
-                    StatusCode::BAD_GATEWAY,
-                    "worker_error",
-                    &format!("worker {p_id} has no HTTP address"),
-                );
-                return (Err(e), Outcome::WorkerFailed);
+            let Some(p) = app.endpoint(p_id) else {
+                return retry(no_address(p_id), vec![WorkerId(p_id)]);
             };
-            body.insert("bootstrap_host".into(), Value::from(p.url.host.clone()));
-            body.insert("bootstrap_port".into(), Value::from(p.bootstrap_port));
-            body.insert("bootstrap_room".into(), Value::from(app.room()));
+            app.add_bootstrap(&mut body, &p);
             let payload = Value::Object(body).to_string();
+            app.breakers
+                .on_dispatch(&app.service, WorkerId(p_id), app.service.now_ms());
+            app.breakers
+                .on_dispatch(&app.service, d_id, app.service.now_ms());
             let (pr, dr) = tokio::join!(
                 post_json(&p.url, path, payload.as_bytes(), timeout),
                 post_json(&d.url, path, payload.as_bytes(), timeout),
             );
-            let outcome = if is_success(&pr) && is_success(&dr) {
-                Outcome::Ok
-            } else {
-                Outcome::WorkerFailed
-            };
+            let p_failed = breaker_failure(&pr, |w| w.status);
+            app.feed_breaker(WorkerId(p_id), p_failed);
             if !is_success(&pr) {
                 let detail = match &pr {
                     Ok(w) => format!("status {}", w.status),
@@ -744,10 +910,77 @@ async fn forward(
                 };
                 tracing::warn!(worker = p_id, %detail, "prefill worker failed");
             }
-            (
-                dr.map_err(|e| forward_error_response("decode worker", &e)),
-                outcome,
-            )
+            (Some((WorkerId(p_id), p_failed, is_success(&pr))), dr)
+        }
+    };
+    app.feed_breaker(d_id, breaker_failure(&dr, |w| w.status));
+    if retryable(&dr, |w| w.status) {
+        let mut failed = vec![d_id];
+        if let Some((p, true, _)) = prefill {
+            failed.push(p);
+        }
+        let response = match dr {
+            Ok(w) => worker_answer(w),
+            Err(e) => forward_error_response("decode worker", &e),
+        };
+        return retry(response, failed);
+    }
+    let prefill_ok = prefill.is_none_or(|(_, _, ok)| ok);
+    let (outcome, resident) = match &dr {
+        Ok(w) if prefill_ok && (200..300).contains(&w.status) => (
+            Outcome::Ok,
+            input_length + completion_tokens(&w.body).unwrap_or(0),
+        ),
+        _ => (Outcome::WorkerFailed, 0),
+    };
+    report(app, decision_id, request_id, outcome, resident);
+    Attempt::Done(match dr {
+        Ok(w) => worker_answer(w),
+        Err(e) => forward_error_response("decode worker", &e),
+    })
+}
+
+/// A worker's whole answer, passed through to the client.
+fn worker_answer(w: WorkerResponse) -> Response {
+    let status = StatusCode::from_u16(w.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = w
+        .content_type
+        .and_then(|c| HeaderValue::from_str(&c).ok())
+        .unwrap_or(HeaderValue::from_static("application/json"));
+    (status, [(header::CONTENT_TYPE, content_type)], w.body).into_response()
+}
+
+/// Every worker's `GET /health`, every `interval`, while the app lives. A transport failure,
+/// a timeout or a 5xx counts against the worker's breaker; any other answer means it is up,
+/// and closes a breaker whose cool-down has ended.
+async fn health_checks_task(app: std::sync::Weak<App>, interval: Duration) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let Some(app) = app.upgrade() else { return };
+        app.breakers.tick(&app.service, app.service.now_ms());
+        let timeout = app.options.health_check_timeout;
+        let mut checks = tokio::task::JoinSet::new();
+        for (id, w) in &app.workers.workers {
+            let (id, url) = (*id, w.url.clone());
+            checks.spawn(async move { (id, client::get(&url, "/health", timeout).await) });
+        }
+        while let Some(done) = checks.join_next().await {
+            let Ok((id, r)) = done else { continue };
+            let failed = breaker_failure(&r, |w| w.status);
+            app.service.metrics().record_health_check(!failed);
+            if failed {
+                let detail = match &r {
+                    Ok(w) => format!("status {}", w.status),
+                    Err(e) => e.to_string(),
+                };
+                tracing::debug!(worker = id.0, %detail, "health check failed");
+                app.breakers
+                    .on_failure(&app.service, id, app.service.now_ms());
+            } else {
+                app.breakers.on_recovered(&app.service, id);
+            }
         }
     }
 }
@@ -768,6 +1001,7 @@ mod tests {
         let app = App {
             service,
             workers: HttpWorkers::new(),
+            breakers: Breakers::new(BreakerOptions::default(), Duration::from_secs(300)),
             options: HttpOptions::default(),
             turns: Mutex::new(HashMap::new()),
             next_request: AtomicU64::new(1),

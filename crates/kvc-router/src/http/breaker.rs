@@ -1,0 +1,426 @@
+//! A circuit breaker per worker: consecutive forwarding failures open it for a cool-down
+//! (during which the worker is out of rotation), then one trial request decides.
+
+use crate::RouterService;
+use kvc_core::WorkerId;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The state of one worker's circuit breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BreakerState {
+    /// Requests flow; consecutive failures are counted.
+    Closed,
+    /// Out of rotation until the cool-down ends.
+    Open,
+    /// The cool-down ended: the worker is back in rotation for one trial request (or one
+    /// health check), whose result closes the breaker or opens it again.
+    HalfOpen,
+}
+
+impl BreakerState {
+    /// Every state, in metric order.
+    pub const ALL: [BreakerState; 3] = [
+        BreakerState::Closed,
+        BreakerState::Open,
+        BreakerState::HalfOpen,
+    ];
+
+    /// `closed`, `open` or `half-open`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half-open",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        match self {
+            BreakerState::Closed => 0,
+            BreakerState::Open => 1,
+            BreakerState::HalfOpen => 2,
+        }
+    }
+}
+
+/// Settings of the circuit breakers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerOptions {
+    /// Consecutive failures (connect error, timeout, 5xx, broken stream, failed health check)
+    /// that open a worker's breaker; 0 disables the breakers. Default 3.
+    pub failure_threshold: u32,
+    /// Cool-down of the first opening; it doubles with every re-opening from half-open, up to
+    /// `max_cooldown`, and each is shortened by a random jitter of up to a quarter. Default
+    /// 1 s.
+    pub cooldown: Duration,
+    /// Longest cool-down. Default 30 s.
+    pub max_cooldown: Duration,
+}
+
+impl Default for BreakerOptions {
+    fn default() -> Self {
+        BreakerOptions {
+            failure_threshold: 3,
+            cooldown: Duration::from_secs(1),
+            max_cooldown: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Breaker {
+    state: BreakerState,
+    failures: u32,
+    /// Openings since the breaker was last closed (the cool-down doubles with each).
+    trips: u32,
+    /// End of the cool-down (router clock, ms) while open.
+    until_ms: u64,
+    /// Half-open: the trial request has been sent.
+    trial_sent: bool,
+    /// When the trial was sent (router clock, ms).
+    trial_ms: u64,
+}
+
+impl Default for Breaker {
+    fn default() -> Self {
+        Breaker {
+            state: BreakerState::Closed,
+            failures: 0,
+            trips: 0,
+            until_ms: 0,
+            trial_sent: false,
+            trial_ms: 0,
+        }
+    }
+}
+
+/// Every worker's breaker. Time is the router's clock; state changes are applied to the
+/// router (out of rotation while open or while a half-open trial runs) and its metrics.
+pub(crate) struct Breakers {
+    options: BreakerOptions,
+    /// A trial without a result after this long failed (its request was abandoned).
+    trial_timeout_ms: u64,
+    table: Mutex<HashMap<WorkerId, Breaker>>,
+    random: std::collections::hash_map::RandomState,
+    counter: AtomicU64,
+}
+
+impl Breakers {
+    /// Breakers whose half-open trial fails when it has no result after `trial_timeout`.
+    pub(crate) fn new(options: BreakerOptions, trial_timeout: Duration) -> Self {
+        Breakers {
+            options,
+            trial_timeout_ms: trial_timeout.as_millis() as u64,
+            table: Mutex::new(HashMap::new()),
+            random: std::collections::hash_map::RandomState::new(),
+            counter: AtomicU64::new(0),
+        }
+    }
+
+    /// A uniform random number in `[0, 1)`.
+    pub(crate) fn unit(&self) -> f64 {
+        let mut h = self.random.build_hasher();
+        h.write_u64(self.counter.fetch_add(1, Ordering::Relaxed));
+        (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn enabled(&self) -> bool {
+        self.options.failure_threshold > 0
+    }
+
+    /// The jittered cool-down of the `trips`-th opening.
+    fn cooldown_ms(&self, trips: u32) -> u64 {
+        let base = self.options.cooldown.as_millis() as u64;
+        let cap = (self.options.max_cooldown.as_millis() as u64).max(base);
+        let doubled = base
+            .saturating_mul(1u64 << trips.saturating_sub(1).min(32))
+            .min(cap);
+        doubled - (doubled as f64 * 0.25 * self.unit()) as u64
+    }
+
+    fn apply(service: &RouterService, worker: WorkerId, b: &Breaker) {
+        let down = match b.state {
+            BreakerState::Closed => false,
+            BreakerState::Open => true,
+            BreakerState::HalfOpen => b.trial_sent,
+        };
+        service.set_http_down(worker, down);
+        service.metrics().record_breaker_state(worker, b.state);
+    }
+
+    fn open(&self, b: &mut Breaker, now_ms: u64) {
+        b.trips = b.trips.saturating_add(1);
+        b.state = BreakerState::Open;
+        b.failures = 0;
+        b.trial_sent = false;
+        b.until_ms = now_ms.saturating_add(self.cooldown_ms(b.trips));
+    }
+
+    /// A request to `worker` succeeded: the breaker closes.
+    pub(crate) fn on_success(&self, service: &RouterService, worker: WorkerId) {
+        if !self.enabled() {
+            return;
+        }
+        let mut table = self.table.lock();
+        let b = table.entry(worker).or_default();
+        *b = Breaker::default();
+        Self::apply(service, worker, b);
+    }
+
+    /// A health check found `worker` up: a half-open breaker (cool-down over) closes; an open
+    /// one waits for its cool-down; a closed one keeps its failure count (requests may fail
+    /// while `/health` answers).
+    pub(crate) fn on_recovered(&self, service: &RouterService, worker: WorkerId) {
+        if !self.enabled() {
+            return;
+        }
+        let mut table = self.table.lock();
+        let b = table.entry(worker).or_default();
+        if b.state == BreakerState::HalfOpen {
+            *b = Breaker::default();
+            tracing::info!(worker = worker.0, "circuit closed by a health check");
+        }
+        Self::apply(service, worker, b);
+    }
+
+    /// A request or health check of `worker` failed at `now_ms`.
+    pub(crate) fn on_failure(&self, service: &RouterService, worker: WorkerId, now_ms: u64) {
+        if !self.enabled() {
+            return;
+        }
+        let mut table = self.table.lock();
+        let b = table.entry(worker).or_default();
+        match b.state {
+            BreakerState::Closed => {
+                b.failures = b.failures.saturating_add(1);
+                if b.failures >= self.options.failure_threshold {
+                    self.open(b, now_ms);
+                    tracing::warn!(worker = worker.0, until_ms = b.until_ms, "circuit opened");
+                }
+            }
+            BreakerState::HalfOpen => {
+                self.open(b, now_ms);
+                tracing::warn!(
+                    worker = worker.0,
+                    until_ms = b.until_ms,
+                    "circuit re-opened"
+                );
+            }
+            // A request sent before the breaker opened: the cool-down stands.
+            BreakerState::Open => {}
+        }
+        Self::apply(service, worker, b);
+    }
+
+    /// A request is being sent to `worker`: a half-open worker's first one is its trial, and
+    /// the worker leaves rotation until the trial's result is known.
+    pub(crate) fn on_dispatch(&self, service: &RouterService, worker: WorkerId, now_ms: u64) {
+        if !self.enabled() {
+            return;
+        }
+        let mut table = self.table.lock();
+        if let Some(b) = table.get_mut(&worker)
+            && b.state == BreakerState::HalfOpen
+            && !b.trial_sent
+        {
+            b.trial_sent = true;
+            b.trial_ms = now_ms;
+            Self::apply(service, worker, b);
+        }
+    }
+
+    /// Moves every open breaker whose cool-down has ended at `now_ms` to half-open, and
+    /// re-opens every half-open one whose trial has had no result within the trial timeout.
+    pub(crate) fn tick(&self, service: &RouterService, now_ms: u64) {
+        if !self.enabled() {
+            return;
+        }
+        let mut table = self.table.lock();
+        for (worker, b) in table.iter_mut() {
+            if b.state == BreakerState::Open && now_ms >= b.until_ms {
+                b.state = BreakerState::HalfOpen;
+                b.trial_sent = false;
+                Self::apply(service, *worker, b);
+            } else if b.state == BreakerState::HalfOpen
+                && b.trial_sent
+                && now_ms >= b.trial_ms.saturating_add(self.trial_timeout_ms)
+            {
+                self.open(b, now_ms);
+                Self::apply(service, *worker, b);
+            }
+        }
+    }
+
+    /// `worker`'s state (closed when never used).
+    #[cfg(test)]
+    pub(crate) fn state(&self, worker: WorkerId) -> BreakerState {
+        self.table
+            .lock()
+            .get(&worker)
+            .map_or(BreakerState::Closed, |b| b.state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{RouterConfig, WorkerConfig};
+    use kvc_admission::ManualClock;
+    use kvc_core::WorkerRole;
+    use std::sync::Arc;
+
+    fn service() -> RouterService {
+        let mut config = RouterConfig::default();
+        for id in 0..2 {
+            config.workers.push(WorkerConfig {
+                id,
+                name: None,
+                role: WorkerRole::Decode,
+                capacity_tokens: 100,
+                snapshot: None,
+                address: Some("http://127.0.0.1:1".into()),
+            });
+        }
+        RouterService::with_clock(config, Arc::new(ManualClock::new(0))).unwrap()
+    }
+
+    #[test]
+    fn opens_after_the_threshold_then_half_opens_and_closes_on_success() {
+        let svc = service();
+        let w = WorkerId(1);
+        let b = Breakers::new(
+            BreakerOptions {
+                failure_threshold: 3,
+                cooldown: Duration::from_millis(1_000),
+                max_cooldown: Duration::from_millis(4_000),
+            },
+            Duration::from_millis(500),
+        );
+        b.on_failure(&svc, w, 0);
+        b.on_failure(&svc, w, 0);
+        b.on_success(&svc, w);
+        b.on_failure(&svc, w, 0);
+        b.on_failure(&svc, w, 0);
+        assert_eq!(
+            b.state(w),
+            BreakerState::Closed,
+            "a success resets the count"
+        );
+        assert!(!svc.is_http_down(w));
+        b.on_failure(&svc, w, 100);
+        assert_eq!(b.state(w), BreakerState::Open);
+        assert!(svc.is_http_down(w));
+        assert!(!svc.is_http_down(WorkerId(0)));
+        let until = b.table.lock()[&w].until_ms;
+        assert!((100 + 750..=100 + 1_000).contains(&until), "{until}");
+        b.tick(&svc, until - 1);
+        assert_eq!(b.state(w), BreakerState::Open);
+        b.tick(&svc, until);
+        assert_eq!(b.state(w), BreakerState::HalfOpen);
+        assert!(!svc.is_http_down(w), "back in rotation for the trial");
+        b.on_dispatch(&svc, w, until);
+        assert!(svc.is_http_down(w), "one trial at a time");
+        b.on_success(&svc, w);
+        assert_eq!(b.state(w), BreakerState::Closed);
+        assert!(!svc.is_http_down(w));
+        let m = svc.metrics();
+        assert_eq!(m.breaker_transitions(BreakerState::Open), 1);
+        assert_eq!(m.breaker_transitions(BreakerState::HalfOpen), 1);
+        assert_eq!(m.breaker_transitions(BreakerState::Closed), 1);
+        assert_eq!(m.breaker_state(w), Some(BreakerState::Closed));
+    }
+
+    #[test]
+    fn an_abandoned_trial_reopens_the_breaker() {
+        let svc = service();
+        let w = WorkerId(0);
+        let b = Breakers::new(
+            BreakerOptions {
+                failure_threshold: 1,
+                cooldown: Duration::from_millis(100),
+                max_cooldown: Duration::from_millis(100),
+            },
+            Duration::from_millis(500),
+        );
+        b.on_failure(&svc, w, 0);
+        b.tick(&svc, 100);
+        assert_eq!(b.state(w), BreakerState::HalfOpen);
+        b.on_dispatch(&svc, w, 100);
+        b.tick(&svc, 599);
+        assert_eq!(b.state(w), BreakerState::HalfOpen);
+        assert!(svc.is_http_down(w));
+        b.tick(&svc, 600);
+        assert_eq!(b.state(w), BreakerState::Open);
+        assert!(svc.is_http_down(w));
+        let m = svc.metrics();
+        assert_eq!(m.breaker_transitions(BreakerState::Open), 2);
+        assert_eq!(m.breaker_transitions(BreakerState::HalfOpen), 1);
+        assert_eq!(m.breaker_transitions(BreakerState::Closed), 0);
+        assert_eq!(m.breaker_state(w), Some(BreakerState::Open));
+    }
+
+    #[test]
+    fn a_failed_trial_reopens_with_a_doubled_capped_cooldown() {
+        let svc = service();
+        let w = WorkerId(0);
+        let b = Breakers::new(
+            BreakerOptions {
+                failure_threshold: 1,
+                cooldown: Duration::from_millis(1_000),
+                max_cooldown: Duration::from_millis(3_000),
+            },
+            Duration::from_millis(500),
+        );
+        let mut now = 0;
+        let mut cooldowns = Vec::new();
+        for _ in 0..4 {
+            b.on_failure(&svc, w, now);
+            assert_eq!(b.state(w), BreakerState::Open);
+            let until = b.table.lock()[&w].until_ms;
+            cooldowns.push(until - now);
+            now = until;
+            b.tick(&svc, now);
+            assert_eq!(b.state(w), BreakerState::HalfOpen);
+        }
+        let bounds = [(750, 1_000), (1_500, 2_000), (2_250, 3_000), (2_250, 3_000)];
+        for (c, (lo, hi)) in cooldowns.iter().zip(bounds) {
+            assert!((lo..=hi).contains(c), "{cooldowns:?}");
+        }
+        // Failures while open do not extend the cool-down.
+        b.on_failure(&svc, w, now);
+        let until = b.table.lock()[&w].until_ms;
+        b.on_failure(&svc, w, now + 10);
+        assert_eq!(b.table.lock()[&w].until_ms, until);
+    }
+
+    #[test]
+    fn a_zero_threshold_disables_the_breaker() {
+        let svc = service();
+        let b = Breakers::new(
+            BreakerOptions {
+                failure_threshold: 0,
+                ..BreakerOptions::default()
+            },
+            Duration::from_millis(500),
+        );
+        for _ in 0..10 {
+            b.on_failure(&svc, WorkerId(0), 0);
+        }
+        assert_eq!(b.state(WorkerId(0)), BreakerState::Closed);
+        assert!(!svc.is_http_down(WorkerId(0)));
+        assert_eq!(svc.metrics().breaker_state(WorkerId(0)), None);
+    }
+
+    #[test]
+    fn jitter_is_uniform_enough() {
+        let b = Breakers::new(BreakerOptions::default(), Duration::from_secs(1));
+        let xs: Vec<f64> = (0..1_000).map(|_| b.unit()).collect();
+        assert!(xs.iter().all(|x| (0.0..1.0).contains(x)));
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        assert!((0.4..0.6).contains(&mean), "{mean}");
+    }
+}
