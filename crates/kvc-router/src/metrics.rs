@@ -381,20 +381,14 @@ impl Metrics {
             }
         }
 
-        header(
+        counter_family(
             o,
             "kvc_router_route_errors_total",
-            "counter",
             "Route calls that failed, by gRPC status code.",
+            "code",
+            ERROR_CODES.iter().map(|c| code_label(*c)),
+            &self.route_errors,
         );
-        for (i, code) in ERROR_CODES.iter().enumerate() {
-            let v = self.route_errors[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                o,
-                "kvc_router_route_errors_total{{code=\"{}\"}} {v}",
-                code_label(*code)
-            );
-        }
 
         header(
             o,
@@ -433,16 +427,14 @@ impl Metrics {
             );
         }
 
-        header(
+        counter_family(
             o,
             "kvc_router_probes_total",
-            "counter",
             "Admission probes of decode-worker snapshots, by result.",
+            "result",
+            ProbeKind::ALL.iter().map(|k| k.label()),
+            &self.probes,
         );
-        for (i, k) in ProbeKind::ALL.iter().enumerate() {
-            let v = self.probes[i].load(Ordering::Relaxed);
-            let _ = writeln!(o, "kvc_router_probes_total{{result=\"{}\"}} {v}", k.label());
-        }
         header(
             o,
             "kvc_router_probe_reroutes_total",
@@ -455,35 +447,23 @@ impl Metrics {
             self.reroutes.load(Ordering::Relaxed)
         );
 
-        header(
+        counter_family(
             o,
             "kvc_router_commit_evicts_total",
-            "counter",
             "CommitEvict calls forwarded to workers, by result.",
+            "result",
+            CommitKind::ALL.iter().map(|k| k.label()),
+            &self.commits,
         );
-        for (i, k) in CommitKind::ALL.iter().enumerate() {
-            let v = self.commits[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                o,
-                "kvc_router_commit_evicts_total{{result=\"{}\"}} {v}",
-                k.label()
-            );
-        }
 
-        header(
+        counter_family(
             o,
             "kvc_router_outcomes_total",
-            "counter",
             "Outcomes reported for routed requests.",
+            "outcome",
+            Outcome::ALL.iter().map(|x| x.as_str()),
+            &self.outcomes,
         );
-        for (i, outcome) in Outcome::ALL.iter().enumerate() {
-            let v = self.outcomes[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                o,
-                "kvc_router_outcomes_total{{outcome=\"{}\"}} {v}",
-                outcome.as_str()
-            );
-        }
 
         header(
             o,
@@ -572,22 +552,34 @@ impl Metrics {
             "kvc_router_http_retries_total {}",
             self.http_retries.load(Ordering::Relaxed)
         );
-        header(
+        counter_family(
             o,
             "kvc_router_http_health_checks_total",
-            "counter",
             "Active health checks of the workers' /health, by result.",
+            "result",
+            ["ok", "failed"].into_iter(),
+            &self.health_checks,
         );
-        for (i, result) in ["ok", "failed"].iter().enumerate() {
-            let v = self.health_checks[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                o,
-                "kvc_router_http_health_checks_total{{result=\"{result}\"}} {v}"
-            );
-        }
 
         worker_gauges(o, &gauges.workers);
         out
+    }
+}
+
+/// A counter with one label: the HELP/TYPE header, then one sample per label value
+/// (`values[i]` is the counter of the i-th label value).
+fn counter_family<'a>(
+    o: &mut String,
+    name: &str,
+    help: &str,
+    label: &str,
+    label_values: impl Iterator<Item = &'a str>,
+    values: &[AtomicU64],
+) {
+    header(o, name, "counter", help);
+    for (value, counter) in label_values.zip(values) {
+        let v = counter.load(Ordering::Relaxed);
+        let _ = writeln!(o, "{name}{{{label}=\"{value}\"}} {v}");
     }
 }
 

@@ -266,9 +266,9 @@ pub fn http_app_with(
         runtime.spawn(health_checks_task(Arc::downgrade(&app), interval));
     }
     Router::new()
-        .route("/generate", post(generate))
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/generate", post_endpoint(Api::Generate))
+        .route("/v1/completions", post_endpoint(Api::Completions))
+        .route("/v1/chat/completions", post_endpoint(Api::ChatCompletions))
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .layer(body_limit)
@@ -358,37 +358,26 @@ fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
     )
 }
 
-async fn generate(
-    State(app): State<Arc<App>>,
+/// One POST endpoint: the body read (or refused) by axum, handled as `api`.
+async fn endpoint(
+    api: Api,
+    app: Arc<App>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     match body {
-        Ok(body) => handle(&app, Api::Generate, &headers, &body).await,
+        Ok(body) => handle(&app, api, &headers, &body).await,
         Err(e) => body_error_response(&e),
     }
 }
 
-async fn completions(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match body {
-        Ok(body) => handle(&app, Api::Completions, &headers, &body).await,
-        Err(e) => body_error_response(&e),
-    }
-}
-
-async fn chat_completions(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match body {
-        Ok(body) => handle(&app, Api::ChatCompletions, &headers, &body).await,
-        Err(e) => body_error_response(&e),
-    }
+/// The axum handler of the POST endpoint for `api`.
+fn post_endpoint(api: Api) -> axum::routing::MethodRouter<Arc<App>> {
+    post(
+        move |State(app): State<Arc<App>>,
+              headers: HeaderMap,
+              body: Result<Bytes, BytesRejection>| endpoint(api, app, headers, body),
+    )
 }
 
 /// A body that could not be read (too large, cut short) as a JSON error.
