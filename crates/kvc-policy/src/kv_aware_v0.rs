@@ -159,16 +159,7 @@ pub(crate) fn route(cfg: &KvAwareV0Config, ctx: &Ctx<'_>) -> Result<Decision, Po
             decode,
             cached_tokens,
         } => {
-            let plan = Plan {
-                mode: ExecutionMode::DirectToD,
-                decode,
-                prefill: None,
-                reason: None,
-                cached_tokens,
-                cached_on_d: cached_tokens,
-                scores,
-                reject_count,
-            };
+            let plan = Plan::direct(decode, cached_tokens, scores, reject_count);
             return Ok(ctx.finish(plan, knobs));
         }
         TurnClass::FirstTurn => (ExecutionMode::Turn1Seed, None),

@@ -363,16 +363,7 @@ pub(crate) fn route_with(
             } else {
                 // Entries for debugging; the choice is the session's D.
                 v2.pick(Some(decode), None, &mut scores);
-                let plan = Plan {
-                    mode: ExecutionMode::DirectToD,
-                    decode,
-                    prefill: None,
-                    reason: None,
-                    cached_tokens,
-                    cached_on_d: cached_tokens,
-                    scores,
-                    reject_count: None,
-                };
+                let plan = Plan::direct(decode, cached_tokens, scores, None);
                 return Ok(ctx.finish(plan, knobs));
             }
         }

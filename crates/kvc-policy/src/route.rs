@@ -255,6 +255,25 @@ impl Plan {
         }
     }
 
+    /// A direct-to-D plan on `decode`, which holds `cached` tokens of the input.
+    pub(crate) fn direct(
+        decode: WorkerId,
+        cached: u64,
+        scores: Vec<ScoreEntry>,
+        reject_count: Option<(WorkerId, u32)>,
+    ) -> Plan {
+        Plan {
+            mode: ExecutionMode::DirectToD,
+            decode,
+            prefill: None,
+            reason: None,
+            cached_tokens: cached,
+            cached_on_d: cached,
+            scores,
+            reject_count,
+        }
+    }
+
     /// The plan of a colocated cluster: worker `w`, which holds `cached` tokens of the input.
     pub(crate) fn colocated(w: WorkerId, cached: u64, scores: Vec<ScoreEntry>) -> Plan {
         Plan {
