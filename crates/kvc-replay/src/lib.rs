@@ -50,6 +50,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod http;
 pub mod live;
 pub mod output;
 pub mod report;

@@ -114,23 +114,29 @@ pub fn router_config(
 }
 
 /// Publishes every worker's state into its snapshot file.
-struct Publisher {
+pub(crate) struct Publisher {
     writers: Vec<SnapshotWriter>,
     data: SnapshotData,
 }
 
 impl Publisher {
-    fn create(cfg: &SimConfig, opts: &LiveOptions) -> Result<Self, LiveError> {
-        std::fs::create_dir_all(&opts.snapshot_dir).map_err(|e| LiveError::Snapshot {
-            path: opts.snapshot_dir.display().to_string(),
+    /// Creates one snapshot file per worker of `cfg` in `dir`, with `table_slots` resident
+    /// slots each.
+    pub(crate) fn create(
+        cfg: &SimConfig,
+        dir: &Path,
+        table_slots: usize,
+    ) -> Result<Self, LiveError> {
+        std::fs::create_dir_all(dir).map_err(|e| LiveError::Snapshot {
+            path: dir.display().to_string(),
             message: e.to_string(),
         })?;
         let capacity = cfg.profile.hardware.kv_pool_tokens;
         let mut writers = Vec::new();
         for i in 0..worker_roles(cfg.topology).len() {
             let id = WorkerId(i as u32);
-            let path = snapshot_path(&opts.snapshot_dir, id);
-            let w = SnapshotWriter::create(&path, id, capacity, opts.table_slots).map_err(|e| {
+            let path = snapshot_path(dir, id);
+            let w = SnapshotWriter::create(&path, id, capacity, table_slots).map_err(|e| {
                 LiveError::Snapshot {
                     path: path.display().to_string(),
                     message: e.to_string(),
@@ -146,7 +152,12 @@ impl Publisher {
 
     /// Publishes the engine's state of every worker, stamped with the wall clock.
     /// Engine time `t` (simulated µs since the start) is wall time `start_ms + t / speedup`.
-    fn publish(&mut self, engine: &Engine, start_ms: u64, speedup: f64) -> Result<(), LiveError> {
+    pub(crate) fn publish(
+        &mut self,
+        engine: &Engine,
+        start_ms: u64,
+        speedup: f64,
+    ) -> Result<(), LiveError> {
         let now = SystemClock.now_ms();
         let to_wall = |t: Micros| start_ms + (t as f64 / 1e3 / speedup) as u64;
         for (i, w) in self.writers.iter_mut().enumerate() {
@@ -363,7 +374,7 @@ pub fn live(
     if opts.table_slots == 0 {
         return Err(LiveError::Invalid("table slots must be at least 1".into()));
     }
-    let mut publisher = Publisher::create(cfg, opts)?;
+    let mut publisher = Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

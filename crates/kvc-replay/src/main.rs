@@ -22,8 +22,9 @@ enum Command {
     Stats(cli::stats::Args),
     /// Simulate a cluster and a routing policy on a trace (deterministic, virtual clock).
     Sim(cli::sim::Args),
-    /// Replay a trace through a real kvc-router in front of simulated workers on a real clock.
-    Live(cli::live::Args),
+    /// Replay a trace on a real clock through a real router in front of simulated workers:
+    /// kvc-router over gRPC, or any router over HTTP (--http, --http-router URL).
+    Live(Box<cli::live::Args>),
     /// Compare run directories: headline metrics with deltas, and per execution mode.
     Compare(cli::compare::Args),
     /// Write a Markdown report with SVG plots for run directories.
@@ -40,7 +41,7 @@ fn main() -> ExitCode {
         Command::Gen(args) => cli::generate::run(args),
         Command::Stats(args) => cli::stats::run(args),
         Command::Sim(args) => cli::sim::run(args),
-        Command::Live(args) => cli::live::run(args),
+        Command::Live(args) => cli::live::run(*args),
         Command::Compare(args) => cli::compare::run(args),
         Command::Report(args) => cli::report::run(args),
         Command::Demo(args) => cli::demo::run(args),

@@ -4,6 +4,7 @@
 use super::TraceArgs;
 use super::sim::RunArgs;
 use anyhow::{Result, bail};
+use kvc_replay::http::{HttpLiveOptions, HttpRouter, WorkerOptions, live_http};
 use kvc_replay::live::{LiveOptions, RouterTarget, live, router_config};
 use kvc_replay::output::{summary_table, write_run};
 use std::path::PathBuf;
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 /// Options of `kvc-replay live`.
 #[derive(Debug, clap::Args)]
-#[command(group(clap::ArgGroup::new("target").required(true).args(["router", "spawn_router", "write_router_config"])))]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["router", "spawn_router", "write_router_config", "http_router"])))]
 pub(crate) struct Args {
     /// Trace file (JSONL).
     #[arg(long)]
@@ -30,6 +31,47 @@ pub(crate) struct Args {
     /// Start a kvc-router inside this process (loopback, the run's --policy).
     #[arg(long)]
     pub(crate) spawn_router: bool,
+    /// Drive the router over HTTP: the simulated workers speak SGLang's HTTP API (P/D
+    /// bootstrap handshake included) and each request is a /generate call whose prompt text
+    /// repeats where the trace's blocks repeat. With --spawn-router, kvc-router's HTTP front
+    /// is started in this process.
+    #[arg(long)]
+    pub(crate) http: bool,
+    /// Drive the HTTP router at URL (e.g. http://127.0.0.1:8000; implies --http). Start it
+    /// once --ready-file appears; the replay waits --connect-timeout-s for its GET /health.
+    #[arg(long, value_name = "URL")]
+    pub(crate) http_router: Option<String>,
+    /// HTTP mode: serve worker i's HTTP API on 127.0.0.1:PORT+i (default: free ports).
+    #[arg(long, value_name = "PORT")]
+    pub(crate) http_base_port: Option<u16>,
+    /// HTTP mode: serve prefill worker i's bootstrap server on 127.0.0.1:PORT+i (default:
+    /// free ports).
+    #[arg(long, value_name = "PORT")]
+    pub(crate) bootstrap_base_port: Option<u16>,
+    /// HTTP mode: once the workers serve, write their addresses, roles and bootstrap ports
+    /// here (JSON).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) ready_file: Option<PathBuf>,
+    /// HTTP mode: once the workers serve, write a kvc-router config for them here (TOML;
+    /// HTTP front on 127.0.0.1:8000, gRPC on 127.0.0.1:50051, metrics on 127.0.0.1:9464).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) http_router_config: Option<PathBuf>,
+    /// HTTP mode: header carrying each request's session key.
+    #[arg(long, default_value = "x-session-id")]
+    pub(crate) session_header: String,
+    /// HTTP mode: send no session header (the router must infer sessions).
+    #[arg(long)]
+    pub(crate) no_session_header: bool,
+    /// HTTP mode: ask for whole answers instead of streams.
+    #[arg(long)]
+    pub(crate) no_stream: bool,
+    /// HTTP mode: most wall seconds one request may take.
+    #[arg(long, default_value_t = 600.0)]
+    pub(crate) request_timeout_s: f64,
+    /// HTTP mode: the router's name in the summary (default: the policy when spawned,
+    /// `external` otherwise).
+    #[arg(long)]
+    pub(crate) router_label: Option<String>,
     /// Write the kvc-router config (TOML) matching this run's workers and snapshot files to
     /// FILE and exit; start the router with it, then run `live --router`.
     #[arg(long, value_name = "FILE")]
@@ -111,6 +153,9 @@ pub(crate) fn run(args: Args) -> Result<()> {
     }
     let trace = args.trace_opts.load(trace_path, args.quiet)?;
     let cfg = args.run.config_for(&trace)?;
+    if args.http || args.http_router.is_some() {
+        return run_http(&args, &trace, &cfg, snapshot_dir, out);
+    }
     let opts = LiveOptions {
         speedup: args.speedup,
         router: match &args.router {
@@ -136,6 +181,76 @@ pub(crate) fn run(args: Args) -> Result<()> {
         "{}",
         summary_table(&[(format!("live {}", super::sim::label(&cfg)), &output.summary)])
     );
+    eprintln!("wrote {}", out.display());
+    Ok(())
+}
+
+fn seconds(name: &str, v: f64) -> Result<Duration> {
+    if !(v.is_finite() && v >= 0.0) {
+        bail!("{name} must be a number of seconds ≥ 0 (got {v})");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// `live --http` / `live --http-router URL`.
+fn run_http(
+    args: &Args,
+    trace: &kvc_replay::trace::Trace,
+    cfg: &kvc_replay::sim::SimConfig,
+    snapshot_dir: PathBuf,
+    out: &std::path::Path,
+) -> Result<()> {
+    let opts = HttpLiveOptions {
+        router: match &args.http_router {
+            Some(url) => HttpRouter::Url(url.clone()),
+            None if args.spawn_router => HttpRouter::Spawn,
+            None => bail!("--http needs --spawn-router or --http-router URL"),
+        },
+        label: args.router_label.clone(),
+        workers: WorkerOptions {
+            speedup: args.speedup,
+            http_base_port: args.http_base_port,
+            bootstrap_base_port: args.bootstrap_base_port,
+            snapshot_dir,
+            table_slots: args.table_slots,
+            model: cfg.profile.name.clone(),
+        },
+        session_header: (!args.no_session_header).then(|| args.session_header.clone()),
+        stream: !args.no_stream,
+        connect_timeout: seconds("--connect-timeout-s", args.connect_timeout_s)?,
+        request_timeout: seconds("--request-timeout-s", args.request_timeout_s)?,
+        ready_file: args.ready_file.clone(),
+        router_config_file: args.http_router_config.clone(),
+    };
+    let quiet = args.quiet;
+    let mut last = 0;
+    let mut progress = |done: usize, total: usize| {
+        if !quiet && done >= last + total.max(10) / 10 {
+            last = done;
+            eprintln!("kvc-replay live: {done}/{total} requests");
+        }
+    };
+    let output = live_http(trace, cfg, &opts, &mut progress)?;
+    write_run(&output.run, out)?;
+    let path = out.join("http.json");
+    let mut text = serde_json::to_string_pretty(&output.report)?;
+    text.push('\n');
+    std::fs::write(&path, text)?;
+    print!(
+        "{}",
+        summary_table(&[(
+            format!("http {} {}", output.report.router, cfg.topology),
+            &output.run.summary
+        )])
+    );
+    let a = &output.report.router_added;
+    println!(
+        "router added latency (wall ms, {} streamed requests): mean {:.3} p50 {:.3} p90 {:.3} p99 {:.3} max {:.3}",
+        a.requests, a.mean_ms, a.p50_ms, a.p90_ms, a.p99_ms, a.max_ms
+    );
+    for e in &output.report.first_errors {
+        eprintln!("  {e}");
+    }
     eprintln!("wrote {}", out.display());
     Ok(())
 }

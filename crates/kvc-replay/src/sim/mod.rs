@@ -46,7 +46,8 @@ impl EvictionMode {
         }
     }
 
-    fn config(self) -> EvictionConfig {
+    /// The planner settings of this mode.
+    pub fn config(self) -> EvictionConfig {
         let mut cfg = EvictionConfig::default();
         match self {
             EvictionMode::IdleLru => {
@@ -507,7 +508,24 @@ pub fn run(
         .filter(|(r, _)| **r != WorkerRole::Prefill)
         .map(|(_, n)| n.clone())
         .collect();
-    let config = RunConfig {
+    let config = run_config(cfg);
+    let summary = Summary::build(
+        &records,
+        &decode_names,
+        config,
+        wall.elapsed().as_secs_f64(),
+    );
+    Ok(SimOutput {
+        records,
+        summary,
+        worker_names: sim.names,
+        occupancy: sim.occupancy,
+    })
+}
+
+/// The `config` block of a run's summary.
+pub fn run_config(cfg: &SimConfig) -> RunConfig {
+    RunConfig {
         topology: cfg.topology.to_string(),
         policy: cfg.policy.name().to_owned(),
         prefill_policy: cfg
@@ -522,19 +540,7 @@ pub fn run(
         eviction: cfg.eviction.as_str().to_owned(),
         profile: cfg.profile.name.clone(),
         policy_config: serde_json::to_value(&cfg.policy).unwrap_or(serde_json::Value::Null),
-    };
-    let summary = Summary::build(
-        &records,
-        &decode_names,
-        config,
-        wall.elapsed().as_secs_f64(),
-    );
-    Ok(SimOutput {
-        records,
-        summary,
-        worker_names: sim.names,
-        occupancy: sim.occupancy,
-    })
+    }
 }
 
 impl Sim<'_> {

@@ -1,0 +1,330 @@
+//! The client side of an HTTP replay: sends each trace request to an HTTP router as an SGLang
+//! `/generate` call, paced like `sim` (a session's turns in order, turn k+1 ready at the later
+//! of its scaled timestamp and turn k's end, at most `concurrency` in flight, first come first
+//! served), and times the answer.
+
+use super::prompt::{prompt_key, prompt_text};
+use super::workers::Shared;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// How the driver talks to the router.
+#[derive(Debug, Clone)]
+pub struct DriveOptions {
+    /// Base URL of the router (`http://127.0.0.1:8000`).
+    pub router_url: String,
+    /// Header carrying the session key (`s<session id>`); `None` sends no session, leaving the
+    /// router to infer it.
+    pub session_header: Option<String>,
+    /// Ask for streamed answers (TTFT is then measured at the client).
+    pub stream: bool,
+    /// Most time one request may take, wall clock.
+    pub request_timeout: Duration,
+    /// Trace time is divided by this.
+    pub time_scale: f64,
+    /// Most requests in flight.
+    pub concurrency: usize,
+}
+
+/// What the client saw of one request.
+#[derive(Debug, Clone)]
+pub(crate) struct ClientSide {
+    pub(crate) ready: Instant,
+    pub(crate) dispatch: Instant,
+    pub(crate) sent: Instant,
+    pub(crate) first: Option<Instant>,
+    pub(crate) done: Instant,
+    pub(crate) status: u16,
+    /// The router's `x-kvc-mode` header, when it sends one.
+    pub(crate) mode: Option<String>,
+    /// The answer completed (2xx, and a stream that ended with `[DONE]` and no error event).
+    pub(crate) complete: bool,
+    /// The answer says the input is over the model's limit.
+    pub(crate) input_too_long: bool,
+    /// Why the request failed, when it did.
+    pub(crate) error: Option<String>,
+}
+
+type Client = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    Full<Bytes>,
+>;
+
+/// Sends every request of the trace; returns what the client saw, by trace index.
+pub(crate) async fn drive(
+    shared: Arc<Shared>,
+    opts: DriveOptions,
+    start: Instant,
+    speedup: f64,
+    completed: Arc<AtomicUsize>,
+) -> Vec<Option<ClientSide>> {
+    let trace = shared.trace.clone();
+    let client: Client =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build_http();
+    let slots = Arc::new(tokio::sync::Semaphore::new(opts.concurrency.max(1)));
+    let opts = Arc::new(opts);
+    let mut tasks = tokio::task::JoinSet::new();
+    for session in trace.session_list() {
+        let turns = session.requests.clone();
+        let (shared, client, slots, opts, completed) = (
+            shared.clone(),
+            client.clone(),
+            slots.clone(),
+            opts.clone(),
+            completed.clone(),
+        );
+        tasks.spawn(async move {
+            let mut out = Vec::with_capacity(turns.len());
+            let mut previous_done = start;
+            for i in turns {
+                let r = &shared.trace.requests[i];
+                let at = start
+                    + Duration::from_secs_f64(
+                        r.timestamp_ms as f64 / 1e3 / opts.time_scale / speedup,
+                    );
+                let ready = at.max(previous_done);
+                tokio::time::sleep_until(ready.into()).await;
+                let permit = slots.clone().acquire_owned().await;
+                let dispatch = Instant::now();
+                let side = send(&shared, &client, &opts, i, ready, dispatch).await;
+                drop(permit);
+                previous_done = side.done;
+                completed.fetch_add(1, Ordering::Relaxed);
+                out.push((i, side));
+            }
+            out
+        });
+    }
+    let mut all = vec![None; trace.len()];
+    while let Some(done) = tasks.join_next().await {
+        if let Ok(sides) = done {
+            for (i, side) in sides {
+                all[i] = Some(side);
+            }
+        }
+    }
+    all
+}
+
+/// The SGLang `/generate` body of trace request `i`.
+fn body_of(shared: &Shared, i: usize, text: &str, stream: bool) -> Vec<u8> {
+    let r = &shared.trace.requests[i];
+    json!({
+        "text": text,
+        "sampling_params": {
+            "max_new_tokens": r.output_length.max(1),
+            "ignore_eos": true,
+            "temperature": 0.0,
+        },
+        "stream": stream,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+async fn send(
+    shared: &Shared,
+    client: &Client,
+    opts: &DriveOptions,
+    i: usize,
+    ready: Instant,
+    dispatch: Instant,
+) -> ClientSide {
+    let r = &shared.trace.requests[i];
+    let text = prompt_text(&r.hash_ids, r.input_length, shared.trace.block_size());
+    let key = prompt_key(&text);
+    let body = body_of(shared, i, &text, opts.stream);
+    drop(text);
+    shared.register(key, i);
+    let sent = Instant::now();
+    let mut side = ClientSide {
+        ready,
+        dispatch,
+        sent,
+        first: None,
+        done: sent,
+        status: 0,
+        mode: None,
+        complete: false,
+        input_too_long: false,
+        error: None,
+    };
+    let session_key = format!("s{}", r.session.0);
+    let result = tokio::time::timeout(
+        opts.request_timeout,
+        exchange(client, opts, &session_key, body, &mut side),
+    )
+    .await;
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => side.error = Some(e),
+        Err(_) => {
+            side.error = Some(format!(
+                "no complete answer within {:.0} s",
+                opts.request_timeout.as_secs_f64()
+            ));
+        }
+    }
+    side.done = Instant::now();
+    shared.unregister(key, i);
+    side
+}
+
+/// One request and its answer.
+async fn exchange(
+    client: &Client,
+    opts: &DriveOptions,
+    session_key: &str,
+    body: Vec<u8>,
+    side: &mut ClientSide,
+) -> Result<(), String> {
+    let url = format!("{}/generate", opts.router_url.trim_end_matches('/'));
+    let mut req = hyper::Request::post(url.as_str()).header("content-type", "application/json");
+    if let Some(h) = &opts.session_header {
+        req = req.header(h.as_str(), session_key);
+    }
+    let req = req
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| format!("bad request to {url}: {e}"))?;
+    let resp = client
+        .request(req)
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    side.status = resp.status().as_u16();
+    side.mode = resp
+        .headers()
+        .get("x-kvc-mode")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let ok = resp.status().is_success();
+    let mut body = resp.into_body();
+    let mut events = EventScan::default();
+    let mut whole = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("{url}: the answer broke off: {e}"))?;
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        if ok && opts.stream {
+            events.feed(data);
+            if side.first.is_none() && events.first_token {
+                side.first = Some(Instant::now());
+            }
+        } else {
+            whole.extend_from_slice(data);
+        }
+    }
+    if !ok {
+        let text = String::from_utf8_lossy(&whole);
+        side.input_too_long = text.contains("longer than the model's context length");
+        return Err(format!("{url} answered {}: {}", side.status, text.trim()));
+    }
+    if opts.stream {
+        events.finish();
+        if let Some(e) = events.error {
+            return Err(format!("error event: {e}"));
+        }
+        side.complete = events.done && events.completion.is_some();
+        if !side.complete {
+            return Err("the stream ended without its last event".into());
+        }
+    } else {
+        let v: Value =
+            serde_json::from_slice(&whole).map_err(|e| format!("the answer is not JSON: {e}"))?;
+        side.complete = v.pointer("/meta_info/completion_tokens").is_some();
+        if !side.complete {
+            return Err(format!("the answer has no meta_info: {v}"));
+        }
+    }
+    Ok(())
+}
+
+/// Reads SSE `data:` events as they arrive.
+#[derive(Debug, Default)]
+struct EventScan {
+    line: Vec<u8>,
+    first_token: bool,
+    completion: Option<u64>,
+    done: bool,
+    error: Option<String>,
+}
+
+impl EventScan {
+    fn feed(&mut self, bytes: &[u8]) {
+        for part in bytes.split_inclusive(|b| *b == b'\n') {
+            self.line.extend_from_slice(part);
+            if part.ends_with(b"\n") {
+                self.end_line();
+            }
+        }
+    }
+
+    fn end_line(&mut self) {
+        let line = std::mem::take(&mut self.line);
+        let Some(data) = line.trim_ascii().strip_prefix(b"data:") else {
+            return;
+        };
+        let data = data.trim_ascii();
+        if data == b"[DONE]" {
+            self.done = true;
+            return;
+        }
+        let Ok(v) = serde_json::from_slice::<Value>(data) else {
+            return;
+        };
+        if let Some(e) = v.get("error") {
+            self.error = Some(e.to_string());
+            return;
+        }
+        if let Some(n) = v
+            .pointer("/meta_info/completion_tokens")
+            .or_else(|| v.pointer("/usage/completion_tokens"))
+            .and_then(Value::as_u64)
+        {
+            self.completion = Some(n);
+            if n >= 1 {
+                self.first_token = true;
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if !self.line.is_empty() {
+            self.end_line();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EventScan;
+
+    #[test]
+    fn events_split_across_chunks_are_read_whole() {
+        let mut s = EventScan::default();
+        s.feed(b"data: {\"text\": \"\", \"meta_info\": {\"completion_tokens\": 0}}\n\nda");
+        assert!(!s.first_token);
+        s.feed(b"ta: {\"meta_info\": {\"completion_tokens\": 1}}\n\n");
+        assert!(s.first_token);
+        s.feed(b"data: {\"meta_info\": {\"completion_tokens\": 9}}\n\ndata: [DONE]\n\n");
+        s.finish();
+        assert_eq!(s.completion, Some(9));
+        assert!(s.done);
+        assert_eq!(s.error, None);
+    }
+
+    #[test]
+    fn an_error_event_is_kept() {
+        let mut s = EventScan::default();
+        s.feed(b"data: {\"error\": {\"message\": \"gone\"}}");
+        s.finish();
+        assert!(s.error.as_deref().is_some_and(|e| e.contains("gone")));
+        assert!(!s.done);
+    }
+}

@@ -1,0 +1,524 @@
+//! HTTP replay: a trace sent through any HTTP router to simulated workers that speak SGLang's
+//! HTTP API.
+//!
+//! [`HttpWorkers`] are the simulator's engine model on a real clock, each worker an HTTP server
+//! on loopback (see [`workers`] for the API and the P/D bootstrap handshake). The driver sends
+//! each trace request as an SGLang `/generate` call to the router, with a prompt whose words
+//! repeat exactly where the trace's blocks repeat ([`prompt_text`]), so a text-prefix router
+//! sees the trace's real prefix structure. Records and summary have `sim`'s shape; times are in
+//! engine time (wall time × speedup).
+//!
+//! The router is either `kvc-router` started in this process with its HTTP front
+//! ([`HttpRouter::Spawn`]) or any router at a URL ([`HttpRouter::Url`]), started once the
+//! workers are up (the replay writes a ready file with the workers' addresses, and the
+//! `kvc-router` configuration for them, then waits for the router's `GET /health`).
+//!
+//! **Router added latency.** Per request, the time from the client sending it to the first
+//! worker receiving it, plus the time from the decode worker handing over its last event to
+//! the client receiving the end of the answer: what the router (and the hops through it) add,
+//! in wall milliseconds. It is measured for streamed requests that completed.
+
+pub mod driver;
+mod prompt;
+pub mod workers;
+
+pub use driver::DriveOptions;
+pub use prompt::{prompt_key, prompt_text};
+pub use workers::{HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, WorkerOptions};
+
+use crate::live::{LiveError, router_config};
+use crate::sim::metrics::{RequestRecord, Summary};
+use crate::sim::{SimConfig, SimOutput, run_config};
+use crate::trace::Trace;
+use driver::ClientSide;
+use kvc_core::{ExecutionMode, Outcome, WorkerRole};
+use serde::Serialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// Which HTTP router the replay drives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HttpRouter {
+    /// A router at this base URL (`http://127.0.0.1:8000`), started by someone else once the
+    /// ready file is written.
+    Url(String),
+    /// `kvc-router` with its HTTP front, started in this process with the run's policy.
+    Spawn,
+}
+
+/// Settings of an HTTP replay besides the [`SimConfig`].
+#[derive(Debug, Clone)]
+pub struct HttpLiveOptions {
+    /// The router.
+    pub router: HttpRouter,
+    /// Name of the router in the summary's `config.policy` (default: the run's policy for a
+    /// spawned router, `external` otherwise).
+    pub label: Option<String>,
+    /// The simulated workers.
+    pub workers: WorkerOptions,
+    /// Header carrying the session key; `None` sends no session.
+    pub session_header: Option<String>,
+    /// Ask for streamed answers.
+    pub stream: bool,
+    /// How long to wait for the router's `/health` to answer 2xx.
+    pub connect_timeout: Duration,
+    /// Most wall time one request may take.
+    pub request_timeout: Duration,
+    /// Written (JSON) once the workers serve: their addresses, roles and bootstrap ports.
+    pub ready_file: Option<PathBuf>,
+    /// Written (TOML) once the workers serve: a `kvc-router` configuration for them.
+    pub router_config_file: Option<PathBuf>,
+}
+
+/// Added latency of the router, wall milliseconds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct AddedLatency {
+    /// Requests measured.
+    pub requests: usize,
+    /// Mean.
+    pub mean_ms: f64,
+    /// Median.
+    pub p50_ms: f64,
+    /// 90th percentile.
+    pub p90_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+    /// Largest.
+    pub max_ms: f64,
+}
+
+impl AddedLatency {
+    fn of(mut v: Vec<f64>) -> Self {
+        if v.is_empty() {
+            return AddedLatency::default();
+        }
+        v.sort_by(f64::total_cmp);
+        let q = |p: f64| v[((p * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)];
+        AddedLatency {
+            requests: v.len(),
+            mean_ms: v.iter().sum::<f64>() / v.len() as f64,
+            p50_ms: q(0.5),
+            p90_ms: q(0.9),
+            p99_ms: q(0.99),
+            max_ms: v[v.len() - 1],
+        }
+    }
+}
+
+/// What an HTTP replay measured besides `sim`'s outputs (`http.json`).
+#[derive(Debug, Clone, Serialize)]
+pub struct HttpReport {
+    /// The router driven.
+    pub router: String,
+    /// The router's added latency.
+    pub router_added: AddedLatency,
+    /// Direct-to-D turns the decode workers' admission refused (the router then re-routed).
+    pub admission_rejects: u64,
+    /// Requests a decode worker got more than once, besides re-routes after an admission
+    /// refusal (the router retried them).
+    pub retried: usize,
+    /// Each failed request's error, first 20.
+    pub first_errors: Vec<String>,
+}
+
+/// Records, summary and the HTTP report of one replay.
+#[derive(Debug, Clone)]
+pub struct HttpOutput {
+    /// Same shape as `sim`'s.
+    pub run: SimOutput,
+    /// What only an HTTP replay measures.
+    pub report: HttpReport,
+}
+
+/// The `kvc-router` configuration for the simulated workers `workers` of `cfg` (snapshots in
+/// `dir`), with its HTTP front on `http_listen`.
+pub fn http_router_config(
+    cfg: &SimConfig,
+    dir: &Path,
+    listen: SocketAddr,
+    http_listen: SocketAddr,
+    metrics_listen: Option<SocketAddr>,
+    workers: &HttpWorkers,
+) -> kvc_router::config::RouterConfig {
+    let mut rc = router_config(cfg, dir, listen, metrics_listen, &[]);
+    rc.http_listen = Some(http_listen);
+    for (i, addr) in workers.addrs().iter().enumerate() {
+        rc.worker_http.insert(
+            i as u32,
+            kvc_router::config::WorkerHttpConfig {
+                url: format!("http://{addr}"),
+                bootstrap_port: workers.bootstrap_ports()[i],
+            },
+        );
+    }
+    rc
+}
+
+fn ready_json(workers: &HttpWorkers) -> serde_json::Value {
+    let list: Vec<serde_json::Value> = workers
+        .addrs()
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            serde_json::json!({
+                "id": i,
+                "name": workers.shared.names()[i],
+                "role": workers.roles()[i].to_string(),
+                "url": format!("http://{a}"),
+                "bootstrap_port": workers.bootstrap_ports()[i],
+            })
+        })
+        .collect();
+    serde_json::json!({ "workers": list })
+}
+
+fn write_file(path: &Path, text: &str) -> Result<(), LiveError> {
+    std::fs::write(path, text).map_err(|e| LiveError::Snapshot {
+        path: path.display().to_string(),
+        message: format!("cannot write: {e}"),
+    })
+}
+
+/// Waits until `GET <url>/health` answers 2xx.
+async fn wait_healthy(url: &str, timeout: Duration) -> Result<(), LiveError> {
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    let uri: hyper::Uri = format!("{}/health", url.trim_end_matches('/'))
+        .parse()
+        .map_err(|e| LiveError::Invalid(format!("bad router URL {url}: {e}")))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        let attempt = tokio::time::timeout(Duration::from_secs(2), client.get(uri.clone())).await;
+        let last = match attempt {
+            Ok(Ok(r)) if r.status().is_success() => return Ok(()),
+            Ok(Ok(r)) => format!("answered {}", r.status()),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "no answer within 2 s".to_owned(),
+        };
+        if Instant::now() >= deadline {
+            return Err(LiveError::Router(format!(
+                "{url}/health did not answer 2xx within {:.0} s: {last}",
+                timeout.as_secs_f64()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Replays `trace` through the HTTP router of `opts` in front of simulated workers.
+/// `progress` gets (completed, total) about twice a second.
+pub fn live_http(
+    trace: &Trace,
+    cfg: &SimConfig,
+    opts: &HttpLiveOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<HttpOutput, LiveError> {
+    if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
+        return Err(LiveError::Invalid(format!(
+            "time scale must be a positive number (got {})",
+            cfg.time_scale
+        )));
+    }
+    if opts.workers.table_slots == 0 {
+        return Err(LiveError::Invalid("table slots must be at least 1".into()));
+    }
+    if cfg.policy.block_size() != trace.block_size() {
+        return Err(LiveError::Invalid(format!(
+            "the trace has {}-token blocks but the policy counts {}-token blocks",
+            trace.block_size().tokens(),
+            cfg.policy.block_size().tokens()
+        )));
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| LiveError::Router(format!("cannot start the async runtime: {e}")))?;
+    let trace = Arc::new(trace.clone());
+    let workers = HttpWorkers::start(rt.handle(), trace.clone(), cfg, &opts.workers)?;
+    if let Some(path) = &opts.router_config_file {
+        let rc = http_router_config(
+            cfg,
+            &opts.workers.snapshot_dir,
+            SocketAddr::from(([127, 0, 0, 1], 50051)),
+            SocketAddr::from(([127, 0, 0, 1], 8000)),
+            Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
+            &workers,
+        );
+        let text = toml::to_string_pretty(&rc)
+            .map_err(|e| LiveError::Invalid(format!("cannot write the router config: {e}")))?;
+        write_file(path, &text)?;
+    }
+    if let Some(path) = &opts.ready_file {
+        write_file(path, &format!("{:#}\n", ready_json(&workers)))?;
+    }
+    let mut _spawned = None;
+    let (url, label) = match &opts.router {
+        HttpRouter::Url(u) => (
+            u.clone(),
+            opts.label.clone().unwrap_or_else(|| "external".into()),
+        ),
+        HttpRouter::Spawn => {
+            let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+            let rc = http_router_config(
+                cfg,
+                &opts.workers.snapshot_dir,
+                loopback,
+                loopback,
+                None,
+                &workers,
+            );
+            let running = rt
+                .block_on(kvc_router::serve(rc, std::future::pending()))
+                .map_err(|e| LiveError::Router(format!("cannot start the router: {e}")))?;
+            let addr = running
+                .http_addr()
+                .ok_or_else(|| LiveError::Router("the router serves no HTTP front".into()))?;
+            _spawned = Some(running);
+            (
+                format!("http://{addr}"),
+                opts.label
+                    .clone()
+                    .unwrap_or_else(|| cfg.policy.name().to_owned()),
+            )
+        }
+    };
+    rt.block_on(wait_healthy(&url, opts.connect_timeout))?;
+    let drive_opts = DriveOptions {
+        router_url: url.clone(),
+        session_header: opts.session_header.clone(),
+        stream: opts.stream,
+        request_timeout: opts.request_timeout,
+        time_scale: cfg.time_scale,
+        concurrency: cfg.concurrency,
+    };
+    let wall = Instant::now();
+    // Trace time 0 is now: engine time keeps running from the workers' start.
+    let start = Instant::now();
+    let completed = Arc::new(AtomicUsize::new(0));
+    let total = trace.len();
+    let shared = workers.shared.clone();
+    let speedup = opts.workers.speedup;
+    let sides = rt.block_on(async {
+        let mut task = tokio::spawn(driver::drive(
+            shared.clone(),
+            drive_opts,
+            start,
+            speedup,
+            completed.clone(),
+        ));
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tokio::select! {
+                r = &mut task => break r,
+                _ = tick.tick() => progress(completed.load(Ordering::Relaxed), total),
+            }
+        }
+    });
+    let sides = sides.map_err(|e| LiveError::Invalid(format!("the driver failed: {e}")))?;
+    progress(completed.load(Ordering::Relaxed), total);
+    if let Some(r) = _spawned.take() {
+        r.shutdown();
+        let _ = rt.block_on(r.wait());
+    }
+    let served = shared.served();
+    let names = shared.names().to_vec();
+    let roles = workers.roles().to_vec();
+    let pacer = workers::Pacer { start, speedup };
+    workers.stop()?;
+    let mut config = run_config(cfg);
+    config.policy = label.clone();
+    let (records, report) = build_records(&trace, &sides, &served, &names, pacer, label);
+    let decode_names: Vec<String> = roles
+        .iter()
+        .zip(&names)
+        .filter(|(r, _)| **r != WorkerRole::Prefill)
+        .map(|(_, n)| n.clone())
+        .collect();
+    let summary = Summary::build(
+        &records,
+        &decode_names,
+        config,
+        wall.elapsed().as_secs_f64(),
+    );
+    Ok(HttpOutput {
+        run: SimOutput {
+            records,
+            summary,
+            worker_names: names,
+            occupancy: Vec::new(),
+        },
+        report,
+    })
+}
+
+/// One record per trace request from what the client and the workers saw.
+fn build_records(
+    trace: &Trace,
+    sides: &[Option<ClientSide>],
+    served: &[Served],
+    names: &[String],
+    pacer: workers::Pacer,
+    router: String,
+) -> (Vec<RequestRecord>, HttpReport) {
+    let secs = |t: Instant| pacer.engine_at(t);
+    let mut first_of_session = vec![false; trace.len()];
+    for s in trace.session_list() {
+        if let Some(&i) = s.requests.first() {
+            first_of_session[i] = true;
+        }
+    }
+    let mut added = Vec::new();
+    let mut first_errors = Vec::new();
+    let mut retried = 0;
+    let mut admission_rejects = 0u64;
+    let mut records = Vec::with_capacity(trace.len());
+    for (i, r) in trace.requests.iter().enumerate() {
+        let s = &served[i];
+        admission_rejects += u64::from(s.admission_rejects);
+        if s.attempts > 1 + s.admission_rejects {
+            retried += 1;
+        }
+        let Some(c) = &sides[i] else {
+            // The driver lost the request (its task failed): count it, never drop it.
+            if first_errors.len() < 20 {
+                first_errors.push(format!("request {i}: the driver did not finish it"));
+            }
+            records.push(lost_record(i, r));
+            continue;
+        };
+        let outcome = if c.complete {
+            Outcome::Ok
+        } else if c.input_too_long {
+            Outcome::InputTooLong
+        } else if let Some(f) = s.failure {
+            f
+        } else if s.arrived.is_none() && (c.status == 503 || c.status == 429) {
+            Outcome::Rejected
+        } else {
+            Outcome::WorkerFailed
+        };
+        if outcome != Outcome::Ok && outcome != Outcome::InputTooLong && first_errors.len() < 20 {
+            first_errors.push(format!(
+                "request {i}: {}",
+                c.error.as_deref().unwrap_or("failed")
+            ));
+        }
+        let mode = c
+            .mode
+            .as_deref()
+            .and_then(|m| m.parse::<ExecutionMode>().ok())
+            .or(match s.path {
+                Some(ServedPath::Direct(_)) => Some(ExecutionMode::DirectToD),
+                Some(ServedPath::Colocated(_)) => Some(ExecutionMode::Colocated),
+                Some(ServedPath::PrefillDecode { .. }) if first_of_session[i] => {
+                    Some(ExecutionMode::Turn1Seed)
+                }
+                Some(ServedPath::PrefillDecode { .. }) => Some(ExecutionMode::Fallback),
+                None => None,
+            })
+            .filter(|_| s.path.is_some() || outcome != Outcome::InputTooLong);
+        let (prefill, decode) = match s.path {
+            Some(ServedPath::PrefillDecode { prefill, decode }) => (
+                Some(names[prefill.0 as usize].clone()),
+                Some(names[decode.0 as usize].clone()),
+            ),
+            Some(ServedPath::Direct(w) | ServedPath::Colocated(w)) => {
+                (None, Some(names[w.0 as usize].clone()))
+            }
+            None => (None, None),
+        };
+        let first = if outcome == Outcome::Ok {
+            c.first.or(s.first_sent)
+        } else {
+            None
+        };
+        if outcome == Outcome::Ok
+            && c.first.is_some()
+            && let (Some(arrived), Some(done_sent)) = (s.arrived, s.done_sent)
+        {
+            let there = arrived.saturating_duration_since(c.sent);
+            let back = c.done.saturating_duration_since(done_sent);
+            added.push((there + back).as_secs_f64() * 1e3);
+        }
+        let ready = secs(c.ready);
+        records.push(RequestRecord {
+            index: i,
+            session: r.session,
+            turn: r.turn,
+            scheduled_s: ready,
+            dispatch_s: secs(c.dispatch),
+            first_token_s: first.map(secs),
+            done_s: secs(c.done),
+            ttft_s: first.map(|f| secs(f) - ready),
+            latency_s: secs(c.done) - ready,
+            wait_s: secs(c.dispatch) - ready,
+            mode,
+            reason: None,
+            prefill,
+            decode,
+            input_tokens: r.input_length,
+            cached_tokens: s.cached,
+            uncached_tokens: if s.path.is_some() {
+                r.input_length.saturating_sub(s.cached)
+            } else {
+                0
+            },
+            output_tokens: r.output_length,
+            outcome,
+        });
+    }
+    let report = HttpReport {
+        router,
+        router_added: AddedLatency::of(added),
+        admission_rejects,
+        retried,
+        first_errors,
+    };
+    (records, report)
+}
+
+fn lost_record(i: usize, r: &crate::trace::TraceRequest) -> RequestRecord {
+    RequestRecord {
+        index: i,
+        session: r.session,
+        turn: r.turn,
+        scheduled_s: 0.0,
+        dispatch_s: 0.0,
+        first_token_s: None,
+        done_s: 0.0,
+        ttft_s: None,
+        latency_s: 0.0,
+        wait_s: 0.0,
+        mode: None,
+        reason: None,
+        prefill: None,
+        decode: None,
+        input_tokens: r.input_length,
+        cached_tokens: 0,
+        uncached_tokens: 0,
+        output_tokens: r.output_length,
+        outcome: Outcome::WorkerFailed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AddedLatency;
+
+    #[test]
+    fn added_latency_percentiles() {
+        let a = AddedLatency::of((1..=100).map(f64::from).collect());
+        assert_eq!(a.requests, 100);
+        assert!((a.mean_ms - 50.5).abs() < 1e-9);
+        assert_eq!(a.p50_ms, 51.0);
+        assert_eq!(a.p90_ms, 90.0);
+        assert_eq!(a.p99_ms, 99.0);
+        assert_eq!(a.max_ms, 100.0);
+        assert_eq!(AddedLatency::of(Vec::new()), AddedLatency::default());
+    }
+}
