@@ -215,6 +215,10 @@ pub async fn serve_service(
             workers,
             service.config().http.options(),
         );
+        // Streamed events go out as they come: no Nagle delay behind the client's delayed ACK.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         tokio::spawn(async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(stop.cancelled_owned())

@@ -54,6 +54,14 @@ type Client = hyper_util::client::legacy::Client<
     Full<Bytes>,
 >;
 
+/// An HTTP connector with `TCP_NODELAY` (a request's last segment is not held back waiting
+/// for the ACK of the previous one).
+pub(crate) fn connector() -> hyper_util::client::legacy::connect::HttpConnector {
+    let mut c = hyper_util::client::legacy::connect::HttpConnector::new();
+    c.set_nodelay(true);
+    c
+}
+
 /// Sends every request of the trace; returns what the client saw, by trace index.
 pub(crate) async fn drive(
     shared: Arc<Shared>,
@@ -66,7 +74,7 @@ pub(crate) async fn drive(
     let client: Client =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
-            .build_http();
+            .build(connector());
     let slots = Arc::new(tokio::sync::Semaphore::new(opts.concurrency.max(1)));
     let opts = Arc::new(opts);
     let mut tasks = tokio::task::JoinSet::new();

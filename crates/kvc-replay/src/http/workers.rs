@@ -735,7 +735,8 @@ type BootstrapClient =
 type Body0 = http_body_util::Empty<Bytes>;
 
 fn bootstrap_client() -> BootstrapClient {
-    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http()
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(super::driver::connector())
 }
 
 fn bind_and_serve(
@@ -755,6 +756,10 @@ fn bind_and_serve(
         let shutdown = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
+        // Small SSE events go out at once (no Nagle delay behind a delayed ACK).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let _ = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown)
             .await;
