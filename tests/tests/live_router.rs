@@ -5,80 +5,13 @@
 //! trace. Every request must have a record, decisions must have used the probe path, and the
 //! execution-mode shares must agree with the simulator's within 10 percentage points.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use common::{Guard, bin_dir, free_port, http_get, mode_shares};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// The directory of the workspace's binaries (`target/<profile>`), built if missing.
-fn bin_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf();
-    if !dir.join("kvc-router").exists() || !dir.join("kvc-replay").exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "kvc-router", "-p", "kvc-replay"])
-            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-            .status()
-            .expect("run cargo build");
-        assert!(status.success(), "building the binaries failed");
-    }
-    dir
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    let mut s = TcpStream::connect(addr).expect("connect to /metrics");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).unwrap();
-    body
-}
-
-/// Kills the child on drop (a failing test must not leave a router running).
-struct Guard(Child);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.0.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn mode_shares(summary: &serde_json::Value) -> Vec<(String, f64)> {
-    summary["modes"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v["share"].as_f64().unwrap()))
-        .collect()
-}
 
 #[test]
 fn router_and_live_replay_in_separate_processes() {

@@ -157,6 +157,9 @@ stable_enum! {
         /// The policy moved the session to another D (migration after repeated rejects, or
         /// its D is over the hard cap).
         Migrated => "migrated",
+        /// The session's D cannot append-prefill (its engine has no decode-side prefill), so
+        /// no turn goes direct-to-D there.
+        DirectUnsupported => "direct-unsupported",
     }
 }
 

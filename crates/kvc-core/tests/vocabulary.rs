@@ -57,6 +57,7 @@ fn fall_through_reasons_have_stable_names() {
         "session-cap-rejected",
         "decode-unhealthy",
         "migrated",
+        "direct-unsupported",
     ]);
 }
 

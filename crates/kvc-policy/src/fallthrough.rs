@@ -1,6 +1,6 @@
 //! Fall-through classification: can a later turn go direct-to-D, and if not, why.
 
-use crate::state::{Residency, SessionRoute};
+use crate::state::{Residency, RouterState, SessionRoute};
 use crate::view::{ClusterView, RouteRequest};
 use kvc_core::{BlockSize, FallThroughReason, WorkerId, WorkerRole};
 
@@ -41,33 +41,45 @@ pub fn is_first_turn(req: &RouteRequest<'_>, session: Option<&SessionRoute>) -> 
 /// 2. `rejected_by` set → `session-cap-rejected`;
 /// 3. no record of the session or no D for it → `session-not-resident`;
 /// 4. its D missing from the view, not a decode worker, or not healthy → `decode-unhealthy`;
-/// 5. an eviction reported → `session-evicted`; not resident otherwise → `session-not-resident`;
-/// 6. uncached append `input − cached` over `direct_limit_tokens` → `real-large-append`;
-/// 7. otherwise [`TurnClass::Direct`], with `cached` = the request's tokens covered by the
+/// 5. its D takes no direct-to-D turn ([`RouterState::set_direct_append`]) →
+///    `direct-unsupported`;
+/// 6. an eviction reported → `session-evicted`; not resident otherwise → `session-not-resident`;
+/// 7. uncached append `input − cached` over `direct_limit_tokens` → `real-large-append`;
+/// 8. otherwise [`TurnClass::Direct`], with `cached` = the request's tokens covered by the
 ///    session's blocks on D ([`kvc_core::prefix::reusable_from`]).
 ///
 /// Policies may still refuse a direct path (kvc-v2 migrates a session off a D over its hard cap).
 pub fn classify_turn(
     req: &RouteRequest<'_>,
-    session: Option<&SessionRoute>,
+    state: &RouterState,
     cluster: &ClusterView<'_>,
     direct_limit_tokens: u64,
     block_size: BlockSize,
 ) -> TurnClass {
-    classify_with(req, session, direct_limit_tokens, block_size, |d| {
-        cluster
-            .worker(d)
-            .is_some_and(|w| w.role == WorkerRole::Decode && w.is_routable())
-    })
+    let session = req.session.and_then(|s| state.session(s));
+    classify_with(
+        req,
+        session,
+        direct_limit_tokens,
+        block_size,
+        |d| {
+            cluster
+                .worker(d)
+                .is_some_and(|w| w.role == WorkerRole::Decode && w.is_routable())
+        },
+        |d| state.accepts_direct(d),
+    )
 }
 
-/// [`classify_turn`] with the health test given as a function (the router's fast lookup).
+/// [`classify_turn`] with the health and direct-append tests given as functions (the router's
+/// fast lookups).
 pub(crate) fn classify_with(
     req: &RouteRequest<'_>,
     session: Option<&SessionRoute>,
     direct_limit_tokens: u64,
     block_size: BlockSize,
     healthy_decode: impl Fn(WorkerId) -> bool,
+    accepts_direct: impl Fn(WorkerId) -> bool,
 ) -> TurnClass {
     if is_first_turn(req, session) {
         return TurnClass::FirstTurn;
@@ -82,6 +94,9 @@ pub(crate) fn classify_with(
     };
     if !healthy_decode(d) {
         return fall(FallThroughReason::DecodeUnhealthy);
+    }
+    if !accepts_direct(d) {
+        return fall(FallThroughReason::DirectUnsupported);
     }
     match s.residency {
         Residency::Evicted => return fall(FallThroughReason::SessionEvicted),

@@ -29,7 +29,9 @@
 //!   reaching `migrate_after_rejects` migrates the session to the best other D (`reseed`,
 //!   `migrated`; the count on D is reset: D is released) if there is one it may use. Otherwise
 //!   `fallback` with `session-cap-rejected`, staying on its D.
-//! - other fall-throughs: P→D `fallback` with the classified reason. A session resident on a
+//! - other fall-throughs (`direct-unsupported` among them: a D declared without append-prefill
+//!   with [`crate::RouterState::set_direct_append`]): P→D `fallback` with the classified
+//!   reason. A session resident on a
 //!   healthy D stays there (strict stickiness) unless that D is over the hard cap while another D
 //!   is not, in which case the move is reported as `reseed` / `migrated`. A session that is not
 //!   resident goes to the best D by score (the sticky term still favours its last D).

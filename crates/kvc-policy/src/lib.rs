@@ -22,6 +22,10 @@
 //!    evictions back with [`RouterState::observe`]. If D refuses a direct-to-D admission, route
 //!    again with [`RouteRequest::rejected_by`] set.
 //!
+//! A decode worker whose engine cannot append-prefill (no decode-side prefill of a turn's new
+//! tokens) is declared once with [`RouterState::set_direct_append`]; no policy then plans a
+//! direct-to-D turn there (those turns go P→D with the reason `direct-unsupported`).
+//!
 //! ## Policies (stable names)
 //!
 //! | name | what it does |

@@ -164,6 +164,7 @@ impl<'a> Ctx<'a> {
             direct_limit_tokens,
             block_size,
             |d| self.healthy_d.contains(d.0 as usize),
+            |d| self.state.accepts_direct(d),
         )
     }
 

@@ -2,7 +2,7 @@
 
 use crate::config::PolicyConfig;
 use crate::decision::StateChange;
-use crate::index::{BlockIndex, BlockView, Map};
+use crate::index::{BlockIndex, BlockView, Map, WorkerSet};
 use crate::view::{MAX_WORKERS, WorkerView};
 use kvc_core::{BlockHash, Outcome, RequestId, SessionId, WorkerId, WorkerRole};
 use serde::{Deserialize, Serialize};
@@ -157,6 +157,8 @@ pub struct RouterState {
     pairs: Map<(WorkerId, WorkerId), u32>,
     /// Last chosen worker per role (prefill, decode, colocated).
     cursors: [Option<WorkerId>; 3],
+    /// Decode workers that take no direct-to-D turn (no decode-side append-prefill).
+    no_direct: WorkerSet,
 }
 
 fn role_index(role: WorkerRole) -> usize {
@@ -185,7 +187,31 @@ impl RouterState {
             pending: Map::default(),
             pairs: Map::default(),
             cursors: [None; 3],
+            no_direct: WorkerSet::EMPTY,
         }
+    }
+
+    /// Declares whether decode worker `worker` takes direct-to-D turns (every worker does
+    /// unless told otherwise). A worker whose engine cannot append-prefill (no decode-side
+    /// prefill of the new tokens) must be declared `false`: every policy then routes a later
+    /// turn of a session resident there through a prefill worker, with the fall-through reason
+    /// `direct-unsupported`, so the state never records a direct turn it could not serve.
+    /// Ids at or above [`MAX_WORKERS`] are ignored.
+    pub fn set_direct_append(&mut self, worker: WorkerId, accepts: bool) {
+        let slot = worker.0 as usize;
+        if slot >= MAX_WORKERS {
+            return;
+        }
+        if accepts {
+            self.no_direct.remove(slot);
+        } else {
+            self.no_direct.insert(slot);
+        }
+    }
+
+    /// Whether `worker` takes direct-to-D turns (see [`RouterState::set_direct_append`]).
+    pub fn accepts_direct(&self, worker: WorkerId) -> bool {
+        !self.no_direct.contains(worker.0 as usize)
     }
 
     /// The stable name of the policy the state was created for (informational: the state

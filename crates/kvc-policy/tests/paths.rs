@@ -444,13 +444,7 @@ fn classify_turn_precedence() {
     let t2 = ctx_blocks(5, 0, 9);
     let bs = kvc_core::BlockSize::default();
     let class = |r: &Router, ws: &[WorkerView], req: &RouteRequest<'_>, limit| {
-        classify_turn(
-            req,
-            req.session.and_then(|s| r.state.session(s)),
-            &ClusterView::new(0, ws),
-            limit,
-            bs,
-        )
+        classify_turn(req, &r.state, &ClusterView::new(0, ws), limit, bs)
     };
     let req = r.request(5, 2, &t2);
     assert_eq!(
@@ -472,6 +466,19 @@ fn classify_turn_precedence() {
         class(&r, &ws, &req.rejected_by(d0), 8_192),
         large(FallThroughReason::SessionCapRejected)
     );
+    // A D that takes no direct turn: after a reject, before residency and the append limit.
+    r.state.set_direct_append(d0, false);
+    assert!(!r.state.accepts_direct(d0));
+    assert_eq!(
+        class(&r, &ws, &req, BS - 1),
+        large(FallThroughReason::DirectUnsupported)
+    );
+    assert_eq!(
+        class(&r, &ws, &req.rejected_by(d0), 8_192),
+        large(FallThroughReason::SessionCapRejected)
+    );
+    r.state.set_direct_append(d0, true);
+    assert!(r.state.accepts_direct(d0));
     r.state.observe(&Observation::Evicted {
         session: sid(5),
         worker: d0,
@@ -495,6 +502,54 @@ fn classify_turn_precedence() {
     );
     let first = r.request(77, 1, &t2);
     assert_eq!(class(&r, &ws, &first, 8_192), TurnClass::FirstTurn);
+}
+
+#[test]
+fn a_decode_worker_without_append_prefill_never_gets_a_direct_turn() {
+    for name in ["kv-aware-v0", "kvc-v2", "kvc"] {
+        let ws = pd(1, 2);
+        let mut r = Router::named(name, &ws);
+        let first = r.serve(&ws, Some((5, 1)), &ctx_blocks(5, 0, 8));
+        let d0 = first.decode;
+        r.state.set_direct_append(d0, false);
+        // Later turns stay on the session's D, through P, and the state never records a direct
+        // turn there.
+        for turn in 2..=3u32 {
+            let d = r.serve(&ws, Some((5, turn)), &ctx_blocks(5, 0, 8 + turn as usize));
+            assert_eq!(
+                (d.mode, d.reason, d.decode, d.prefill),
+                (
+                    ExecutionMode::Fallback,
+                    Some(FallThroughReason::DirectUnsupported),
+                    d0,
+                    Some(WorkerId(0))
+                ),
+                "{name} turn {turn}"
+            );
+            assert!(!d.change.direct, "{name}");
+            assert_eq!(
+                r.state.session(sid(5)).unwrap().residency,
+                Residency::Resident
+            );
+        }
+        // Another session on the other D still goes direct.
+        let other = if d0 == WorkerId(1) { 2 } else { 1 };
+        r.state.set_direct_append(d0, true);
+        let d = r.serve(&ws, Some((5, 4)), &ctx_blocks(5, 0, 12));
+        assert_eq!(d.mode, ExecutionMode::DirectToD, "{name}: allowed again");
+        r.state.set_direct_append(WorkerId(other), false);
+        let d = r.serve(&ws, Some((5, 5)), &ctx_blocks(5, 0, 13));
+        assert_eq!(
+            d.mode,
+            ExecutionMode::DirectToD,
+            "{name}: only its own D counts"
+        );
+    }
+    // Ids out of range are ignored.
+    let ws = pd(1, 1);
+    let mut state = RouterState::new(&PolicyConfig::default(), &ws);
+    state.set_direct_append(WorkerId(100_000), false);
+    assert!(state.accepts_direct(WorkerId(100_000)));
 }
 
 #[test]

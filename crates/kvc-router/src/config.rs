@@ -4,7 +4,7 @@ use crate::error::ConfigError;
 use kvc_core::{WorkerId, WorkerRole};
 use kvc_policy::{MAX_WORKERS, PolicyConfig};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -77,6 +77,11 @@ pub struct RouterConfig {
     /// `http-url` and `bootstrap-port` keys of the worker's `[[workers]]` entry; a worker
     /// without `http-url` gets no forwarded requests.
     pub worker_http: BTreeMap<u32, WorkerHttpConfig>,
+    /// Decode workers whose engine cannot append-prefill (no decode-side prefill of a turn's
+    /// new tokens), by worker id: the `append-prefill = false` key of their `[[workers]]`
+    /// entry (default `true`). No decision sends them a direct-to-D turn: later turns of a
+    /// session resident there go P→D with the fall-through reason `direct-unsupported`.
+    pub no_append_prefill: BTreeSet<u32>,
 }
 
 /// A worker's HTTP endpoint (the `http-url` and `bootstrap-port` keys of `[[workers]]`).
@@ -107,6 +112,7 @@ impl Default for RouterConfig {
             http: HttpConfig::default(),
             workers: Vec::new(),
             worker_http: BTreeMap::new(),
+            no_append_prefill: BTreeSet::new(),
         }
     }
 }
@@ -154,6 +160,16 @@ struct RawWorkerConfig {
     http_url: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     bootstrap_port: Option<u16>,
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    append_prefill: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 impl TryFrom<RawRouterConfig> for RouterConfig {
@@ -161,8 +177,12 @@ impl TryFrom<RawRouterConfig> for RouterConfig {
 
     fn try_from(raw: RawRouterConfig) -> Result<Self, String> {
         let mut worker_http = BTreeMap::new();
+        let mut no_append_prefill = BTreeSet::new();
         let mut workers = Vec::with_capacity(raw.workers.len());
         for w in raw.workers {
+            if !w.append_prefill {
+                no_append_prefill.insert(w.id);
+            }
             match (w.http_url, w.bootstrap_port) {
                 (Some(url), bootstrap_port) => {
                     worker_http.insert(
@@ -206,6 +226,7 @@ impl TryFrom<RawRouterConfig> for RouterConfig {
             http: raw.http,
             workers,
             worker_http,
+            no_append_prefill,
         })
     }
 }
@@ -241,6 +262,7 @@ impl From<RouterConfig> for RawRouterConfig {
                         address: w.address,
                         bootstrap_port: h.as_ref().and_then(|h| h.bootstrap_port),
                         http_url: h.map(|h| h.url),
+                        append_prefill: !cfg.no_append_prefill.contains(&w.id),
                     }
                 })
                 .collect(),
@@ -250,7 +272,7 @@ impl From<RouterConfig> for RawRouterConfig {
 
 /// Resilience of the HTTP data plane: the `[http]` table (see [`crate::http`] for what each
 /// knob does).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct HttpConfig {
     /// Deadline of each call to a worker (a streamed answer: its head, then each wait for
@@ -273,6 +295,16 @@ pub struct HttpConfig {
     pub health_check_interval_ms: u64,
     /// Deadline of one health check. Default 1,000 ms.
     pub health_check_timeout_ms: u64,
+    /// A Hugging Face `tokenizer.json` for text prompts (block hashes and input lengths then
+    /// match the engine's tokens); `None` (the default) uses the whitespace fallback. Loaded at
+    /// startup (a relative path from the working directory): a file that cannot be read or
+    /// used is a startup error naming it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// How many leading full blocks a request without a session key must share with a known
+    /// session's latest prompt (ending exactly at that prompt's last full block) to continue
+    /// it; 0 turns session inference off. Default 4.
+    pub infer_min_blocks: u32,
 }
 
 impl Default for HttpConfig {
@@ -286,6 +318,8 @@ impl Default for HttpConfig {
             breaker_max_cooldown_ms: 30_000,
             health_check_interval_ms: 5_000,
             health_check_timeout_ms: 1_000,
+            tokenizer: None,
+            infer_min_blocks: 4,
         }
     }
 }
@@ -294,10 +328,15 @@ impl HttpConfig {
     /// Largest `max-retries` accepted.
     pub const MAX_RETRIES: u32 = 10;
 
-    /// These settings as [`crate::http::HttpOptions`] (the other options at their defaults).
-    pub fn options(&self) -> crate::http::HttpOptions {
+    /// These settings as [`crate::http::HttpOptions`] (the other options at their defaults),
+    /// with the tokenizer file loaded: [`ConfigError::Tokenizer`] when it cannot be used.
+    pub fn options(&self) -> Result<crate::http::HttpOptions, ConfigError> {
         use std::time::Duration;
-        crate::http::HttpOptions {
+        let tokenizer = match &self.tokenizer {
+            Some(path) => crate::http::Tokenizer::from_file(path)?,
+            None => crate::http::Tokenizer::fallback(),
+        };
+        Ok(crate::http::HttpOptions {
             request_timeout: Duration::from_millis(self.request_timeout_ms),
             max_retries: self.max_retries,
             retry_backoff: Duration::from_millis(self.retry_backoff_ms),
@@ -309,8 +348,10 @@ impl HttpConfig {
             health_check_interval: (self.health_check_interval_ms > 0)
                 .then(|| Duration::from_millis(self.health_check_interval_ms)),
             health_check_timeout: Duration::from_millis(self.health_check_timeout_ms),
+            tokenizer,
+            infer_min_blocks: self.infer_min_blocks,
             ..crate::http::HttpOptions::default()
-        }
+        })
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -467,6 +508,22 @@ impl RouterConfig {
                 )));
             }
         }
+        for id in &self.no_append_prefill {
+            match self.workers.iter().find(|w| w.id == *id) {
+                None => {
+                    return Err(ConfigError::Invalid(format!(
+                        "append-prefill set for worker {id}, which is not configured"
+                    )));
+                }
+                Some(w) if w.role != WorkerRole::Decode => {
+                    return Err(ConfigError::Invalid(format!(
+                        "worker {id}: append-prefill applies to decode workers only (it is {})",
+                        w.role
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
         for (id, h) in &self.worker_http {
             if !seen.contains(id) {
                 return Err(ConfigError::Invalid(format!(
@@ -512,7 +569,10 @@ mod tests {
             Some(SocketAddr::from(([127, 0, 0, 1], 8000)))
         );
         assert_eq!(cfg.http, HttpConfig::default());
-        assert_eq!(cfg.http.options().max_retries, 2);
+        assert_eq!(cfg.http.infer_min_blocks, 4);
+        assert_eq!(cfg.http.tokenizer, None);
+        assert_eq!(cfg.http.options().unwrap().max_retries, 2);
+        assert!(cfg.no_append_prefill.is_empty());
         assert_eq!(cfg.worker_http.len(), 3);
         assert_eq!(cfg.worker_http[&0].bootstrap_port, Some(8998));
         assert_eq!(cfg.worker_http[&1].url, "http://127.0.0.1:30001");
@@ -576,13 +636,15 @@ mod tests {
             cfg.http.retry_backoff_ms, 25,
             "absent keys take their defaults"
         );
-        let o = cfg.http.options();
+        let o = cfg.http.options().unwrap();
         assert_eq!(o.max_retries, 1);
         assert_eq!(o.breaker.failure_threshold, 0);
         assert_eq!(o.health_check_interval, None);
         assert_eq!(o.request_timeout, std::time::Duration::from_millis(700));
         assert_eq!(o.session_header, "x-session-id");
-        let defaults = HttpConfig::default().options();
+        let defaults = HttpConfig::default().options().unwrap();
+        assert_eq!(defaults.infer_min_blocks, 4);
+        assert_eq!(defaults.tokenizer, crate::http::Tokenizer::fallback());
         assert_eq!(
             defaults.health_check_interval,
             Some(std::time::Duration::from_secs(5))
@@ -610,6 +672,61 @@ mod tests {
             RouterConfig::from_toml_str("[http]\nretries = 1\n"),
             Err(ConfigError::Parse(_))
         ));
+    }
+
+    #[test]
+    fn append_prefill_is_a_decode_worker_key() {
+        let text = "[[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 10\nsnapshot = \"/p\"\n\
+                    [[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/d1\"\n\
+                    append-prefill = false\n\
+                    [[workers]]\nid = 2\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/d2\"\n\
+                    append-prefill = true\n";
+        let cfg = RouterConfig::from_toml_str(text).unwrap();
+        assert_eq!(cfg.no_append_prefill, BTreeSet::from([1]));
+        // It survives a round trip; the default (`true`) is not written out.
+        let out = toml::to_string(&cfg).unwrap();
+        assert_eq!(out.matches("append-prefill = false").count(), 1, "{out}");
+        assert!(!out.contains("append-prefill = true"), "{out}");
+        assert_eq!(RouterConfig::from_toml_str(&out).unwrap(), cfg);
+        // The policy state learns it: no direct-to-D turn for worker 1.
+        let svc = crate::RouterService::new(cfg).unwrap();
+        assert_eq!(svc.config().no_append_prefill.len(), 1);
+        let bad = text.replace(
+            "snapshot = \"/p\"\n",
+            "snapshot = \"/p\"\nappend-prefill = false\n",
+        );
+        let err = RouterConfig::from_toml_str(&bad).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::Invalid(ref m) if m.contains("decode workers only")),
+            "{err}"
+        );
+        let mut cfg = RouterConfig::from_toml_str(text).unwrap();
+        cfg.no_append_prefill.insert(9);
+        assert!(cfg.validate().unwrap_err().to_string().contains("worker 9"));
+    }
+
+    #[test]
+    fn tokenizer_and_inference_keys() {
+        let cfg = RouterConfig::from_toml_str(
+            "[http]\ntokenizer = \"/nowhere/tokenizer.json\"\ninfer-min-blocks = 0\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cfg.http.tokenizer.as_deref(),
+            Some(Path::new("/nowhere/tokenizer.json"))
+        );
+        assert_eq!(cfg.http.infer_min_blocks, 0);
+        let text = toml::to_string(&cfg).unwrap();
+        assert_eq!(RouterConfig::from_toml_str(&text).unwrap(), cfg);
+        // The file is loaded with the options: a missing one is an error naming it.
+        let err = cfg.http.options().unwrap_err();
+        assert!(matches!(err, ConfigError::Tokenizer(_)), "{err}");
+        assert!(err.to_string().contains("/nowhere/tokenizer.json"), "{err}");
+        assert!(
+            !toml::to_string(&RouterConfig::default())
+                .unwrap()
+                .contains("tokenizer")
+        );
     }
 
     #[test]

@@ -72,6 +72,7 @@ proto_enum!(
         SessionCapRejected,
         DecodeUnhealthy,
         Migrated,
+        DirectUnsupported,
     }
 );
 proto_enum!(

@@ -20,6 +20,9 @@ pub enum ConfigError {
     /// A value out of range or inconsistent.
     #[error("invalid config: {0}")]
     Invalid(String),
+    /// The tokenizer file (`http.tokenizer`) cannot be read or used.
+    #[error("invalid config: {0}")]
+    Tokenizer(#[from] crate::http::TokenizerError),
 }
 
 /// Why the router could not start or stopped abnormally.

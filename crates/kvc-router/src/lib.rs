@@ -16,7 +16,8 @@
 //!   (`AdmissionRejected`) and the request re-routed through a prefill worker
 //!   (`RouteDecision.probe_rejected_by` says so). A caller whose own admission refused a
 //!   direct-to-D decision asks again with `RouteRequest.rejected_by` and gets a P→D path.
-//! - **Feedback**: `ReportOutcome` (by decision id) tells the policy what is now resident;
+//! - **Feedback**: `ReportOutcome` (by decision id) tells the policy what is now resident (a
+//!   direct-to-D decision reported `rejected`, refused by D's admission, leaves it as it was);
 //!   `CommitEvict` is forwarded to the worker's commit queue and its evictions observed.
 //! - **Bounded memory**: sessions expire after `sessions.ttl-ms` and the least recently seen
 //!   are forgotten beyond `sessions.max`; decisions awaiting an outcome are bounded by
@@ -28,7 +29,13 @@
 //! - **HTTP data plane** ([`http`]): with `http-listen` set, an SGLang/OpenAI-compatible HTTP
 //!   front (`/generate`, `/v1/completions`, `/v1/chat/completions`, `/health`, `/v1/models`)
 //!   routes each request and forwards it to the workers' `http-url`s, P→D with the bootstrap
-//!   fields of the prefill worker (`bootstrap-port`).
+//!   fields of the prefill worker (`bootstrap-port`), direct-to-D with the session's
+//!   continuation parameters. Text is tokenized with the model's `tokenizer.json`
+//!   (`http.tokenizer`) when given; a request without a session key is placed in a session by
+//!   its prefix; a decode worker's admission refusal (`503` + `x-kvc-admission: rejected`) is
+//!   routed again through a prefill worker.
+//! - **Engines without decode-side append-prefill**: a decode worker with
+//!   `append-prefill = false` never gets a direct-to-D decision (reason `direct-unsupported`).
 //! - **Operations**: standard gRPC health and reflection, Prometheus text on `/metrics` (see
 //!   [`metrics`] for the series), `tracing` logs, graceful shutdown.
 //!
@@ -78,6 +85,8 @@
 //! capacity-tokens = 92000
 //! snapshot = "/dev/shm/kvc-w1.snap"
 //! http-url = "http://127.0.0.1:30001"
+//! # Its engine append-prefills a direct-to-D turn's new tokens (the default).
+//! append-prefill = true
 //! ```
 //!
 //! ## In process

@@ -36,6 +36,11 @@ struct Cli {
     #[arg(long, value_name = "ADDR")]
     http_listen: Option<SocketAddr>,
 
+    /// Hugging Face `tokenizer.json` for text prompts of the HTTP front (overrides
+    /// `http.tokenizer`; without either, text is split on whitespace).
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<PathBuf>,
+
     /// Serve no /metrics endpoint.
     #[arg(long)]
     no_metrics: bool,
@@ -79,6 +84,9 @@ fn load(cli: &Cli) -> anyhow::Result<RouterConfig> {
     }
     if let Some(a) = cli.http_listen {
         cfg.http_listen = Some(a);
+    }
+    if let Some(t) = &cli.tokenizer {
+        cfg.http.tokenizer = Some(t.clone());
     }
     if let Some(p) = &cli.policy {
         cfg.policy = PolicyConfig::from_name(p)?;

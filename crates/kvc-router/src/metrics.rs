@@ -26,6 +26,8 @@
 //! | `kvc_router_http_breaker_transitions_total` | counter | `to` (the state entered) |
 //! | `kvc_router_http_retries_total` | counter | — (requests forwarded again after a failure before any byte reached the client) |
 //! | `kvc_router_http_health_checks_total` | counter | `result` (`ok`, `failed`) |
+//! | `kvc_router_http_admission_rejects_total` | counter | — (answers `503` + `x-kvc-admission: rejected` from a decode worker) |
+//! | `kvc_router_http_inferred_sessions_total` | counter | `result` (`continued`: a request without a session key continued a known session; `new`: it started an inferred session) |
 
 use crate::http::BreakerState;
 use kvc_core::{ExecutionMode, FallThroughReason, Health, Outcome, StableName, WorkerRole};
@@ -43,7 +45,7 @@ pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
 ];
 
 const MODES: usize = 5;
-const REASONS: usize = 7; // "none" + 6 reasons
+const REASONS: usize = 1 + FallThroughReason::ALL.len(); // "none", then each reason
 const OUTCOMES: usize = 6;
 
 /// The result of one admission probe, as counted.
@@ -179,6 +181,8 @@ pub struct Metrics {
     breaker_transitions: [AtomicU64; 3],
     http_retries: AtomicU64,
     health_checks: [AtomicU64; 2],
+    http_admission_rejects: AtomicU64,
+    inferred_sessions: [AtomicU64; 2],
 }
 
 impl Default for Metrics {
@@ -224,6 +228,8 @@ impl Metrics {
             breaker_transitions: Default::default(),
             http_retries: AtomicU64::new(0),
             health_checks: Default::default(),
+            http_admission_rejects: AtomicU64::new(0),
+            inferred_sessions: Default::default(),
         }
     }
 
@@ -352,6 +358,29 @@ impl Metrics {
     /// Active health checks so far that succeeded (`ok`) or failed.
     pub fn health_checks(&self, ok: bool) -> u64 {
         self.health_checks[usize::from(!ok)].load(Ordering::Relaxed)
+    }
+
+    /// Counts one refusal by a decode worker's admission over HTTP (`503` with
+    /// `x-kvc-admission: rejected`).
+    pub fn record_http_admission_reject(&self) {
+        self.http_admission_rejects.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Refusals by decode workers' admission over HTTP so far.
+    pub fn http_admission_rejects(&self) -> u64 {
+        self.http_admission_rejects.load(Ordering::Relaxed)
+    }
+
+    /// Counts one request without a session key placed in an inferred session: `continued` a
+    /// known session, or started a new one.
+    pub fn record_inferred_session(&self, continued: bool) {
+        self.inferred_sessions[usize::from(!continued)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests without a session key that continued a known session (`continued`) or started
+    /// an inferred one, so far.
+    pub fn inferred_sessions(&self, continued: bool) -> u64 {
+        self.inferred_sessions[usize::from(!continued)].load(Ordering::Relaxed)
     }
 
     /// The Prometheus text exposition (format 0.0.4) of every metric.
@@ -559,6 +588,25 @@ impl Metrics {
             "result",
             ["ok", "failed"].into_iter(),
             &self.health_checks,
+        );
+        header(
+            o,
+            "kvc_router_http_admission_rejects_total",
+            "counter",
+            "Requests a decode worker's admission refused over HTTP (503 with x-kvc-admission: rejected).",
+        );
+        let _ = writeln!(
+            o,
+            "kvc_router_http_admission_rejects_total {}",
+            self.http_admission_rejects.load(Ordering::Relaxed)
+        );
+        counter_family(
+            o,
+            "kvc_router_http_inferred_sessions_total",
+            "Requests without a session key placed in an inferred session, by result.",
+            "result",
+            ["continued", "new"].into_iter(),
+            &self.inferred_sessions,
         );
 
         worker_gauges(o, &gauges.workers);

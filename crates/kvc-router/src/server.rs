@@ -83,6 +83,11 @@ pub async fn serve_service(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<RunningRouter, ServeError> {
     let config = service.config().clone();
+    // The HTTP front's options (its tokenizer file loaded) before anything is bound.
+    let http_options = match config.http_listen {
+        Some(_) => Some(config.http.options()?),
+        None => None,
+    };
     let grpc_listener =
         TcpListener::bind(config.listen)
             .await
@@ -213,7 +218,7 @@ pub async fn serve_service(
         let app = crate::http::http_app_with(
             Arc::clone(&service),
             workers,
-            service.config().http.options(),
+            http_options.unwrap_or_default(),
         );
         // Streamed events go out as they come: no Nagle delay behind the client's delayed ACK.
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {

@@ -94,7 +94,10 @@ impl RouterService {
             slots[w.id.0 as usize] = Some(i);
         }
         let views: Vec<WorkerView> = workers.iter().map(|w| w.view_at(0)).collect();
-        let state = RouterState::new(&config.policy, &views);
+        let mut state = RouterState::new(&config.policy, &views);
+        for id in &config.no_append_prefill {
+            state.set_direct_append(WorkerId(*id), false);
+        }
         let service = RouterService {
             core: Mutex::new(Core {
                 state,
@@ -489,6 +492,10 @@ impl RouterService {
 
     /// Feeds a request's outcome back: the decode worker's residency for the session, the
     /// in-flight count, and (for a successful direct-to-D turn) the session's reject counter.
+    ///
+    /// A direct-to-D decision reported `rejected` (its decode worker's admission refused the
+    /// turn) only releases the request: the worker served nothing, so what the router believes
+    /// resident there is left as it was (the caller then routes again with `rejected_by`).
     pub fn report_outcome(&self, report: &pb::OutcomeReport) -> Result<(), RequestError> {
         let outcome = Outcome::from_proto(report.outcome)
             .map_err(|e| RequestError::InvalidArgument(e.to_string()))?;
@@ -508,9 +515,10 @@ impl RouterService {
             )));
         }
         core.pending.remove(&report.decision_id);
+        let refused = p.direct && outcome == Outcome::Rejected;
         core.state.observe(&Observation::Completed {
             request_id: p.request_id,
-            session: p.session,
+            session: if refused { None } else { p.session },
             worker: p.decode,
             outcome,
             resident_tokens: report.resident_tokens,

@@ -19,6 +19,7 @@ fn help_explains_every_option() {
         "--metrics-listen",
         "--no-metrics",
         "--http-listen",
+        "--tokenizer",
         "--policy",
         "--session-ttl-ms",
         "--max-sessions",
@@ -45,6 +46,40 @@ fn bad_config_fails_with_a_message() {
     assert!(!out.status.success());
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(err.contains("invalid config"), "{err}");
+}
+
+#[test]
+fn a_bad_tokenizer_file_stops_the_start_naming_it() {
+    let dir = common::TempDir::new("badtok");
+    let tokenizer = dir.0.join("broken-tokenizer.json");
+    std::fs::write(&tokenizer, "{\"model\": 1}").unwrap();
+    let path = dir.0.join("router.toml");
+    std::fs::write(
+        &path,
+        "listen = \"127.0.0.1:0\"\nmetrics-listen = \"127.0.0.1:0\"\nhttp-listen = \"127.0.0.1:0\"\n",
+    )
+    .unwrap();
+    for (args, file) in [
+        (
+            vec!["--tokenizer", tokenizer.to_str().unwrap()],
+            "broken-tokenizer.json",
+        ),
+        (
+            vec!["--tokenizer", "/nonexistent/tok.json"],
+            "/nonexistent/tok.json",
+        ),
+    ] {
+        let out = Command::new(BIN)
+            .arg("--config")
+            .arg(&path)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        assert!(out.stdout.is_empty(), "nothing was served");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(err.contains("tokenizer") && err.contains(file), "{err}");
+    }
 }
 
 #[test]

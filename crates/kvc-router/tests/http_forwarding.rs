@@ -575,16 +575,25 @@ async fn health_is_503_when_no_worker_is_routable() {
 async fn failed_prefill_is_reported_and_the_next_turn_is_not_direct() {
     let s = Setup::start().await;
     *s.mocks[0].behaviour.lock() = Behaviour::Fail;
+    // The decode workers wait (for KV that does not come) longer than the deadline.
+    for m in &s.mocks[1..] {
+        *m.behaviour.lock() = Behaviour::Stall;
+    }
     let session = [("x-session-id", "agent-9")];
     let r = s
         .post("/generate", &session, &generate_body(0..1_300))
         .await;
-    // D answered; the request is still counted as worker-failed, so nothing is resident.
-    assert_eq!(r.status, 200);
+    // P failed first: its answer, not a timeout of D's, and counted as worker-failed, so
+    // nothing is resident.
+    assert_eq!(r.status, 500, "{}", r.body);
+    assert_eq!(r.body["error"]["message"], "p0 failed");
     assert_eq!(s.cluster.service().pending_decisions(), 0);
     assert_eq!(outcomes(&s, "worker-failed"), 1.0);
     assert_eq!(outcomes(&s, "ok"), 0.0);
     *s.mocks[0].behaviour.lock() = Behaviour::Answer;
+    for m in &s.mocks[1..] {
+        *m.behaviour.lock() = Behaviour::Answer;
+    }
     let r = s
         .post("/generate", &session, &generate_body(0..1_900))
         .await;

@@ -369,3 +369,98 @@ async fn caller_reported_reject_gets_a_prefill_path() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     assert!(e.message().contains("unknown worker 77"), "{}", e.message());
 }
+
+#[tokio::test]
+async fn a_refused_direct_turn_reported_rejected_leaves_the_session_resident() {
+    let mut c = Cluster::start(|_| {}).await;
+    let d1 = seed_session(&mut c).await;
+    let turn2 = route_req(2, Some(7), Some(2), 1_900, &[11, 12, 14, 15]);
+    let d2 = c.client.route(turn2.clone()).await.unwrap().into_inner();
+    assert_eq!(mode(&d2), ExecutionMode::DirectToD);
+    // D's admission refused it: reported `rejected`, then routed again with `rejected_by`.
+    c.client
+        .report_outcome(pb::OutcomeReport {
+            decision_id: d2.decision_id,
+            request_id: 2,
+            outcome: Outcome::Rejected.to_proto(),
+            resident_tokens: 0,
+        })
+        .await
+        .unwrap();
+    assert_eq!(c.service().pending_decisions(), 0);
+    // The refusal changed nothing on D: the session is still resident there, and the same
+    // turn asked again (no `rejected_by`) still plans direct-to-D.
+    let retry = c.client.route(turn2.clone()).await.unwrap().into_inner();
+    assert_eq!(mode(&retry), ExecutionMode::DirectToD);
+    assert_eq!(retry.decode_worker, d1.decode_worker);
+    c.client
+        .report_outcome(pb::OutcomeReport {
+            decision_id: retry.decision_id,
+            request_id: 2,
+            outcome: Outcome::Rejected.to_proto(),
+            resident_tokens: 0,
+        })
+        .await
+        .unwrap();
+    let again = pb::RouteRequest {
+        rejected_by: Some(d1.decode_worker),
+        ..turn2.clone()
+    };
+    let d3 = c.client.route(again).await.unwrap().into_inner();
+    assert_eq!(mode(&d3), ExecutionMode::Fallback);
+    assert_eq!(
+        d3.fall_through_reason,
+        Some(FallThroughReason::SessionCapRejected.to_proto())
+    );
+    // The session was still resident on its D, which keeps it (strict stickiness).
+    assert_eq!(d3.decode_worker, d1.decode_worker);
+    // A P→D decision reported `rejected` placed nothing: the session is not resident.
+    c.client
+        .report_outcome(pb::OutcomeReport {
+            decision_id: d3.decision_id,
+            request_id: 2,
+            outcome: Outcome::Rejected.to_proto(),
+            resident_tokens: 0,
+        })
+        .await
+        .unwrap();
+    let d4 = c
+        .client
+        .route(route_req(3, Some(7), Some(3), 2_500, &[11, 12, 14, 15, 16]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        d4.fall_through_reason,
+        Some(FallThroughReason::SessionNotResident.to_proto())
+    );
+    assert_eq!(c.service().pending_decisions(), 1);
+}
+
+#[tokio::test]
+async fn a_decode_worker_without_append_prefill_is_never_direct_over_grpc() {
+    let mut c = Cluster::start(|cfg| {
+        cfg.no_append_prefill.extend([1, 2]);
+    })
+    .await;
+    let d1 = seed_session(&mut c).await;
+    let d2 = c
+        .client
+        .route(route_req(2, Some(7), Some(2), 1_900, &[11, 12, 14, 15]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(mode(&d2), ExecutionMode::Fallback);
+    assert_eq!(
+        d2.fall_through_reason,
+        Some(FallThroughReason::DirectUnsupported.to_proto())
+    );
+    assert_eq!(d2.decode_worker, d1.decode_worker);
+    assert_eq!(d2.prefill_worker, Some(0));
+    // No probe: no direct-to-D decision was ever planned.
+    let m = c.metrics().await;
+    assert_eq!(
+        value(&m, "kvc_router_probes_total", &[("result", "admit")]),
+        0.0
+    );
+}

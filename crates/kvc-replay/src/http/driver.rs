@@ -41,6 +41,8 @@ pub(crate) struct ClientSide {
     pub(crate) status: u16,
     /// The router's `x-kvc-mode` header, when it sends one.
     pub(crate) mode: Option<String>,
+    /// The router's `x-kvc-reason` header (why a later turn was not direct), when it sends one.
+    pub(crate) reason: Option<String>,
     /// The answer completed (2xx, and a stream that ended with `[DONE]` and no error event).
     pub(crate) complete: bool,
     /// The answer says the input is over the model's limit.
@@ -159,6 +161,7 @@ async fn send(
         done: sent,
         status: 0,
         mode: None,
+        reason: None,
         complete: false,
         input_too_long: false,
         error: None,
@@ -205,11 +208,14 @@ async fn exchange(
         .await
         .map_err(|e| format!("{url}: {e}"))?;
     side.status = resp.status().as_u16();
-    side.mode = resp
-        .headers()
-        .get("x-kvc-mode")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    side.mode = header("x-kvc-mode");
+    side.reason = header("x-kvc-reason");
     let ok = resp.status().is_success();
     let mut body = resp.into_body();
     let mut events = EventScan::default();

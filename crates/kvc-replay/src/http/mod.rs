@@ -31,7 +31,7 @@ use crate::sim::metrics::{RequestRecord, Summary};
 use crate::sim::{SimConfig, SimOutput, run_config};
 use crate::trace::Trace;
 use driver::ClientSide;
-use kvc_core::{ExecutionMode, Outcome, WorkerRole};
+use kvc_core::{ExecutionMode, FallThroughReason, Outcome, WorkerRole};
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -458,7 +458,11 @@ fn build_records(
             latency_s: secs(c.done) - ready,
             wait_s: secs(c.dispatch) - ready,
             mode,
-            reason: None,
+            reason: c
+                .reason
+                .as_deref()
+                .and_then(|r| r.parse::<FallThroughReason>().ok())
+                .filter(|_| mode != Some(ExecutionMode::DirectToD)),
             prefill,
             decode,
             input_tokens: r.input_length,

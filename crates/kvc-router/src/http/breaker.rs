@@ -233,6 +233,23 @@ impl Breakers {
         }
     }
 
+    /// A request sent to `worker` was dropped before its answer, for another worker's failure:
+    /// nothing is learnt about `worker`, so a half-open breaker whose trial it was gets a new
+    /// trial (back in rotation) instead of waiting for the trial timeout.
+    pub(crate) fn on_abandoned(&self, service: &RouterService, worker: WorkerId) {
+        if !self.enabled() {
+            return;
+        }
+        let mut table = self.table.lock();
+        if let Some(b) = table.get_mut(&worker)
+            && b.state == BreakerState::HalfOpen
+            && b.trial_sent
+        {
+            b.trial_sent = false;
+            Self::apply(service, worker, b);
+        }
+    }
+
     /// Moves every open breaker whose cool-down has ended at `now_ms` to half-open, and
     /// re-opens every half-open one whose trial has had no result within the trial timeout.
     pub(crate) fn tick(&self, service: &RouterService, now_ms: u64) {
@@ -361,6 +378,40 @@ mod tests {
         assert_eq!(m.breaker_transitions(BreakerState::HalfOpen), 1);
         assert_eq!(m.breaker_transitions(BreakerState::Closed), 0);
         assert_eq!(m.breaker_state(w), Some(BreakerState::Open));
+    }
+
+    #[test]
+    fn a_trial_dropped_for_another_worker_waits_for_a_new_trial() {
+        let svc = service();
+        let w = WorkerId(0);
+        let b = Breakers::new(
+            BreakerOptions {
+                failure_threshold: 1,
+                cooldown: Duration::from_millis(100),
+                max_cooldown: Duration::from_millis(100),
+            },
+            Duration::from_millis(500),
+        );
+        // Closed or open breakers are not affected.
+        b.on_abandoned(&svc, w);
+        assert_eq!(b.state(w), BreakerState::Closed);
+        b.on_failure(&svc, w, 0);
+        b.on_abandoned(&svc, w);
+        assert_eq!(b.state(w), BreakerState::Open);
+        assert!(svc.is_http_down(w));
+        b.tick(&svc, 100);
+        b.on_dispatch(&svc, w, 100);
+        assert!(svc.is_http_down(w), "the trial runs");
+        b.on_abandoned(&svc, w);
+        assert_eq!(b.state(w), BreakerState::HalfOpen);
+        assert!(!svc.is_http_down(w), "back in rotation for another trial");
+        // No trial timeout runs for the dropped one.
+        b.tick(&svc, 10_000);
+        assert_eq!(b.state(w), BreakerState::HalfOpen);
+        b.on_dispatch(&svc, w, 10_000);
+        assert!(svc.is_http_down(w));
+        b.on_success(&svc, w);
+        assert_eq!(b.state(w), BreakerState::Closed);
     }
 
     #[test]

@@ -11,6 +11,15 @@ use tokio::net::TcpStream;
 /// Largest response accepted from a worker, in bytes.
 pub const MAX_RESPONSE_BYTES: usize = 64 << 20;
 
+/// The response header with which a decode worker says its admission refused a request: a
+/// `503` with `x-kvc-admission: rejected` (see [`WorkerResponse::is_admission_reject`]).
+pub const ADMISSION_HEADER: &str = "x-kvc-admission";
+
+/// Whether `status` and an [`ADMISSION_HEADER`] value say "refused by admission".
+fn admission_reject(status: u16, admission: Option<&str>) -> bool {
+    status == 503 && admission.is_some_and(|v| v.trim().eq_ignore_ascii_case("rejected"))
+}
+
 /// Why a forwarded request got no usable answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
@@ -35,8 +44,18 @@ pub struct WorkerResponse {
     pub status: u16,
     /// The `Content-Type` header, if any.
     pub content_type: Option<String>,
+    /// The [`ADMISSION_HEADER`] header, if any.
+    pub admission: Option<String>,
     /// The body (de-chunked).
     pub body: Vec<u8>,
+}
+
+impl WorkerResponse {
+    /// A `503` with `x-kvc-admission: rejected`: the worker's admission refused the request
+    /// (no room, or the session is not resident there), which is not a worker failure.
+    pub fn is_admission_reject(&self) -> bool {
+        admission_reject(self.status, self.admission.as_deref())
+    }
 }
 
 /// A parsed `http://host:port[/prefix]` base URL.
@@ -99,7 +118,19 @@ pub async fn post_json(
     body: &[u8],
     timeout: Duration,
 ) -> Result<WorkerResponse, ForwardError> {
-    tokio::time::timeout(timeout, request_inner(base, "POST", path, body))
+    post_json_with_headers(base, path, &[], body, timeout).await
+}
+
+/// [`post_json`] with extra request headers (`name`, `value`); a header whose name is not an
+/// HTTP token, or whose value is not visible ASCII (spaces and tabs allowed), is not sent.
+pub async fn post_json_with_headers(
+    base: &BaseUrl,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout: Duration,
+) -> Result<WorkerResponse, ForwardError> {
+    tokio::time::timeout(timeout, request_inner(base, "POST", path, headers, body))
         .await
         .map_err(|_| ForwardError::Timeout(timeout))?
 }
@@ -110,14 +141,21 @@ pub(super) async fn get(
     path: &str,
     timeout: Duration,
 ) -> Result<WorkerResponse, ForwardError> {
-    tokio::time::timeout(timeout, request_inner(base, "GET", path, &[]))
+    tokio::time::timeout(timeout, request_inner(base, "GET", path, &[], &[]))
         .await
         .map_err(|_| ForwardError::Timeout(timeout))?
 }
 
-/// Opens a connection to `base` and sends the `POST`.
-async fn send_post(base: &BaseUrl, path: &str, body: &[u8]) -> Result<TcpStream, ForwardError> {
-    send_request(base, "POST", path, body).await
+/// Whether `name: value` may go on the wire as one header line (a token name; a value of
+/// visible ASCII, spaces and tabs).
+fn sendable_header(name: &str, value: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+        && value
+            .bytes()
+            .all(|b| b == b'\t' || b == b' ' || b.is_ascii_graphic())
 }
 
 /// Opens a connection to `base` and sends the request.
@@ -125,17 +163,27 @@ async fn send_request(
     base: &BaseUrl,
     method: &str,
     path: &str,
+    headers: &[(&str, &str)],
     body: &[u8],
 ) -> Result<TcpStream, ForwardError> {
     let mut stream = TcpStream::connect((base.host.as_str(), base.port)).await?;
     let _ = stream.set_nodelay(true);
-    let head = format!(
+    let mut head = format!(
         "{method} {}{path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
+         Content-Length: {}\r\nConnection: close\r\n",
         base.prefix,
         base.host_header(),
         body.len()
     );
+    for (name, value) in headers {
+        if sendable_header(name, value) {
+            head.push_str(name);
+            head.push_str(": ");
+            head.push_str(value);
+            head.push_str("\r\n");
+        }
+    }
+    head.push_str("\r\n");
     let mut request = head.into_bytes();
     request.extend_from_slice(body);
     stream.write_all(&request).await?;
@@ -146,9 +194,10 @@ async fn request_inner(
     base: &BaseUrl,
     method: &str,
     path: &str,
+    headers: &[(&str, &str)],
     body: &[u8],
 ) -> Result<WorkerResponse, ForwardError> {
-    let mut stream = send_request(base, method, path, body).await?;
+    let mut stream = send_request(base, method, path, headers, body).await?;
     // Read until the answer is complete (by its length or its last chunk) or the worker
     // closes the connection, whichever comes first.
     let mut raw = Vec::new();
@@ -191,6 +240,7 @@ fn parse_partial(raw: &[u8], at_eof: bool) -> Result<Option<WorkerResponse>, For
     let Head {
         status,
         content_type,
+        admission,
         content_length,
         chunked,
     } = parse_head(&raw[..end])?;
@@ -217,6 +267,7 @@ fn parse_partial(raw: &[u8], at_eof: bool) -> Result<Option<WorkerResponse>, For
     Ok(Some(WorkerResponse {
         status,
         content_type,
+        admission,
         body,
     }))
 }
@@ -225,6 +276,7 @@ fn parse_partial(raw: &[u8], at_eof: bool) -> Result<Option<WorkerResponse>, For
 struct Head {
     status: u16,
     content_type: Option<String>,
+    admission: Option<String>,
     content_length: Option<usize>,
     chunked: bool,
 }
@@ -245,6 +297,7 @@ fn parse_head(head: &[u8]) -> Result<Head, ForwardError> {
         .filter(|s| (100..1000).contains(s))
         .ok_or_else(|| bad("bad status code"))?;
     let mut content_type = None;
+    let mut admission = None;
     let mut content_length = None;
     let mut chunked = false;
     for line in lines {
@@ -254,6 +307,8 @@ fn parse_head(head: &[u8]) -> Result<Head, ForwardError> {
         let value = value.trim();
         if name.eq_ignore_ascii_case("content-type") {
             content_type = Some(value.to_owned());
+        } else if name.eq_ignore_ascii_case(ADMISSION_HEADER) {
+            admission = Some(value.to_owned());
         } else if name.eq_ignore_ascii_case("content-length") {
             content_length = Some(
                 value
@@ -267,6 +322,7 @@ fn parse_head(head: &[u8]) -> Result<Head, ForwardError> {
     Ok(Head {
         status,
         content_type,
+        admission,
         content_length,
         chunked,
     })
@@ -296,6 +352,8 @@ pub struct WorkerStream {
     pub status: u16,
     /// The `Content-Type` header, if any.
     pub content_type: Option<String>,
+    /// The [`ADMISSION_HEADER`] header, if any.
+    pub admission: Option<String>,
     conn: TcpStream,
     /// Bytes read but not yet decoded.
     buf: Vec<u8>,
@@ -303,6 +361,31 @@ pub struct WorkerStream {
 }
 
 impl WorkerStream {
+    /// A `503` with `x-kvc-admission: rejected` (see [`WorkerResponse::is_admission_reject`]).
+    pub fn is_admission_reject(&self) -> bool {
+        admission_reject(self.status, self.admission.as_deref())
+    }
+
+    /// The rest of the body, whole: at most [`MAX_RESPONSE_BYTES`], each wait for more
+    /// bounded by `timeout`.
+    pub async fn read_rest(&mut self, timeout: Duration) -> Result<Vec<u8>, ForwardError> {
+        let mut body = Vec::new();
+        loop {
+            let piece = tokio::time::timeout(timeout, self.next_chunk())
+                .await
+                .map_err(|_| ForwardError::Timeout(timeout))??;
+            let Some(piece) = piece else {
+                return Ok(body);
+            };
+            body.extend_from_slice(&piece);
+            if body.len() > MAX_RESPONSE_BYTES {
+                return Err(ForwardError::BadResponse(format!(
+                    "larger than {MAX_RESPONSE_BYTES} bytes"
+                )));
+            }
+        }
+    }
+
     /// The next piece of the (de-chunked) body as the worker sent it, `None` once the body is
     /// complete. A connection that breaks or ends before the body is complete is an error
     /// ([`ForwardError::Io`] or [`ForwardError::BadResponse`]). No deadline: wrap each call in
@@ -390,8 +473,19 @@ pub async fn post_streaming(
     body: &[u8],
     timeout: Duration,
 ) -> Result<WorkerStream, ForwardError> {
+    post_streaming_with_headers(base, path, &[], body, timeout).await
+}
+
+/// [`post_streaming`] with extra request headers, as [`post_json_with_headers`] sends them.
+pub async fn post_streaming_with_headers(
+    base: &BaseUrl,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout: Duration,
+) -> Result<WorkerStream, ForwardError> {
     let open = async {
-        let mut conn = send_post(base, path, body).await?;
+        let mut conn = send_request(base, "POST", path, headers, body).await?;
         let mut raw = Vec::new();
         let mut piece = vec![0u8; 16 * 1024];
         let end = loop {
@@ -420,6 +514,7 @@ pub async fn post_streaming(
         Ok(WorkerStream {
             status: head.status,
             content_type: head.content_type,
+            admission: head.admission,
             conn,
             buf: raw[end + 4..].to_vec(),
             framing,
@@ -671,6 +766,68 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, ForwardError::Timeout(_)), "{err:?}");
+    }
+
+    #[test]
+    fn admission_refusals_are_recognised() {
+        let r = parse_response(
+            b"HTTP/1.1 503 Busy\r\nX-KVC-Admission: Rejected\r\ncontent-length: 2\r\n\r\n{}",
+        )
+        .unwrap();
+        assert_eq!(r.admission.as_deref(), Some("Rejected"));
+        assert!(r.is_admission_reject());
+        for raw in [
+            &b"HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n"[..],
+            b"HTTP/1.1 500 Oops\r\nx-kvc-admission: rejected\r\ncontent-length: 0\r\n\r\n",
+            b"HTTP/1.1 503 Busy\r\nx-kvc-admission: admitted\r\ncontent-length: 0\r\n\r\n",
+        ] {
+            let r = parse_response(raw).unwrap();
+            assert!(!r.is_admission_reject(), "{}", String::from_utf8_lossy(raw));
+        }
+    }
+
+    #[tokio::test]
+    async fn extra_headers_are_sent_and_unsafe_ones_dropped() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; 4096];
+            while !got.ends_with(b"{}") {
+                let n = s.read(&mut buf).await.unwrap();
+                assert!(n > 0, "request cut short");
+                got.extend_from_slice(&buf[..n]);
+            }
+            s.write_all(
+                b"HTTP/1.1 503 Busy\r\nx-kvc-admission: rejected\r\n\
+                  Transfer-Encoding: chunked\r\n\r\n4\r\nfull\r\n0\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            String::from_utf8(got).unwrap()
+        });
+        let base = BaseUrl::parse(&format!("http://{addr}")).unwrap();
+        let headers = [
+            ("x-session-id", "agent 7"),
+            ("x-evil", "a\r\nInjected: 1"),
+            ("bad name", "x"),
+            ("x-empty", ""),
+        ];
+        let mut ws =
+            post_streaming_with_headers(&base, "/g", &headers, b"{}", Duration::from_secs(2))
+                .await
+                .unwrap();
+        assert!(ws.is_admission_reject());
+        assert_eq!(ws.read_rest(Duration::from_secs(2)).await.unwrap(), b"full");
+        let text = server.await.unwrap();
+        assert!(text.contains("\r\nx-session-id: agent 7\r\n"), "{text}");
+        assert!(text.contains("\r\nx-empty: \r\n"), "{text}");
+        assert!(!text.contains("Injected"), "{text}");
+        assert!(
+            !text.contains("x-evil") && !text.contains("bad name"),
+            "{text}"
+        );
     }
 
     #[test]

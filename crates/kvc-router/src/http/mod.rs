@@ -16,61 +16,109 @@
 //! A malformed body gets 400 with `{"error": {"message": "...", "type": "invalid_request_error"}}`;
 //! one over [`HttpOptions::max_body_bytes`] gets 413 with the same shape.
 //!
-//! **Session and turn.** The session key is the `x-session-id` header (name configurable in
-//! [`HttpOptions`]) or, for `/generate`, `session_params.id`; it maps to a session id with
-//! [`kvc_core::SessionId::from_key`]. The turn is a per-session counter kept here (bounded by
-//! the router's `sessions.ttl-ms` and `sessions.max`). A request without a key is routed
-//! without a session.
+//! **Tokens and block hashes.** From `input_ids` (or a token-id `prompt`) with
+//! [`block_hashes`] over the policy's block size. Text goes through the [`Tokenizer`] of
+//! [`HttpOptions::tokenizer`] first: a Hugging Face `tokenizer.json` (`http.tokenizer` in the
+//! configuration, `--tokenizer` on the command line; loaded at startup, a bad file stops the
+//! start with an error naming it), else [`fallback_tokens`] (one token per whitespace-separated
+//! word). A chat request's text is its messages through the simple template of [`chat_prompt`]
+//! (used for hashing only; the worker gets the messages and applies its own template), then
+//! the same tokenizer. The input length is the number of tokens.
 //!
-//! **Block hashes.** From `input_ids` (or a token-id `prompt`) with [`block_hashes`] over the
-//! policy's block size; text goes through [`fallback_tokens`] (one token per word) first. A
-//! chat request's text is its messages through the simple template of [`chat_prompt`] (used
-//! for hashing only; the worker gets the messages and applies its own template). The input
-//! length is the number of tokens.
+//! **Session and turn.** The session key is the `x-session-id` header (name configurable in
+//! [`HttpOptions::session_header`]) or, for `/generate`, `session_params.id`; it maps to a
+//! session id with [`kvc_core::SessionId::from_key`]. The turn is a per-session counter kept
+//! here (bounded by the router's `sessions.ttl-ms` and `sessions.max`).
+//!
+//! **Session inference.** A request with neither is placed by its prefix. The front remembers,
+//! for each session it knows (keyed or inferred; same bounds), the chained block hash at the
+//! last *full* block of the session's latest prompt. A request whose block hashes hold one of
+//! those hashes at the same position extends that prompt, so it continues that session: the
+//! deepest such match wins, ties go to the most recently seen session. The match must be at
+//! least [`HttpOptions::infer_min_blocks`] blocks deep (`http.infer-min-blocks`, default 4), so
+//! that a shared system prompt alone never glues two conversations together. A request with no
+//! such match but at least that many full blocks starts a new inferred session, keyed
+//! `kvc-inferred-<16 hex digits>` (a per-process keyed hash of its first block hashes and its
+//! request id), which later requests can continue; a shorter one is routed without a session.
+//! `infer-min-blocks = 0` turns inference off. Counted in
+//! `kvc_router_http_inferred_sessions_total{result="continued"|"new"}`.
 //!
 //! **Forwarding.** For a decision through a prefill worker (`turn1-seed`, `fallback`,
 //! `reseed`) the same JSON body, with `bootstrap_host` (P's host), `bootstrap_port` (P's
 //! bootstrap port) and a random `bootstrap_room` injected, goes to P and D concurrently; D's
-//! answer is returned. `direct-to-d` sends the body unchanged to D alone, `colocated` to the
-//! worker. Each worker call has the deadline [`HttpOptions::request_timeout`]. The outcome is
-//! `ok` when every worker answered 2xx (the resident tokens are the input plus the answer's
-//! `meta_info.completion_tokens` or `usage.completion_tokens`), else `worker-failed`. A worker
-//! that answered non-2xx has its status and body passed through; one that did not answer
-//! gives 502 (504 on a timeout). Responses carry `x-kvc-mode`, `x-kvc-decode-worker` and, on
-//! the P→D path, `x-kvc-prefill-worker`.
+//! answer is returned. `direct-to-d` sends the body to D alone with the session's continuation
+//! parameters: for `/generate` without `session_params`, `session_params: {"id": <session
+//! key>}` is added (a client's own `session_params` are kept as sent). `colocated` sends the
+//! body to the worker. With a session, every worker request (P and D, every path, every API)
+//! carries the session header (the configured name) with the session key. Each worker call has
+//! the deadline [`HttpOptions::request_timeout`].
+//!
+//! The outcome is `ok` when D answered 2xx in full (the resident tokens are the input plus the
+//! answer's `meta_info.completion_tokens` or `usage.completion_tokens`), else `worker-failed`.
+//! A prefill worker's fate does not change that once D has answered: if P fails while (or
+//! after) D answers, D's answer goes to the client and P's failure counts against P's circuit
+//! breaker. If P fails *before* D has answered anything, D is not waited for (it would only
+//! wait for KV that never comes): D's request is dropped (not counted against D), the decision
+//! reported `worker-failed`, and the request is retried without P when P's failure is
+//! retryable (see *Retries*); otherwise P's answer goes to the client. A worker that answered
+//! non-2xx has its status and body passed through; one that did not answer gives 502 (504 on
+//! a timeout). Responses carry `x-kvc-mode`, `x-kvc-decode-worker`, on a P→D path
+//! `x-kvc-prefill-worker`, for a fall-through `x-kvc-reason` (e.g. `session-cap-rejected`),
+//! and with a session `x-kvc-session` (the key, inferred ones included).
+//!
+//! **Admission refusals by D (the contract for engines with decode-side admission).** A
+//! decode worker that cannot take a request — no room for a direct-to-D turn, or the session
+//! is not resident — answers **`503` with the header `x-kvc-admission: rejected`** (and a JSON
+//! error body). This is not a worker failure: it counts as a success for D's circuit breaker
+//! and does not exclude D. For a direct-to-D decision, the decision is reported `rejected`
+//! (the policy's view of what D holds is left as it was), and the request is routed again with
+//! `rejected_by = D`, exactly as a gRPC caller would: the policy answers with a P→D path
+//! (`fallback` with `session-cap-rejected`, or `reseed` with `migrated` after repeated
+//! refusals), which is forwarded. This re-route happens at most once per request and is not a
+//! retry. A refusal on a P→D path (or a second refusal) is reported `rejected` and tried on
+//! another decode worker like a retryable failure, if a retry is left; otherwise the client
+//! gets D's 503. Counted in `kvc_router_http_admission_rejects_total`. A decode worker whose
+//! engine cannot append-prefill at all is declared with `append-prefill = false` in its
+//! `[[workers]]` entry instead: it never gets a direct-to-D turn (later turns go P→D, reason
+//! `direct-unsupported`).
 //!
 //! **Streaming.** With `"stream": true` the body is forwarded the same way, but D's answer is
 //! relayed to the client as it arrives (chunked, with D's `Content-Type`, normally
-//! `text/event-stream`), never buffered whole; P's answer is read and dropped. The deadline
-//! [`HttpOptions::request_timeout`] then bounds the wait for D's response head and each wait
-//! for more of its body. If D's connection breaks, its body is malformed or it goes silent
-//! past the deadline mid-stream, the client's stream ends with one SSE error event,
+//! `text/event-stream`), never buffered whole; P's answer is read and dropped. The client's
+//! answer starts with D's first piece of body: until then the request can still be retried
+//! (or re-routed after a refusal). The deadline [`HttpOptions::request_timeout`] bounds the wait
+//! for D's response head, for its first piece and for each further one. If D's connection
+//! breaks, its body is malformed or it goes silent past the deadline mid-stream, the client's
+//! stream ends with one SSE error event,
 //! `data: {"error": {"message": "...", "type": "worker_error", "code": 502}}`, and the
 //! request is reported `worker-failed`. The outcome is reported when the stream has ended:
 //! `ok` (resident tokens: the input plus the last `completion_tokens` seen in a `data:` event)
-//! when D's stream completed with a 2xx status and P answered 2xx, else `worker-failed` (also
-//! when the client went away first: nothing is claimed resident). A D that cannot be reached
-//! gets the same JSON 502/504 as without streaming.
+//! when D's stream completed with a 2xx status, else `worker-failed` (also when the client
+//! went away first: nothing is claimed resident). A D that cannot be reached gets the same
+//! JSON 502/504 as without streaming.
 //!
 //! **Resilience.** Options in [`HttpOptions`] (the `[http]` table of the configuration,
 //! [`crate::HttpConfig`]):
 //!
-//! - *Retries.* A request whose decode worker failed before any byte reached the client —
-//!   connection refused or broken, no answer (or, streaming, no response head) within the
-//!   deadline, or a 502, 503 or 504 — is reported `worker-failed`, then routed again with
+//! - *Retries.* A request that failed before any byte reached the client — its decode worker
+//!   refused the connection, broke it, gave no answer (streaming: no head, or no first piece)
+//!   within the deadline, or answered 502, 503 or 504; or its prefill worker failed that way
+//!   before D answered — is reported `worker-failed`, then routed again with
 //!   [`RouterService::route_excluding`] (the workers that failed it count as down for that
 //!   decision) and forwarded again, at most [`HttpOptions::max_retries`] times, after a
-//!   jittered backoff ([`HttpOptions::retry_backoff`], doubling). A failing prefill worker
-//!   alongside is excluded too. When no other worker can take it, or the retries are spent,
-//!   the client gets the last failure. Nothing is retried once a stream has started.
+//!   jittered backoff ([`HttpOptions::retry_backoff`], doubling). A prefill worker that had
+//!   already failed alongside a failed D is excluded too. When no other worker can take it,
+//!   or the retries are spent, the client gets the last failure. Nothing is retried once a
+//!   stream has started.
 //! - *Circuit breakers.* Per worker, [`BreakerOptions::failure_threshold`] consecutive
-//!   failures (connect error, timeout, 5xx, a stream broken off, a failed health check) open
-//!   it: the worker is taken out of rotation with [`RouterService::set_http_down`], so no
-//!   policy picks it, for a cool-down that doubles with each re-opening up to
-//!   [`BreakerOptions::max_cooldown`] (with jitter). Then it is half-open: back in rotation
-//!   for one trial request (out again while the trial runs); the trial's success closes the
-//!   breaker, its failure (or no result within [`HttpOptions::request_timeout`]) opens it
-//!   again. Any successful request closes it.
+//!   failures (connect error, timeout, 5xx other than an admission refusal, a stream broken
+//!   off, a failed health check) open it: the worker is taken out of rotation with
+//!   [`RouterService::set_http_down`], so no policy picks it, for a cool-down that doubles with
+//!   each re-opening up to [`BreakerOptions::max_cooldown`] (with jitter). Then it is
+//!   half-open: back in rotation for one trial request (out again while the trial runs); the
+//!   trial's success closes the breaker, its failure (or no result within
+//!   [`HttpOptions::request_timeout`]) opens it again; a trial dropped for the other worker's
+//!   failure leaves it half-open for a new trial. Any successful request closes it.
 //! - *Health checks.* Every [`HttpOptions::health_check_interval`], each worker's `GET
 //!   /health` is checked within [`HttpOptions::health_check_timeout`]: no answer or a 5xx
 //!   counts against its breaker; any other answer closes a half-open breaker. The checks run
@@ -78,7 +126,8 @@
 //!   is dropped.
 //!
 //! Metrics: `kvc_router_http_breaker_state`, `kvc_router_http_breaker_transitions_total`,
-//! `kvc_router_http_retries_total`, `kvc_router_http_health_checks_total` (see
+//! `kvc_router_http_retries_total`, `kvc_router_http_health_checks_total`,
+//! `kvc_router_http_admission_rejects_total`, `kvc_router_http_inferred_sessions_total` (see
 //! [`crate::metrics`]).
 //!
 //! ```
@@ -100,18 +149,20 @@
 
 mod breaker;
 mod client;
+mod forward;
+mod infer;
 mod request;
 mod tokens;
 
 pub use breaker::{BreakerOptions, BreakerState};
 pub use client::{
-    BaseUrl, ForwardError, MAX_RESPONSE_BYTES, WorkerResponse, WorkerStream, parse_response,
-    post_json, post_streaming,
+    ADMISSION_HEADER, BaseUrl, ForwardError, MAX_RESPONSE_BYTES, WorkerResponse, WorkerStream,
+    parse_response, post_json, post_json_with_headers, post_streaming, post_streaming_with_headers,
 };
 pub use request::{
     DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS, chat_prompt,
 };
-pub use tokens::{block_hashes, fallback_tokens};
+pub use tokens::{Tokenizer, TokenizerError, block_hashes, fallback_tokens};
 
 use crate::convert::ProtoEnum;
 use crate::{RequestError, RouterService, pb};
@@ -123,7 +174,9 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use breaker::Breakers;
-use kvc_core::{ExecutionMode, Outcome, SessionId, StableName, WorkerId};
+use forward::{Attempt, Forward, breaker_failure, direct_body, forward_stream, forward_whole};
+use infer::{Inferred, SessionBook};
+use kvc_core::{ExecutionMode, FallThroughReason, Outcome, StableName, WorkerId};
 use parking_lot::Mutex;
 use request::{Api, Prompt};
 use serde_json::{Value, json};
@@ -136,6 +189,10 @@ use std::time::Duration;
 /// SGLang's default disaggregation bootstrap port, used for a prefill worker registered
 /// without one.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// The response header naming the session a request was routed in (the client's key, or the
+/// key of an inferred session).
+pub const SESSION_RESPONSE_HEADER: &str = "x-kvc-session";
 
 /// Where the HTTP front reaches each worker.
 #[derive(Debug, Clone, Default)]
@@ -197,7 +254,8 @@ impl HttpWorkers {
 /// Settings of the HTTP front.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpOptions {
-    /// Header carrying the session key. Default `x-session-id`.
+    /// Header carrying the session key (read from the client, sent to the workers). Default
+    /// `x-session-id`.
     pub session_header: String,
     /// Deadline of each worker call (connect, send, whole answer). Default 300 s.
     pub request_timeout: Duration,
@@ -218,6 +276,12 @@ pub struct HttpOptions {
     pub health_check_interval: Option<Duration>,
     /// Deadline of one health check. Default 1 s.
     pub health_check_timeout: Duration,
+    /// How text prompts become token ids. Default: the whitespace fallback.
+    pub tokenizer: Tokenizer,
+    /// Session inference: how many leading full blocks a request without a session key must
+    /// share with a known session's latest prompt to continue it (see the module docs); 0
+    /// turns inference off. Default 4.
+    pub infer_min_blocks: u32,
 }
 
 impl Default for HttpOptions {
@@ -232,6 +296,8 @@ impl Default for HttpOptions {
             breaker: BreakerOptions::default(),
             health_check_interval: Some(Duration::from_secs(5)),
             health_check_timeout: Duration::from_secs(1),
+            tokenizer: Tokenizer::fallback(),
+            infer_min_blocks: 4,
         }
     }
 }
@@ -251,16 +317,7 @@ pub fn http_app_with(
     let health_checks = options
         .health_check_interval
         .filter(|i| !i.is_zero() && !workers.is_empty());
-    let app = Arc::new(App {
-        service,
-        workers,
-        breakers: Breakers::new(options.breaker, options.request_timeout),
-        options,
-        turns: Mutex::new(HashMap::new()),
-        next_request: AtomicU64::new(1),
-        rooms: std::collections::hash_map::RandomState::new(),
-        room_counter: AtomicU64::new(0),
-    });
+    let app = Arc::new(App::new(service, workers, options));
     // The checks run while the app lives, on the runtime it is built in (none: no checks).
     if let (Some(interval), Ok(runtime)) = (health_checks, tokio::runtime::Handle::try_current()) {
         runtime.spawn(health_checks_task(Arc::downgrade(&app), interval));
@@ -275,63 +332,30 @@ pub fn http_app_with(
         .with_state(app)
 }
 
-#[derive(Debug, Clone, Copy)]
-struct TurnEntry {
-    turn: u32,
-    last_ms: u64,
-}
-
 struct App {
     service: Arc<RouterService>,
     workers: HttpWorkers,
     breakers: Breakers,
     options: HttpOptions,
-    turns: Mutex<HashMap<SessionId, TurnEntry>>,
+    sessions: Mutex<SessionBook>,
     next_request: AtomicU64,
     rooms: std::collections::hash_map::RandomState,
     room_counter: AtomicU64,
 }
 
 impl App {
-    /// The next turn of `session` (1 for a new or expired session). The table is bounded by
-    /// the router's session limits.
-    fn next_turn(&self, session: SessionId) -> u32 {
-        let limits = self.service.config().sessions;
-        let now = self.service.now_ms();
-        let mut turns = self.turns.lock();
-        let turn = match turns.get_mut(&session) {
-            Some(e) if now.saturating_sub(e.last_ms) <= limits.ttl_ms => {
-                e.turn = e.turn.saturating_add(1);
-                e.last_ms = now;
-                e.turn
-            }
-            _ => {
-                turns.insert(
-                    session,
-                    TurnEntry {
-                        turn: 1,
-                        last_ms: now,
-                    },
-                );
-                1
-            }
-        };
-        let max = limits.max_sessions.max(1);
-        if turns.len() > max {
-            turns.retain(|_, e| now.saturating_sub(e.last_ms) <= limits.ttl_ms);
-            while turns.len() > max {
-                let oldest = turns
-                    .iter()
-                    .filter(|(s, _)| **s != session)
-                    .min_by_key(|(_, e)| e.last_ms)
-                    .map(|(s, _)| *s);
-                match oldest {
-                    Some(s) => turns.remove(&s),
-                    None => break,
-                };
-            }
+    fn new(service: Arc<RouterService>, workers: HttpWorkers, options: HttpOptions) -> App {
+        let sessions = SessionBook::new(service.config().sessions, options.infer_min_blocks);
+        App {
+            breakers: Breakers::new(options.breaker, options.request_timeout),
+            sessions: Mutex::new(sessions),
+            service,
+            workers,
+            options,
+            next_request: AtomicU64::new(1),
+            rooms: std::collections::hash_map::RandomState::new(),
+            room_counter: AtomicU64::new(0),
         }
-        turn
     }
 
     /// A random bootstrap room in `0..2^63`.
@@ -339,6 +363,93 @@ impl App {
         let mut h = self.rooms.build_hasher();
         h.write_u64(self.room_counter.fetch_add(1, Ordering::Relaxed));
         h.finish() >> 1
+    }
+
+    /// The key of a new inferred session: a hash (keyed per process) of the request's first
+    /// block hashes and its id.
+    fn inferred_key(&self, hash_ids: &[u64], request_id: u64) -> String {
+        let mut h = self.rooms.build_hasher();
+        let take = (self.options.infer_min_blocks as usize).max(1);
+        for id in hash_ids.iter().take(take) {
+            h.write_u64(*id);
+        }
+        h.write_u64(request_id);
+        format!("kvc-inferred-{:016x}", h.finish())
+    }
+
+    /// The session of a request and its turn (see [`SessionBook::resolve`]), counted in the
+    /// metrics when inferred.
+    fn resolve_session(
+        &self,
+        key: Option<&str>,
+        hash_ids: &[u64],
+        full_blocks: usize,
+        request_id: u64,
+    ) -> Option<infer::Resolved> {
+        let prompt = infer::Prompt {
+            key,
+            hashes: hash_ids,
+            full_blocks,
+        };
+        let now = self.service.now_ms();
+        let resolved = self
+            .sessions
+            .lock()
+            .resolve(prompt, now, || self.inferred_key(hash_ids, request_id));
+        if let Some(inferred) = resolved.as_ref().and_then(|r| r.inferred) {
+            self.service
+                .metrics()
+                .record_inferred_session(inferred == Inferred::Continued);
+        }
+        resolved
+    }
+
+    /// The token ids of a text prompt. A tokenizer file's encoding runs on the blocking pool
+    /// (long prompts take a while); the fallback runs inline.
+    async fn tokenize(&self, text: &str) -> Vec<u32> {
+        let tokenizer = &self.options.tokenizer;
+        if tokenizer.path().is_none() {
+            return tokenizer.encode(text);
+        }
+        let (tokenizer, owned) = (tokenizer.clone(), text.to_owned());
+        match tokio::task::spawn_blocking(move || tokenizer.encode(&owned)).await {
+            Ok(tokens) => tokens,
+            Err(e) => {
+                tracing::warn!(error = %e, "tokenizer task failed; using the whitespace fallback");
+                fallback_tokens(text)
+            }
+        }
+    }
+
+    /// Feeds one worker's result to its circuit breaker.
+    fn feed_breaker(&self, worker: WorkerId, failed: bool) {
+        if failed {
+            self.breakers
+                .on_failure(&self.service, worker, self.service.now_ms());
+        } else {
+            self.breakers.on_success(&self.service, worker);
+        }
+    }
+
+    /// The jittered wait before retry `attempt` (from 1).
+    fn backoff(&self, attempt: u32) -> Duration {
+        let base = self
+            .options
+            .retry_backoff
+            .saturating_mul(1 << attempt.saturating_sub(1).min(16));
+        base.mul_f64(1.0 - 0.5 * self.breakers.unit())
+    }
+
+    /// Worker `id`'s endpoint.
+    fn endpoint(&self, id: u32) -> Option<HttpWorker> {
+        self.workers.get(WorkerId(id)).cloned()
+    }
+
+    /// Injects P's bootstrap address and a fresh room into `body`.
+    fn add_bootstrap(&self, body: &mut serde_json::Map<String, Value>, p: &HttpWorker) {
+        body.insert("bootstrap_host".into(), Value::from(p.url.host.clone()));
+        body.insert("bootstrap_port".into(), Value::from(p.bootstrap_port));
+        body.insert("bootstrap_room".into(), Value::from(self.room()));
     }
 }
 
@@ -434,19 +545,6 @@ fn forward_error_response(who: &str, e: &ForwardError) -> Response {
     error_response(status, "worker_error", &format!("{who}: {e}"))
 }
 
-/// Tokens generated, as the worker's answer reports them (SGLang `meta_info` or OpenAI
-/// `usage`).
-fn completion_tokens(body: &[u8]) -> Option<u64> {
-    let v: Value = serde_json::from_slice(body).ok()?;
-    v.pointer("/meta_info/completion_tokens")
-        .or_else(|| v.pointer("/usage/completion_tokens"))
-        .and_then(Value::as_u64)
-}
-
-fn is_success(r: &Result<WorkerResponse, ForwardError>) -> bool {
-    matches!(r, Ok(w) if (200..300).contains(&w.status))
-}
-
 async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> Response {
     let req = match request::parse(api, bytes) {
         Ok(r) => r,
@@ -470,7 +568,7 @@ async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> 
     };
     let tokens = match &req.prompt {
         Prompt::Tokens(t) => t.clone(),
-        Prompt::Text(text) => fallback_tokens(text),
+        Prompt::Text(text) => app.tokenize(text).await,
     };
     if tokens.is_empty() {
         return error_response(
@@ -479,24 +577,36 @@ async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> 
             "the prompt is empty",
         );
     }
-    let session = header_key
-        .or(req.session_key.clone())
-        .map(|k| SessionId::from_key(&k));
-    let turn = session.map(|s| app.next_turn(s));
     let block = app.service.config().policy.block_size();
+    let hash_ids = block_hashes(&tokens, block);
+    let full_blocks = tokens.len() / block.tokens() as usize;
     let request_id = app.next_request.fetch_add(1, Ordering::Relaxed);
+    let client_key = header_key.or_else(|| req.session_key.clone());
+    let resolved = app.resolve_session(client_key.as_deref(), &hash_ids, full_blocks, request_id);
     let input_length = tokens.len() as u64;
-    let route_req = pb::RouteRequest {
+    let mut route_req = pb::RouteRequest {
         request_id,
-        session_id: session.map(|s| s.0),
-        turn_id: turn,
+        session_id: resolved.as_ref().map(|r| r.session.0),
+        turn_id: resolved.as_ref().map(|r| r.turn),
         input_length,
         output_hint: req.output_hint,
-        hash_ids: block_hashes(&tokens, block),
+        hash_ids,
         rejected_by: None,
+    };
+    let fwd = Forward {
+        api,
+        request_id,
+        input_length,
+        session_key: resolved.map(|r| r.key),
+    };
+    let session_key = fwd.session_key.clone();
+    let respond = |response: Response, decision: &pb::RouteDecision| {
+        with_decision_headers(response, decision, session_key.as_deref())
     };
     let mut excluded: Vec<WorkerId> = Vec::new();
     let mut attempt = 0u32;
+    let mut retrying = false;
+    let mut admission_rerouted = false;
     // The previous attempt's failure, answered when no other worker can take the request.
     let mut previous: Option<Response> = None;
     loop {
@@ -505,55 +615,78 @@ async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> 
             Ok(d) => d,
             Err(e) => return previous.unwrap_or_else(|| route_error_response(&e)),
         };
-        if attempt > 0 {
+        // A `rejected_by` is answered by one decision; later retries are plain re-routes.
+        route_req.rejected_by = None;
+        if std::mem::take(&mut retrying) {
             app.service.metrics().record_http_retry();
         }
         let may_retry = attempt < app.options.max_retries;
-        let body = req.body.clone();
+        let mut body = req.body.clone();
+        if ExecutionMode::from_proto(decision.mode) == Ok(ExecutionMode::DirectToD) {
+            direct_body(api, &mut body, fwd.session_key.as_deref());
+        }
         let result = if req.stream {
-            forward_stream(
-                app,
-                api,
-                body,
-                &decision,
-                request_id,
-                input_length,
-                may_retry,
-            )
-            .await
+            forward_stream(app, &fwd, body, &decision, may_retry).await
         } else {
-            forward_whole(app, api, body, &decision, request_id, input_length).await
+            forward_whole(app, &fwd, body, &decision).await
         };
-        match result {
-            Attempt::Done(response) => return with_decision_headers(response, &decision),
-            Attempt::Retry { response, failed } => {
-                let response = with_decision_headers(response, &decision);
-                if !may_retry {
-                    return response;
+        let (response, failed) = match result {
+            Attempt::Done(response) => return respond(response, &decision),
+            Attempt::Retry { response, failed } => (respond(response, &decision), failed),
+            Attempt::Rejected {
+                response,
+                decode,
+                direct,
+            } => {
+                app.service.metrics().record_http_admission_reject();
+                let response = respond(response, &decision);
+                if direct && !admission_rerouted {
+                    // Like a gRPC caller whose admission refused a direct-to-D decision: route
+                    // again with `rejected_by`; the policy answers with a P→D path. Not a retry,
+                    // and at most once per request.
+                    admission_rerouted = true;
+                    route_req.rejected_by = Some(decode.0);
+                    previous = Some(response);
+                    tracing::info!(
+                        request = request_id,
+                        decode = decode.0,
+                        "direct-to-D turn refused by the decode worker; re-routing through P"
+                    );
+                    continue;
                 }
-                previous = Some(response);
-                attempt += 1;
-                for w in failed {
-                    if !excluded.contains(&w) {
-                        excluded.push(w);
-                    }
-                }
-                let wait = app.backoff(attempt);
-                tracing::info!(
-                    request = request_id,
-                    attempt,
-                    excluded = ?excluded,
-                    wait_ms = wait.as_millis() as u64,
-                    "re-routing a failed request"
-                );
-                tokio::time::sleep(wait).await;
+                (response, vec![decode])
+            }
+        };
+        if !may_retry {
+            return response;
+        }
+        previous = Some(response);
+        attempt += 1;
+        retrying = true;
+        for w in failed {
+            if !excluded.contains(&w) {
+                excluded.push(w);
             }
         }
+        let wait = app.backoff(attempt);
+        tracing::info!(
+            request = request_id,
+            attempt,
+            excluded = ?excluded,
+            wait_ms = wait.as_millis() as u64,
+            "re-routing a failed request"
+        );
+        tokio::time::sleep(wait).await;
     }
 }
 
-/// Adds `x-kvc-mode`, `x-kvc-decode-worker` and (P→D) `x-kvc-prefill-worker`.
-fn with_decision_headers(mut response: Response, decision: &pb::RouteDecision) -> Response {
+/// Adds `x-kvc-mode`, `x-kvc-decode-worker`, (P→D) `x-kvc-prefill-worker`, (fall-through)
+/// `x-kvc-reason` and (with a session) `x-kvc-session`.
+fn with_decision_headers(
+    mut response: Response,
+    decision: &pb::RouteDecision,
+    session_key: Option<&str>,
+) -> Response {
     let mode = ExecutionMode::from_proto(decision.mode).ok();
     let h = response.headers_mut();
     if let Some(mode) = mode {
@@ -565,6 +698,15 @@ fn with_decision_headers(mut response: Response, decision: &pb::RouteDecision) -
     );
     if let Some(p) = decision.prefill_worker {
         h.insert("x-kvc-prefill-worker", HeaderValue::from(p));
+    }
+    let reason = decision
+        .fall_through_reason
+        .and_then(|r| FallThroughReason::from_proto(r).ok());
+    if let Some(reason) = reason {
+        h.insert("x-kvc-reason", HeaderValue::from_static(reason.as_str()));
+    }
+    if let Some(v) = session_key.and_then(|k| HeaderValue::from_str(k).ok()) {
+        h.insert(SESSION_RESPONSE_HEADER, v);
     }
     response
 }
@@ -579,364 +721,6 @@ fn report(app: &App, decision_id: u64, request_id: u64, outcome: Outcome, reside
     }) {
         tracing::warn!(decision = decision_id, error = %e, "outcome not recorded");
     }
-}
-
-/// Finds the generated-token count in a streamed answer: the last `data:` line (SSE) or line
-/// of JSON that carries `meta_info.completion_tokens` or `usage.completion_tokens`.
-#[derive(Debug, Default)]
-struct CompletionScan {
-    line: Vec<u8>,
-    overflow: bool,
-    tokens: Option<u64>,
-}
-
-impl CompletionScan {
-    /// Longest line examined; longer ones are skipped.
-    const MAX_LINE: usize = 1 << 20;
-
-    fn feed(&mut self, bytes: &[u8]) {
-        for part in bytes.split_inclusive(|b| *b == b'\n') {
-            if self.line.len() + part.len() > Self::MAX_LINE {
-                self.overflow = true;
-                self.line.clear();
-            } else {
-                self.line.extend_from_slice(part);
-            }
-            if part.ends_with(b"\n") {
-                self.end_line();
-            }
-        }
-    }
-
-    fn end_line(&mut self) {
-        if !self.overflow {
-            let line = self.line.trim_ascii();
-            let json = line.strip_prefix(b"data:").unwrap_or(line).trim_ascii();
-            if let Some(n) = completion_tokens(json) {
-                self.tokens = Some(n);
-            }
-        }
-        self.line.clear();
-        self.overflow = false;
-    }
-
-    fn finish(mut self) -> Option<u64> {
-        self.end_line();
-        self.tokens
-    }
-}
-
-/// The SSE event that ends a client's stream when the worker failed mid-stream.
-fn sse_error_event(message: &str, after_partial_event: bool) -> Bytes {
-    let event = json!({ "error": {
-        "message": message,
-        "type": "worker_error",
-        "code": StatusCode::BAD_GATEWAY.as_u16(),
-    } });
-    let lead = if after_partial_event { "\n\n" } else { "" };
-    Bytes::from(format!("{lead}data: {event}\n\n"))
-}
-
-/// What one forwarding attempt came to. Either way its decision has been (or, for a relayed
-/// stream, will be) reported.
-enum Attempt {
-    /// The client's answer.
-    Done(Response),
-    /// Failed before any byte reached the client, in a way worth trying elsewhere (connection
-    /// refused or broken, timeout before an answer, 502-504): `response` is the failure as
-    /// the client would get it, `failed` the workers to avoid.
-    Retry {
-        response: Response,
-        failed: Vec<WorkerId>,
-    },
-}
-
-/// The 502 for a worker without an HTTP address.
-fn no_address(id: u32) -> Response {
-    error_response(
-        StatusCode::BAD_GATEWAY,
-        "worker_error",
-        &format!("worker {id} has no HTTP address"),
-    )
-}
-
-/// Whether a worker's answer (or its absence) counts against its circuit breaker: no answer,
-/// or a 5xx status.
-fn breaker_failure<T>(r: &Result<T, ForwardError>, status: impl Fn(&T) -> u16) -> bool {
-    match r {
-        Ok(w) => status(w) >= 500,
-        Err(_) => true,
-    }
-}
-
-/// Whether a worker's failure may be retried on another worker: no answer (connection
-/// refused or broken, timeout), or 502, 503 or 504.
-fn retryable<T>(r: &Result<T, ForwardError>, status: impl Fn(&T) -> u16) -> bool {
-    match r {
-        Ok(w) => (502..=504).contains(&status(w)),
-        Err(ForwardError::Io(_) | ForwardError::Timeout(_)) => true,
-        Err(_) => false,
-    }
-}
-
-impl App {
-    /// Feeds one worker's result to its circuit breaker.
-    fn feed_breaker(&self, worker: WorkerId, failed: bool) {
-        if failed {
-            self.breakers
-                .on_failure(&self.service, worker, self.service.now_ms());
-        } else {
-            self.breakers.on_success(&self.service, worker);
-        }
-    }
-
-    /// The jittered wait before retry `attempt` (from 1).
-    fn backoff(&self, attempt: u32) -> Duration {
-        let base = self
-            .options
-            .retry_backoff
-            .saturating_mul(1 << attempt.saturating_sub(1).min(16));
-        base.mul_f64(1.0 - 0.5 * self.breakers.unit())
-    }
-
-    /// Worker `id`'s endpoint.
-    fn endpoint(&self, id: u32) -> Option<HttpWorker> {
-        self.workers.get(WorkerId(id)).cloned()
-    }
-
-    /// Injects P's bootstrap address and a fresh room into `body`.
-    fn add_bootstrap(&self, body: &mut serde_json::Map<String, Value>, p: &HttpWorker) {
-        body.insert("bootstrap_host".into(), Value::from(p.url.host.clone()));
-        body.insert("bootstrap_port".into(), Value::from(p.bootstrap_port));
-        body.insert("bootstrap_room".into(), Value::from(self.room()));
-    }
-}
-
-/// The streaming variant of [`forward_whole`]: P (if any) gets the request as before; D's
-/// answer is relayed to the client as it arrives, and the outcome is reported when it has
-/// ended. A failure before D's answer began (and, when `may_retry`, a 502-504 head) is
-/// reported at once and returned as [`Attempt::Retry`].
-async fn forward_stream(
-    app: &Arc<App>,
-    api: Api,
-    mut body: serde_json::Map<String, Value>,
-    decision: &pb::RouteDecision,
-    request_id: u64,
-    input_length: u64,
-    may_retry: bool,
-) -> Attempt {
-    let timeout = app.options.request_timeout;
-    let path = api.path();
-    let decision_id = decision.decision_id;
-    let d_id = WorkerId(decision.decode_worker);
-    let retry = |response: Response, failed: Vec<WorkerId>| {
-        report(app, decision_id, request_id, Outcome::WorkerFailed, 0);
-        Attempt::Retry { response, failed }
-    };
-    let Some(d) = app.endpoint(d_id.0) else {
-        return retry(no_address(d_id.0), vec![d_id]);
-    };
-    let prefill = match decision.prefill_worker {
-        None => None,
-        Some(p_id) => {
-            let Some(p) = app.endpoint(p_id) else {
-                return retry(no_address(p_id), vec![WorkerId(p_id)]);
-            };
-            app.add_bootstrap(&mut body, &p);
-            let payload = Value::Object(body.clone()).to_string();
-            let p_app = Arc::clone(app);
-            app.breakers
-                .on_dispatch(&app.service, WorkerId(p_id), app.service.now_ms());
-            Some(tokio::spawn(async move {
-                let r = post_json(&p.url, path, payload.as_bytes(), timeout).await;
-                p_app.feed_breaker(WorkerId(p_id), breaker_failure(&r, |w| w.status));
-                let ok = is_success(&r);
-                if !ok {
-                    let detail = match &r {
-                        Ok(w) => format!("status {}", w.status),
-                        Err(e) => e.to_string(),
-                    };
-                    tracing::warn!(worker = p_id, %detail, "prefill worker failed");
-                }
-                ok
-            }))
-        }
-    };
-    let payload = Value::Object(body).to_string();
-    app.breakers
-        .on_dispatch(&app.service, d_id, app.service.now_ms());
-    let opened = post_streaming(&d.url, path, payload.as_bytes(), timeout).await;
-    let head_failed = breaker_failure(&opened, |w| w.status);
-    let head_retryable = retryable(&opened, |w| w.status);
-    let mut ws = match opened {
-        Ok(ws) if !(may_retry && head_retryable) => ws,
-        other => {
-            app.feed_breaker(d_id, true);
-            if let Some(p) = prefill {
-                p.abort();
-            }
-            let response = match &other {
-                Ok(ws) => error_response(
-                    StatusCode::from_u16(ws.status).unwrap_or(StatusCode::BAD_GATEWAY),
-                    "worker_error",
-                    &format!("decode worker answered {}", ws.status),
-                ),
-                Err(e) => forward_error_response("decode worker", e),
-            };
-            if head_retryable {
-                return retry(response, vec![d_id]);
-            }
-            report(app, decision_id, request_id, Outcome::WorkerFailed, 0);
-            return Attempt::Done(response);
-        }
-    };
-    let status = StatusCode::from_u16(ws.status).unwrap_or(StatusCode::BAD_GATEWAY);
-    let content_type = ws
-        .content_type
-        .as_deref()
-        .and_then(|c| HeaderValue::from_str(c).ok())
-        .unwrap_or(HeaderValue::from_static("text/event-stream"));
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
-    let relay_app = Arc::clone(app);
-    tokio::spawn(async move {
-        let app = relay_app;
-        let mut scan = CompletionScan::default();
-        let mut ends_event = true;
-        let mut worker_broke = false;
-        let relayed = loop {
-            let failure = match tokio::time::timeout(timeout, ws.next_chunk()).await {
-                Ok(Ok(Some(piece))) => {
-                    scan.feed(&piece);
-                    ends_event = piece.ends_with(b"\n\n");
-                    if tx.send(Ok(Bytes::from(piece))).await.is_err() {
-                        tracing::debug!(request = request_id, "client went away mid-stream");
-                        break false;
-                    }
-                    continue;
-                }
-                Ok(Ok(None)) => break true,
-                Ok(Err(e)) => format!("decode worker: {e}"),
-                Err(_) => format!("decode worker: nothing within {timeout:?}"),
-            };
-            worker_broke = true;
-            tracing::warn!(request = request_id, error = %failure, "stream ended early");
-            let _ = tx.send(Ok(sse_error_event(&failure, !ends_event))).await;
-            break false;
-        };
-        // The client's stream ends here, before P is waited for.
-        drop(tx);
-        app.feed_breaker(d_id, head_failed || worker_broke);
-        let prefill_ok = match prefill {
-            None => true,
-            Some(p) if relayed => matches!(tokio::time::timeout(timeout, p).await, Ok(Ok(true))),
-            Some(p) => {
-                p.abort();
-                false
-            }
-        };
-        let ok = relayed && prefill_ok && status.is_success();
-        let (outcome, resident) = if ok {
-            (Outcome::Ok, input_length + scan.finish().unwrap_or(0))
-        } else {
-            (Outcome::WorkerFailed, 0)
-        };
-        report(&app, decision_id, request_id, outcome, resident);
-    });
-    let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
-    Attempt::Done((status, [(header::CONTENT_TYPE, content_type)], body).into_response())
-}
-
-/// Sends the request where `decision` says, waits for the whole answer, reports the outcome
-/// and feeds the workers' breakers; a failure of D worth trying elsewhere is
-/// [`Attempt::Retry`].
-async fn forward_whole(
-    app: &App,
-    api: Api,
-    mut body: serde_json::Map<String, Value>,
-    decision: &pb::RouteDecision,
-    request_id: u64,
-    input_length: u64,
-) -> Attempt {
-    let timeout = app.options.request_timeout;
-    let path = api.path();
-    let decision_id = decision.decision_id;
-    let d_id = WorkerId(decision.decode_worker);
-    let retry = |response: Response, failed: Vec<WorkerId>| {
-        report(app, decision_id, request_id, Outcome::WorkerFailed, 0);
-        Attempt::Retry { response, failed }
-    };
-    let Some(d) = app.endpoint(d_id.0) else {
-        return retry(no_address(d_id.0), vec![d_id]);
-    };
-    let (prefill, dr) = match decision.prefill_worker {
-        None => {
-            let payload = Value::Object(body).to_string();
-            app.breakers
-                .on_dispatch(&app.service, d_id, app.service.now_ms());
-            let dr = post_json(&d.url, path, payload.as_bytes(), timeout).await;
-            (None, dr)
-        }
-        Some(p_id) => {
-            let Some(p) = app.endpoint(p_id) else {
-                return retry(no_address(p_id), vec![WorkerId(p_id)]);
-            };
-            app.add_bootstrap(&mut body, &p);
-            let payload = Value::Object(body).to_string();
-            app.breakers
-                .on_dispatch(&app.service, WorkerId(p_id), app.service.now_ms());
-            app.breakers
-                .on_dispatch(&app.service, d_id, app.service.now_ms());
-            let (pr, dr) = tokio::join!(
-                post_json(&p.url, path, payload.as_bytes(), timeout),
-                post_json(&d.url, path, payload.as_bytes(), timeout),
-            );
-            let p_failed = breaker_failure(&pr, |w| w.status);
-            app.feed_breaker(WorkerId(p_id), p_failed);
-            if !is_success(&pr) {
-                let detail = match &pr {
-                    Ok(w) => format!("status {}", w.status),
-                    Err(e) => e.to_string(),
-                };
-                tracing::warn!(worker = p_id, %detail, "prefill worker failed");
-            }
-            (Some((WorkerId(p_id), p_failed, is_success(&pr))), dr)
-        }
-    };
-    app.feed_breaker(d_id, breaker_failure(&dr, |w| w.status));
-    if retryable(&dr, |w| w.status) {
-        let mut failed = vec![d_id];
-        if let Some((p, true, _)) = prefill {
-            failed.push(p);
-        }
-        let response = match dr {
-            Ok(w) => worker_answer(w),
-            Err(e) => forward_error_response("decode worker", &e),
-        };
-        return retry(response, failed);
-    }
-    let prefill_ok = prefill.is_none_or(|(_, _, ok)| ok);
-    let (outcome, resident) = match &dr {
-        Ok(w) if prefill_ok && (200..300).contains(&w.status) => (
-            Outcome::Ok,
-            input_length + completion_tokens(&w.body).unwrap_or(0),
-        ),
-        _ => (Outcome::WorkerFailed, 0),
-    };
-    report(app, decision_id, request_id, outcome, resident);
-    Attempt::Done(match dr {
-        Ok(w) => worker_answer(w),
-        Err(e) => forward_error_response("decode worker", &e),
-    })
-}
-
-/// A worker's whole answer, passed through to the client.
-fn worker_answer(w: WorkerResponse) -> Response {
-    let status = StatusCode::from_u16(w.status).unwrap_or(StatusCode::BAD_GATEWAY);
-    let content_type = w
-        .content_type
-        .and_then(|c| HeaderValue::from_str(&c).ok())
-        .unwrap_or(HeaderValue::from_static("application/json"));
-    (status, [(header::CONTENT_TYPE, content_type)], w.body).into_response()
 }
 
 /// Every worker's `GET /health`, every `interval`, while the app lives. A transport failure,
@@ -980,107 +764,96 @@ mod tests {
     use crate::{RouterConfig, SessionLimits};
     use kvc_admission::ManualClock;
 
-    fn app(limits: SessionLimits) -> (App, Arc<ManualClock>) {
+    fn app(limits: SessionLimits, options: HttpOptions) -> (App, Arc<ManualClock>) {
         let clock = Arc::new(ManualClock::new(1_000));
         let config = RouterConfig {
             sessions: limits,
             ..RouterConfig::default()
         };
         let service = Arc::new(RouterService::with_clock(config, clock.clone()).unwrap());
-        let app = App {
-            service,
-            workers: HttpWorkers::new(),
-            breakers: Breakers::new(BreakerOptions::default(), Duration::from_secs(300)),
-            options: HttpOptions::default(),
-            turns: Mutex::new(HashMap::new()),
-            next_request: AtomicU64::new(1),
-            rooms: std::collections::hash_map::RandomState::new(),
-            room_counter: AtomicU64::new(0),
-        };
-        (app, clock)
-    }
-
-    #[test]
-    fn turns_count_per_session_and_restart_after_the_ttl() {
-        let (app, clock) = app(SessionLimits {
-            ttl_ms: 100,
-            max_sessions: 10,
-        });
-        let (a, b) = (SessionId::from_key("a"), SessionId::from_key("b"));
-        assert_eq!(app.next_turn(a), 1);
-        assert_eq!(app.next_turn(a), 2);
-        assert_eq!(app.next_turn(b), 1);
-        clock.advance(100);
-        assert_eq!(app.next_turn(a), 3);
-        clock.advance(101);
-        assert_eq!(app.next_turn(a), 1, "expired: a new session");
-        assert_eq!(app.next_turn(b), 1);
-    }
-
-    #[test]
-    fn the_turn_table_is_bounded_by_the_session_limit() {
-        let (app, clock) = app(SessionLimits {
-            ttl_ms: 1_000_000,
-            max_sessions: 2,
-        });
-        let ids: Vec<SessionId> = (0..3)
-            .map(|i| SessionId::from_key(&i.to_string()))
-            .collect();
-        for id in &ids {
-            app.next_turn(*id);
-            app.next_turn(*id);
-            clock.advance(1);
-        }
-        assert_eq!(app.turns.lock().len(), 2);
-        // The least recently seen session was forgotten; the others kept their count.
-        assert_eq!(app.next_turn(ids[0]), 1);
-        assert_eq!(app.next_turn(ids[2]), 3);
-        assert_eq!(app.turns.lock().len(), 2);
+        (App::new(service, HttpWorkers::new(), options), clock)
     }
 
     #[test]
     fn rooms_are_below_2_pow_63_and_differ() {
-        let (app, _) = app(SessionLimits::default());
+        let (app, _) = app(SessionLimits::default(), HttpOptions::default());
         let rooms: std::collections::HashSet<u64> = (0..1_000).map(|_| app.room()).collect();
         assert_eq!(rooms.len(), 1_000);
         assert!(rooms.iter().all(|r| *r < 1 << 63));
     }
 
     #[test]
-    fn completion_tokens_are_found_in_split_sse_events() {
-        let mut scan = CompletionScan::default();
-        scan.feed(b"data: {\"meta_info\": {\"completion_");
-        scan.feed(b"tokens\": 3}}\n\ndata: {\"usage\": {\"completion_tokens\": 5}}\n");
-        scan.feed(b"\ndata: {\"text\": \"no count\"}\n\ndata: [DONE]\n\n");
-        assert_eq!(scan.finish(), Some(5), "the last count seen");
-        let mut scan = CompletionScan::default();
-        scan.feed(b"{\"usage\": {\"completion_tokens\": 7}}");
-        assert_eq!(scan.finish(), Some(7), "a final line without its line end");
-        let mut scan = CompletionScan::default();
-        scan.feed(&vec![b'x'; CompletionScan::MAX_LINE + 1]);
-        scan.feed(b"{\"usage\": {\"completion_tokens\": 9}}\n");
-        assert_eq!(scan.finish(), None, "an over-long line is skipped whole");
-        assert_eq!(CompletionScan::default().finish(), None);
+    fn sessions_are_resolved_with_the_router_limits_and_counted() {
+        let (app, clock) = app(
+            SessionLimits {
+                ttl_ms: 100,
+                max_sessions: 10,
+            },
+            HttpOptions {
+                infer_min_blocks: 2,
+                ..HttpOptions::default()
+            },
+        );
+        let h = [11, 12, 13];
+        let r = app.resolve_session(Some("a"), &h, 3, 1).unwrap();
+        assert_eq!((r.turn, r.inferred), (1, None));
+        clock.advance(101);
+        let r = app.resolve_session(Some("a"), &h, 3, 2).unwrap();
+        assert_eq!(r.turn, 1, "expired after the router's session TTL");
+        // No key: it extends session `a`'s prompt.
+        let longer = [11, 12, 13, 14];
+        let r = app.resolve_session(None, &longer, 4, 3).unwrap();
+        assert_eq!(&*r.key, "a");
+        assert_eq!((r.turn, r.inferred), (2, Some(Inferred::Continued)));
+        let other = [21, 22, 23];
+        let r = app.resolve_session(None, &other, 3, 4).unwrap();
+        assert_eq!(r.inferred, Some(Inferred::New));
+        assert!(r.key.starts_with("kvc-inferred-"), "{}", r.key);
+        assert_eq!(r.key.len(), "kvc-inferred-".len() + 16);
+        assert_ne!(app.inferred_key(&other, 4), app.inferred_key(&other, 5));
+        let m = app.service.metrics();
+        assert_eq!(
+            (m.inferred_sessions(true), m.inferred_sessions(false)),
+            (1, 1)
+        );
+    }
+
+    #[tokio::test]
+    async fn text_goes_through_the_configured_tokenizer() {
+        let (fallback, _) = app(SessionLimits::default(), HttpOptions::default());
+        assert_eq!(fallback.tokenize("a b c").await, fallback_tokens("a b c"));
+        let dir = std::env::temp_dir().join(format!("kvc-router-tok-app-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, tokens::tests::word_level_json(&["a", "b", "c"])).unwrap();
+        let options = HttpOptions {
+            tokenizer: Tokenizer::from_file(&path).unwrap(),
+            ..HttpOptions::default()
+        };
+        let (app, _) = app(SessionLimits::default(), options);
+        assert_eq!(app.tokenize("a b c zzz").await, vec![1, 2, 3, 0]);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
-    fn sse_error_events_are_well_formed() {
-        let e = sse_error_event("decode worker: gone", false);
-        let text = std::str::from_utf8(&e).unwrap();
-        let json = text
-            .strip_prefix("data: ")
-            .unwrap()
-            .strip_suffix("\n\n")
-            .unwrap();
-        let v: Value = serde_json::from_str(json).unwrap();
-        assert_eq!(v["error"]["message"], "decode worker: gone");
-        assert_eq!(v["error"]["type"], "worker_error");
-        assert_eq!(v["error"]["code"], 502);
-        let after = sse_error_event("x", true);
-        assert!(
-            after.starts_with(b"\n\ndata: "),
-            "a cut event is closed first"
-        );
+    fn decision_headers_name_the_mode_workers_and_session() {
+        let decision = pb::RouteDecision {
+            decision_id: 1,
+            mode: ExecutionMode::Fallback.to_proto(),
+            fall_through_reason: Some(FallThroughReason::DirectUnsupported.to_proto()),
+            prefill_worker: Some(0),
+            decode_worker: 2,
+            ..Default::default()
+        };
+        let r = with_decision_headers(StatusCode::OK.into_response(), &decision, Some("s-1"));
+        let h = r.headers();
+        assert_eq!(h["x-kvc-mode"], "fallback");
+        assert_eq!(h["x-kvc-decode-worker"], "2");
+        assert_eq!(h["x-kvc-prefill-worker"], "0");
+        assert_eq!(h["x-kvc-reason"], "direct-unsupported");
+        assert_eq!(h[SESSION_RESPONSE_HEADER], "s-1");
+        let r = with_decision_headers(StatusCode::OK.into_response(), &decision, Some("bad\nkey"));
+        assert!(!r.headers().contains_key(SESSION_RESPONSE_HEADER));
     }
 
     #[test]

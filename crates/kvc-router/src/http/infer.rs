@@ -1,0 +1,431 @@
+//! The HTTP front's session book: each session's key and turn counter, and the prefix anchors
+//! with which a request that names no session continues a known one.
+//!
+//! A session's *anchor* is the chained block hash at the last full block of its latest prompt
+//! (with that block's position). Because block hashes are chained, a request whose hash at the
+//! same position is equal extends that prompt at least up to its last full block: it is the
+//! session's next turn. The deepest such match wins (ties: the most recently seen session), and
+//! it must be at least `min_blocks` blocks deep, so that a shared system prompt alone never
+//! glues two conversations together.
+
+use crate::SessionLimits;
+use kvc_core::SessionId;
+use std::collections::HashMap;
+use std::collections::hash_map::Entry as MapEntry;
+use std::sync::Arc;
+
+/// How a request without a session key was placed in a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Inferred {
+    /// It continues a known session.
+    Continued,
+    /// It starts a new inferred session (which later requests can continue).
+    New,
+}
+
+/// The session a request belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Resolved {
+    pub(crate) session: SessionId,
+    /// Its key: the client's, or the generated key of an inferred session.
+    pub(crate) key: Arc<str>,
+    /// Its turn, from 1.
+    pub(crate) turn: u32,
+    /// `None` when the client named the session.
+    pub(crate) inferred: Option<Inferred>,
+}
+
+/// What a request brings to [`SessionBook::resolve`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Prompt<'a> {
+    /// The session key the client gave (header or `session_params.id`), if any.
+    pub(crate) key: Option<&'a str>,
+    /// The prompt's chained block hashes (the last block may be partial).
+    pub(crate) hashes: &'a [u64],
+    /// How many of them are full blocks.
+    pub(crate) full_blocks: usize,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    turn: u32,
+    last_ms: u64,
+    key: Arc<str>,
+    /// (hash, position) of the last full block of the session's latest prompt.
+    anchor: Option<(u64, u32)>,
+}
+
+/// Sessions by id, bounded by the router's session limits, with an index of their anchors.
+#[derive(Debug)]
+pub(crate) struct SessionBook {
+    limits: SessionLimits,
+    /// Shortest match (in blocks) that continues a session; 0: no inference.
+    min_blocks: u32,
+    entries: HashMap<SessionId, Entry>,
+    /// Anchor hash → the sessions anchored there (usually one).
+    anchors: HashMap<u64, Vec<SessionId>>,
+}
+
+impl SessionBook {
+    pub(crate) fn new(limits: SessionLimits, min_blocks: u32) -> Self {
+        SessionBook {
+            limits,
+            min_blocks,
+            entries: HashMap::new(),
+            anchors: HashMap::new(),
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// The number of anchors indexed (for tests of the bound).
+    #[cfg(test)]
+    pub(crate) fn anchor_count(&self) -> usize {
+        self.anchors.values().map(Vec::len).sum()
+    }
+
+    fn live(&self, e: &Entry, now_ms: u64) -> bool {
+        now_ms.saturating_sub(e.last_ms) <= self.limits.ttl_ms
+    }
+
+    /// The session of a request at `now_ms`, and its turn: the client's key if it gave one;
+    /// otherwise (inference on, and at least `min_blocks` full blocks) the session whose anchor
+    /// it matches deepest, or a new inferred session keyed `new_key()`. `None`: routed without
+    /// a session. The session's anchor moves to this prompt's last full block.
+    pub(crate) fn resolve(
+        &mut self,
+        prompt: Prompt<'_>,
+        now_ms: u64,
+        new_key: impl FnOnce() -> String,
+    ) -> Option<Resolved> {
+        let (session, key, inferred) = match prompt.key {
+            Some(k) => (SessionId::from_key(k), Arc::<str>::from(k), None),
+            None => {
+                if self.min_blocks == 0 || prompt.full_blocks < self.min_blocks as usize {
+                    return None;
+                }
+                match self.continued(prompt, now_ms) {
+                    Some((s, key)) => (s, key, Some(Inferred::Continued)),
+                    None => {
+                        let key = Arc::<str>::from(new_key());
+                        (SessionId::from_key(&key), key, Some(Inferred::New))
+                    }
+                }
+            }
+        };
+        let turn = self.bump(session, &key, now_ms);
+        let anchor = (prompt.full_blocks >= (self.min_blocks.max(1) as usize)
+            && self.min_blocks > 0)
+            .then(|| {
+                let i = prompt.full_blocks - 1;
+                (prompt.hashes[i], i as u32)
+            });
+        self.set_anchor(session, anchor);
+        self.bound(session, now_ms);
+        Some(Resolved {
+            session,
+            key,
+            turn,
+            inferred,
+        })
+    }
+
+    /// The live session anchored deepest within the prompt's full blocks (at least
+    /// `min_blocks` deep); ties to the most recently seen.
+    fn continued(&self, prompt: Prompt<'_>, now_ms: u64) -> Option<(SessionId, Arc<str>)> {
+        let shallowest = self.min_blocks as usize - 1;
+        for i in (shallowest..prompt.full_blocks).rev() {
+            let hash = prompt.hashes[i];
+            let Some(list) = self.anchors.get(&hash) else {
+                continue;
+            };
+            let best = list
+                .iter()
+                .filter_map(|s| self.entries.get(s).map(|e| (*s, e)))
+                .filter(|(_, e)| e.anchor == Some((hash, i as u32)) && self.live(e, now_ms))
+                .max_by_key(|(s, e)| (e.last_ms, s.0));
+            if let Some((s, e)) = best {
+                return Some((s, Arc::clone(&e.key)));
+            }
+        }
+        None
+    }
+
+    /// Counts a turn of `session` (1 for a new or expired session).
+    fn bump(&mut self, session: SessionId, key: &Arc<str>, now_ms: u64) -> u32 {
+        let ttl = self.limits.ttl_ms;
+        match self.entries.entry(session) {
+            MapEntry::Occupied(mut o) => {
+                let e = o.get_mut();
+                if now_ms.saturating_sub(e.last_ms) <= ttl {
+                    e.turn = e.turn.saturating_add(1);
+                } else {
+                    e.turn = 1;
+                }
+                e.last_ms = now_ms;
+                e.key = Arc::clone(key);
+                e.turn
+            }
+            MapEntry::Vacant(v) => {
+                v.insert(Entry {
+                    turn: 1,
+                    last_ms: now_ms,
+                    key: Arc::clone(key),
+                    anchor: None,
+                });
+                1
+            }
+        }
+    }
+
+    fn set_anchor(&mut self, session: SessionId, anchor: Option<(u64, u32)>) {
+        let Some(e) = self.entries.get_mut(&session) else {
+            return;
+        };
+        let old = std::mem::replace(&mut e.anchor, anchor);
+        if old == anchor {
+            return;
+        }
+        if let Some((hash, _)) = old {
+            Self::unindex(&mut self.anchors, hash, session);
+        }
+        if let Some((hash, _)) = anchor {
+            self.anchors.entry(hash).or_default().push(session);
+        }
+    }
+
+    fn unindex(anchors: &mut HashMap<u64, Vec<SessionId>>, hash: u64, session: SessionId) {
+        if let Some(list) = anchors.get_mut(&hash) {
+            list.retain(|s| *s != session);
+            if list.is_empty() {
+                anchors.remove(&hash);
+            }
+        }
+    }
+
+    fn remove(&mut self, session: SessionId) {
+        if let Some(e) = self.entries.remove(&session)
+            && let Some((hash, _)) = e.anchor
+        {
+            Self::unindex(&mut self.anchors, hash, session);
+        }
+    }
+
+    /// Keeps at most `sessions.max` sessions: the expired go first, then the least recently
+    /// seen (never `keep`, the session just used).
+    fn bound(&mut self, keep: SessionId, now_ms: u64) {
+        let max = self.limits.max_sessions.max(1);
+        if self.entries.len() <= max {
+            return;
+        }
+        let expired: Vec<SessionId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| !self.live(e, now_ms))
+            .map(|(s, _)| *s)
+            .collect();
+        for s in expired {
+            self.remove(s);
+        }
+        while self.entries.len() > max {
+            let oldest = self
+                .entries
+                .iter()
+                .filter(|(s, _)| **s != keep)
+                .min_by_key(|(s, e)| (e.last_ms, s.0))
+                .map(|(s, _)| *s);
+            match oldest {
+                Some(s) => self.remove(s),
+                None => break,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn book(ttl_ms: u64, max_sessions: usize, min_blocks: u32) -> SessionBook {
+        SessionBook::new(
+            SessionLimits {
+                ttl_ms,
+                max_sessions,
+            },
+            min_blocks,
+        )
+    }
+
+    fn prompt<'a>(key: Option<&'a str>, hashes: &'a [u64], full_blocks: usize) -> Prompt<'a> {
+        Prompt {
+            key,
+            hashes,
+            full_blocks,
+        }
+    }
+
+    /// Chained-looking hashes: a conversation `c`'s blocks after a shared system prefix of
+    /// `shared` blocks.
+    fn blocks(c: u64, shared: usize, n: usize) -> Vec<u64> {
+        (0..n as u64)
+            .map(|i| {
+                if (i as usize) < shared {
+                    1_000 + i
+                } else {
+                    c * 1_000_000 + i
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keyed_turns_count_per_session_and_restart_after_the_ttl() {
+        let mut b = book(100, 10, 4);
+        let h = blocks(1, 0, 2);
+        let turn = |b: &mut SessionBook, key, now| {
+            b.resolve(prompt(Some(key), &h, 2), now, || unreachable!())
+                .unwrap()
+                .turn
+        };
+        assert_eq!(turn(&mut b, "a", 0), 1);
+        assert_eq!(turn(&mut b, "a", 50), 2);
+        assert_eq!(turn(&mut b, "b", 50), 1);
+        assert_eq!(turn(&mut b, "a", 150), 3);
+        assert_eq!(turn(&mut b, "a", 251), 1, "expired: a new session");
+        let r = b
+            .resolve(prompt(Some("a"), &h, 2), 252, String::new)
+            .unwrap();
+        assert_eq!(r.session, SessionId::from_key("a"));
+        assert_eq!(&*r.key, "a");
+        assert_eq!(r.inferred, None);
+    }
+
+    #[test]
+    fn the_book_is_bounded_by_the_session_limit() {
+        let mut b = book(1_000_000, 2, 1);
+        let keys = ["k0", "k1", "k2"];
+        for (i, k) in keys.iter().enumerate() {
+            let h = blocks(i as u64 + 1, 0, 3);
+            for t in 0..2 {
+                b.resolve(prompt(Some(k), &h, 3), i as u64 * 10 + t, String::new);
+            }
+        }
+        assert_eq!(b.len(), 2);
+        assert_eq!(
+            b.anchor_count(),
+            2,
+            "the forgotten session's anchor went too"
+        );
+        // The least recently seen session was forgotten; the others kept their count.
+        let h = blocks(9, 0, 3);
+        assert_eq!(
+            b.resolve(prompt(Some("k0"), &h, 3), 100, String::new)
+                .unwrap()
+                .turn,
+            1
+        );
+        assert_eq!(
+            b.resolve(prompt(Some("k2"), &h, 3), 101, String::new)
+                .unwrap()
+                .turn,
+            3
+        );
+        assert_eq!(b.len(), 2);
+    }
+
+    #[test]
+    fn a_keyless_request_continues_the_session_it_extends() {
+        let mut b = book(1_000_000, 100, 4);
+        // Too short to infer anything: no session.
+        let short = blocks(1, 0, 3);
+        assert_eq!(b.resolve(prompt(None, &short, 3), 0, || "x".into()), None);
+        assert_eq!(b.len(), 0);
+
+        let a1 = blocks(1, 2, 6);
+        let r = b
+            .resolve(prompt(None, &a1, 5), 1, || "inferred-a".into())
+            .unwrap();
+        assert_eq!((r.turn, r.inferred), (1, Some(Inferred::New)));
+        assert_eq!(&*r.key, "inferred-a");
+        let sa = r.session;
+        // Another conversation sharing only the 2-block system prefix: a new session.
+        let b1 = blocks(2, 2, 6);
+        let r = b
+            .resolve(prompt(None, &b1, 6), 2, || "inferred-b".into())
+            .unwrap();
+        assert_eq!(r.inferred, Some(Inferred::New));
+        let sb = r.session;
+        assert_ne!(sa, sb);
+        // Turn 2 of each extends its own first prompt (through its last full block).
+        let a2 = blocks(1, 2, 9);
+        let r = b
+            .resolve(prompt(None, &a2, 8), 3, || unreachable!())
+            .unwrap();
+        assert_eq!(
+            (r.session, r.turn, r.inferred),
+            (sa, 2, Some(Inferred::Continued))
+        );
+        assert_eq!(&*r.key, "inferred-a");
+        let b2 = blocks(2, 2, 7);
+        let r = b
+            .resolve(prompt(None, &b2, 7), 4, || unreachable!())
+            .unwrap();
+        assert_eq!((r.session, r.turn), (sb, 2));
+        // A's anchor moved to its turn-2 prompt: a request that only extends turn 1 (and not
+        // turn 2) is a new session.
+        let fork = blocks(1, 2, 5);
+        let r = b
+            .resolve(prompt(None, &fork, 5), 5, || "fork".into())
+            .unwrap();
+        assert_eq!(r.inferred, Some(Inferred::New));
+        assert_eq!(b.anchor_count(), 3);
+    }
+
+    #[test]
+    fn the_deepest_match_wins_then_the_most_recent() {
+        let mut b = book(1_000_000, 100, 2);
+        let shallow = blocks(1, 0, 3);
+        let deep = blocks(1, 0, 5);
+        let s_shallow = b
+            .resolve(prompt(Some("shallow"), &shallow, 3), 10, String::new)
+            .unwrap()
+            .session;
+        let s_deep = b
+            .resolve(prompt(Some("deep"), &deep, 5), 5, String::new)
+            .unwrap()
+            .session;
+        let longer = blocks(1, 0, 7);
+        let r = b
+            .resolve(prompt(None, &longer, 7), 20, String::new)
+            .unwrap();
+        assert_eq!(r.session, s_deep, "deepest, although less recent");
+        assert_ne!(r.session, s_shallow);
+        // Two sessions anchored at the same block: the most recent one.
+        let mut b = book(1_000_000, 100, 2);
+        let h = blocks(1, 0, 4);
+        b.resolve(prompt(Some("old"), &h, 4), 1, String::new);
+        b.resolve(prompt(Some("new"), &h, 4), 2, String::new);
+        let r = b.resolve(prompt(None, &blocks(1, 0, 6), 6), 3, String::new);
+        assert_eq!(r.unwrap().session, SessionId::from_key("new"));
+        // An expired session is not continued.
+        let mut b = book(10, 100, 2);
+        b.resolve(prompt(Some("gone"), &h, 4), 0, String::new);
+        let r = b
+            .resolve(prompt(None, &blocks(1, 0, 6), 6), 11, || "fresh".into())
+            .unwrap();
+        assert_eq!(r.inferred, Some(Inferred::New));
+        assert_eq!(&*r.key, "fresh");
+    }
+
+    #[test]
+    fn inference_off_routes_keyless_requests_without_a_session() {
+        let mut b = book(1_000_000, 100, 0);
+        let h = blocks(1, 0, 8);
+        b.resolve(prompt(Some("k"), &h, 8), 0, String::new);
+        assert_eq!(b.anchor_count(), 0);
+        assert_eq!(b.resolve(prompt(None, &h, 8), 1, || "x".into()), None);
+    }
+}

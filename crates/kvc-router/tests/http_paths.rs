@@ -1,0 +1,837 @@
+//! The HTTP front's session continuation, engines without decode-side append-prefill, admission
+//! refusals by D, session inference, tokenizer files, and prefill failures, end to end against
+//! in-process mock workers (snapshot workers on a manual clock give the router its state).
+
+mod common;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use common::{Cluster, TempDir};
+use kvc_core::{Health, WorkerId, WorkerRole};
+use kvc_router::http::{BreakerState, HttpOptions, HttpWorkers, Tokenizer, http_app_with};
+use kvc_router::{RouterConfig, WorkerConfig};
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// What a mock worker does with a request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Act {
+    /// Answers at once (JSON, or SSE events when `stream` is set).
+    Answer,
+    /// Answers 500 after this many milliseconds.
+    FailAfter(u64),
+    /// Answers this status at once, with a JSON error.
+    Status(u16),
+    /// Every request gets `503` with `x-kvc-admission: rejected`.
+    RejectAll,
+    /// A request without bootstrap fields (a direct-to-D turn) gets `503` with
+    /// `x-kvc-admission: rejected`; others are answered.
+    RejectDirect,
+    /// A request whose `bootstrap_port` is this one waits for KV that never comes (no answer;
+    /// streamed: a head, then nothing); others are answered.
+    HangWith(u16),
+}
+
+/// One request a mock worker received: its path, its `x-session-id` and `x-conversation`
+/// headers, its body.
+type Received = (String, HashMap<String, String>, Value);
+
+struct Mock {
+    name: String,
+    act: Mutex<Act>,
+    received: Mutex<Vec<Received>>,
+}
+
+fn sse(name: &str) -> Vec<String> {
+    let mut events: Vec<String> = (0..3u64)
+        .map(|i| {
+            let v = json!({"text": format!("{name} tok{i}"), "meta_info": {"completion_tokens": i + 1}});
+            format!("data: {v}\n\n")
+        })
+        .collect();
+    events.push("data: [DONE]\n\n".to_owned());
+    events
+}
+
+fn answer(m: &Mock, path: &str, stream: bool) -> Response {
+    if stream {
+        return (
+            StatusCode::OK,
+            [("content-type", "text/event-stream")],
+            sse(&m.name).concat(),
+        )
+            .into_response();
+    }
+    let v = if path == "/generate" {
+        json!({"text": format!("answer from {}", m.name), "meta_info": {"completion_tokens": 8}})
+    } else if path == "/v1/chat/completions" {
+        json!({"choices": [{"message": {"role": "assistant", "content": format!("answer from {}", m.name)}}],
+               "usage": {"completion_tokens": 8}})
+    } else {
+        json!({"choices": [{"text": format!("answer from {}", m.name)}], "usage": {"completion_tokens": 8}})
+    };
+    (
+        StatusCode::OK,
+        [("content-type", "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+/// A decode worker's admission refusal.
+fn refusal() -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [
+            ("content-type", "application/json"),
+            ("x-kvc-admission", "rejected"),
+        ],
+        json!({"error": {"message": "no room for the session", "type": "admission"}}).to_string(),
+    )
+        .into_response()
+}
+
+async fn handler(
+    State(m): State<Arc<Mock>>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let value: Value = serde_json::from_slice(&body).expect("forwarded JSON");
+    let stream = value["stream"] == true;
+    let kept = ["x-session-id", "x-conversation"]
+        .iter()
+        .filter_map(|h| {
+            headers
+                .get(*h)
+                .map(|v| (h.to_string(), v.to_str().unwrap().to_owned()))
+        })
+        .collect();
+    m.received
+        .lock()
+        .push((uri.path().to_owned(), kept, value.clone()));
+    let act = *m.act.lock();
+    match act {
+        Act::Answer => answer(&m, uri.path(), stream),
+        Act::FailAfter(ms) => {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                [("content-type", "application/json")],
+                json!({"error": {"message": format!("{} failed", m.name)}}).to_string(),
+            )
+                .into_response()
+        }
+        Act::Status(status) => (
+            StatusCode::from_u16(status).unwrap(),
+            [("content-type", "application/json")],
+            json!({"error": {"message": format!("{} says {status}", m.name)}}).to_string(),
+        )
+            .into_response(),
+        Act::RejectAll => refusal(),
+        Act::RejectDirect if value.get("bootstrap_room").is_none() => refusal(),
+        Act::HangWith(port) if value["bootstrap_port"] == port => {
+            if stream {
+                let forever = futures_pending_stream();
+                return (
+                    StatusCode::OK,
+                    [("content-type", "text/event-stream")],
+                    axum::body::Body::from_stream(forever),
+                )
+                    .into_response();
+            }
+            std::future::pending::<()>().await;
+            unreachable!()
+        }
+        Act::RejectDirect | Act::HangWith(_) => answer(&m, uri.path(), stream),
+    }
+}
+
+/// A body stream that never yields.
+fn futures_pending_stream() -> tokio_stream::wrappers::ReceiverStream<Result<Bytes, std::io::Error>>
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    // Kept open (never sends) until the connection is dropped.
+    tokio::spawn(async move {
+        tx.closed().await;
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
+    let mock = Arc::new(Mock {
+        name: name.to_owned(),
+        act: Mutex::new(Act::Answer),
+        received: Mutex::new(Vec::new()),
+    });
+    let app = axum::Router::new()
+        .route("/generate", post(handler))
+        .route("/v1/completions", post(handler))
+        .route("/v1/chat/completions", post(handler))
+        .with_state(mock.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (mock, addr)
+}
+
+/// A bootstrap port per prefill worker id.
+fn bootstrap_port(id: u32) -> u16 {
+    9_000 + id as u16
+}
+
+struct Front {
+    cluster: Cluster,
+    mocks: HashMap<u32, Arc<Mock>>,
+    addr: SocketAddr,
+}
+
+impl Front {
+    /// A router over the cluster `edit` makes of the default P0, D1, D2 (snapshot workers),
+    /// each worker with a mock HTTP server, and its HTTP front with `options`.
+    async fn start(
+        edit: impl FnOnce(&mut RouterConfig),
+        options: impl FnOnce(&mut HttpOptions),
+    ) -> Front {
+        let cluster = Cluster::start(edit).await;
+        let workers: Vec<(u32, WorkerRole)> = cluster
+            .service()
+            .config()
+            .workers
+            .iter()
+            .map(|w| (w.id, w.role))
+            .collect();
+        let ids: Vec<u32> = workers.iter().map(|w| w.0).collect();
+        cluster.wait_health(&ids, Health::Healthy).await;
+        let mut mocks = HashMap::new();
+        let mut http = HttpWorkers::new();
+        for (id, role) in workers {
+            let name = format!("{}{id}", &role.to_string()[..1]);
+            let (mock, addr) = spawn_mock(&name).await;
+            let port = (role == WorkerRole::Prefill).then(|| bootstrap_port(id));
+            http.insert(WorkerId(id), &format!("http://{addr}"), port)
+                .unwrap();
+            mocks.insert(id, mock);
+        }
+        let mut o = HttpOptions {
+            request_timeout: Duration::from_secs(5),
+            retry_backoff: Duration::from_millis(1),
+            health_check_interval: None,
+            ..HttpOptions::default()
+        };
+        options(&mut o);
+        let app = http_app_with(cluster.service().clone(), http, o);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Front {
+            cluster,
+            mocks,
+            addr,
+        }
+    }
+
+    fn act(&self, id: u32, act: Act) {
+        *self.mocks[&id].act.lock() = act;
+    }
+
+    fn received(&self, id: u32) -> Vec<Received> {
+        self.mocks[&id].received.lock().clone()
+    }
+
+    fn count(&self, id: u32) -> usize {
+        self.mocks[&id].received.lock().len()
+    }
+
+    async fn post(&self, path: &str, headers: &[(&str, &str)], body: &Value) -> Reply {
+        exchange(self.addr, path, headers, &body.to_string()).await
+    }
+
+    fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let samples = common::parse_prometheus(&self.cluster.service().render_metrics());
+        common::value(&samples, name, labels)
+    }
+
+    fn outcomes(&self, outcome: &str) -> f64 {
+        self.metric("kvc_router_outcomes_total", &[("outcome", outcome)])
+    }
+
+    /// Waits (bounded) until no decision awaits its outcome.
+    async fn settle(&self) {
+        for _ in 0..500 {
+            if self.cluster.service().pending_decisions() == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("an outcome was never reported");
+    }
+
+    /// Waits (bounded) until worker `id`'s breaker is in `state`.
+    async fn wait_breaker(&self, id: u32, state: BreakerState) {
+        for _ in 0..500 {
+            if self.cluster.service().metrics().breaker_state(WorkerId(id)) == Some(state) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("worker {id}'s breaker never became {state:?}");
+    }
+}
+
+struct Reply {
+    status: u16,
+    headers: HashMap<String, String>,
+    /// The body as text (JSON, or SSE events).
+    text: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.text).unwrap_or_else(|e| panic!("{e}: {}", self.text))
+    }
+
+    fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .unwrap_or_else(|| panic!("no {name} in {:?}", self.headers))
+    }
+}
+
+/// One bounded HTTP/1.1 POST to the front; a chunked body is de-chunked.
+async fn exchange(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    let fut = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut head = format!(
+            "POST {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(body.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.unwrap();
+        buf
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(10), fut)
+        .await
+        .expect("the front answered in time");
+    let r = kvc_router::http::parse_response(&raw).expect("a well-formed answer");
+    let text = String::from_utf8(raw).unwrap();
+    let head = text.split_once("\r\n\r\n").unwrap().0;
+    let headers = head
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Reply {
+        status: r.status,
+        headers,
+        text: String::from_utf8(r.body).unwrap(),
+    }
+}
+
+fn ids(r: std::ops::Range<u32>) -> Value {
+    Value::from(r.collect::<Vec<u32>>())
+}
+
+fn generate(tokens: std::ops::Range<u32>) -> Value {
+    json!({"input_ids": ids(tokens), "sampling_params": {"max_new_tokens": 8}})
+}
+
+/// One prefill and one decode worker (P0, D1).
+fn one_p_one_d(cfg: &mut RouterConfig) {
+    cfg.workers.truncate(2);
+}
+
+#[tokio::test]
+async fn direct_turns_carry_the_session_to_the_decode_worker() {
+    let f = Front::start(one_p_one_d, |_| {}).await;
+    let session = [("x-session-id", "agent-1")];
+    let r = f.post("/generate", &session, &generate(0..1_300)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    assert_eq!(r.header("x-kvc-session"), "agent-1");
+    // Both halves of the P→D path get the session header; the body is the client's.
+    for id in [0, 1] {
+        let (_, headers, body) = &f.received(id)[0];
+        assert_eq!(headers["x-session-id"], "agent-1", "worker {id}");
+        assert!(body.get("session_params").is_none(), "worker {id}");
+    }
+    let r = f.post("/generate", &session, &generate(0..1_900)).await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    let (_, headers, body) = &f.received(1)[1];
+    assert_eq!(headers["x-session-id"], "agent-1");
+    assert_eq!(body["session_params"], json!({"id": "agent-1"}));
+    assert_eq!(body["input_ids"], ids(0..1_900));
+    assert!(body.get("bootstrap_room").is_none());
+
+    // `session_params` sent by the client is kept as it is (and names the session).
+    let mut own = generate(0..2_400);
+    own["session_params"] = json!({"id": "agent-1", "rid": "r-7"});
+    let r = f.post("/generate", &[], &own).await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    let (_, headers, body) = &f.received(1)[2];
+    assert_eq!(
+        body["session_params"],
+        json!({"id": "agent-1", "rid": "r-7"})
+    );
+    assert_eq!(headers["x-session-id"], "agent-1");
+
+    // OpenAI APIs: the header, no `session_params`.
+    let chat = |n: u32| {
+        let words: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
+        json!({"messages": [{"role": "user", "content": words.join(" ")}], "max_tokens": 8})
+    };
+    let s2 = [("x-session-id", "chat-2")];
+    f.post("/v1/chat/completions", &s2, &chat(1_300)).await;
+    let r = f.post("/v1/chat/completions", &s2, &chat(1_900)).await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    let (path, headers, body) = f.received(1).pop().unwrap();
+    assert_eq!(path, "/v1/chat/completions");
+    assert_eq!(headers["x-session-id"], "chat-2");
+    assert!(body.get("session_params").is_none());
+    assert_eq!(f.count(0), 2, "P saw the two first turns only");
+}
+
+#[tokio::test]
+async fn the_session_header_is_forwarded_under_its_configured_name() {
+    let f = Front::start(one_p_one_d, |o| {
+        o.session_header = "x-conversation".to_owned();
+    })
+    .await;
+    let h = [("x-conversation", "c-9")];
+    f.post("/v1/completions", &h, &json!({"prompt": "hello there"}))
+        .await;
+    for id in [0, 1] {
+        let (_, headers, _) = &f.received(id)[0];
+        assert_eq!(
+            headers.get("x-conversation").map(String::as_str),
+            Some("c-9")
+        );
+        assert!(!headers.contains_key("x-session-id"));
+    }
+    // Without a session, no header.
+    f.post("/v1/completions", &[], &json!({"prompt": "one off"}))
+        .await;
+    assert!(f.received(1)[1].1.is_empty());
+}
+
+#[tokio::test]
+async fn a_decode_worker_without_append_prefill_gets_every_turn_through_p() {
+    let f = Front::start(
+        |cfg| {
+            one_p_one_d(cfg);
+            cfg.no_append_prefill.insert(1);
+        },
+        |_| {},
+    )
+    .await;
+    let session = [("x-session-id", "agent-2")];
+    let r = f.post("/generate", &session, &generate(0..1_300)).await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    for (turn, n) in [(2, 1_900), (3, 2_500)] {
+        let r = f.post("/generate", &session, &generate(0..n)).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-kvc-mode"), "fallback", "turn {turn}");
+        assert_eq!(r.header("x-kvc-reason"), "direct-unsupported");
+        assert_eq!(r.header("x-kvc-prefill-worker"), "0");
+        assert_eq!(r.header("x-kvc-decode-worker"), "1");
+        assert_eq!(
+            (f.count(0), f.count(1)),
+            (turn, turn),
+            "P and D, never D alone"
+        );
+        // A P→D turn: bootstrap fields, no continuation parameters.
+        let (_, _, body) = f.received(1).pop().unwrap();
+        assert!(body["bootstrap_room"].is_u64());
+        assert!(body.get("session_params").is_none());
+    }
+    assert_eq!(
+        f.metric(
+            "kvc_router_decisions_total",
+            &[("mode", "fallback"), ("reason", "direct-unsupported")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        f.metric(
+            "kvc_router_decisions_total",
+            &[("mode", "direct-to-d"), ("reason", "none")]
+        ),
+        0.0
+    );
+    assert_eq!(f.outcomes("ok"), 3.0);
+}
+
+#[tokio::test]
+async fn an_admission_refusal_by_d_is_routed_again_through_p() {
+    let f = Front::start(
+        |_| {},
+        |o| {
+            // One failure would open a breaker: the refusals must not count.
+            o.breaker.failure_threshold = 1;
+            o.max_retries = 0;
+        },
+    )
+    .await;
+    let session = [("x-session-id", "agent-3")];
+    let r = f.post("/generate", &session, &generate(0..1_300)).await;
+    let d: u32 = r.header("x-kvc-decode-worker").parse().unwrap();
+    f.act(d, Act::RejectDirect);
+    let r = f.post("/generate", &session, &generate(0..1_900)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json()["text"], format!("answer from d{d}"));
+    assert_eq!(r.header("x-kvc-mode"), "fallback");
+    assert_eq!(r.header("x-kvc-reason"), "session-cap-rejected");
+    assert_eq!(
+        r.header("x-kvc-decode-worker"),
+        d.to_string(),
+        "D is not excluded"
+    );
+    assert_eq!(r.header("x-kvc-prefill-worker"), "0");
+    // D saw the refused direct turn, then the P→D one.
+    let got = f.received(d);
+    assert_eq!(got.len(), 3);
+    assert!(got[1].2.get("bootstrap_room").is_none());
+    assert!(got[2].2["bootstrap_room"].is_u64());
+    assert_eq!(f.count(0), 2);
+    let service = f.cluster.service();
+    assert!(!service.is_http_down(WorkerId(d)));
+    assert_ne!(
+        service.metrics().breaker_state(WorkerId(d)),
+        Some(BreakerState::Open)
+    );
+    assert_eq!(service.metrics().http_retries(), 0, "not a retry");
+    assert_eq!(
+        f.metric("kvc_router_http_admission_rejects_total", &[]),
+        1.0
+    );
+    assert_eq!(f.outcomes("rejected"), 1.0);
+    assert_eq!(f.outcomes("ok"), 2.0);
+    assert_eq!(service.pending_decisions(), 0);
+
+    // Streamed, the same: the refusal comes before any byte reaches the client.
+    let mut body = generate(0..2_500);
+    body["stream"] = json!(true);
+    let r = f.post("/generate", &session, &body).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kvc-mode"), "fallback");
+    assert_eq!(r.text, sse(&format!("d{d}")).concat());
+    f.settle().await;
+    assert_eq!(
+        f.metric("kvc_router_http_admission_rejects_total", &[]),
+        2.0
+    );
+    assert_eq!(f.outcomes("rejected"), 2.0);
+    assert_eq!(f.outcomes("ok"), 3.0);
+
+    // A D that refuses every request: after the one re-route, its refusal is the answer.
+    f.act(d, Act::Answer);
+    let r = f.post("/generate", &session, &generate(0..3_100)).await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d", "resident again");
+    assert_eq!(f.cluster.service().pending_decisions(), 0);
+}
+
+#[tokio::test]
+async fn a_refusal_on_every_path_is_answered_without_looping() {
+    let f = Front::start(one_p_one_d, |o| o.max_retries = 0).await;
+    let session = [("x-session-id", "agent-4")];
+    f.post("/generate", &session, &generate(0..1_300)).await;
+    // D refuses everything now, P→D included.
+    f.act(1, Act::RejectAll);
+    let r = f.post("/generate", &session, &generate(0..1_900)).await;
+    // The direct turn was refused, then the P→D re-route: the refusal is the answer.
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert_eq!(r.json()["error"]["message"], "no room for the session");
+    assert_eq!(r.header("x-kvc-mode"), "fallback");
+    assert_eq!((f.count(0), f.count(1)), (2, 3));
+    assert_eq!(
+        f.metric("kvc_router_http_admission_rejects_total", &[]),
+        2.0
+    );
+    assert_eq!(f.outcomes("rejected"), 2.0);
+    let service = f.cluster.service();
+    assert_eq!(service.metrics().http_retries(), 0);
+    assert!(!service.is_http_down(WorkerId(1)));
+    assert_eq!(service.pending_decisions(), 0);
+    // With a retry left, a refusal on the P→D path is tried on another D.
+    let f = Front::start(|_| {}, |o| o.max_retries = 1).await;
+    let r = f.post("/generate", &session, &generate(0..1_300)).await;
+    let d: u32 = r.header("x-kvc-decode-worker").parse().unwrap();
+    f.act(d, Act::RejectAll);
+    let r = f.post("/generate", &session, &generate(0..1_900)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.header("x-kvc-decode-worker"), (3 - d).to_string());
+    assert_eq!(f.cluster.service().metrics().http_retries(), 1);
+    assert_eq!(
+        f.metric("kvc_router_http_admission_rejects_total", &[]),
+        2.0
+    );
+}
+
+/// Token ids of a conversation: `shared` tokens of a common system prompt, then tokens of
+/// its own, `n` in all.
+fn conversation(c: u32, shared: u32, n: u32) -> Value {
+    let tokens: Vec<u32> = (0..n)
+        .map(|i| if i < shared { i } else { c * 100_000 + i })
+        .collect();
+    json!({"input_ids": tokens, "sampling_params": {"max_new_tokens": 8}})
+}
+
+#[tokio::test]
+async fn keyless_conversations_are_told_apart_by_their_prefix() {
+    let f = Front::start(|_| {}, |_| {}).await;
+    // Two conversations share a 2-block system prompt; turn 1 has 5 full blocks (of 512).
+    let a1 = f
+        .post("/generate", &[], &conversation(1, 1_024, 2_600))
+        .await;
+    let b1 = f
+        .post("/generate", &[], &conversation(2, 1_024, 2_600))
+        .await;
+    for r in [&a1, &b1] {
+        assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+        assert!(r.header("x-kvc-session").starts_with("kvc-inferred-"));
+    }
+    assert_ne!(a1.header("x-kvc-session"), b1.header("x-kvc-session"));
+    let (da, db) = (
+        a1.header("x-kvc-decode-worker"),
+        b1.header("x-kvc-decode-worker"),
+    );
+    assert_ne!(
+        da, db,
+        "two active sessions are spread over the decode workers"
+    );
+    // Each turn 2 extends its own turn 1: direct to its own D, in its own session.
+    let b2 = f
+        .post("/generate", &[], &conversation(2, 1_024, 3_300))
+        .await;
+    let a2 = f
+        .post("/generate", &[], &conversation(1, 1_024, 3_100))
+        .await;
+    for (t1, t2) in [(&a1, &a2), (&b1, &b2)] {
+        assert_eq!(t2.status, 200);
+        assert_eq!(t2.header("x-kvc-mode"), "direct-to-d");
+        assert_eq!(
+            t2.header("x-kvc-decode-worker"),
+            t1.header("x-kvc-decode-worker")
+        );
+        assert_eq!(t2.header("x-kvc-session"), t1.header("x-kvc-session"));
+    }
+    // The direct turn carries the inferred session to D.
+    let d: u32 = da.parse().unwrap();
+    let (_, headers, body) = f.received(d).pop().unwrap();
+    assert_eq!(body["session_params"]["id"], a1.header("x-kvc-session"));
+    assert_eq!(headers["x-session-id"], a1.header("x-kvc-session"));
+    // A third conversation sharing only the system prompt starts a session of its own.
+    let c1 = f
+        .post("/generate", &[], &conversation(3, 1_024, 2_600))
+        .await;
+    assert_eq!(c1.header("x-kvc-mode"), "turn1-seed");
+    let sessions = [&a1, &b1, &c1].map(|r| r.header("x-kvc-session").to_owned());
+    assert!(sessions[2] != sessions[0] && sessions[2] != sessions[1]);
+    // Too short to infer anything: routed without a session.
+    let short = f
+        .post("/generate", &[], &conversation(4, 1_024, 1_500))
+        .await;
+    assert!(!short.headers.contains_key("x-kvc-session"));
+    let inferred = |result| {
+        f.metric(
+            "kvc_router_http_inferred_sessions_total",
+            &[("result", result)],
+        )
+    };
+    assert_eq!((inferred("new"), inferred("continued")), (3.0, 2.0));
+}
+
+/// A word-level `tokenizer.json` over `w0..w{n}` with a whitespace pre-tokenizer (which
+/// splits punctuation off words); `[UNK]` is id 0.
+fn word_tokenizer(dir: &TempDir, n: u32) -> std::path::PathBuf {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), 0.into());
+    vocab.insert(",".into(), 1.into());
+    for i in 0..n {
+        vocab.insert(format!("w{i}"), (i + 2).into());
+    }
+    let json = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+    });
+    let path = dir.0.join("tokenizer.json");
+    std::fs::write(&path, json.to_string()).unwrap();
+    path
+}
+
+/// `n` words joined by commas and no spaces: one token for the whitespace fallback, `2n - 1`
+/// for the word-level tokenizer.
+fn comma_text(n: u32) -> String {
+    (0..n)
+        .map(|i| format!("w{i}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[tokio::test]
+async fn text_and_chat_prompts_go_through_the_tokenizer_file() {
+    let dir = TempDir::new("tok");
+    let tokenizer = Tokenizer::from_file(&word_tokenizer(&dir, 2_000)).unwrap();
+    let with = Front::start(one_p_one_d, |o| o.tokenizer = tokenizer.clone()).await;
+    let without = Front::start(one_p_one_d, |_| {}).await;
+    // 1,100 words: 2,199 tokens (4 full blocks) with the file, 1 with the fallback.
+    let chat =
+        |n: u32| json!({"messages": [{"role": "user", "content": comma_text(n)}], "max_tokens": 8});
+    for (path, body1, body2) in [
+        (
+            "/v1/completions",
+            json!({"prompt": comma_text(1_100)}),
+            json!({"prompt": comma_text(1_500)}),
+        ),
+        ("/v1/chat/completions", chat(1_100), chat(1_500)),
+    ] {
+        let r1 = with.post(path, &[], &body1).await;
+        assert_eq!(r1.header("x-kvc-mode"), "turn1-seed", "{path}");
+        let session = r1.header("x-kvc-session").to_owned();
+        let r2 = with.post(path, &[], &body2).await;
+        assert_eq!(r2.header("x-kvc-mode"), "direct-to-d", "{path}");
+        assert_eq!(r2.header("x-kvc-session"), session, "{path}");
+        // The whitespace fallback sees one token: no session to infer, turn 2 goes through P.
+        let r1 = without.post(path, &[], &body1).await;
+        assert!(!r1.headers.contains_key("x-kvc-session"), "{path}");
+        let r2 = without.post(path, &[], &body2).await;
+        assert_eq!(r2.header("x-kvc-mode"), "turn1-seed", "{path}");
+    }
+}
+
+#[tokio::test]
+async fn a_prefill_failure_after_d_answered_does_not_fail_the_request() {
+    let f = Front::start(one_p_one_d, |o| o.breaker.failure_threshold = 1).await;
+    let service = f.cluster.service().clone();
+    f.act(0, Act::FailAfter(150));
+    let session = [("x-session-id", "agent-6")];
+    let r = f.post("/generate", &session, &generate(0..1_300)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json()["text"], "answer from d1");
+    // D's whole answer arrived: `ok`, and the session is resident on D.
+    assert_eq!(f.outcomes("ok"), 1.0);
+    // P's failure still counts against P.
+    f.wait_breaker(0, BreakerState::Open).await;
+    assert!(service.is_http_down(WorkerId(0)));
+    assert_eq!(
+        service.metrics().breaker_state(WorkerId(1)),
+        Some(BreakerState::Closed)
+    );
+    let r = f.post("/generate", &session, &generate(0..1_900)).await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+
+    // Streamed: D's stream completes while P fails.
+    let f = Front::start(one_p_one_d, |o| o.breaker.failure_threshold = 1).await;
+    f.act(0, Act::FailAfter(150));
+    let mut body = generate(0..1_300);
+    body["stream"] = json!(true);
+    let r = f.post("/generate", &session, &body).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.text, sse("d1").concat());
+    f.settle().await;
+    assert_eq!(f.outcomes("ok"), 1.0);
+    f.wait_breaker(0, BreakerState::Open).await;
+}
+
+/// Adds a second prefill worker, id 3.
+fn two_prefill(cfg: &mut RouterConfig) {
+    let dir = cfg.workers[0]
+        .snapshot
+        .as_ref()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_owned();
+    cfg.workers.push(WorkerConfig {
+        id: 3,
+        name: Some("p3".into()),
+        role: WorkerRole::Prefill,
+        capacity_tokens: common::CAPACITY,
+        snapshot: Some(dir.join("w3.snap")),
+        address: None,
+    });
+}
+
+#[tokio::test]
+async fn a_prefill_failure_before_d_answered_is_tried_again_without_p() {
+    for stream in [false, true] {
+        let f = Front::start(two_prefill, |o| {
+            o.breaker.failure_threshold = 1;
+            o.max_retries = 1;
+        })
+        .await;
+        let service = f.cluster.service().clone();
+        // P0 answers 503 at once; any D paired with P0 waits for KV that never comes.
+        f.act(0, Act::Status(503));
+        for d in [1, 2] {
+            f.act(d, Act::HangWith(bootstrap_port(0)));
+        }
+        let mut served = 0;
+        for i in 0..16u32 {
+            let mut body = generate(i * 10_000..i * 10_000 + 600);
+            body["stream"] = json!(stream);
+            let key = format!("s{i}");
+            let r = f.post("/generate", &[("x-session-id", &key)], &body).await;
+            served += 1;
+            if f.count(0) == 0 {
+                assert_eq!(r.header("x-kvc-prefill-worker"), "3");
+                continue;
+            }
+            // P0 failed first: D's request was dropped, not waited for, and the request went
+            // through P3 without excluding D.
+            assert_eq!(r.status, 200, "stream {stream}: {}", r.text);
+            assert_eq!(r.header("x-kvc-prefill-worker"), "3");
+            let d: u32 = r.header("x-kvc-decode-worker").parse().unwrap();
+            assert_ne!(
+                service.metrics().breaker_state(WorkerId(d)),
+                Some(BreakerState::Open),
+                "stream {stream}"
+            );
+            break;
+        }
+        assert_eq!(f.count(0), 1, "stream {stream}: P0 was tried once");
+        f.wait_breaker(0, BreakerState::Open).await;
+        assert_eq!(service.metrics().http_retries(), 1);
+        f.settle().await;
+        assert_eq!(f.outcomes("worker-failed"), 1.0);
+        assert_eq!(f.outcomes("ok"), f64::from(served));
+    }
+}
+
+#[tokio::test]
+async fn a_prefill_failure_before_d_answered_is_answered_when_not_retryable() {
+    let f = Front::start(one_p_one_d, |o| o.max_retries = 0).await;
+    f.act(0, Act::FailAfter(0));
+    f.act(1, Act::HangWith(bootstrap_port(0)));
+    let session = [("x-session-id", "agent-8")];
+    let r = f.post("/generate", &session, &generate(0..1_300)).await;
+    // P's own answer (a 500), not a timeout of D's.
+    assert_eq!(r.status, 500, "{}", r.text);
+    assert_eq!(r.json()["error"]["message"], "p0 failed");
+    assert_eq!(f.outcomes("worker-failed"), 1.0);
+    assert_eq!(f.cluster.service().pending_decisions(), 0);
+    // Nothing became resident: the next turn goes through P again.
+    f.act(0, Act::Answer);
+    f.act(1, Act::Answer);
+    let r = f.post("/generate", &session, &generate(0..1_900)).await;
+    assert_eq!(r.status, 200);
+    assert_ne!(r.header("x-kvc-mode"), "direct-to-d");
+}

@@ -1,0 +1,113 @@
+//! Helpers of the cross-process tests (included with `mod common;`).
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// The directory of the workspace's binaries (`target/<profile>`), built if missing.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>")
+        .to_path_buf();
+    if !dir.join("kvc-router").exists() || !dir.join("kvc-replay").exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "-p", "kvc-router", "-p", "kvc-replay"])
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+            .status()
+            .expect("run cargo build");
+        assert!(status.success(), "building the binaries failed");
+    }
+    dir
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+pub fn http_get(addr: &str, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect to /metrics");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    body
+}
+
+/// Kills the child on drop (a failing test must not leave a router running).
+pub struct Guard(pub Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn mode_shares(summary: &serde_json::Value) -> Vec<(String, f64)> {
+    summary["modes"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v["share"].as_f64().unwrap()))
+        .collect()
+}
+
+/// Waits for `child` to exit within `limit`; kills it and panics past the deadline.
+pub fn wait_within(child: &mut Child, limit: Duration, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Generates the SWE-agent trace of `sessions` sessions (seed `seed`) into `dir/trace.jsonl`.
+pub fn gen_trace(replay: &Path, dir: &Path, seed: u64, sessions: usize) -> PathBuf {
+    let trace = dir.join("trace.jsonl");
+    let ok = Command::new(replay)
+        .args(["gen", "swe", "--quiet", "--seed", &seed.to_string()])
+        .args(["--sessions", &sessions.to_string(), "--out"])
+        .arg(&trace)
+        .status()
+        .unwrap();
+    assert!(ok.success(), "generating the trace failed");
+    trace
+}
+
+/// Reads `dir/<file>` as JSON.
+pub fn read_json(dir: &Path, file: &str) -> serde_json::Value {
+    let path = dir.join(file);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}

@@ -1,0 +1,121 @@
+//! End to end over HTTP: `kvc-replay live --http-router` (simulated SGLang-style workers and
+//! the client) and the `kvc-router` binary as separate processes on loopback, the router
+//! started from the configuration the replay wrote once its workers were up — the same steps as
+//! `scripts/side-by-side/run.sh`.
+
+mod common;
+
+use common::{Guard, bin_dir, free_port, gen_trace, http_get, mode_shares, read_json, wait_within};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[test]
+fn kvc_router_binary_in_front_of_simulated_http_workers() {
+    let bins = bin_dir();
+    let dir = std::env::temp_dir().join(format!("kvc-http-e2e-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let replay = bins.join("kvc-replay");
+    let trace = gen_trace(&replay, &dir, 3, 3);
+    let http = format!("127.0.0.1:{}", free_port());
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let (config, ready, out) = (
+        dir.join("router.toml"),
+        dir.join("ready.json"),
+        dir.join("run"),
+    );
+    let mut live = Command::new(&replay)
+        .args(["live", "--quiet", "--topology", "1p2d", "--policy", "kvc"])
+        .args([
+            "--speedup",
+            "40",
+            "--connect-timeout-s",
+            "30",
+            "--http-router",
+        ])
+        .arg(format!("http://{http}"))
+        .arg("--snapshot-dir")
+        .arg(dir.join("snap"))
+        .arg("--http-router-config")
+        .arg(&config)
+        .arg("--ready-file")
+        .arg(&ready)
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--out")
+        .arg(&out)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline, "the workers never came up");
+        assert!(
+            live.try_wait().unwrap().is_none(),
+            "the replay stopped early"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let workers = read_json(&dir, "ready.json");
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 3);
+    let router = Guard(
+        Command::new(bins.join("kvc-router"))
+            .arg("--config")
+            .arg(&config)
+            .args(["--http-listen", &http, "--listen", "127.0.0.1:0"])
+            .args(["--metrics-listen", &metrics, "--log", "warn"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let status = wait_within(&mut live, Duration::from_secs(180), "the HTTP replay");
+    assert!(status.success(), "the HTTP replay failed");
+
+    // Every request completed over HTTP, and was streamed through the router.
+    let summary = read_json(&out, "summary.json");
+    let requests = std::fs::read_to_string(&trace).unwrap().lines().count();
+    assert_eq!(summary["requests"].as_u64(), Some(requests as u64));
+    assert_eq!(summary["outcomes"]["ok"].as_u64(), Some(requests as u64));
+    assert_eq!(summary["mechanism_errors"].as_u64(), Some(0));
+    let report = read_json(&out, "http.json");
+    assert_eq!(report["router"], "external");
+    assert_eq!(
+        report["router_added"]["requests"].as_u64(),
+        Some(requests as u64)
+    );
+    // The router's own counters saw the HTTP requests and its probes admitted direct turns.
+    let text = http_get(&metrics, "/metrics");
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let admitted: f64 = text
+        .lines()
+        .find(|l| l.starts_with("kvc_router_probes_total{result=\"admit\"}"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .expect("probe counter in /metrics");
+    assert!(admitted > 0.0, "direct turns were probed");
+
+    // Same execution-mode accounting as the simulator, within 10 points per mode.
+    let sim = dir.join("sim");
+    let ok = Command::new(&replay)
+        .args(["sim", "--quiet", "--topology", "1p2d", "--policy", "kvc"])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--out")
+        .arg(&sim)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let (h, s) = (
+        mode_shares(&summary),
+        mode_shares(&read_json(&sim, "summary.json")),
+    );
+    let share = |v: &[(String, f64)], m: &str| v.iter().find(|(k, _)| k == m).map_or(0.0, |x| x.1);
+    for (mode, _) in h.iter().chain(s.iter()) {
+        let (a, b) = (share(&h, mode), share(&s, mode));
+        assert!((a - b).abs() <= 0.10, "{mode}: HTTP {a:.3} vs sim {b:.3}");
+    }
+    assert!(share(&h, "direct-to-d") > 0.8, "{h:?}");
+    drop(router);
+    let _ = std::fs::remove_dir_all(&dir);
+}
