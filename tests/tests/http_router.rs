@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{Guard, bin_dir, free_port, gen_trace, http_get, mode_shares, read_json, wait_within};
+use common::{
+    Guard, bin_dir, free_port, gen_trace, http_get, mode_shares, read_json, run_sim, wait_within,
+};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -95,17 +97,7 @@ fn kvc_router_binary_in_front_of_simulated_http_workers() {
     assert!(admitted > 0.0, "direct turns were probed");
 
     // Same execution-mode accounting as the simulator, within 10 points per mode.
-    let sim = dir.join("sim");
-    let ok = Command::new(&replay)
-        .args(["sim", "--quiet", "--topology", "1p2d", "--policy", "kvc"])
-        .arg("--trace")
-        .arg(&trace)
-        .arg("--out")
-        .arg(&sim)
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    let sim = run_sim(&replay, &dir, &trace, "1p2d", "kvc");
     let (h, s) = (
         mode_shares(&summary),
         mode_shares(&read_json(&sim, "summary.json")),

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{Guard, bin_dir, free_port, http_get, mode_shares};
+use common::{Guard, bin_dir, free_port, http_get, mode_shares, run_sim};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -141,24 +141,7 @@ fn router_and_live_replay_in_separate_processes() {
     assert!(admitted > 0.0, "decisions used the probe path");
 
     // Live and simulated runs of the same trace agree on the execution-mode shares.
-    let sim = dir.join("sim");
-    let ok = Command::new(&replay)
-        .args([
-            "sim",
-            "--quiet",
-            "--topology",
-            "1p2d",
-            "--policy",
-            "kvc-v2",
-            "--trace",
-        ])
-        .arg(&trace)
-        .arg("--out")
-        .arg(&sim)
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    let sim = run_sim(&replay, &dir, &trace, "1p2d", "kvc-v2");
     let read = |d: &Path| -> serde_json::Value {
         serde_json::from_str(&std::fs::read_to_string(d.join("summary.json")).unwrap()).unwrap()
     };

@@ -111,3 +111,27 @@ pub fn read_json(dir: &Path, file: &str) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap()
 }
+
+/// Runs `kvc-replay sim` of `trace` on `topology` with `policy` into `dir/sim`; returns that
+/// directory.
+pub fn run_sim(replay: &Path, dir: &Path, trace: &Path, topology: &str, policy: &str) -> PathBuf {
+    let out = dir.join("sim");
+    let ok = Command::new(replay)
+        .args([
+            "sim",
+            "--quiet",
+            "--topology",
+            topology,
+            "--policy",
+            policy,
+            "--trace",
+        ])
+        .arg(trace)
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(ok.success(), "kvc-replay sim failed");
+    out
+}

@@ -255,7 +255,7 @@ struct EngineLoop {
     engine: Engine,
     roles: Vec<WorkerRole>,
     shared: Arc<Shared>,
-    wakes: BinaryHeap<Reverse<(Micros, u64, WakeKey)>>,
+    wakes: BinaryHeap<Reverse<(Micros, u64, Wake)>>,
     seq: u64,
     /// Engine job id -> its listeners.
     running: HashMap<usize, Running>,
@@ -267,33 +267,6 @@ struct EngineLoop {
     speedup: f64,
     last: Micros,
     pair_timeout: Micros,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum WakeKey {
-    Iteration(u32),
-    TransferDone(usize),
-    TransferTimeout(usize),
-}
-
-impl From<Wake> for WakeKey {
-    fn from(w: Wake) -> Self {
-        match w {
-            Wake::IterationEnd(w) => WakeKey::Iteration(w.0),
-            Wake::TransferDone(id) => WakeKey::TransferDone(id),
-            Wake::TransferTimeout(id) => WakeKey::TransferTimeout(id),
-        }
-    }
-}
-
-impl From<WakeKey> for Wake {
-    fn from(k: WakeKey) -> Self {
-        match k {
-            WakeKey::Iteration(w) => Wake::IterationEnd(WorkerId(w)),
-            WakeKey::TransferDone(id) => Wake::TransferDone(id),
-            WakeKey::TransferTimeout(id) => Wake::TransferTimeout(id),
-        }
-    }
 }
 
 impl EngineLoop {
@@ -352,7 +325,7 @@ impl EngineLoop {
             self.wakes.pop();
             let t = t.max(self.last);
             self.last = t;
-            self.engine.wake(key.into(), t);
+            self.engine.wake(key, t);
             self.drain();
         }
         while let Some((t, room)) = self.deadlines.first().copied() {
@@ -512,7 +485,7 @@ impl EngineLoop {
     fn drain(&mut self) {
         for (t, w) in self.engine.take_wakes() {
             self.seq += 1;
-            self.wakes.push(Reverse((t, self.seq, w.into())));
+            self.wakes.push(Reverse((t, self.seq, w)));
         }
         for ev in self.engine.take_events() {
             match ev {

@@ -40,8 +40,9 @@ pub struct Job {
     pub hashes: HashIds,
 }
 
-/// Something the engine asks its driver to do at a time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Something the engine asks its driver to do at a time. Ordered (variant, then worker or job)
+/// so drivers can keep wake-ups in a deterministic queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Wake {
     /// The iteration running on a worker ends.
     IterationEnd(WorkerId),

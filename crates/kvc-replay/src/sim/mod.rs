@@ -145,38 +145,11 @@ enum Ev {
     /// A paused request starts.
     Start(usize),
     /// The engine asked to be woken.
-    Engine(WakeKey),
+    Engine(Wake),
     /// Sample pool occupancy.
     Sample,
     /// Periodic hook tick.
     Tick,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum WakeKey {
-    Iteration(u32),
-    TransferDone(usize),
-    TransferTimeout(usize),
-}
-
-impl From<Wake> for WakeKey {
-    fn from(w: Wake) -> Self {
-        match w {
-            Wake::IterationEnd(w) => WakeKey::Iteration(w.0),
-            Wake::TransferDone(id) => WakeKey::TransferDone(id),
-            Wake::TransferTimeout(id) => WakeKey::TransferTimeout(id),
-        }
-    }
-}
-
-impl From<WakeKey> for Wake {
-    fn from(k: WakeKey) -> Self {
-        match k {
-            WakeKey::Iteration(w) => Wake::IterationEnd(WorkerId(w)),
-            WakeKey::TransferDone(id) => Wake::TransferDone(id),
-            WakeKey::TransferTimeout(id) => Wake::TransferTimeout(id),
-        }
-    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -468,7 +441,7 @@ pub fn run(
             }
             Ev::Start(i) => sim.start(i),
             Ev::Engine(k) => {
-                sim.engine.wake(k.into(), t);
+                sim.engine.wake(k, t);
                 sim.drain_engine();
             }
             Ev::Sample => {
@@ -693,7 +666,7 @@ impl Sim<'_> {
 
     fn drain_engine(&mut self) {
         for (t, w) in self.engine.take_wakes() {
-            self.push(t, Ev::Engine(w.into()));
+            self.push(t, Ev::Engine(w));
         }
         for ev in self.engine.take_events() {
             match ev {
