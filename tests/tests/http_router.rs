@@ -2,6 +2,7 @@
 //! the client) and the `kvc-router` binary as separate processes on loopback, the router
 //! started from the configuration the replay wrote once its workers were up — the same steps as
 //! `scripts/side-by-side/run.sh`.
+#![forbid(unsafe_code)]
 
 mod common;
 

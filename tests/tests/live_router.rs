@@ -4,6 +4,7 @@
 //! router reads them, probes before direct-to-D, and routes every turn of a small generated
 //! trace. Every request must have a record, decisions must have used the probe path, and the
 //! execution-mode shares must agree with the simulator's within 10 percentage points.
+#![forbid(unsafe_code)]
 
 mod common;
 

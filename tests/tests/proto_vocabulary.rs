@@ -1,8 +1,11 @@
 //! The `kvc.v1` proto enums and the `kvc-core` stable names describe the same things.
+#![forbid(unsafe_code)]
 
-use kvc_core::{ExecutionMode, FallThroughReason, Health, Outcome, WorkerRole};
-use kvc_router::convert::ProtoEnum;
-use kvc_router::pb;
+use kvc_core::{
+    ExecutionMode, FallThroughReason, Health, Outcome, StableName, StateSource, WorkerRole,
+};
+use kvc_proto::convert::ProtoEnum;
+use kvc_proto::pb;
 
 /// The proto value name (`EXECUTION_MODE_DIRECT_TO_D`) minus its prefix, lower-cased, with `_`
 /// read as `-`, is the kvc-core stable name.
@@ -68,4 +71,20 @@ fn worker_state_round_trips_through_proto() {
         ..pb::WorkerState::default()
     };
     assert!(kvc_core::WorkerState::try_from(bad).is_err());
+}
+
+/// `WorkerInfo.source` is a string, not a proto enum: the proto names exactly the stable names
+/// of [`StateSource`] for it.
+#[test]
+fn worker_info_source_names_the_state_sources() {
+    let proto = include_str!("../../proto/kvc/v1/router.proto");
+    let field = proto.find("string source = ").expect("WorkerInfo.source");
+    let comment = proto[..field]
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with("//"))
+        .expect("a comment on WorkerInfo.source");
+    let quoted: Vec<&str> = comment.split('"').skip(1).step_by(2).collect();
+    let names: Vec<&str> = StateSource::ALL.iter().map(|s| s.as_str()).collect();
+    assert_eq!(quoted, names, "{comment}");
 }

@@ -37,6 +37,7 @@ mod trace;
 mod worker;
 
 pub use ids::{BlockHash, BlockSize, RequestId, SessionId, TurnId, WorkerId};
+pub use names::StateSource;
 pub use names::{
     ExecutionMode, FallThroughReason, Health, Outcome, StableName, UnknownName, WorkerRole,
 };

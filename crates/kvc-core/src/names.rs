@@ -189,3 +189,14 @@ impl Outcome {
         !matches!(self, Outcome::Ok | Outcome::InputTooLong)
     }
 }
+
+stable_enum! {
+    /// Where the router reads a worker's state from (a metrics label and the `source` of
+    /// `ListWorkers`).
+    StateSource, "state source" {
+        /// The worker's shared-memory snapshot file, read without an RPC.
+        Snapshot => "snapshot",
+        /// The worker's `kvc.v1.Worker` service, asked with `State` every poll interval.
+        Service => "service",
+    }
+}

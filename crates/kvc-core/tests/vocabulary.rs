@@ -255,3 +255,8 @@ proptest::proptest! {
         proptest::prop_assert_eq!(r % 512, 0);
     }
 }
+
+#[test]
+fn state_sources_have_stable_names() {
+    check_names::<StateSource>(&["snapshot", "service"]);
+}

@@ -10,6 +10,7 @@
 //! - `select/d8/<policy>`, `select/d64/<policy>`: the other policies on the same request;
 //! - `select/d8/kvc-v2-direct`, `select/d64/kvc-v2-direct`: `kvc-v2` on a later turn of a resident
 //!   session (the direct-to-D path, the common case).
+#![forbid(unsafe_code)]
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvc_core::{

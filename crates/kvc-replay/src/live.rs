@@ -8,7 +8,11 @@
 //! with `rejected_by`. Records and summary have the same shape as `sim`'s.
 //!
 //! The router learns evictions from the snapshots (a session missing from D's resident table
-//! is not resident), as it would from a real engine.
+//! is not resident), as it would from a real engine. It is a separate process: a running one
+//! at an address, or the `kvc-router` binary started here ([`router`]); this crate speaks to
+//! it only through `kvc-proto`.
+
+pub mod router;
 
 use crate::sim::engine::{Engine, Micros};
 use crate::sim::{Decider, Hooks, Routed, SimConfig, SimError, SimOutput, run, worker_roles};
@@ -19,12 +23,15 @@ use kvc_admission::{
 };
 use kvc_core::{ExecutionMode, FallThroughReason, WorkerId};
 use kvc_policy::{ClusterView, Observation, RouteRequest};
-use kvc_router::convert::ProtoEnum;
-use kvc_router::pb;
-use kvc_router::pb::router_client::RouterClient;
+use kvc_proto::convert::ProtoEnum;
+use kvc_proto::pb;
+use kvc_proto::pb::router_client::RouterClient;
+use kvc_proto::worker::{LocalWorker, serve_worker_until};
+use router::{ConfiguredWorker, RouterConfigFile, RouterProcess, find_router_binary};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 /// Which router the live replay talks to.
@@ -33,8 +40,13 @@ pub enum RouterTarget {
     /// A running router at this URI (`http://127.0.0.1:50051`), configured with the snapshot
     /// files of [`snapshot_path`].
     Address(String),
-    /// A router started inside this process on a loopback port, with the run's policy.
-    Spawn,
+    /// The `kvc-router` binary started as a child process on a loopback port, with the run's
+    /// policy: `router_bin`, else the binary beside this executable, else the one on `PATH`
+    /// ([`router::find_router_binary`]).
+    Spawn {
+        /// The binary to run, when not found by itself.
+        router_bin: Option<PathBuf>,
+    },
 }
 
 /// Settings of a live replay besides the [`SimConfig`].
@@ -90,26 +102,28 @@ pub fn router_config(
     listen: SocketAddr,
     metrics_listen: Option<SocketAddr>,
     worker_addrs: &[SocketAddr],
-) -> kvc_router::config::RouterConfig {
+) -> RouterConfigFile {
     let roles = worker_roles(cfg.topology);
     let names = crate::sim::worker_names(&roles);
-    kvc_router::config::RouterConfig {
+    RouterConfigFile {
         listen,
         metrics_listen,
+        http_listen: None,
         policy: cfg.policy.clone(),
         workers: roles
             .iter()
             .enumerate()
-            .map(|(i, role)| kvc_router::config::WorkerConfig {
+            .map(|(i, role)| ConfiguredWorker {
                 id: i as u32,
-                name: Some(names[i].clone()),
+                name: names[i].clone(),
                 role: *role,
                 capacity_tokens: cfg.profile.hardware.kv_pool_tokens,
                 snapshot: Some(snapshot_path(dir, WorkerId(i as u32))),
                 address: worker_addrs.get(i).map(|a| format!("http://{a}")),
+                http_url: None,
+                bootstrap_port: None,
             })
             .collect(),
-        ..kvc_router::config::RouterConfig::default()
     }
 }
 
@@ -285,15 +299,7 @@ impl RemoteDecider {
 
 impl Decider for RemoteDecider {
     fn route(&mut self, _cluster: &ClusterView<'_>, req: &RouteRequest<'_>) -> Option<Routed> {
-        let msg = pb::RouteRequest {
-            request_id: req.request_id.0,
-            session_id: req.session.map(|s| s.0),
-            turn_id: req.turn.map(|t| t.0),
-            input_length: req.input_length,
-            output_hint: req.output_hint,
-            hash_ids: req.hash_ids.iter().map(|h| h.0).collect(),
-            rejected_by: req.rejected_by.map(|w| w.0),
-        };
+        let msg = pb::RouteRequest::from(req);
         let mut client = self.client.clone();
         let d = self.call(async move { client.route(msg).await })?;
         let mode = ExecutionMode::from_proto(d.mode).ok()?;
@@ -343,19 +349,6 @@ impl Decider for RemoteDecider {
     }
 }
 
-/// A router started in this process, stopped when dropped.
-struct SpawnedRouter {
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Drop for SpawnedRouter {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-    }
-}
-
 /// Runs the live replay of `trace` under `cfg` (its policy is used when the router is spawned
 /// here). `progress` gets (completed, total).
 pub fn live(
@@ -393,12 +386,17 @@ pub fn live(
         0.0,
     );
     publisher.publish(&engine_for_first, start_wall_ms, opts.speedup)?;
+    // Everything started here stops on this token: cancelled at the end, and on every early
+    // return by the guard.
+    let stop = CancellationToken::new();
+    let _stop_on_exit = stop.clone().drop_guard();
     // Worker services: State from the snapshot, CommitEvict through a queue the replay loop
     // answers at its step boundary.
     let mut commits = Vec::new();
     let mut worker_addrs = Vec::new();
-    let mut _workers = Vec::new();
-    let serve_workers = opts.worker_base_port.is_some() || opts.router == RouterTarget::Spawn;
+    let mut workers = Vec::new();
+    let spawn = matches!(opts.router, RouterTarget::Spawn { .. });
+    let serve_workers = opts.worker_base_port.is_some() || spawn;
     if serve_workers {
         for i in 0..roles.len() {
             let id = WorkerId(i as u32);
@@ -411,7 +409,7 @@ pub fn live(
                 path: path.display().to_string(),
                 message: e.to_string(),
             })?;
-            let worker = kvc_router::LocalWorker::new(
+            let worker = LocalWorker::new(
                 reader,
                 tx,
                 std::sync::Arc::new(SystemClock),
@@ -419,35 +417,30 @@ pub fn live(
             );
             let addr = SocketAddr::from(([127, 0, 0, 1], port));
             let running = rt
-                .block_on(kvc_router::serve_worker(addr, worker))
+                .block_on(serve_worker_until(addr, worker, stop.child_token()))
                 .map_err(|e| LiveError::Router(format!("cannot serve worker {i}: {e}")))?;
             worker_addrs.push(running.addr());
-            _workers.push(running);
+            workers.push(running);
             commits.push(rx);
         }
     }
+    // A spawned router is killed when this is dropped, error or not.
     let mut _spawned = None;
     let uri = match &opts.router {
         RouterTarget::Address(a) => a.clone(),
-        RouterTarget::Spawn => {
+        RouterTarget::Spawn { router_bin } => {
+            let binary = find_router_binary(router_bin.as_deref())?;
             let rc = router_config(
                 cfg,
                 &opts.snapshot_dir,
-                "127.0.0.1:0".parse().expect("loopback address"),
+                SocketAddr::from(([127, 0, 0, 1], 0)),
                 None,
                 &worker_addrs,
             );
-            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            let running = rt
-                .block_on(kvc_router::serve(rc, async move {
-                    let _ = rx.await;
-                }))
-                .map_err(|e| LiveError::Router(format!("cannot start the router: {e}")))?;
-            let addr = running.grpc_addr();
-            rt.spawn(async move {
-                let _ = running.wait().await;
-            });
-            _spawned = Some(SpawnedRouter { stop: Some(tx) });
+            let config_path = opts.snapshot_dir.join("kvc-router.toml");
+            let process = RouterProcess::start(&binary, &rc, &config_path, opts.connect_timeout)?;
+            let addr = process.grpc_addr();
+            _spawned = Some(process);
             format!("http://{addr}")
         }
     };
@@ -491,7 +484,8 @@ pub fn live(
         max_lag: 0,
     };
     let out = run(trace, cfg, &mut decider, &mut hooks, progress)?;
-    for w in _workers {
+    stop.cancel();
+    for w in workers {
         let _ = decider.rt.block_on(w.stop());
     }
     if let Some(e) = hooks.error {

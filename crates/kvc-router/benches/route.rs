@@ -9,12 +9,14 @@
 //! Bench ids: `router/route_rps`, `router/noop_rps` (throughput in requests per second). After
 //! them it prints the Route/Ping throughput ratio from a fixed run of each and the decision
 //! latency quantiles recorded by the router's histogram.
+#![forbid(unsafe_code)]
 #![allow(missing_docs)]
 
 use criterion::{Criterion, Throughput};
 use kvc_core::{WorkerId, WorkerRole};
-use kvc_router::pb::router_client::RouterClient;
-use kvc_router::{RouterConfig, RunningRouter, WorkerConfig, pb};
+use kvc_proto::pb;
+use kvc_proto::pb::router_client::RouterClient;
+use kvc_router::{RouterConfig, RunningRouter, WorkerConfig};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};

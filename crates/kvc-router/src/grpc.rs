@@ -1,12 +1,20 @@
-//! The gRPC faces: `kvc.v1.Router` over a [`RouterService`], and `kvc.v1.Worker` over an
-//! in-process worker ([`LocalWorker`]: a snapshot reader plus a commit queue).
+//! The gRPC front: `kvc.v1.Router` over a [`RouterService`], with standard health and
+//! reflection. The only module of the router that sees protobuf types: each call is converted
+//! to `kvc-core`/`kvc-policy` types here (with `kvc-proto`'s conversions), answered by the
+//! service, and converted back.
 
-use crate::pb;
-use crate::service::{RouterService, SharedClock};
-use kvc_admission::{CommitError, CommitRequest, CommitSender, ReadError, SnapshotReader};
-use kvc_core::{Health, SessionId};
+use crate::error::{RequestError, ServeError};
+use crate::service::{DecisionOutcome, ListedWorker, RouterDecision, RouterService};
+use kvc_core::{Outcome, RequestId, SessionId, StableName, WorkerId};
+use kvc_proto::convert::ProtoEnum;
+use kvc_proto::pb;
+use prost::Message as _;
 use std::sync::Arc;
-use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 
 /// `kvc.v1.Router` served by a shared [`RouterService`].
@@ -33,6 +41,78 @@ impl RouterGrpc {
             .max(64 * 1024);
         pb::router_server::RouterServer::new(self).max_decoding_message_size(limit)
     }
+
+    /// `INVALID_ARGUMENT` for a request over `max-message-bytes` (encoded), counted as a
+    /// refused route like every other malformed request.
+    fn check_size(&self, size: usize) -> Result<(), RequestError> {
+        let limit = self.service.config().max_message_bytes;
+        if size > limit {
+            let e = RequestError::InvalidArgument(format!(
+                "request of {size} bytes exceeds the limit of {limit} bytes"
+            ));
+            self.service.metrics().record_route_error(e.code());
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+/// Serves `kvc.v1.Router` for `service`, `grpc.health.v1.Health` and gRPC reflection on
+/// `listener` until `stop` is cancelled (health turns `NOT_SERVING` as it stops).
+pub(crate) async fn spawn_grpc(
+    service: &Arc<RouterService>,
+    listener: TcpListener,
+    stop: &CancellationToken,
+) -> Result<JoinHandle<Result<(), ServeError>>, ServeError> {
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| ServeError::Reflection(e.to_string()))?;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<pb::router_server::RouterServer<RouterGrpc>>()
+        .await;
+    let stop = stop.clone();
+    let router = RouterGrpc::new(Arc::clone(service)).into_server();
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    Ok(tokio::spawn(async move {
+        Server::builder()
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(router)
+            .serve_with_incoming_shutdown(incoming, async move {
+                stop.cancelled().await;
+                health
+                    .set_not_serving::<pb::router_server::RouterServer<RouterGrpc>>()
+                    .await;
+            })
+            .await
+            .map_err(ServeError::from)
+    }))
+}
+
+fn decision_to_pb(d: &RouterDecision) -> pb::RouteDecision {
+    pb::RouteDecision {
+        decision_id: d.decision_id,
+        mode: d.mode.to_proto(),
+        prefill_worker: d.prefill_worker.map(|w| w.0),
+        decode_worker: d.decode_worker.0,
+        fall_through_reason: d.fall_through_reason.map(ProtoEnum::to_proto),
+        cached_tokens: d.cached_tokens,
+        recommended_pause_ms: d.recommended_pause_ms,
+        need_tokens: d.need_tokens,
+        probe_rejected_by: d.probe_rejected_by.map(|w| w.0),
+    }
+}
+
+fn worker_to_pb(w: ListedWorker) -> pb::WorkerInfo {
+    pb::WorkerInfo {
+        id: w.id.0,
+        name: w.name,
+        role: w.role.to_proto(),
+        state: Some(w.state.into()),
+        source: w.source.as_str().to_owned(),
+    }
 }
 
 #[tonic::async_trait]
@@ -42,8 +122,12 @@ impl pb::router_server::Router for RouterGrpc {
         request: Request<pb::RouteRequest>,
     ) -> Result<Response<pb::RouteDecision>, Status> {
         let req = request.into_inner();
-        match self.service.route(&req) {
-            Ok(d) => Ok(Response::new(d)),
+        let hash_ids = req.block_hashes();
+        let answer = self
+            .check_size(req.encoded_len())
+            .and_then(|()| self.service.route(&req.to_core(&hash_ids)));
+        match answer {
+            Ok(d) => Ok(Response::new(decision_to_pb(&d))),
             Err(e) => {
                 tracing::debug!(request_id = req.request_id, error = %e, "route refused");
                 Err(e.into())
@@ -55,7 +139,15 @@ impl pb::router_server::Router for RouterGrpc {
         &self,
         request: Request<pb::OutcomeReport>,
     ) -> Result<Response<pb::OutcomeAck>, Status> {
-        self.service.report_outcome(request.get_ref())?;
+        let report = request.get_ref();
+        let outcome = Outcome::from_proto(report.outcome)
+            .map_err(|e| RequestError::InvalidArgument(e.to_string()))?;
+        self.service.report_outcome(&DecisionOutcome {
+            decision_id: report.decision_id,
+            request_id: RequestId(report.request_id),
+            outcome,
+            resident_tokens: report.resident_tokens,
+        })?;
         Ok(Response::new(pb::OutcomeAck {}))
     }
 
@@ -63,23 +155,36 @@ impl pb::router_server::Router for RouterGrpc {
         &self,
         request: Request<pb::ProbeRequest>,
     ) -> Result<Response<pb::ProbeReply>, Status> {
-        Ok(Response::new(self.service.probe(request.get_ref())?))
+        let req = request.get_ref();
+        let outcome = self.service.probe_worker(
+            WorkerId(req.worker),
+            req.need_tokens,
+            req.session_id.map(SessionId),
+        )?;
+        Ok(Response::new(outcome.reply.into()))
     }
 
     async fn commit_evict(
         &self,
         request: Request<pb::CommitEvictRequest>,
     ) -> Result<Response<pb::CommitEvictReply>, Status> {
-        Ok(Response::new(
-            self.service.commit_evict(request.into_inner()).await?,
-        ))
+        let (worker, req) = request.get_ref().to_core();
+        let reply = self.service.commit_evict(worker, req).await?;
+        Ok(Response::new(reply.into()))
     }
 
     async fn list_workers(
         &self,
         _request: Request<pb::ListWorkersRequest>,
     ) -> Result<Response<pb::ListWorkersReply>, Status> {
-        Ok(Response::new(self.service.list_workers()))
+        Ok(Response::new(pb::ListWorkersReply {
+            workers: self
+                .service
+                .list_workers()
+                .into_iter()
+                .map(worker_to_pb)
+                .collect(),
+        }))
     }
 
     async fn ping(
@@ -87,108 +192,5 @@ impl pb::router_server::Router for RouterGrpc {
         _request: Request<pb::PingRequest>,
     ) -> Result<Response<pb::PingReply>, Status> {
         Ok(Response::new(pb::PingReply {}))
-    }
-}
-
-/// `kvc.v1.Worker` for a worker in this process: `State` reads its snapshot, `CommitEvict`
-/// goes through its commit queue (answered by the worker's single writer at its step
-/// boundary).
-pub struct LocalWorker {
-    reader: SnapshotReader,
-    commit: CommitSender,
-    clock: SharedClock,
-    timeout: Duration,
-}
-
-impl std::fmt::Debug for LocalWorker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LocalWorker")
-            .field("reader", &self.reader)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
-}
-
-impl LocalWorker {
-    /// A worker service over a snapshot reader and a commit queue; commits wait at most
-    /// `timeout` for the owner's answer; `clock` must be the one the snapshot writer stamps with.
-    pub fn new(
-        reader: SnapshotReader,
-        commit: CommitSender,
-        clock: SharedClock,
-        timeout: Duration,
-    ) -> Self {
-        LocalWorker {
-            reader,
-            commit,
-            clock,
-            timeout,
-        }
-    }
-
-    /// The tonic server for it.
-    pub fn into_server(self) -> pb::worker_server::WorkerServer<LocalWorker> {
-        pb::worker_server::WorkerServer::new(self)
-    }
-}
-
-#[tonic::async_trait]
-impl pb::worker_server::Worker for LocalWorker {
-    async fn commit_evict(
-        &self,
-        request: Request<pb::CommitEvictRequest>,
-    ) -> Result<Response<pb::CommitEvictReply>, Status> {
-        let req = request.into_inner();
-        if req.worker != self.reader.worker_id().0 {
-            return Err(Status::invalid_argument(format!(
-                "this is worker {}, not {}",
-                self.reader.worker_id().0,
-                req.worker
-            )));
-        }
-        let pending = self
-            .commit
-            .submit(CommitRequest {
-                need_tokens: req.need_tokens,
-                session: req.session_id.map(SessionId),
-            })
-            .map_err(commit_status)?;
-        let timeout = self.timeout;
-        let reply = tokio::task::spawn_blocking(move || pending.wait(timeout))
-            .await
-            .map_err(|e| Status::internal(format!("commit wait task: {e}")))?
-            .map_err(commit_status)?;
-        Ok(Response::new(pb::CommitEvictReply {
-            admitted: reply.admitted,
-            freed_tokens: reply.freed_tokens,
-            evicted_sessions: reply.evicted.iter().map(|s| s.0).collect(),
-            recommended_pause_ms: reply.recommended_pause_ms,
-        }))
-    }
-
-    async fn state(
-        &self,
-        _request: Request<pb::WorkerStateRequest>,
-    ) -> Result<Response<pb::WorkerState>, Status> {
-        let data = self.reader.read().map_err(|e| match e {
-            ReadError::NotPublished | ReadError::Contended => Status::unavailable(e.to_string()),
-            ReadError::Checksum { .. } => Status::internal(e.to_string()),
-        })?;
-        let now = self.clock.now_ms();
-        let age = now.saturating_sub(data.publish_ms);
-        let health = if age > self.reader.stale_after_ms() {
-            Health::Stale
-        } else {
-            Health::Healthy
-        };
-        Ok(Response::new(data.worker_state(now, health).into()))
-    }
-}
-
-fn commit_status(e: CommitError) -> Status {
-    match e {
-        CommitError::Busy { .. } => Status::resource_exhausted(e.to_string()),
-        CommitError::OwnerGone => Status::unavailable(e.to_string()),
-        CommitError::Timeout => Status::deadline_exceeded(e.to_string()),
     }
 }

@@ -93,10 +93,13 @@
 //!
 //! [`serve`] binds both listeners, starts the background tasks and returns the bound addresses;
 //! the servers stop when the shutdown future completes. [`RouterService`] can also be used
-//! directly, without any transport.
+//! directly, without any transport: it takes and returns `kvc-core`/`kvc-policy` types
+//! ([`RouterService::route`] a [`kvc_policy::RouteRequest`], answering a [`RouterDecision`]).
+//! Protobuf types live in the `kvc-proto` crate and appear only in the gRPC front ([`grpc`]).
 //!
 //! ```
-//! use kvc_router::{pb, serve, RouterConfig};
+//! use kvc_proto::pb;
+//! use kvc_router::{serve, RouterConfig};
 //!
 //! # tokio::runtime::Runtime::new()?.block_on(async {
 //! let config = RouterConfig {
@@ -118,25 +121,11 @@
 //! # })?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
-//!
-//! [`pb`] holds the generated messages, clients and servers; [`convert`] maps the proto enums to
-//! and from the stable vocabulary of `kvc-core`, so a proto value and a kvc-core name always
-//! mean the same thing.
-//!
-//! ```
-//! use kvc_core::ExecutionMode;
-//! use kvc_router::{convert::ProtoEnum, pb};
-//!
-//! let wire = ExecutionMode::DirectToD.to_proto();
-//! assert_eq!(wire, pb::ExecutionMode::DirectToD as i32);
-//! assert_eq!(ExecutionMode::from_proto(wire).unwrap(), ExecutionMode::DirectToD);
-//! ```
 #![forbid(unsafe_code)]
 
 pub mod config;
-pub mod convert;
 mod error;
-mod grpc;
+pub mod grpc;
 pub mod http;
 pub mod metrics;
 mod server;
@@ -146,18 +135,8 @@ mod workers;
 
 pub use config::{HttpConfig, RouterConfig, SessionLimits, WorkerConfig, WorkerHttpConfig};
 pub use error::{ConfigError, RequestError, ServeError};
-pub use grpc::{LocalWorker, RouterGrpc};
-pub use server::{
-    RunningRouter, RunningWorker, serve, serve_service, serve_worker, spawn_background,
+pub use grpc::RouterGrpc;
+pub use server::{RunningRouter, serve, serve_service, spawn_background};
+pub use service::{
+    DecisionOutcome, ListedWorker, ProbeOutcome, RouterDecision, RouterService, SharedClock,
 };
-pub use service::{ProbeOutcome, RouterService, SharedClock};
-pub use workers::StateSource;
-
-/// Generated code for the `kvc.v1` protobuf package.
-#[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
-pub mod pb {
-    tonic::include_proto!("kvc.v1");
-
-    /// The encoded file descriptor set of `kvc.v1`, for gRPC reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kvc_v1_descriptor");
-}

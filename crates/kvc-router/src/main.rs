@@ -4,6 +4,7 @@
 //! command-line overrides, serves until SIGTERM or SIGINT, then stops gracefully. Once both
 //! listeners are bound it prints one line on stdout:
 //! `kvc-router grpc=<addr> metrics=<addr|none> http=<addr|none>`.
+#![forbid(unsafe_code)]
 
 use anyhow::Context as _;
 use clap::Parser;

@@ -3,8 +3,6 @@
 
 use crate::config::RouterConfig;
 use crate::error::ServeError;
-use crate::grpc::{LocalWorker, RouterGrpc};
-use crate::pb;
 use crate::service::RouterService;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -13,8 +11,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Server;
-use tonic::transport::server::TcpIncoming;
 
 /// A router serving in this process.
 #[derive(Debug)]
@@ -145,16 +141,9 @@ pub async fn serve_service(
     };
     let http_addr = http.as_ref().map(|(_, a, _)| *a);
 
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(|e| ServeError::Reflection(e.to_string()))?;
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<pb::router_server::RouterServer<RouterGrpc>>()
-        .await;
-
     let stop = CancellationToken::new();
+    // The gRPC front (it builds its reflection service first: nothing runs yet if that fails).
+    let grpc = crate::grpc::spawn_grpc(&service, grpc_listener, &stop).await?;
     {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -166,26 +155,6 @@ pub async fn serve_service(
     }
 
     let background = spawn_background(&service, &stop);
-
-    let grpc = {
-        let stop = stop.clone();
-        let router = RouterGrpc::new(Arc::clone(&service)).into_server();
-        let incoming = TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
-        tokio::spawn(async move {
-            Server::builder()
-                .add_service(health_service)
-                .add_service(reflection)
-                .add_service(router)
-                .serve_with_incoming_shutdown(incoming, async move {
-                    stop.cancelled().await;
-                    health
-                        .set_not_serving::<pb::router_server::RouterServer<RouterGrpc>>()
-                        .await;
-                })
-                .await
-                .map_err(ServeError::from)
-        })
-    };
 
     let metrics = metrics_listener.map(|listener| {
         let stop = stop.clone();
@@ -351,67 +320,4 @@ pub fn spawn_background(
         }));
     }
     tasks
-}
-
-/// A worker service running in this process.
-#[derive(Debug)]
-pub struct RunningWorker {
-    addr: SocketAddr,
-    stop: CancellationToken,
-    task: JoinHandle<Result<(), ServeError>>,
-}
-
-impl RunningWorker {
-    /// The bound address.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// The address as a URI for [`crate::WorkerConfig::address`].
-    pub fn uri(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    /// Stops it and waits until it has stopped.
-    pub async fn stop(self) -> Result<(), ServeError> {
-        self.stop.cancel();
-        self.task
-            .await
-            .map_err(|e| ServeError::Join(e.to_string()))?
-    }
-}
-
-/// Serves `worker` as `kvc.v1.Worker` on `addr` (port 0 picks a free port) until stopped.
-pub async fn serve_worker(
-    addr: SocketAddr,
-    worker: LocalWorker,
-) -> Result<RunningWorker, ServeError> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServeError::Bind {
-            what: "grpc",
-            addr,
-            source,
-        })?;
-    let bound = listener.local_addr().map_err(|source| ServeError::Bind {
-        what: "grpc",
-        addr,
-        source,
-    })?;
-    let stop = CancellationToken::new();
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let server = worker.into_server();
-    let token = stop.clone();
-    let task = tokio::spawn(async move {
-        Server::builder()
-            .add_service(server)
-            .serve_with_incoming_shutdown(incoming, token.cancelled_owned())
-            .await
-            .map_err(ServeError::from)
-    });
-    Ok(RunningWorker {
-        addr: bound,
-        stop,
-        task,
-    })
 }

@@ -10,35 +10,14 @@
 //! and comes back at the first refresh that sees it publish (or answer) again.
 
 use crate::config::WorkerConfig;
-use crate::convert::ProtoEnum;
-use crate::pb;
-use kvc_admission::{ReadError, SnapshotReader};
-use kvc_core::{Health, WorkerId, WorkerRole, WorkerState};
+use kvc_admission::{CommitReply, CommitRequest, ReadError, SnapshotReader};
+use kvc_core::{Health, StateSource, WorkerId, WorkerRole, WorkerState};
 use kvc_policy::WorkerView;
+use kvc_proto::worker::WorkerClient;
 use parking_lot::{Mutex, RwLock};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
-
-/// Where a worker's state comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StateSource {
-    /// A shared-memory snapshot file (read without RPC).
-    Snapshot,
-    /// A `kvc.v1.Worker` service polled with `State`.
-    Service,
-}
-
-impl StateSource {
-    /// `"snapshot"` or `"service"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StateSource::Snapshot => "snapshot",
-            StateSource::Service => "service",
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy)]
 struct Live {
@@ -63,7 +42,7 @@ pub(crate) struct WorkerEntry {
     reader: RwLock<Option<Arc<SnapshotReader>>>,
     last_open_attempt_ms: Mutex<Option<u64>>,
     address: Option<String>,
-    client: OnceLock<pb::worker_client::WorkerClient<Channel>>,
+    client: OnceLock<WorkerClient>,
     live: RwLock<Live>,
     /// Out of rotation by the HTTP front's circuit breaker (overrides any other health).
     pub(crate) http_down: std::sync::atomic::AtomicBool,
@@ -234,16 +213,12 @@ impl WorkerEntry {
         }
     }
 
-    fn client(&self) -> Option<pb::worker_client::WorkerClient<Channel>> {
+    fn client(&self) -> Option<WorkerClient> {
         let addr = self.address.as_ref()?;
         if let Some(c) = self.client.get() {
             return Some(c.clone());
         }
-        let endpoint = Endpoint::from_shared(addr.clone())
-            .ok()?
-            .connect_timeout(self.rpc_timeout)
-            .timeout(self.rpc_timeout);
-        let client = pb::worker_client::WorkerClient::new(endpoint.connect_lazy());
+        let client = WorkerClient::connect_lazy(addr, self.rpc_timeout).ok()?;
         Some(self.client.get_or_init(|| client).clone())
     }
 
@@ -254,15 +229,13 @@ impl WorkerEntry {
 
     /// Asks the worker service for its state and records the answer (or the failure).
     pub(crate) async fn poll(&self, now_ms: impl Fn() -> u64) {
-        let Some(mut client) = self.client() else {
+        let Some(client) = self.client() else {
             return;
         };
-        let answer =
-            tokio::time::timeout(self.rpc_timeout, client.state(pb::WorkerStateRequest {})).await;
+        let answer = tokio::time::timeout(self.rpc_timeout, client.state()).await;
         let now = now_ms();
         let parsed = match answer {
-            Ok(Ok(reply)) => WorkerState::try_from(reply.into_inner()).map_err(|e| e.to_string()),
-            Ok(Err(status)) => Err(status.to_string()),
+            Ok(r) => r.map_err(|e| e.to_string()),
             Err(_) => Err("timed out".to_owned()),
         };
         let mut live = self.live.write();
@@ -286,30 +259,21 @@ impl WorkerEntry {
         }
     }
 
-    /// Forwards a `CommitEvict` to the worker service.
+    /// Forwards a `CommitEvict` to the worker service (`None` when it has no address).
     pub(crate) async fn commit_evict(
         &self,
-        req: pb::CommitEvictRequest,
-    ) -> Option<Result<pb::CommitEvictReply, tonic::Status>> {
-        let mut client = self.client()?;
-        let answer = tokio::time::timeout(self.rpc_timeout, client.commit_evict(req)).await;
+        req: CommitRequest,
+    ) -> Option<Result<CommitReply, tonic::Status>> {
+        let client = self.client()?;
+        let answer =
+            tokio::time::timeout(self.rpc_timeout, client.commit_evict(self.id, req)).await;
         Some(match answer {
-            Ok(r) => r.map(tonic::Response::into_inner),
+            Ok(r) => r,
             Err(_) => Err(tonic::Status::deadline_exceeded(format!(
                 "worker {} did not answer CommitEvict within {} ms",
                 self.id.0,
                 self.rpc_timeout.as_millis()
             ))),
         })
-    }
-
-    pub(crate) fn info_at(&self, now_ms: u64) -> pb::WorkerInfo {
-        pb::WorkerInfo {
-            id: self.id.0,
-            name: self.name.clone(),
-            role: self.role.to_proto(),
-            state: Some(self.state_at(now_ms).into()),
-            source: self.source.as_str().to_owned(),
-        }
     }
 }

@@ -1,4 +1,5 @@
 //! The `kvc-router` binary: `--help`, and a start/stop cycle with a temp config on port 0.
+#![forbid(unsafe_code)]
 
 mod common;
 
@@ -153,11 +154,11 @@ fn starts_serves_and_stops_on_sigterm() {
         .unwrap();
     rt.block_on(async {
         let mut client =
-            kvc_router::pb::router_client::RouterClient::connect(format!("http://{grpc}"))
+            kvc_proto::pb::router_client::RouterClient::connect(format!("http://{grpc}"))
                 .await
                 .unwrap();
         let list = client
-            .list_workers(kvc_router::pb::ListWorkersRequest {})
+            .list_workers(kvc_proto::pb::ListWorkersRequest {})
             .await
             .unwrap()
             .into_inner();
@@ -166,7 +167,7 @@ fn starts_serves_and_stops_on_sigterm() {
         for w in &list.workers {
             assert_ne!(
                 w.state.unwrap().health,
-                kvc_router::pb::Health::Healthy as i32
+                kvc_proto::pb::Health::Healthy as i32
             );
         }
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))

@@ -1,12 +1,13 @@
 //! End-to-end routing over loopback gRPC: a router with one prefill and two decode workers
 //! publishing snapshots into temp files, on a manual clock.
+#![forbid(unsafe_code)]
 
 mod common;
 
 use common::{Cluster, route_req, value};
 use kvc_core::{ExecutionMode, FallThroughReason, Health, Outcome, WorkerRole};
-use kvc_router::convert::ProtoEnum;
-use kvc_router::pb;
+use kvc_proto::convert::ProtoEnum;
+use kvc_proto::pb;
 
 fn mode(d: &pb::RouteDecision) -> ExecutionMode {
     ExecutionMode::from_proto(d.mode).unwrap()

@@ -1,4 +1,5 @@
 //! The session table is bounded: by count (least recently seen first) and by TTL.
+#![forbid(unsafe_code)]
 
 mod common;
 
@@ -97,7 +98,7 @@ async fn pending_decisions_are_bounded() {
     assert_eq!(c.service().pending_decisions(), 3);
     let e = c
         .client
-        .report_outcome(kvc_router::pb::OutcomeReport {
+        .report_outcome(kvc_proto::pb::OutcomeReport {
             decision_id: ids[0],
             request_id: 0,
             outcome: 1,

@@ -1,12 +1,13 @@
 //! Malformed requests get `INVALID_ARGUMENT` (or `NOT_FOUND` for an unknown decision), with a
 //! message; nothing is counted as a decision and the router keeps serving.
+#![forbid(unsafe_code)]
 
 mod common;
 
 use common::{Cluster, route_req, value};
 use kvc_core::Outcome;
-use kvc_router::convert::ProtoEnum;
-use kvc_router::pb;
+use kvc_proto::convert::ProtoEnum;
+use kvc_proto::pb;
 
 fn assert_invalid(r: Result<impl std::fmt::Debug, tonic::Status>, needle: &str) {
     let e = r.unwrap_err();

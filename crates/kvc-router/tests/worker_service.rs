@@ -1,13 +1,15 @@
 //! Workers reached through `kvc.v1.Worker`: a prefill worker known only by address (its state
 //! polled with `State`) and a decode worker whose `CommitEvict` goes to its commit queue.
+#![forbid(unsafe_code)]
 
 mod common;
 
 use common::{Cluster, route_req, value};
 use kvc_admission::{CommitReply, SnapshotReader, commit_queue};
 use kvc_core::{ExecutionMode, FallThroughReason, Health, Outcome, SessionId};
-use kvc_router::convert::ProtoEnum;
-use kvc_router::{LocalWorker, SharedClock, pb, serve_worker};
+use kvc_proto::convert::ProtoEnum;
+use kvc_proto::pb;
+use kvc_proto::worker::{LocalWorker, SharedClock, serve_worker};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;

@@ -28,13 +28,18 @@ pub(crate) struct Args {
     /// snapshot files (see --write-router-config).
     #[arg(long, value_name = "URI")]
     pub(crate) router: Option<String>,
-    /// Start a kvc-router inside this process (loopback, the run's --policy).
+    /// Start the kvc-router binary as a child process (loopback, the run's --policy); it is
+    /// killed when the replay ends.
     #[arg(long)]
     pub(crate) spawn_router: bool,
+    /// With --spawn-router: the kvc-router binary to run (default: the one beside kvc-replay,
+    /// else the first on PATH).
+    #[arg(long, value_name = "PATH", requires = "spawn_router")]
+    pub(crate) router_bin: Option<PathBuf>,
     /// Drive the router over HTTP: the simulated workers speak SGLang's HTTP API (P/D
     /// bootstrap handshake included) and each request is a /generate call whose prompt text
-    /// repeats where the trace's blocks repeat. With --spawn-router, kvc-router's HTTP front
-    /// is started in this process.
+    /// repeats where the trace's blocks repeat. With --spawn-router, the kvc-router binary is
+    /// started with its HTTP front.
     #[arg(long)]
     pub(crate) http: bool,
     /// Drive the HTTP router at URL (e.g. http://127.0.0.1:8000; implies --http). Start it
@@ -140,8 +145,7 @@ pub(crate) fn run(args: Args) -> Result<()> {
             Some(args.router_metrics_listen),
             &worker_addrs,
         );
-        let text = toml::to_string_pretty(&rc)?;
-        std::fs::write(file, text)?;
+        std::fs::write(file, rc.to_toml()?)?;
         eprintln!("wrote {}", file.display());
         return Ok(());
     }
@@ -160,7 +164,9 @@ pub(crate) fn run(args: Args) -> Result<()> {
         speedup: args.speedup,
         router: match &args.router {
             Some(uri) => RouterTarget::Address(uri.clone()),
-            None => RouterTarget::Spawn,
+            None => RouterTarget::Spawn {
+                router_bin: args.router_bin.clone(),
+            },
         },
         snapshot_dir,
         table_slots: args.table_slots,
@@ -203,7 +209,9 @@ fn run_http(
     let opts = HttpLiveOptions {
         router: match &args.http_router {
             Some(url) => HttpRouter::Url(url.clone()),
-            None if args.spawn_router => HttpRouter::Spawn,
+            None if args.spawn_router => HttpRouter::Spawn {
+                router_bin: args.router_bin.clone(),
+            },
             None => bail!("--http needs --spawn-router or --http-router URL"),
         },
         label: args.router_label.clone(),

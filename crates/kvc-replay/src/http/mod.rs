@@ -8,7 +8,7 @@
 //! sees the trace's real prefix structure. Records and summary have `sim`'s shape; times are in
 //! engine time (wall time × speedup).
 //!
-//! The router is either `kvc-router` started in this process with its HTTP front
+//! The router is either the `kvc-router` binary started as a child process with its HTTP front
 //! ([`HttpRouter::Spawn`]) or any router at a URL ([`HttpRouter::Url`]), started once the
 //! workers are up (the replay writes a ready file with the workers' addresses, and the
 //! `kvc-router` configuration for them, then waits for the router's `GET /health`).
@@ -26,6 +26,7 @@ pub use driver::DriveOptions;
 pub use prompt::{prompt_key, prompt_text};
 pub use workers::{HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, WorkerOptions};
 
+use crate::live::router::{RouterConfigFile, RouterProcess, find_router_binary};
 use crate::live::{LiveError, router_config};
 use crate::sim::metrics::{RequestRecord, Summary};
 use crate::sim::{SimConfig, SimOutput, run_config};
@@ -45,8 +46,12 @@ pub enum HttpRouter {
     /// A router at this base URL (`http://127.0.0.1:8000`), started by someone else once the
     /// ready file is written.
     Url(String),
-    /// `kvc-router` with its HTTP front, started in this process with the run's policy.
-    Spawn,
+    /// The `kvc-router` binary with its HTTP front, started as a child process with the run's
+    /// policy (`router_bin`, else the binary beside this executable, else the one on `PATH`).
+    Spawn {
+        /// The binary to run, when not found by itself.
+        router_bin: Option<PathBuf>,
+    },
 }
 
 /// Settings of an HTTP replay besides the [`SimConfig`].
@@ -142,19 +147,14 @@ pub fn http_router_config(
     http_listen: SocketAddr,
     metrics_listen: Option<SocketAddr>,
     workers: &HttpWorkers,
-) -> kvc_router::config::RouterConfig {
-    let mut rc = router_config(cfg, dir, listen, metrics_listen, &[]);
-    rc.http_listen = Some(http_listen);
-    for (i, addr) in workers.addrs().iter().enumerate() {
-        rc.worker_http.insert(
-            i as u32,
-            kvc_router::config::WorkerHttpConfig {
-                url: format!("http://{addr}"),
-                bootstrap_port: workers.bootstrap_ports()[i],
-            },
-        );
-    }
-    rc
+) -> RouterConfigFile {
+    let urls: Vec<(String, Option<u16>)> = workers
+        .addrs()
+        .iter()
+        .zip(workers.bootstrap_ports())
+        .map(|(addr, port)| (format!("http://{addr}"), *port))
+        .collect();
+    router_config(cfg, dir, listen, metrics_listen, &[]).with_http(http_listen, &urls)
 }
 
 fn ready_json(workers: &HttpWorkers) -> serde_json::Value {
@@ -249,9 +249,7 @@ pub fn live_http(
             Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
             &workers,
         );
-        let text = toml::to_string_pretty(&rc)
-            .map_err(|e| LiveError::Invalid(format!("cannot write the router config: {e}")))?;
-        write_file(path, &text)?;
+        write_file(path, &rc.to_toml()?)?;
     }
     if let Some(path) = &opts.ready_file {
         write_file(path, &format!("{:#}\n", ready_json(&workers)))?;
@@ -262,7 +260,8 @@ pub fn live_http(
             u.clone(),
             opts.label.clone().unwrap_or_else(|| "external".into()),
         ),
-        HttpRouter::Spawn => {
+        HttpRouter::Spawn { router_bin } => {
+            let binary = find_router_binary(router_bin.as_deref())?;
             let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
             let rc = http_router_config(
                 cfg,
@@ -272,9 +271,8 @@ pub fn live_http(
                 None,
                 &workers,
             );
-            let running = rt
-                .block_on(kvc_router::serve(rc, std::future::pending()))
-                .map_err(|e| LiveError::Router(format!("cannot start the router: {e}")))?;
+            let config_path = opts.workers.snapshot_dir.join("kvc-router.toml");
+            let running = RouterProcess::start(&binary, &rc, &config_path, opts.connect_timeout)?;
             let addr = running
                 .http_addr()
                 .ok_or_else(|| LiveError::Router("the router serves no HTTP front".into()))?;
@@ -321,10 +319,8 @@ pub fn live_http(
     });
     let sides = sides.map_err(|e| LiveError::Invalid(format!("the driver failed: {e}")))?;
     progress(completed.load(Ordering::Relaxed), total);
-    if let Some(r) = _spawned.take() {
-        r.shutdown();
-        let _ = rt.block_on(r.wait());
-    }
+    // A spawned router is stopped here (and, were this never reached, when dropped).
+    drop(_spawned.take());
     let served = shared.served();
     let names = shared.names().to_vec();
     let roles = workers.roles().to_vec();

@@ -6,8 +6,7 @@ use super::client::{
 };
 use super::request::Api;
 use super::{App, HttpWorker, error_response, forward_error_response, report};
-use crate::convert::ProtoEnum;
-use crate::pb;
+use crate::RouterDecision;
 use axum::body::Bytes;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -239,7 +238,7 @@ enum Start {
 struct Leg<'a> {
     app: &'a Arc<App>,
     fwd: &'a Forward,
-    decision: &'a pb::RouteDecision,
+    decision: &'a RouterDecision,
     d_id: WorkerId,
 }
 
@@ -296,7 +295,7 @@ impl Leg<'_> {
         Attempt::Rejected {
             response: worker_answer(w),
             decode: self.d_id,
-            direct: ExecutionMode::from_proto(self.decision.mode) == Ok(ExecutionMode::DirectToD),
+            direct: self.decision.mode == ExecutionMode::DirectToD,
         }
     }
 
@@ -306,7 +305,7 @@ impl Leg<'_> {
         let Some(d) = app.endpoint(self.d_id.0) else {
             return Start::Failed(self.retry(no_address(self.d_id.0), vec![self.d_id]));
         };
-        let Some(p_id) = self.decision.prefill_worker else {
+        let Some(WorkerId(p_id)) = self.decision.prefill_worker else {
             let payload: Arc<[u8]> = Value::Object(body).to_string().into_bytes().into();
             return Start::Ready(d, payload, None);
         };
@@ -338,13 +337,13 @@ pub(super) async fn forward_whole(
     app: &Arc<App>,
     fwd: &Forward,
     body: Map<String, Value>,
-    decision: &pb::RouteDecision,
+    decision: &RouterDecision,
 ) -> Attempt {
     let leg = Leg {
         app,
         fwd,
         decision,
-        d_id: WorkerId(decision.decode_worker),
+        d_id: decision.decode_worker,
     };
     let timeout = app.options.request_timeout;
     let headers = fwd.headers(app);
@@ -406,14 +405,14 @@ pub(super) async fn forward_stream(
     app: &Arc<App>,
     fwd: &Forward,
     body: Map<String, Value>,
-    decision: &pb::RouteDecision,
+    decision: &RouterDecision,
     may_retry: bool,
 ) -> Attempt {
     let leg = Leg {
         app,
         fwd,
         decision,
-        d_id: WorkerId(decision.decode_worker),
+        d_id: decision.decode_worker,
     };
     let d_id = leg.d_id;
     let timeout = app.options.request_timeout;

@@ -164,8 +164,7 @@ pub use request::{
 };
 pub use tokens::{Tokenizer, TokenizerError, block_hashes, fallback_tokens};
 
-use crate::convert::ProtoEnum;
-use crate::{RequestError, RouterService, pb};
+use crate::{DecisionOutcome, RequestError, RouterDecision, RouterService};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -176,7 +175,8 @@ use axum::routing::{get, post};
 use breaker::Breakers;
 use forward::{Attempt, Forward, breaker_failure, direct_body, forward_stream, forward_whole};
 use infer::{Inferred, SessionBook};
-use kvc_core::{ExecutionMode, FallThroughReason, Outcome, StableName, WorkerId};
+use kvc_core::{BlockHash, ExecutionMode, Outcome, RequestId, StableName, TurnId, WorkerId};
+use kvc_policy::RouteRequest;
 use parking_lot::Mutex;
 use request::{Api, Prompt};
 use serde_json::{Value, json};
@@ -584,13 +584,14 @@ async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> 
     let client_key = header_key.or_else(|| req.session_key.clone());
     let resolved = app.resolve_session(client_key.as_deref(), &hash_ids, full_blocks, request_id);
     let input_length = tokens.len() as u64;
-    let mut route_req = pb::RouteRequest {
-        request_id,
-        session_id: resolved.as_ref().map(|r| r.session.0),
-        turn_id: resolved.as_ref().map(|r| r.turn),
+    let hash_ids: Vec<BlockHash> = hash_ids.into_iter().map(BlockHash).collect();
+    let mut route_req = RouteRequest {
+        request_id: RequestId(request_id),
+        session: resolved.as_ref().map(|r| r.session),
+        turn: resolved.as_ref().map(|r| TurnId(r.turn)),
         input_length,
         output_hint: req.output_hint,
-        hash_ids,
+        hash_ids: &hash_ids,
         rejected_by: None,
     };
     let fwd = Forward {
@@ -600,7 +601,7 @@ async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> 
         session_key: resolved.map(|r| r.key),
     };
     let session_key = fwd.session_key.clone();
-    let respond = |response: Response, decision: &pb::RouteDecision| {
+    let respond = |response: Response, decision: &RouterDecision| {
         with_decision_headers(response, decision, session_key.as_deref())
     };
     let mut excluded: Vec<WorkerId> = Vec::new();
@@ -622,7 +623,7 @@ async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> 
         }
         let may_retry = attempt < app.options.max_retries;
         let mut body = req.body.clone();
-        if ExecutionMode::from_proto(decision.mode) == Ok(ExecutionMode::DirectToD) {
+        if decision.mode == ExecutionMode::DirectToD {
             direct_body(api, &mut body, fwd.session_key.as_deref());
         }
         let result = if req.stream {
@@ -645,7 +646,7 @@ async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> 
                     // again with `rejected_by`; the policy answers with a P→D path. Not a retry,
                     // and at most once per request.
                     admission_rerouted = true;
-                    route_req.rejected_by = Some(decode.0);
+                    route_req.rejected_by = Some(decode);
                     previous = Some(response);
                     tracing::info!(
                         request = request_id,
@@ -684,25 +685,22 @@ async fn handle(app: &Arc<App>, api: Api, headers: &HeaderMap, bytes: &[u8]) -> 
 /// `x-kvc-reason` and (with a session) `x-kvc-session`.
 fn with_decision_headers(
     mut response: Response,
-    decision: &pb::RouteDecision,
+    decision: &RouterDecision,
     session_key: Option<&str>,
 ) -> Response {
-    let mode = ExecutionMode::from_proto(decision.mode).ok();
     let h = response.headers_mut();
-    if let Some(mode) = mode {
-        h.insert("x-kvc-mode", HeaderValue::from_static(mode.as_str()));
-    }
+    h.insert(
+        "x-kvc-mode",
+        HeaderValue::from_static(decision.mode.as_str()),
+    );
     h.insert(
         "x-kvc-decode-worker",
-        HeaderValue::from(decision.decode_worker),
+        HeaderValue::from(decision.decode_worker.0),
     );
     if let Some(p) = decision.prefill_worker {
-        h.insert("x-kvc-prefill-worker", HeaderValue::from(p));
+        h.insert("x-kvc-prefill-worker", HeaderValue::from(p.0));
     }
-    let reason = decision
-        .fall_through_reason
-        .and_then(|r| FallThroughReason::from_proto(r).ok());
-    if let Some(reason) = reason {
+    if let Some(reason) = decision.fall_through_reason {
         h.insert("x-kvc-reason", HeaderValue::from_static(reason.as_str()));
     }
     if let Some(v) = session_key.and_then(|k| HeaderValue::from_str(k).ok()) {
@@ -713,10 +711,10 @@ fn with_decision_headers(
 
 /// Reports the outcome of `decision` (logged, never fatal).
 fn report(app: &App, decision_id: u64, request_id: u64, outcome: Outcome, resident_tokens: u64) {
-    if let Err(e) = app.service.report_outcome(&pb::OutcomeReport {
+    if let Err(e) = app.service.report_outcome(&DecisionOutcome {
         decision_id,
-        request_id,
-        outcome: outcome.to_proto(),
+        request_id: RequestId(request_id),
+        outcome,
         resident_tokens,
     }) {
         tracing::warn!(decision = decision_id, error = %e, "outcome not recorded");
@@ -763,6 +761,7 @@ mod tests {
     use super::*;
     use crate::{RouterConfig, SessionLimits};
     use kvc_admission::ManualClock;
+    use kvc_core::FallThroughReason;
 
     fn app(limits: SessionLimits, options: HttpOptions) -> (App, Arc<ManualClock>) {
         let clock = Arc::new(ManualClock::new(1_000));
@@ -837,13 +836,16 @@ mod tests {
 
     #[test]
     fn decision_headers_name_the_mode_workers_and_session() {
-        let decision = pb::RouteDecision {
+        let decision = RouterDecision {
             decision_id: 1,
-            mode: ExecutionMode::Fallback.to_proto(),
-            fall_through_reason: Some(FallThroughReason::DirectUnsupported.to_proto()),
-            prefill_worker: Some(0),
-            decode_worker: 2,
-            ..Default::default()
+            mode: ExecutionMode::Fallback,
+            fall_through_reason: Some(FallThroughReason::DirectUnsupported),
+            prefill_worker: Some(WorkerId(0)),
+            decode_worker: WorkerId(2),
+            cached_tokens: 0,
+            recommended_pause_ms: 0,
+            need_tokens: 0,
+            probe_rejected_by: None,
         };
         let r = with_decision_headers(StatusCode::OK.into_response(), &decision, Some("s-1"));
         let h = r.headers();

@@ -4,8 +4,9 @@
 
 use kvc_admission::{ManualClock, SnapshotWriter};
 use kvc_core::WorkerId;
-use kvc_router::pb::router_client::RouterClient;
-use kvc_router::{RouterConfig, RouterService, RunningRouter, WorkerConfig, pb};
+use kvc_proto::pb;
+use kvc_proto::pb::router_client::RouterClient;
+use kvc_router::{RouterConfig, RouterService, RunningRouter, WorkerConfig};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;

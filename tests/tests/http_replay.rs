@@ -1,5 +1,9 @@
-//! `kvc-router`'s HTTP front in front of simulated P/D workers that speak SGLang's HTTP API:
-//! every request completes, with `sim`'s execution-mode accounting, streaming and not.
+//! `kvc-router`'s HTTP front (the binary, started by the replay as a child process) in front of
+//! simulated P/D workers that speak SGLang's HTTP API: every request completes, with `sim`'s
+//! execution-mode accounting, streaming and not.
+#![forbid(unsafe_code)]
+
+mod common;
 
 use kvc_core::{BlockHash, ExecutionMode, Outcome, SessionId, StableName, Topology, TurnId};
 use kvc_policy::PolicyConfig;
@@ -44,7 +48,9 @@ fn http_run(trace: &Trace, stream: bool, name: &str) -> HttpOutput {
     let dir = std::env::temp_dir().join(format!("kvc-http-replay-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let opts = HttpLiveOptions {
-        router: HttpRouter::Spawn,
+        router: HttpRouter::Spawn {
+            router_bin: Some(common::bin_dir().join("kvc-router")),
+        },
         label: None,
         workers: WorkerOptions {
             speedup: 20.0,

@@ -1,0 +1,203 @@
+//! Deciding a route: validating the request, the policy call, the snapshot probe of a planned
+//! direct-to-D with its re-route through P, and the bounded table of decisions awaiting their
+//! outcome.
+
+use super::{Core, Pending, RouterDecision, RouterService, feedback::probe_entry};
+use crate::error::RequestError;
+use kvc_core::{Outcome, WorkerId};
+use kvc_policy::{ClusterView, Decision, Observation, RouteRequest, WorkerView};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+impl RouterService {
+    fn validate_route(&self, req: &RouteRequest<'_>) -> Result<(), RequestError> {
+        if req.input_length == 0 {
+            return Err(RequestError::InvalidArgument(
+                "input_length must be positive".into(),
+            ));
+        }
+        match (req.session, req.turn) {
+            (None, Some(_)) => {
+                return Err(RequestError::InvalidArgument(
+                    "turn_id given without session_id".into(),
+                ));
+            }
+            (_, Some(t)) if t.0 == 0 => {
+                return Err(RequestError::InvalidArgument(
+                    "turn_id counts from 1".into(),
+                ));
+            }
+            _ => {}
+        }
+        if let Some(w) = req.rejected_by
+            && self.entry(w.0).is_none()
+        {
+            return Err(RequestError::InvalidArgument(format!(
+                "rejected_by names unknown worker {}",
+                w.0
+            )));
+        }
+        let block = self.config.policy.block_size();
+        let max_blocks = block.blocks_for(req.input_length);
+        if req.hash_ids.len() as u64 > max_blocks {
+            return Err(RequestError::InvalidArgument(format!(
+                "{} hash_ids for an input of {} tokens: at most {max_blocks} blocks of {} tokens",
+                req.hash_ids.len(),
+                req.input_length,
+                block.tokens()
+            )));
+        }
+        if req.hash_ids.is_empty() && req.input_length > u64::from(block.tokens()) {
+            return Err(RequestError::InvalidArgument(format!(
+                "no hash_ids for an input of {} tokens (more than one block of {}); send one id per block",
+                req.input_length,
+                block.tokens()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Decides where a request goes.
+    ///
+    /// Validates it (`INVALID_ARGUMENT` for a malformed request), asks the policy, and when the
+    /// policy plans `direct-to-d` probes that decode worker's snapshot for the decision's
+    /// footprint: if it cannot admit, the reject is observed and the request re-routed through
+    /// a prefill worker. The decision is applied to the router state and remembered under its
+    /// decision id until [`RouterService::report_outcome`].
+    ///
+    /// A caller whose own admission on D refused the previous direct-to-D decision asks again
+    /// with `rejected_by` set; the policy counts that reject and answers with a P→D path.
+    pub fn route(&self, req: &RouteRequest<'_>) -> Result<RouterDecision, RequestError> {
+        self.route_excluding(req, &[])
+    }
+
+    /// [`RouterService::route`] with the workers in `exclude` treated as down for this one
+    /// decision (a request re-routed after those workers failed it). `UNAVAILABLE` when no
+    /// other worker can take it.
+    pub fn route_excluding(
+        &self,
+        req: &RouteRequest<'_>,
+        exclude: &[WorkerId],
+    ) -> Result<RouterDecision, RequestError> {
+        let started = Instant::now();
+        let result = self.route_inner(req, exclude);
+        match &result {
+            Ok(d) => {
+                self.metrics.record_decision(d.mode, d.fall_through_reason);
+                self.metrics.record_latency(started.elapsed());
+            }
+            Err(e) => self.metrics.record_route_error(e.code()),
+        }
+        result
+    }
+
+    fn route_inner(
+        &self,
+        req: &RouteRequest<'_>,
+        exclude: &[WorkerId],
+    ) -> Result<RouterDecision, RequestError> {
+        self.validate_route(req)?;
+        let session = req.session;
+        let now = self.now_ms();
+        let mut views: Vec<WorkerView> = self.workers.iter().map(|w| w.view_at(now)).collect();
+        for v in &mut views {
+            if exclude.contains(&v.id) {
+                v.state.health = kvc_core::Health::Down;
+            }
+        }
+        let cluster = ClusterView::new(now, &views);
+        let policy = &self.config.policy;
+
+        let mut core = self.core.lock();
+        let core = &mut *core;
+        core.sessions.expire(now, &mut core.forgotten);
+        if let Some(s) = session {
+            core.sessions.touch(s, now, &mut core.forgotten);
+        }
+        self.forget(core);
+
+        let mut decision = kvc_policy::route(policy, &core.state, &cluster, req)?;
+        let mut probe_rejected_by = None;
+        if decision.is_direct() {
+            let d = decision.decode;
+            let admitted = match self.entry(d.0) {
+                Some(entry) => {
+                    let p = probe_entry(entry, decision.need_tokens, session, now);
+                    self.metrics.record_probe(p.kind);
+                    p.reply.can_admit
+                }
+                None => false,
+            };
+            if !admitted {
+                if let Some(s) = session {
+                    core.state.observe(&Observation::AdmissionRejected {
+                        session: s,
+                        worker: d,
+                    });
+                }
+                self.metrics.record_reroute();
+                decision = kvc_policy::route(policy, &core.state, &cluster, &req.rejected_by(d))?;
+                probe_rejected_by = Some(d);
+            }
+        }
+        core.state.apply(&decision.change);
+        let id = self.next_decision.fetch_add(1, Ordering::Relaxed);
+        core.pending.insert(
+            id,
+            Pending {
+                request_id: req.request_id,
+                session,
+                decode: decision.decode,
+                direct: decision.is_direct(),
+            },
+        );
+        core.pending_order.push_back(id);
+        self.bound_pending(core);
+        Ok(handed_out(id, &decision, probe_rejected_by))
+    }
+
+    fn bound_pending(&self, core: &mut Core) {
+        let max = self.config.max_pending_decisions;
+        let mut dropped = 0u64;
+        while core.pending.len() > max {
+            let Some(oldest) = core.pending_order.pop_front() else {
+                break;
+            };
+            if let Some(p) = core.pending.remove(&oldest) {
+                // Release its in-flight count without touching the session's residency: the
+                // outcome is unknown.
+                core.state.observe(&Observation::Completed {
+                    request_id: p.request_id,
+                    session: None,
+                    worker: p.decode,
+                    outcome: Outcome::WorkerFailed,
+                    resident_tokens: 0,
+                    direct: p.direct,
+                });
+                dropped += 1;
+            }
+        }
+        if core.pending_order.len() > 2 * max.max(16) {
+            let pending = &core.pending;
+            core.pending_order.retain(|id| pending.contains_key(id));
+        }
+        if dropped > 0 {
+            self.metrics.record_pending_dropped(dropped);
+        }
+    }
+}
+
+/// The policy's `decision`, handed out under decision id `id`.
+fn handed_out(id: u64, d: &Decision, probe_rejected_by: Option<WorkerId>) -> RouterDecision {
+    RouterDecision {
+        decision_id: id,
+        mode: d.mode,
+        prefill_worker: d.prefill,
+        decode_worker: d.decode,
+        fall_through_reason: d.reason,
+        cached_tokens: d.cached_tokens,
+        recommended_pause_ms: d.recommended_pause_ms,
+        need_tokens: d.need_tokens,
+        probe_rejected_by,
+    }
+}
