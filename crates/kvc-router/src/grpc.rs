@@ -2,6 +2,33 @@
 //! reflection. The only module of the router that sees protobuf types: each call is converted
 //! to `kvc-core`/`kvc-policy` types here (with `kvc-proto`'s conversions), answered by the
 //! service, and converted back.
+//!
+//! A client of a router served in this process:
+//!
+//! ```
+//! use kvc_proto::pb;
+//! use kvc_router::{serve, RouterConfig};
+//!
+//! # tokio::runtime::Runtime::new()?.block_on(async {
+//! let config = RouterConfig {
+//!     listen: "127.0.0.1:0".parse()?,
+//!     metrics_listen: None,
+//!     ..RouterConfig::default()
+//! };
+//! let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+//! let router = serve(config, async { let _ = stopped.await; }).await?;
+//!
+//! let mut client =
+//!     pb::router_client::RouterClient::connect(format!("http://{}", router.grpc_addr())).await?;
+//! let workers = client.list_workers(pb::ListWorkersRequest {}).await?.into_inner();
+//! assert!(workers.workers.is_empty());
+//!
+//! let _ = stop.send(());
+//! router.wait().await?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # })?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use crate::error::{RequestError, ServeError};
 use crate::service::{DecisionOutcome, ListedWorker, RouterDecision, RouterService};

@@ -95,31 +95,25 @@
 //! the servers stop when the shutdown future completes. [`RouterService`] can also be used
 //! directly, without any transport: it takes and returns `kvc-core`/`kvc-policy` types
 //! ([`RouterService::route`] a [`kvc_policy::RouteRequest`], answering a [`RouterDecision`]).
-//! Protobuf types live in the `kvc-proto` crate and appear only in the gRPC front ([`grpc`]).
+//! Protobuf types live in the `kvc-proto` crate and appear only in the gRPC front ([`grpc`],
+//! with an example of a client calling a router served in process).
 //!
 //! ```
-//! use kvc_proto::pb;
-//! use kvc_router::{serve, RouterConfig};
+//! use kvc_core::{BlockHash, RequestId, SessionId, TurnId};
+//! use kvc_policy::RouteRequest;
+//! use kvc_router::{RequestError, RouterConfig, RouterService};
 //!
-//! # tokio::runtime::Runtime::new()?.block_on(async {
-//! let config = RouterConfig {
-//!     listen: "127.0.0.1:0".parse()?,
-//!     metrics_listen: None,
-//!     ..RouterConfig::default()
-//! };
-//! let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-//! let router = serve(config, async { let _ = stopped.await; }).await?;
-//!
-//! let mut client =
-//!     pb::router_client::RouterClient::connect(format!("http://{}", router.grpc_addr())).await?;
-//! let workers = client.list_workers(pb::ListWorkersRequest {}).await?.into_inner();
-//! assert!(workers.workers.is_empty());
-//!
-//! let _ = stop.send(());
-//! router.wait().await?;
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! # })?;
-//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! let service = RouterService::new(RouterConfig::default())?;
+//! let hashes = [BlockHash(11), BlockHash(12)];
+//! let request = RouteRequest::new(RequestId(1), 1_000, 40, &hashes)
+//!     .in_session(SessionId(7), TurnId(1));
+//! // No worker is configured, so none can take it; nothing is left pending.
+//! assert!(service.route(&request).is_err());
+//! assert_eq!(service.pending_decisions(), 0);
+//! // A malformed request is refused before any policy runs.
+//! let empty = RouteRequest::new(RequestId(2), 0, 40, &[]);
+//! assert!(matches!(service.route(&empty), Err(RequestError::InvalidArgument(_))));
+//! # Ok::<(), kvc_router::ConfigError>(())
 //! ```
 #![forbid(unsafe_code)]
 
