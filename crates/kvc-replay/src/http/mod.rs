@@ -31,6 +31,7 @@ use crate::sim::metrics::{RequestRecord, Summary};
 use crate::sim::{SimConfig, SimOutput, run_config};
 use crate::trace::Trace;
 use driver::ClientSide;
+use kvc_core::stats::{P50, P90, P99, percentile};
 use kvc_core::{ExecutionMode, FallThroughReason, Outcome, WorkerRole};
 use serde::Serialize;
 use std::net::SocketAddr;
@@ -73,7 +74,8 @@ pub struct HttpLiveOptions {
     pub router_config_file: Option<PathBuf>,
 }
 
-/// Added latency of the router, wall milliseconds.
+/// Added latency of the router, wall milliseconds; percentiles are nearest-rank
+/// ([`kvc_core::stats`]).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct AddedLatency {
     /// Requests measured.
@@ -96,13 +98,13 @@ impl AddedLatency {
             return AddedLatency::default();
         }
         v.sort_by(f64::total_cmp);
-        let q = |p: f64| v[((p * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)];
+        let q = |permille| percentile(&v, permille).unwrap_or(0.0);
         AddedLatency {
             requests: v.len(),
             mean_ms: v.iter().sum::<f64>() / v.len() as f64,
-            p50_ms: q(0.5),
-            p90_ms: q(0.9),
-            p99_ms: q(0.99),
+            p50_ms: q(P50),
+            p90_ms: q(P90),
+            p99_ms: q(P99),
             max_ms: v[v.len() - 1],
         }
     }
@@ -519,7 +521,8 @@ mod tests {
         let a = AddedLatency::of((1..=100).map(f64::from).collect());
         assert_eq!(a.requests, 100);
         assert!((a.mean_ms - 50.5).abs() < 1e-9);
-        assert_eq!(a.p50_ms, 51.0);
+        // Nearest rank of 100 values: p50 is the 50th, p90 the 90th, p99 the 99th.
+        assert_eq!(a.p50_ms, 50.0);
         assert_eq!(a.p90_ms, 90.0);
         assert_eq!(a.p99_ms, 99.0);
         assert_eq!(a.max_ms, 100.0);
