@@ -112,6 +112,13 @@ impl SseScanner {
         self.skipped
     }
 
+    /// The stream so far ends inside an event: a line, or lines not yet ended by their blank
+    /// line. A writer cutting the stream short closes the event first (`\n\n`) so what it
+    /// appends is an event of its own.
+    pub fn in_event(&self) -> bool {
+        self.event_bytes > 0
+    }
+
     /// Scans the next chunk of the stream; returns the events it completed, in order.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
         let mut events = Vec::new();
@@ -316,6 +323,22 @@ mod tests {
         assert_eq!(scan.feed(b"data: [DONE]\n"), vec![]);
         assert_eq!(scan.finish(), Some(SseEvent::Done));
         assert_eq!(scan.feed(b"data: x\n\n"), vec![data("x")]);
+    }
+
+    #[test]
+    fn a_stream_ends_inside_an_event_until_its_blank_line() {
+        let mut scan = SseScanner::new();
+        assert!(!scan.in_event());
+        scan.feed(b"data: {\"a\"");
+        assert!(scan.in_event(), "inside a line");
+        scan.feed(b": 1}\r\n");
+        assert!(scan.in_event(), "a line without its blank line");
+        scan.feed(b"\r\n");
+        assert!(!scan.in_event());
+        scan.feed(b": comment\n");
+        assert!(scan.in_event(), "a comment not yet ended");
+        scan.feed(b"\n");
+        assert!(!scan.in_event());
     }
 
     #[test]

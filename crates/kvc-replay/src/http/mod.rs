@@ -27,12 +27,13 @@ pub use prompt::{prompt_key, prompt_text};
 pub use workers::{HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, WorkerOptions};
 
 use crate::live::{LiveError, router_config};
+use crate::sim::cluster::decode_worker_names;
 use crate::sim::metrics::{RequestRecord, Summary};
 use crate::sim::{SimConfig, SimOutput, run_config};
 use crate::trace::Trace;
 use driver::ClientSide;
 use kvc_core::stats::{P50, P90, P99, percentile};
-use kvc_core::{ExecutionMode, FallThroughReason, Outcome, WorkerRole};
+use kvc_core::{ExecutionMode, FallThroughReason, Outcome};
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -219,22 +220,9 @@ pub fn live_http(
     opts: &HttpLiveOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<HttpOutput, LiveError> {
-    if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
-        return Err(LiveError::Invalid(format!(
-            "time scale must be a positive number (got {})",
-            cfg.time_scale
-        )));
-    }
-    if opts.workers.table_slots == 0 {
-        return Err(LiveError::Invalid("table slots must be at least 1".into()));
-    }
-    if cfg.policy.block_size() != trace.block_size() {
-        return Err(LiveError::Invalid(format!(
-            "the trace has {}-token blocks but the policy counts {}-token blocks",
-            trace.block_size().tokens(),
-            cfg.policy.block_size().tokens()
-        )));
-    }
+    cfg.validate()?;
+    cfg.check_block_size(trace)?;
+    opts.workers.validate()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -335,15 +323,9 @@ pub fn live_http(
     let mut config = run_config(cfg);
     config.policy = label.clone();
     let (records, report) = build_records(&trace, &sides, &served, &names, pacer, label);
-    let decode_names: Vec<String> = roles
-        .iter()
-        .zip(&names)
-        .filter(|(r, _)| **r != WorkerRole::Prefill)
-        .map(|(_, n)| n.clone())
-        .collect();
     let summary = Summary::build(
         &records,
-        &decode_names,
+        &decode_worker_names(&roles, &names),
         config,
         wall.elapsed().as_secs_f64(),
     );
