@@ -1,5 +1,6 @@
 //! `cargo xtask bench`: every performance figure and the policy matrix in one file.
 
+use kvc_core::stats::{P50, percentile};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -224,7 +225,7 @@ fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
         requests = s["requests"].as_f64().unwrap_or(0.0);
     }
     walls.sort_by(f64::total_cmp);
-    let wall = walls[walls.len() / 2];
+    let wall = percentile(&walls, P50).unwrap_or(f64::NAN);
     figures.insert("sim.default.wall_s".into(), wall);
     figures.insert("sim.default.requests_per_sec".into(), requests / wall);
 

@@ -14,7 +14,9 @@
 //! - execution modes ([`ExecutionMode`]), fall-through reasons ([`FallThroughReason`]) and
 //!   request outcomes ([`Outcome`]) with the one rule for what counts as a mechanism error
 //!   ([`Outcome::is_mechanism_error`]);
-//! - block-prefix helpers ([`prefix`]).
+//! - block-prefix helpers ([`prefix`]);
+//! - the nearest-rank percentile every kvc summary reports ([`stats`]) and the scanner and
+//!   framing of Server-Sent Events streams ([`sse`]).
 //!
 //! Every enum serializes to a **stable kebab-case name** ([`StableName`]); the same string is
 //! used in JSON, in metrics labels and on the command line.
@@ -32,6 +34,8 @@
 mod ids;
 mod names;
 pub mod prefix;
+pub mod sse;
+pub mod stats;
 mod topology;
 mod trace;
 mod worker;

@@ -67,6 +67,29 @@ pub struct LiveOptions {
     pub worker_base_port: Option<u16>,
 }
 
+impl LiveOptions {
+    /// Checks the settings a live replay cannot run with: a positive, finite speedup and at
+    /// least one snapshot slot.
+    pub fn validate(&self) -> Result<(), LiveError> {
+        check_pacing(self.speedup, self.table_slots)
+    }
+}
+
+/// The rule for the settings every real-clock replay shares (the live replay's and the HTTP
+/// workers'): wall time runs `speedup` (positive, finite) times faster than engine time, and
+/// snapshots hold at least one resident session (`table_slots`).
+pub(crate) fn check_pacing(speedup: f64, table_slots: usize) -> Result<(), LiveError> {
+    if !(speedup.is_finite() && speedup > 0.0) {
+        return Err(LiveError::Invalid(format!(
+            "speedup must be a positive number (got {speedup})"
+        )));
+    }
+    if table_slots == 0 {
+        return Err(LiveError::Invalid("table slots must be at least 1".into()));
+    }
+    Ok(())
+}
+
 /// Why a live replay could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum LiveError {
@@ -357,16 +380,8 @@ pub fn live(
     opts: &LiveOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimOutput, LiveError> {
-    if !(opts.speedup.is_finite() && opts.speedup > 0.0) {
-        return Err(LiveError::Invalid(format!(
-            "speedup must be a positive number (got {})",
-            opts.speedup
-        )));
-    }
+    opts.validate()?;
     let roles = worker_roles(cfg.topology);
-    if opts.table_slots == 0 {
-        return Err(LiveError::Invalid("table slots must be at least 1".into()));
-    }
     let mut publisher = Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

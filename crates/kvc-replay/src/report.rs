@@ -2,8 +2,8 @@
 //! time, execution-mode shares.
 
 use crate::output::{compare_table, read_occupancy, read_records, read_summary};
-use crate::sim::metrics::percentile;
 use anyhow::{Context, Result};
+use kvc_core::stats::percentile;
 use kvc_core::{Outcome, StableName};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -282,8 +282,9 @@ pub fn write_report(runs: &[PathBuf], out: &Path) -> Result<PathBuf> {
         ls.sort_by(f64::total_cmp);
         ttft_max = ttft_max.max(ts.last().copied().unwrap_or(1.0));
         lat_max = lat_max.max(ls.last().copied().unwrap_or(1.0));
-        ttft_min = ttft_min.min(percentile(&ts, 1.0));
-        lat_min = lat_min.min(percentile(&ls, 1.0));
+        // The axes start at the 1st percentile (10‰).
+        ttft_min = ttft_min.min(percentile(&ts, 10).unwrap_or(0.0));
+        lat_min = lat_min.min(percentile(&ls, 10).unwrap_or(0.0));
         ttft.push(Series {
             name: name.clone(),
             points: cdf(t),

@@ -1,6 +1,7 @@
 //! Calibration: the three reference configurations on the generated SWE trace (`--seed 7`)
-//! land inside the bands of `simulator.md` ("Calibration targets"); `docs/calibration.md`
-//! explains the two `kvc-v2` TTFT bands that are asserted in a weaker form.
+//! land inside their calibration bands (the table "Where the runs land" of
+//! `docs/calibration.md`, which also explains the two `kvc-v2` TTFT bands asserted here in a
+//! weaker form).
 
 mod common;
 
@@ -40,7 +41,7 @@ fn reference_runs_land_in_their_bands() {
 
     let v2 = run(trace, "1p3d", "kvc-v2").summary;
     within("v2 direct-to-D rate", v2.direct_to_d_rate, 0.85, 1.0);
-    // simulator.md asks for TTFT p50 <= 0.06 s and TTFT p90 <= 0.5 x 4dp's. Both are append
+    // The bands ask for TTFT p50 <= 0.06 s and TTFT p90 <= 0.5 x 4dp's. Both are append
     // prefill times on D, and the p90 band needs more than the GPU's peak FLOP/s for the trace's
     // appends (docs/calibration.md works it out). These are the forms the physics allows.
     within("v2 TTFT p50", v2.ttft_s.p50, 0.0, 0.065);

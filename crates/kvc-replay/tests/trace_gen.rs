@@ -1,5 +1,5 @@
-//! The SWE-agent generator: the statistics bands of docs/simulator.md, chained block ids,
-//! ordering and determinism.
+//! The SWE-agent generator: the statistics bands it is built to land in (asserted here),
+//! chained block ids, ordering and determinism.
 
 use kvc_core::{BlockHash, BlockSize, DEFAULT_MAX_INPUT_TOKENS, TraceRecord};
 use kvc_replay::trace::generate::{SweConfig, swe};

@@ -110,12 +110,7 @@ impl RunArgs {
         if let Some(p) = &self.profile {
             cfg.profile = Profile::load(p)?;
         }
-        if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
-            bail!("--time-scale must be a positive number");
-        }
-        if cfg.concurrency == 0 {
-            bail!("--concurrency must be at least 1");
-        }
+        cfg.validate()?;
         Ok(cfg)
     }
 }

@@ -4,9 +4,10 @@
 //! served), and times the answer.
 
 use super::prompt::{prompt_key, prompt_text};
-use super::workers::Shared;
+use super::workers::SharedState;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use kvc_core::sse::{SseEvent, SseScanner};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -66,7 +67,7 @@ pub(crate) fn connector() -> hyper_util::client::legacy::connect::HttpConnector 
 
 /// Sends every request of the trace; returns what the client saw, by trace index.
 pub(crate) async fn drive(
-    shared: Arc<Shared>,
+    shared: Arc<SharedState>,
     opts: DriveOptions,
     start: Instant,
     speedup: f64,
@@ -123,7 +124,7 @@ pub(crate) async fn drive(
 }
 
 /// The SGLang `/generate` body of trace request `i`.
-fn body_of(shared: &Shared, i: usize, text: &str, stream: bool) -> Vec<u8> {
+fn body_of(shared: &SharedState, i: usize, text: &str, stream: bool) -> Vec<u8> {
     let r = &shared.trace.requests[i];
     json!({
         "text": text,
@@ -139,7 +140,7 @@ fn body_of(shared: &Shared, i: usize, text: &str, stream: bool) -> Vec<u8> {
 }
 
 async fn send(
-    shared: &Shared,
+    shared: &SharedState,
     client: &Client,
     opts: &DriveOptions,
     i: usize,
@@ -218,7 +219,7 @@ async fn exchange(
     side.reason = header("x-kvc-reason");
     let ok = resp.status().is_success();
     let mut body = resp.into_body();
-    let mut events = EventScan::default();
+    let mut events = StreamedAnswer::default();
     let mut whole = Vec::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| format!("{url}: the answer broke off: {e}"))?;
@@ -259,37 +260,36 @@ async fn exchange(
     Ok(())
 }
 
-/// Reads SSE `data:` events as they arrive.
+/// What a streamed answer said so far: its SSE events read as they arrive.
 #[derive(Debug, Default)]
-struct EventScan {
-    line: Vec<u8>,
+struct StreamedAnswer {
+    events: SseScanner,
+    /// An event counted at least one generated token.
     first_token: bool,
+    /// The last token count an event carried.
     completion: Option<u64>,
+    /// The `[DONE]` event came.
     done: bool,
+    /// The last error event, as JSON text.
     error: Option<String>,
 }
 
-impl EventScan {
+impl StreamedAnswer {
     fn feed(&mut self, bytes: &[u8]) {
-        for part in bytes.split_inclusive(|b| *b == b'\n') {
-            self.line.extend_from_slice(part);
-            if part.ends_with(b"\n") {
-                self.end_line();
-            }
+        for event in self.events.feed(bytes) {
+            self.take(event);
         }
     }
 
-    fn end_line(&mut self) {
-        let line = std::mem::take(&mut self.line);
-        let Some(data) = line.trim_ascii().strip_prefix(b"data:") else {
-            return;
+    fn take(&mut self, event: SseEvent) {
+        let data = match event {
+            SseEvent::Done => {
+                self.done = true;
+                return;
+            }
+            SseEvent::Data(data) => data,
         };
-        let data = data.trim_ascii();
-        if data == b"[DONE]" {
-            self.done = true;
-            return;
-        }
-        let Ok(v) = serde_json::from_slice::<Value>(data) else {
+        let Ok(v) = serde_json::from_slice::<Value>(&data) else {
             return;
         };
         if let Some(e) = v.get("error") {
@@ -308,20 +308,21 @@ impl EventScan {
         }
     }
 
+    /// The stream ended: an event it did not close still counts.
     fn finish(&mut self) {
-        if !self.line.is_empty() {
-            self.end_line();
+        if let Some(event) = self.events.finish() {
+            self.take(event);
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::EventScan;
+    use super::StreamedAnswer;
 
     #[test]
     fn events_split_across_chunks_are_read_whole() {
-        let mut s = EventScan::default();
+        let mut s = StreamedAnswer::default();
         s.feed(b"data: {\"text\": \"\", \"meta_info\": {\"completion_tokens\": 0}}\n\nda");
         assert!(!s.first_token);
         s.feed(b"ta: {\"meta_info\": {\"completion_tokens\": 1}}\n\n");
@@ -335,7 +336,7 @@ mod tests {
 
     #[test]
     fn an_error_event_is_kept() {
-        let mut s = EventScan::default();
+        let mut s = StreamedAnswer::default();
         s.feed(b"data: {\"error\": {\"message\": \"gone\"}}");
         s.finish();
         assert!(s.error.as_deref().is_some_and(|e| e.contains("gone")));

@@ -28,11 +28,13 @@ pub use workers::{HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, WorkerOpti
 
 use crate::live::router::{RouterConfigFile, RouterProcess, find_router_binary};
 use crate::live::{LiveError, router_config};
+use crate::sim::cluster::decode_worker_names;
 use crate::sim::metrics::{RequestRecord, Summary};
 use crate::sim::{SimConfig, SimOutput, run_config};
 use crate::trace::Trace;
 use driver::ClientSide;
-use kvc_core::{ExecutionMode, FallThroughReason, Outcome, WorkerRole};
+use kvc_core::stats::{P50, P90, P99, percentile};
+use kvc_core::{ExecutionMode, FallThroughReason, Outcome};
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -78,7 +80,8 @@ pub struct HttpLiveOptions {
     pub router_config_file: Option<PathBuf>,
 }
 
-/// Added latency of the router, wall milliseconds.
+/// Added latency of the router, wall milliseconds; percentiles are nearest-rank
+/// ([`kvc_core::stats`]).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct AddedLatency {
     /// Requests measured.
@@ -101,13 +104,13 @@ impl AddedLatency {
             return AddedLatency::default();
         }
         v.sort_by(f64::total_cmp);
-        let q = |p: f64| v[((p * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)];
+        let q = |permille| percentile(&v, permille).unwrap_or(0.0);
         AddedLatency {
             requests: v.len(),
             mean_ms: v.iter().sum::<f64>() / v.len() as f64,
-            p50_ms: q(0.5),
-            p90_ms: q(0.9),
-            p99_ms: q(0.99),
+            p50_ms: q(P50),
+            p90_ms: q(P90),
+            p99_ms: q(P99),
             max_ms: v[v.len() - 1],
         }
     }
@@ -217,22 +220,9 @@ pub fn live_http(
     opts: &HttpLiveOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<HttpOutput, LiveError> {
-    if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
-        return Err(LiveError::Invalid(format!(
-            "time scale must be a positive number (got {})",
-            cfg.time_scale
-        )));
-    }
-    if opts.workers.table_slots == 0 {
-        return Err(LiveError::Invalid("table slots must be at least 1".into()));
-    }
-    if cfg.policy.block_size() != trace.block_size() {
-        return Err(LiveError::Invalid(format!(
-            "the trace has {}-token blocks but the policy counts {}-token blocks",
-            trace.block_size().tokens(),
-            cfg.policy.block_size().tokens()
-        )));
-    }
+    cfg.validate()?;
+    cfg.check_block_size(trace)?;
+    opts.workers.validate()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -329,15 +319,9 @@ pub fn live_http(
     let mut config = run_config(cfg);
     config.policy = label.clone();
     let (records, report) = build_records(&trace, &sides, &served, &names, pacer, label);
-    let decode_names: Vec<String> = roles
-        .iter()
-        .zip(&names)
-        .filter(|(r, _)| **r != WorkerRole::Prefill)
-        .map(|(_, n)| n.clone())
-        .collect();
     let summary = Summary::build(
         &records,
-        &decode_names,
+        &decode_worker_names(&roles, &names),
         config,
         wall.elapsed().as_secs_f64(),
     );
@@ -515,7 +499,8 @@ mod tests {
         let a = AddedLatency::of((1..=100).map(f64::from).collect());
         assert_eq!(a.requests, 100);
         assert!((a.mean_ms - 50.5).abs() < 1e-9);
-        assert_eq!(a.p50_ms, 51.0);
+        // Nearest rank of 100 values: p50 is the 50th, p90 the 90th, p99 the 99th.
+        assert_eq!(a.p50_ms, 50.0);
         assert_eq!(a.p90_ms, 90.0);
         assert_eq!(a.p99_ms, 99.0);
         assert_eq!(a.max_ms, 100.0);

@@ -247,19 +247,20 @@ impl Engine {
         std::mem::take(&mut self.wakes)
     }
 
-    fn bs(&self) -> u64 {
+    /// Tokens in one block.
+    fn block_tokens(&self) -> u64 {
         u64::from(self.opts.block_size.tokens())
     }
 
     /// The state a router sees of worker `w`.
     pub fn state(&self, w: WorkerId) -> WorkerState {
         let wk = &self.workers[w.0 as usize];
-        let bs = self.bs();
+        let block = self.block_tokens();
         let (used, evictable) = match wk.role {
             WorkerRole::Decode => (wk.resident_tokens, wk.idle_tokens),
             _ => (
-                wk.cache.len() as u64 * bs + wk.cache_extra,
-                wk.cache.evictable() as u64 * bs,
+                wk.cache.len() as u64 * block + wk.cache_extra,
+                wk.cache.evictable() as u64 * block,
             ),
         };
         WorkerState {
@@ -435,26 +436,26 @@ impl Engine {
         extra: u64,
         now: Micros,
     ) -> Option<(usize, u64)> {
-        let bs = self.bs();
+        let block = self.block_tokens();
         let wk = &mut self.workers[w.0 as usize];
         let matched = wk.cache.match_len(hashes);
         let new_blocks = (hashes.len() - matched) as u64;
         // Output past the pool is cut (the context limit); blocks of an accepted input always fit.
-        let extra = extra.min(wk.capacity.saturating_sub(hashes.len() as u64 * bs));
-        let need = new_blocks * bs + extra;
-        let used = wk.cache.len() as u64 * bs + wk.cache_extra;
+        let extra = extra.min(wk.capacity.saturating_sub(hashes.len() as u64 * block));
+        let need = new_blocks * block + extra;
+        let used = wk.cache.len() as u64 * block + wk.cache_extra;
         let free = wk.capacity.saturating_sub(used);
         if free < need {
             // Pin the matched prefix first so eviction cannot take it, then evict.
             let short = need - free;
-            let evictable = wk.cache.evictable() as u64 * bs;
+            let evictable = wk.cache.evictable() as u64 * block;
             // The matched blocks are about to be pinned; they cannot count as evictable.
-            let matched_unpinned = hashes[..matched].len() as u64 * bs;
+            let matched_unpinned = hashes[..matched].len() as u64 * block;
             if evictable.saturating_sub(matched_unpinned) < short {
                 return None;
             }
             wk.cache.pin(&hashes[..matched], now);
-            wk.cache.evict(short.div_ceil(bs) as usize);
+            wk.cache.evict(short.div_ceil(block) as usize);
             wk.cache.unpin(&hashes[..matched], now);
         }
         wk.cache.pin(hashes, now);
@@ -484,6 +485,20 @@ impl Engine {
         self.retry_waiting(p, now);
     }
 
+    /// Starts a job on the P→D path that seeds (or re-seeds) its session on `d`: the
+    /// session's resident KV on every other decode worker is released first, so the session
+    /// lives on one decode worker only. Every P→D start goes through here, in the simulator
+    /// and behind the HTTP workers alike.
+    pub fn reseed(&mut self, job: Job, p: WorkerId, d: WorkerId, now: Micros) {
+        for w in 0..self.workers.len() {
+            let w = WorkerId(w as u32);
+            if w != d && self.workers[w.0 as usize].role == WorkerRole::Decode {
+                self.release_session(w, job.session, now);
+            }
+        }
+        self.start_p_to_d(job, p, d, now);
+    }
+
     /// Starts a job on a colocated worker.
     pub fn start_colocated(&mut self, job: Job, w: WorkerId, now: Micros) {
         self.start_p_to_d(job, w, w, now);
@@ -498,7 +513,7 @@ impl Engine {
         need_estimate: u64,
         now: Micros,
     ) -> DirectAdmission {
-        let bs = self.opts.block_size;
+        let block_size = self.opts.block_size;
         let wk = &self.workers[d.0 as usize];
         let Some(res) = wk.residents.get(&job.session) else {
             return DirectAdmission::NotResident;
@@ -509,7 +524,8 @@ impl Engine {
         if need_estimate > free + evictable_others {
             return DirectAdmission::Rejected;
         }
-        let cached = kvc_core::prefix::reusable_from(&res.hashes, &job.hashes, job.input, bs);
+        let cached =
+            kvc_core::prefix::reusable_from(&res.hashes, &job.hashes, job.input, block_size);
         let new_size = (job.input + job.output).min(wk.capacity);
         let old = res.tokens;
         if new_size > old && !self.make_room_d(d, new_size - old, Some(job.session), now) {
@@ -541,7 +557,7 @@ impl Engine {
             },
         );
         wk.prefill_q.push_back(id);
-        self.kick(d, now);
+        self.start_iteration_if_idle(d, now);
         DirectAdmission::Admitted { cached }
     }
 
@@ -580,7 +596,7 @@ impl Engine {
         a.done_ctx = cached;
         a.stage = Stage::Prefill;
         self.workers[w.0 as usize].prefill_q.push_back(id);
-        self.kick(w, now);
+        self.start_iteration_if_idle(w, now);
         true
     }
 
@@ -625,7 +641,7 @@ impl Engine {
     }
 
     /// Starts an iteration on `w` if it is idle and has work.
-    fn kick(&mut self, w: WorkerId, now: Micros) {
+    fn start_iteration_if_idle(&mut self, w: WorkerId, now: Micros) {
         let wk = &self.workers[w.0 as usize];
         if wk.iteration.is_some() || wk.settling {
             return;
@@ -724,7 +740,7 @@ impl Engine {
             }
         }
         self.workers[w.0 as usize].settling = false;
-        self.kick(w, now);
+        self.start_iteration_if_idle(w, now);
     }
 
     fn first_token(&mut self, id: usize, decode_on: WorkerId, now: Micros) {
@@ -736,7 +752,7 @@ impl Engine {
             self.finish(id, now);
         } else {
             self.workers[decode_on.0 as usize].running.push(id);
-            self.kick(decode_on, now);
+            self.start_iteration_if_idle(decode_on, now);
         }
     }
 
@@ -926,6 +942,27 @@ mod tests {
             e.try_direct(job(3, 8, &[9], 100, 1), D, 10, now),
             DirectAdmission::NotResident
         );
+    }
+
+    #[test]
+    fn a_reseed_releases_the_session_on_the_other_decode_workers() {
+        let d2 = WorkerId(2);
+        let roles = [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode];
+        let mut e = engine(&roles, 8192, 32.0);
+        let mut now = 0;
+        e.reseed(job(1, 7, &[1, 2, 3], 1500, 4), P, D, now);
+        settle(&mut e, &mut now);
+        e.reseed(job(2, 8, &[9], 100, 1), P, d2, now);
+        settle(&mut e, &mut now);
+        assert_eq!(e.resident_tokens(D, SessionId(7)), Some(1504));
+        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(101));
+        // Session 7 moves to d2: D holds it no more; session 8 stays where it is.
+        e.reseed(job(3, 7, &[1, 2, 3, 4], 2000, 4), P, d2, now);
+        assert_eq!(e.resident_tokens(D, SessionId(7)), None);
+        assert_eq!(e.state(D).used_tokens, 0);
+        settle(&mut e, &mut now);
+        assert_eq!(e.resident_tokens(d2, SessionId(7)), Some(2004));
+        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(101));
     }
 
     #[test]

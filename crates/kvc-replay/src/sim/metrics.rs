@@ -1,5 +1,6 @@
 //! Per-request records (`metrics.jsonl`) and the run summary (`summary.json`).
 
+use kvc_core::stats::{P50, P90, P99, percentile};
 use kvc_core::{ExecutionMode, FallThroughReason, Outcome, SessionId, StableName, TurnId};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -72,20 +73,11 @@ impl Dist {
         let mean = values.iter().sum::<f64>() / values.len() as f64;
         Dist {
             mean: round6(mean),
-            p50: round6(percentile(&values, 50.0)),
-            p90: round6(percentile(&values, 90.0)),
-            p99: round6(percentile(&values, 99.0)),
+            p50: round6(percentile(&values, P50).unwrap_or(0.0)),
+            p90: round6(percentile(&values, P90).unwrap_or(0.0)),
+            p99: round6(percentile(&values, P99).unwrap_or(0.0)),
         }
     }
-}
-
-/// Nearest-rank percentile of sorted values.
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 fn round6(x: f64) -> f64 {

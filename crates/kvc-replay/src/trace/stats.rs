@@ -1,7 +1,7 @@
 //! Summary statistics of a trace (`kvc-replay stats`).
 //!
-//! Percentiles are nearest-rank: `pXX` is the smallest value with at least XX% of the values
-//! at or below it. The JSON form ([`TraceStats`] serialized) has stable keys:
+//! Percentiles are nearest-rank ([`kvc_core::stats`]): `pXX` is the smallest value with at
+//! least XX% of the values at or below it. The JSON form ([`TraceStats`] serialized) has stable keys:
 //!
 //! | key | meaning |
 //! |---|---|
@@ -26,6 +26,7 @@
 use super::Trace;
 use kvc_core::SessionId;
 use kvc_core::prefix::reusable_from;
+use kvc_core::stats::{P50, P90, P99, percentile};
 use serde::Serialize;
 use std::fmt;
 
@@ -138,16 +139,6 @@ pub struct GapStats {
     pub count: usize,
 }
 
-/// Nearest-rank percentile of sorted values, `permille` in 0..=1000 (0 for no values).
-pub fn percentile(sorted: &[u64], permille: u32) -> u64 {
-    if sorted.is_empty() {
-        return 0;
-    }
-    let n = sorted.len() as u128;
-    let rank = (u128::from(permille.min(1000)) * n).div_ceil(1000).max(1);
-    sorted[(rank - 1) as usize]
-}
-
 fn mean(values: &[u64]) -> f64 {
     if values.is_empty() {
         return 0.0;
@@ -159,9 +150,9 @@ fn tokens(mut values: Vec<u64>) -> TokenStats {
     values.sort_unstable();
     TokenStats {
         mean: mean(&values),
-        p50: percentile(&values, 500),
-        p90: percentile(&values, 900),
-        p99: percentile(&values, 990),
+        p50: percentile(&values, P50).unwrap_or(0),
+        p90: percentile(&values, P90).unwrap_or(0),
+        p99: percentile(&values, P99).unwrap_or(0),
         max: values.last().copied().unwrap_or(0),
     }
 }
@@ -234,7 +225,7 @@ pub fn compute(trace: &Trace, limit: u64) -> TraceStats {
         sessions_multi_turn: sessions.iter().filter(|s| s.requests.len() >= 2).count(),
         turns_per_session: TurnStats {
             mean: mean(&turn_counts),
-            p50: percentile(&turn_counts, 500),
+            p50: percentile(&turn_counts, P50).unwrap_or(0),
             min: turn_counts.first().copied().unwrap_or(0),
             max: turn_counts.last().copied().unwrap_or(0),
         },
@@ -242,7 +233,7 @@ pub fn compute(trace: &Trace, limit: u64) -> TraceStats {
         output_tokens: tokens(reqs.iter().map(|r| r.output_length).collect()),
         session_peak_input: PeakStats {
             mean: mean(&peaks),
-            p50: percentile(&peaks, 500),
+            p50: percentile(&peaks, P50).unwrap_or(0),
             max: peaks.last().copied().unwrap_or(0),
         },
         append: AppendStats {
@@ -250,14 +241,14 @@ pub fn compute(trace: &Trace, limit: u64) -> TraceStats {
             from_2049_to_8192: share(appends.len() - small - large, appends.len()),
             over_8192: share(large, appends.len()),
             turns: appends.len(),
-            p50: percentile(&appends, 500),
-            p90: percentile(&appends, 900),
+            p50: percentile(&appends, P50).unwrap_or(0),
+            p90: percentile(&appends, P90).unwrap_or(0),
         },
         gap_s: GapStats {
-            p10: secs(percentile(&gaps_ms, 100)),
-            p50: secs(percentile(&gaps_ms, 500)),
-            p90: secs(percentile(&gaps_ms, 900)),
-            p99: secs(percentile(&gaps_ms, 990)),
+            p10: secs(percentile(&gaps_ms, 100).unwrap_or(0)),
+            p50: secs(percentile(&gaps_ms, P50).unwrap_or(0)),
+            p90: secs(percentile(&gaps_ms, P90).unwrap_or(0)),
+            p99: secs(percentile(&gaps_ms, P99).unwrap_or(0)),
             max: secs(gaps_ms.last().copied().unwrap_or(0)),
             mean: mean(&gaps_ms) / 1000.0,
             count: gaps_ms.len(),
@@ -339,23 +330,5 @@ impl fmt::Display for TraceStats {
                 sessions.join(", ")
             }
         )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::percentile;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let v: Vec<u64> = (1..=10).collect();
-        assert_eq!(percentile(&v, 500), 5);
-        assert_eq!(percentile(&v, 900), 9);
-        assert_eq!(percentile(&v, 990), 10);
-        assert_eq!(percentile(&v, 100), 1);
-        assert_eq!(percentile(&v, 0), 1);
-        assert_eq!(percentile(&v, 1000), 10);
-        assert_eq!(percentile(&[], 500), 0);
-        assert_eq!(percentile(&[7], 990), 7);
     }
 }

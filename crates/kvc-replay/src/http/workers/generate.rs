@@ -1,0 +1,182 @@
+//! `POST /generate`: finds the trace request by its prompt, hands this worker's part of it to
+//! the engine thread and answers, whole or streamed.
+
+use super::bootstrap::resolve_prefill;
+use super::engine_thread::{Progress, RequestPart, StartRequest};
+use super::sglang::{
+    GenerateBody, WorkerContext, error_response, json_response, meta_info, output_text,
+};
+use super::stream::SseAnswer;
+use crate::http::prompt::prompt_key;
+use crate::sim::engine::Job;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use kvc_core::WorkerRole;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::unbounded_channel;
+
+fn invalid(message: &str) -> Response {
+    error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+}
+
+fn engine_stopped() -> Response {
+    error_response(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "worker_error",
+        "the engine stopped",
+    )
+}
+
+pub(super) async fn generate(State(ctx): State<Arc<WorkerContext>>, body: Bytes) -> Response {
+    let req = match GenerateBody::parse(&body) {
+        Ok(r) => r,
+        Err(m) => return invalid(&m),
+    };
+    let shared = &ctx.shared;
+    let Some(index) = shared.find(prompt_key(&req.text)) else {
+        return invalid(&format!(
+            "{}: unknown prompt (not one this replay has in flight)",
+            ctx.name
+        ));
+    };
+    let arrived = Instant::now();
+    shared.with_served(index, |s| {
+        s.arrived = Some(s.arrived.map_or(arrived, |a| a.min(arrived)));
+        if ctx.role != WorkerRole::Prefill {
+            s.attempts += 1;
+        }
+    });
+    let r = &shared.trace.requests[index];
+    if r.input_length > shared.max_input {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "input_too_long",
+            &format!(
+                "The input ({} tokens) is longer than the model's context length ({} tokens).",
+                r.input_length, shared.max_input
+            ),
+        );
+    }
+    let job = Job {
+        id: 0,
+        session: r.session,
+        input: r.input_length,
+        output: req.max_new_tokens.unwrap_or(r.output_length).max(1),
+        hashes: r.hash_ids.clone(),
+    };
+    let output = job.output;
+    let prompt_tokens = job.input;
+    let part = match (ctx.role, req.room) {
+        (WorkerRole::Colocated, _) => RequestPart::Colocated(ctx.id),
+        (WorkerRole::Prefill, Some(room)) => RequestPart::PrefillLeg {
+            room,
+            prefill: ctx.id,
+        },
+        (WorkerRole::Prefill, None) => {
+            return invalid(&format!(
+                "{} is a prefill worker: `bootstrap_room` is required",
+                ctx.name
+            ));
+        }
+        (WorkerRole::Decode, None) => RequestPart::Direct(ctx.id),
+        (WorkerRole::Decode, Some(room)) => {
+            let Some((host, port)) = &req.bootstrap else {
+                return invalid("`bootstrap_room` needs `bootstrap_host` and `bootstrap_port`");
+            };
+            match resolve_prefill(&ctx.client, host, *port, room).await {
+                Ok(prefill) => RequestPart::DecodeLeg {
+                    room,
+                    decode: ctx.id,
+                    prefill,
+                },
+                Err(m) => return error_response(StatusCode::BAD_GATEWAY, "bootstrap_error", &m),
+            }
+        }
+    };
+    let (reply, mut progress) = unbounded_channel();
+    if !shared.start_on_engine(StartRequest {
+        index,
+        job,
+        part,
+        reply,
+    }) {
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the worker is shutting down",
+        );
+    }
+    match progress.recv().await {
+        Some(Progress::Accepted) => {}
+        Some(Progress::Rejected(m)) => {
+            shared.with_served(index, |s| s.admission_rejects += 1);
+            let mut resp =
+                error_response(StatusCode::SERVICE_UNAVAILABLE, "admission_rejected", &m);
+            resp.headers_mut()
+                .insert("x-kvc-admission", HeaderValue::from_static("rejected"));
+            return resp;
+        }
+        Some(Progress::Failed(status, m)) => {
+            return error_response(status, "worker_error", &m);
+        }
+        Some(_) | None => return engine_stopped(),
+    }
+    let prefill_leg = matches!(part, RequestPart::PrefillLeg { .. });
+    if req.stream {
+        let answer = SseAnswer {
+            progress,
+            shared: shared.clone(),
+            index,
+            prompt_tokens,
+            output,
+            prefill_leg,
+            finished: false,
+        };
+        let body = Body::from_stream(tokio_stream::wrappers::UnboundedReceiverStream::new(
+            answer.spawn(),
+        ));
+        return (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "text/event-stream")],
+            body,
+        )
+            .into_response();
+    }
+    // Whole answer: at the first token for a prefill leg, at the end otherwise.
+    loop {
+        match progress.recv().await {
+            Some(Progress::FirstToken) if prefill_leg => {
+                return json_response(
+                    StatusCode::OK,
+                    &json!({ "text": "", "meta_info": meta_info(index, prompt_tokens, 0, 0, false) }),
+                );
+            }
+            Some(Progress::FirstToken | Progress::Accepted) => {
+                let now = Instant::now();
+                shared.with_served(index, |s| s.first_sent = Some(now));
+            }
+            Some(Progress::Done { cached }) => {
+                let now = Instant::now();
+                shared.with_served(index, |s| s.done_sent = Some(now));
+                return json_response(
+                    StatusCode::OK,
+                    &json!({
+                        "text": output_text(output),
+                        "meta_info": meta_info(index, prompt_tokens, output, cached, true),
+                    }),
+                );
+            }
+            Some(Progress::Failed(status, m)) => {
+                return error_response(status, "worker_error", &m);
+            }
+            Some(Progress::Rejected(m)) => {
+                return error_response(StatusCode::SERVICE_UNAVAILABLE, "worker_error", &m);
+            }
+            None => return engine_stopped(),
+        }
+    }
+}

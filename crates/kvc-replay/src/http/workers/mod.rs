@@ -1,0 +1,263 @@
+//! Simulated workers that speak SGLang's HTTP API, on a real clock.
+//!
+//! One engine model (the simulator's [`Engine`]) runs on its own thread, paced to wall time
+//! (`speedup` times faster). Each worker serves, on its own loopback port:
+//!
+//! | Route | |
+//! |---|---|
+//! | `POST /generate` | SGLang body: `text`, `sampling_params.max_new_tokens`, `stream`, and on the P→D path `bootstrap_host`, `bootstrap_port`, `bootstrap_room` |
+//! | `GET /health`, `/health_generate` | 200 |
+//! | `GET /server_info`, `/get_server_info` | role (`disaggregation_mode`), pool size |
+//! | `GET /model_info`, `/get_model_info`, `/v1/models` | the model name |
+//! | `POST /flush_cache` | 200 |
+//!
+//! **Paths.** A prefill worker needs `bootstrap_room`. A decode worker given a bootstrap room
+//! is the decode leg of a P→D request: it asks the prefill worker's bootstrap server
+//! (`GET http://<bootstrap_host>:<bootstrap_port>/bootstrap/route?room=<room>`, served by each
+//! prefill worker on its own port) which worker it is, then the two legs meet by room in the
+//! engine: P prefills, the KV moves to D, D decodes. Legs that do not meet within
+//! [`PAIR_TIMEOUT_WALL`] fail with 504. A decode worker given no room runs a direct-to-D
+//! turn: its admission needs the session resident and room for the append; otherwise it
+//! answers 503 with `x-kvc-admission: rejected` (the contract of `kvc-router`'s HTTP front).
+//! A colocated worker prefills and decodes alone.
+//!
+//! **Answers.** Non-streaming: SGLang's JSON (`text`, `meta_info` with `prompt_tokens`,
+//! `completion_tokens`, `cached_tokens`, `finish_reason`). Streaming (`"stream": true`):
+//! `data: {...}` events, one at the first token and one at the end, then `data: [DONE]`. The
+//! prefill leg answers once its KV reached D. An input over the model's limit gets 400 with
+//! `{"error": {"message": "...longer than the model's context length...", "type":
+//! "input_too_long"}}`.
+//!
+//! **Which request is it?** The engine model needs the trace's block ids and session; the
+//! worker finds the trace request by its prompt text ([`crate::http::prompt_key`]) among those the
+//! driver registered as in flight. A prompt no one registered gets 400.
+//!
+//! | module | job |
+//! |---|---|
+//! | this one | the servers' lifecycle: start, addresses, shutdown ([`HttpWorkers`]) |
+//! | `state` | what servers, engine thread and driver share: prompts in flight, what was served, engine time |
+//! | `engine_thread` | the engine paced to wall time, starting requests and reporting their progress |
+//! | `rooms` | the two legs of a P→D request meeting by bootstrap room |
+//! | `bootstrap` | each prefill worker's bootstrap server, and the client decode workers ask it with |
+//! | `sglang` | the SGLang routes, informational answers, `/generate` body and answer shapes |
+//! | `generate` | `POST /generate` |
+//! | `stream` | streamed answers as SSE events |
+
+mod bootstrap;
+mod engine_thread;
+mod generate;
+mod rooms;
+mod sglang;
+mod state;
+mod stream;
+
+pub(crate) use state::{Pacer, SharedState};
+pub use state::{Served, ServedPath};
+
+use crate::live::{LiveError, Publisher, check_pacing};
+use crate::sim::SimConfig;
+use crate::sim::engine::{Engine, EngineOptions, Micros};
+use crate::trace::Trace;
+use axum::Router;
+use bootstrap::{bootstrap_app, bootstrap_client};
+use engine_thread::EngineThread;
+use kvc_core::{WorkerId, WorkerRole};
+use parking_lot::Mutex;
+use sglang::{WorkerContext, worker_app};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// How long (wall time) one leg of a P→D request waits for the other.
+pub const PAIR_TIMEOUT_WALL: Duration = Duration::from_secs(10);
+
+/// Settings of the simulated HTTP workers.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// Wall time runs this many times faster than engine time.
+    pub speedup: f64,
+    /// Serve worker `i` on `127.0.0.1:<base + i>` (free ports when `None`).
+    pub http_base_port: Option<u16>,
+    /// Serve prefill worker `i`'s bootstrap server on `127.0.0.1:<base + i>` (free ports when
+    /// `None`).
+    pub bootstrap_base_port: Option<u16>,
+    /// Directory of the snapshot files the workers publish (`w<id>.snap`).
+    pub snapshot_dir: PathBuf,
+    /// Resident-session slots in each snapshot.
+    pub table_slots: usize,
+    /// Model name the workers report.
+    pub model: String,
+}
+
+impl WorkerOptions {
+    /// Checks the settings the workers cannot run with: a positive, finite speedup and at
+    /// least one snapshot slot.
+    pub fn validate(&self) -> Result<(), LiveError> {
+        check_pacing(self.speedup, self.table_slots)
+    }
+}
+
+/// The running simulated workers.
+pub struct HttpWorkers {
+    pub(crate) shared: Arc<SharedState>,
+    addrs: Vec<SocketAddr>,
+    bootstrap_ports: Vec<Option<u16>>,
+    engine: Option<std::thread::JoinHandle<Result<(), LiveError>>>,
+    /// Stops the servers and the engine thread; cancelled on [`HttpWorkers::stop`] and on drop.
+    shutdown: CancellationToken,
+}
+
+impl HttpWorkers {
+    /// Starts the engine thread and every worker's HTTP server (and each prefill worker's
+    /// bootstrap server) on `runtime`. The trace is what the driver will send: workers find
+    /// requests in it.
+    pub fn start(
+        runtime: &tokio::runtime::Handle,
+        trace: Arc<Trace>,
+        cfg: &SimConfig,
+        opts: &WorkerOptions,
+    ) -> Result<Self, LiveError> {
+        opts.validate()?;
+        let roles = crate::sim::worker_roles(cfg.topology);
+        let names = crate::sim::worker_names(&roles);
+        let publisher = Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?;
+        let engine = Engine::new(
+            cfg.profile.clone(),
+            EngineOptions {
+                eviction: cfg.eviction.config(),
+                block_size: trace.block_size(),
+            },
+            &roles,
+            cfg.seed,
+            cfg.jitter,
+        );
+        let (to_engine, requests) = mpsc::channel();
+        let shared = Arc::new(SharedState {
+            served: Mutex::new(vec![Served::default(); trace.len()]),
+            trace,
+            roles: roles.clone(),
+            names: names.clone(),
+            in_flight: Mutex::new(HashMap::new()),
+            engine: Mutex::new(to_engine),
+            max_input: cfg.profile.model.max_input_tokens,
+            pool_tokens: cfg.profile.hardware.kv_pool_tokens,
+            model: opts.model.clone(),
+            clock: Pacer {
+                start: Instant::now(),
+                speedup: opts.speedup,
+            },
+        });
+        let mut engine_thread = EngineThread::new(
+            engine,
+            shared.clone(),
+            publisher,
+            opts.speedup,
+            (PAIR_TIMEOUT_WALL.as_secs_f64() * 1e6 * opts.speedup) as Micros,
+        );
+        // Fresh snapshots before anyone reads them.
+        engine_thread.publish()?;
+        let shutdown = CancellationToken::new();
+        let engine_shutdown = shutdown.clone();
+        let engine = std::thread::Builder::new()
+            .name("kvc-sim-engine".into())
+            .spawn(move || engine_thread.run(requests, engine_shutdown))
+            .map_err(|e| LiveError::Invalid(format!("cannot start the engine thread: {e}")))?;
+        let client = bootstrap_client();
+        let mut addrs = Vec::new();
+        let mut bootstrap_ports = Vec::new();
+        for (i, role) in roles.iter().enumerate() {
+            let id = WorkerId(i as u32);
+            let bootstrap = if *role == WorkerRole::Prefill {
+                let port = opts
+                    .bootstrap_base_port
+                    .map_or(0, |b| b.saturating_add(i as u16));
+                let app = bootstrap_app(id, names[i].clone());
+                let addr = serve(runtime, port, app, shutdown.clone())?;
+                Some(addr.port())
+            } else {
+                None
+            };
+            let ctx = Arc::new(WorkerContext {
+                id,
+                role: *role,
+                name: names[i].clone(),
+                shared: shared.clone(),
+                client: client.clone(),
+            });
+            let port = opts
+                .http_base_port
+                .map_or(0, |b| b.saturating_add(i as u16));
+            addrs.push(serve(runtime, port, worker_app(ctx), shutdown.clone())?);
+            bootstrap_ports.push(bootstrap);
+        }
+        Ok(HttpWorkers {
+            shared,
+            addrs,
+            bootstrap_ports,
+            engine: Some(engine),
+            shutdown,
+        })
+    }
+
+    /// Each worker's HTTP address, by worker id.
+    pub fn addrs(&self) -> &[SocketAddr] {
+        &self.addrs
+    }
+
+    /// Each worker's bootstrap port (prefill workers only), by worker id.
+    pub fn bootstrap_ports(&self) -> &[Option<u16>] {
+        &self.bootstrap_ports
+    }
+
+    /// Worker roles, by worker id.
+    pub fn roles(&self) -> &[WorkerRole] {
+        &self.shared.roles
+    }
+
+    /// Stops the servers and the engine thread, and waits for the engine thread.
+    pub fn stop(mut self) -> Result<(), LiveError> {
+        self.shutdown.cancel();
+        match self.engine.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(LiveError::Invalid("the engine thread panicked".into())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for HttpWorkers {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Serves `app` on `127.0.0.1:<port>` (a free port for 0) until `shutdown` is cancelled;
+/// returns the bound address.
+fn serve(
+    runtime: &tokio::runtime::Handle,
+    port: u16,
+    app: Router,
+    shutdown: CancellationToken,
+) -> Result<SocketAddr, LiveError> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .map_err(|e| LiveError::Router(format!("cannot listen on {addr}: {e}")))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| LiveError::Router(format!("cannot listen on {addr}: {e}")))?;
+    runtime.spawn(async move {
+        // Small SSE events go out at once (no Nagle delay behind a delayed ACK).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await;
+    });
+    Ok(bound)
+}

@@ -1,0 +1,190 @@
+//! The SGLang HTTP API of a simulated worker: its routes, the informational answers, the
+//! `/generate` body it reads and the shapes of its answers.
+
+use super::bootstrap::BootstrapClient;
+use super::generate::generate;
+use super::state::SharedState;
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvc_core::{WorkerId, WorkerRole};
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+/// One worker's server: who it is and what it reaches.
+pub(super) struct WorkerContext {
+    pub(super) id: WorkerId,
+    pub(super) role: WorkerRole,
+    pub(super) name: String,
+    pub(super) shared: Arc<SharedState>,
+    /// Asks prefill workers' bootstrap servers (decode workers only use it).
+    pub(super) client: BootstrapClient,
+}
+
+/// The routes of one worker.
+pub(super) fn worker_app(ctx: Arc<WorkerContext>) -> Router {
+    Router::new()
+        .route("/generate", post(generate))
+        .route("/health", get(|| async { "ok" }))
+        .route("/health_generate", get(|| async { "ok" }))
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
+        .route("/model_info", get(model_info))
+        .route("/get_model_info", get(model_info))
+        .route("/v1/models", get(models))
+        .route("/flush_cache", post(|| async { "ok" }))
+        .fallback(|| async { error_response(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
+        .with_state(ctx)
+}
+
+/// A JSON answer.
+pub(super) fn json_response(status: StatusCode, body: &Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// An error in the OpenAI shape SGLang uses: `{"error": {"message", "type", "code"}}`.
+pub(super) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
+    json_response(
+        status,
+        &json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }),
+    )
+}
+
+async fn server_info(State(ctx): State<Arc<WorkerContext>>) -> Response {
+    let mode = match ctx.role {
+        WorkerRole::Prefill => "prefill",
+        WorkerRole::Decode => "decode",
+        WorkerRole::Colocated => "null",
+    };
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "model_path": ctx.shared.model,
+            "served_model_name": ctx.shared.model,
+            "disaggregation_mode": mode,
+            "max_total_num_tokens": ctx.shared.pool_tokens,
+            "context_length": ctx.shared.max_input,
+            "worker": ctx.name,
+        }),
+    )
+}
+
+async fn model_info(State(ctx): State<Arc<WorkerContext>>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({ "model_path": ctx.shared.model, "is_generation": true }),
+    )
+}
+
+async fn models(State(ctx): State<Arc<WorkerContext>>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({ "object": "list", "data": [{ "id": ctx.shared.model, "object": "model" }] }),
+    )
+}
+
+/// The parts of a `/generate` body the simulated worker uses.
+#[derive(Debug)]
+pub(super) struct GenerateBody {
+    /// The prompt.
+    pub(super) text: String,
+    pub(super) max_new_tokens: Option<u64>,
+    pub(super) stream: bool,
+    /// `bootstrap_room`: set on both legs of a P→D request.
+    pub(super) room: Option<u64>,
+    /// `bootstrap_host` and `bootstrap_port`: the prefill worker's bootstrap server.
+    pub(super) bootstrap: Option<(String, u16)>,
+}
+
+impl GenerateBody {
+    /// Reads a `/generate` body; the error says what is wrong with it.
+    pub(super) fn parse(bytes: &[u8]) -> Result<GenerateBody, String> {
+        let v: Value =
+            serde_json::from_slice(bytes).map_err(|e| format!("the body is not JSON: {e}"))?;
+        let obj = v.as_object().ok_or("the body must be a JSON object")?;
+        let text = match obj.get("text") {
+            Some(Value::String(s)) => s.clone(),
+            Some(_) => return Err("`text` must be a string".into()),
+            None => return Err("this worker takes `text` prompts (no `text` field)".into()),
+        };
+        let max_new_tokens = match obj.get("sampling_params").map(|s| s.get("max_new_tokens")) {
+            None | Some(None) | Some(Some(Value::Null)) => None,
+            Some(Some(n)) => Some(
+                n.as_u64()
+                    .ok_or("`sampling_params.max_new_tokens` must be an unsigned integer")?,
+            ),
+        };
+        let stream = match obj.get("stream") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err("`stream` must be a boolean".into()),
+        };
+        let room = match obj.get("bootstrap_room") {
+            None | Some(Value::Null) => None,
+            Some(n) => Some(
+                n.as_u64()
+                    .ok_or("`bootstrap_room` must be an unsigned integer")?,
+            ),
+        };
+        let bootstrap = match (obj.get("bootstrap_host"), obj.get("bootstrap_port")) {
+            (Some(Value::String(h)), Some(p)) => {
+                let port = p
+                    .as_u64()
+                    .and_then(|p| u16::try_from(p).ok())
+                    .ok_or("`bootstrap_port` must be a port number")?;
+                Some((h.clone(), port))
+            }
+            _ => None,
+        };
+        Ok(GenerateBody {
+            text,
+            max_new_tokens,
+            stream,
+            room,
+            bootstrap,
+        })
+    }
+}
+
+/// SGLang's `meta_info` of trace request `index`: `completion` tokens so far, the finish
+/// reason once `done`.
+pub(super) fn meta_info(
+    index: usize,
+    prompt: u64,
+    completion: u64,
+    cached: u64,
+    done: bool,
+) -> Value {
+    let finish = if done {
+        json!({ "type": "length", "length": completion })
+    } else {
+        Value::Null
+    };
+    json!({
+        "id": format!("r{index}"),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "cached_tokens": cached,
+        "finish_reason": finish,
+    })
+}
+
+/// The generated text of `n` tokens: `tok tok …`.
+pub(super) fn output_text(n: u64) -> String {
+    let mut s = String::with_capacity(n as usize * 4);
+    for i in 0..n {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str("tok");
+    }
+    s
+}

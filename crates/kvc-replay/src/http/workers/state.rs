@@ -1,0 +1,142 @@
+//! What the worker servers, the engine thread and the driver share: the trace, the prompts in
+//! flight, what the workers served of each request, and engine time read off the wall clock.
+
+use super::engine_thread::StartRequest;
+use crate::sim::engine::Micros;
+use crate::trace::Trace;
+use kvc_core::{Outcome, WorkerId, WorkerRole};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How a request was carried out, as the workers saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServedPath {
+    /// Prefill on `prefill`, KV to `decode`.
+    PrefillDecode {
+        /// Prefill worker.
+        prefill: WorkerId,
+        /// Decode worker.
+        decode: WorkerId,
+    },
+    /// Direct-to-D on the decode worker.
+    Direct(WorkerId),
+    /// Colocated worker.
+    Colocated(WorkerId),
+}
+
+/// What the workers saw of one trace request (its last attempt).
+#[derive(Debug, Clone, Default)]
+pub struct Served {
+    /// First arrival of the request at any worker.
+    pub arrived: Option<Instant>,
+    /// The path of the attempt that was carried out.
+    pub path: Option<ServedPath>,
+    /// Prompt tokens served from a cache.
+    pub cached: u64,
+    /// When the first token's event was handed to the HTTP server.
+    pub first_sent: Option<Instant>,
+    /// When the last event (or the whole answer) was handed to the HTTP server.
+    pub done_sent: Option<Instant>,
+    /// A failure the engine reported (transfer timeout).
+    pub failure: Option<Outcome>,
+    /// Direct-to-D attempts the decode worker's admission refused.
+    pub admission_rejects: u32,
+    /// Times a decode or colocated worker got this request (once per attempt).
+    pub attempts: u32,
+}
+
+/// State shared by the worker servers, the engine thread and the driver.
+pub(crate) struct SharedState {
+    pub(crate) trace: Arc<Trace>,
+    pub(super) roles: Vec<WorkerRole>,
+    pub(super) names: Vec<String>,
+    /// Prompt key -> trace indices in flight with that prompt.
+    pub(super) in_flight: Mutex<HashMap<u64, Vec<usize>>>,
+    /// By trace index.
+    pub(super) served: Mutex<Vec<Served>>,
+    /// Requests to the engine thread.
+    pub(super) engine: Mutex<mpsc::Sender<StartRequest>>,
+    /// The model's input limit (tokens).
+    pub(super) max_input: u64,
+    /// KV pool of each worker (tokens).
+    pub(super) pool_tokens: u64,
+    /// The model name the workers report.
+    pub(super) model: String,
+    pub(super) clock: Pacer,
+}
+
+impl SharedState {
+    /// Marks trace request `index` (prompt `key`) as in flight.
+    pub(crate) fn register(&self, key: u64, index: usize) {
+        self.in_flight.lock().entry(key).or_default().push(index);
+    }
+
+    /// The request is over.
+    pub(crate) fn unregister(&self, key: u64, index: usize) {
+        let mut in_flight = self.in_flight.lock();
+        if let Some(v) = in_flight.get_mut(&key) {
+            v.retain(|i| *i != index);
+            if v.is_empty() {
+                in_flight.remove(&key);
+            }
+        }
+    }
+
+    /// The trace request in flight with prompt `key` (the earliest, when several are).
+    pub(super) fn find(&self, key: u64) -> Option<usize> {
+        self.in_flight
+            .lock()
+            .get(&key)
+            .and_then(|v| v.iter().min().copied())
+    }
+
+    /// Updates what the workers saw of trace request `index`.
+    pub(super) fn with_served(&self, index: usize, f: impl FnOnce(&mut Served)) {
+        if let Some(s) = self.served.lock().get_mut(index) {
+            f(s);
+        }
+    }
+
+    /// What the workers saw of every request, by trace index.
+    pub(crate) fn served(&self) -> Vec<Served> {
+        self.served.lock().clone()
+    }
+
+    /// Worker names, by worker id.
+    pub(crate) fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Hands a request to the engine thread; `false` once it has stopped.
+    pub(super) fn start_on_engine(&self, request: StartRequest) -> bool {
+        self.engine.lock().send(request).is_ok()
+    }
+}
+
+/// Engine time from wall time: the engine runs `speedup` times faster than the wall clock,
+/// from `start`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pacer {
+    pub(crate) start: Instant,
+    pub(crate) speedup: f64,
+}
+
+impl Pacer {
+    /// Engine time now.
+    pub(crate) fn engine_now(&self) -> Micros {
+        (self.start.elapsed().as_secs_f64() * 1e6 * self.speedup) as Micros
+    }
+
+    /// Engine time of the wall instant `t`, in seconds.
+    pub(crate) fn engine_at(&self, t: Instant) -> f64 {
+        t.saturating_duration_since(self.start).as_secs_f64() * self.speedup
+    }
+
+    /// The wall instant of engine time `t`.
+    pub(super) fn wall_of(&self, t: Micros) -> Instant {
+        self.start + Duration::from_secs_f64(t as f64 / 1e6 / self.speedup)
+    }
+}

@@ -1,0 +1,183 @@
+//! Run configuration: what a simulated or replayed run depends on besides the trace, its
+//! checks, and the `config` block of the summary it yields.
+
+use super::SimError;
+use super::metrics::RunConfig;
+use super::profile::Profile;
+use crate::trace::Trace;
+use kvc_admission::EvictionConfig;
+use kvc_core::{StableName, Topology};
+use kvc_policy::PolicyConfig;
+use serde::{Deserialize, Serialize};
+
+/// How decode workers evict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EvictionMode {
+    /// Only idle sessions, least recently used first (the reference engine).
+    IdleLru,
+    /// Idle, then cold sessions, then hot ones above the hard cap (`kvc-admission` tiers).
+    Tiered,
+}
+
+impl EvictionMode {
+    /// Stable name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictionMode::IdleLru => "idle-lru",
+            EvictionMode::Tiered => "tiered",
+        }
+    }
+
+    /// The planner settings of this mode.
+    pub fn config(self) -> EvictionConfig {
+        let mut cfg = EvictionConfig::default();
+        match self {
+            EvictionMode::IdleLru => {
+                cfg.allow_cold = false;
+                cfg.allow_hot = false;
+            }
+            EvictionMode::Tiered => {
+                cfg.allow_cold = true;
+                cfg.allow_hot = true;
+            }
+        }
+        cfg
+    }
+}
+
+/// Everything a run depends on besides the trace.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Cluster shape.
+    pub topology: Topology,
+    /// Routing policy (with its prefill selection).
+    pub policy: PolicyConfig,
+    /// Trace time is divided by this (10 replays ten times faster).
+    pub time_scale: f64,
+    /// Most requests in flight.
+    pub concurrency: usize,
+    /// Seed of the iteration-time jitter.
+    pub seed: u64,
+    /// Honour the recommended pause of routing decisions before starting a request.
+    pub backpressure: bool,
+    /// Decode-side eviction.
+    pub eviction: EvictionMode,
+    /// Engine profile.
+    pub profile: Profile,
+    /// Relative jitter of iteration times (deterministic from `seed`).
+    pub jitter: f64,
+}
+
+impl SimConfig {
+    /// The reference setup: `1p3d`, time-scale 1, concurrency 32, seed 0, the default profile.
+    pub fn new(topology: Topology, policy: PolicyConfig) -> Self {
+        SimConfig {
+            topology,
+            policy,
+            time_scale: 1.0,
+            concurrency: 32,
+            seed: 0,
+            backpressure: true,
+            eviction: EvictionMode::IdleLru,
+            profile: Profile::default(),
+            jitter: 0.02,
+        }
+    }
+
+    /// Checks the settings a run cannot do with: a positive, finite time scale and a
+    /// concurrency of at least 1. (The profile is checked when it is parsed.)
+    pub fn validate(&self) -> Result<(), SimError> {
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(SimError::Invalid(format!(
+                "time-scale must be a positive number (got {})",
+                self.time_scale
+            )));
+        }
+        if self.concurrency == 0 {
+            return Err(SimError::Invalid("concurrency must be at least 1".into()));
+        }
+        Ok(())
+    }
+
+    /// Checks that the policy counts blocks of the trace's size (block ids of another size
+    /// would be compared as if they covered the same tokens).
+    pub fn check_block_size(&self, trace: &Trace) -> Result<(), SimError> {
+        if self.policy.block_size() != trace.block_size() {
+            return Err(SimError::Invalid(format!(
+                "the trace has {}-token blocks but the policy counts {}-token blocks \
+                 (set the policy knob block-size)",
+                trace.block_size().tokens(),
+                self.policy.block_size().tokens()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The `config` block of a run's summary.
+pub fn run_config(cfg: &SimConfig) -> RunConfig {
+    RunConfig {
+        topology: cfg.topology.to_string(),
+        policy: cfg.policy.name().to_owned(),
+        prefill_policy: cfg
+            .policy
+            .prefill_policy()
+            .filter(|_| matches!(cfg.topology, Topology::Disaggregated { .. }))
+            .map(|p| p.as_str().to_owned()),
+        time_scale: cfg.time_scale,
+        concurrency: cfg.concurrency,
+        seed: cfg.seed,
+        backpressure: cfg.backpressure,
+        eviction: cfg.eviction.as_str().to_owned(),
+        profile: cfg.profile.name.clone(),
+        policy_config: serde_json::to_value(&cfg.policy).unwrap_or(serde_json::Value::Null),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{LoadOptions, parse};
+    use kvc_core::BlockSize;
+
+    fn config() -> SimConfig {
+        SimConfig::new("1p2d".parse().unwrap(), PolicyConfig::default())
+    }
+
+    #[test]
+    fn settings_a_run_cannot_do_with_are_refused() {
+        assert!(config().validate().is_ok());
+        for time_scale in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let cfg = SimConfig {
+                time_scale,
+                ..config()
+            };
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains("time-scale"), "{err}");
+        }
+        let cfg = SimConfig {
+            concurrency: 0,
+            ..config()
+        };
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("concurrency"), "{err}");
+    }
+
+    #[test]
+    fn the_policy_counts_blocks_of_the_trace_size() {
+        let two_blocks =
+            br#"{"timestamp": 0, "input_length": 500, "output_length": 2, "hash_ids": [1, 2]}"#;
+        let opts = LoadOptions {
+            block_size: BlockSize::new(256).unwrap(),
+            ..LoadOptions::default()
+        };
+        let (trace, _) = parse(&two_blocks[..], "t.jsonl", &opts).unwrap();
+        let err = config().check_block_size(&trace).unwrap_err().to_string();
+        assert!(err.contains("256-token blocks"), "{err}");
+        let one_block =
+            br#"{"timestamp": 0, "input_length": 500, "output_length": 2, "hash_ids": [1]}"#;
+        let (trace, _) = parse(&one_block[..], "t.jsonl", &LoadOptions::default()).unwrap();
+        assert!(config().check_block_size(&trace).is_ok());
+    }
+}
