@@ -207,16 +207,21 @@ impl StateBounds {
     }
 }
 
-/// Sessions that may count as active for `kvc`'s placement term, maintained incrementally: for
-/// every session resident on its D and routed at or after `watermark`, one count under the key
+/// Sessions that may count as active for `kvc`'s placement term, maintained incrementally:
+/// every session resident on its D and routed at or after `floor` has one count under the key
 /// (time of its last routing, D). A session counts as active at time `now` when routed at or
-/// after `now − window_ms`; `watermark` follows the latest applied decision's `now − window_ms`,
-/// so a decision only subtracts the few sessions that went quiet since then.
+/// after `now − window_ms`. `watermark` is the latest applied decision's `now − window_ms`, and
+/// `per_worker` counts the entries at or after it; a decision adds or subtracts only the
+/// entries between its own `now − window_ms` and the watermark, that is the sessions routed in
+/// the interval between its time and the latest applied decision's. Entries are kept one window
+/// below the watermark (`floor`), so decisions dated up to one window before the latest
+/// applied one (requests racing for the router's lock) are answered the same way.
 #[derive(Debug, Clone)]
 struct Activity {
     window_ms: u64,
     watermark: u64,
-    recent: BTreeMap<(u64, u32), u32>,
+    floor: u64,
+    entries: BTreeMap<(u64, u32), u32>,
     per_worker: Vec<u32>,
 }
 
@@ -225,35 +230,40 @@ impl Activity {
         Activity {
             window_ms,
             watermark: 0,
-            recent: BTreeMap::new(),
+            floor: 0,
+            entries: BTreeMap::new(),
             per_worker: Vec::new(),
         }
     }
 
     fn add(&mut self, key: Option<(u64, WorkerId)>) {
         let Some((t, d)) = key else { return };
-        if t < self.watermark {
+        if t < self.floor {
             return;
         }
-        *self.recent.entry((t, d.0)).or_insert(0) += 1;
-        let slot = d.0 as usize;
-        if self.per_worker.len() <= slot {
-            self.per_worker.resize(slot + 1, 0);
+        *self.entries.entry((t, d.0)).or_insert(0) += 1;
+        if t >= self.watermark {
+            let slot = d.0 as usize;
+            if self.per_worker.len() <= slot {
+                self.per_worker.resize(slot + 1, 0);
+            }
+            self.per_worker[slot] += 1;
         }
-        self.per_worker[slot] += 1;
     }
 
     fn remove(&mut self, key: Option<(u64, WorkerId)>) {
         let Some((t, d)) = key else { return };
-        if t < self.watermark {
+        if t < self.floor {
             return;
         }
-        if let Some(n) = self.recent.get_mut(&(t, d.0)) {
+        if let Some(n) = self.entries.get_mut(&(t, d.0)) {
             *n -= 1;
             if *n == 0 {
-                self.recent.remove(&(t, d.0));
+                self.entries.remove(&(t, d.0));
             }
-            self.per_worker[d.0 as usize] -= 1;
+            if t >= self.watermark {
+                self.per_worker[d.0 as usize] -= 1;
+            }
         }
     }
 
@@ -264,18 +274,22 @@ impl Activity {
         }
     }
 
-    /// Moves the watermark to `now_ms − window_ms` if that is later.
+    /// Moves the watermark to `now_ms − window_ms` if that is later (and the floor one window
+    /// below it), dropping the entries under the floor.
     fn advance(&mut self, now_ms: u64) {
         let mark = now_ms.saturating_sub(self.window_ms);
         if mark <= self.watermark {
             return;
         }
-        self.watermark = mark;
-        while let Some(entry) = self.recent.first_entry()
-            && entry.key().0 < mark
-        {
-            let ((_, slot), n) = entry.remove_entry();
+        for (&(_, slot), &n) in self.entries.range((self.watermark, 0)..(mark, 0)) {
             self.per_worker[slot as usize] -= n;
+        }
+        self.watermark = mark;
+        self.floor = mark.saturating_sub(self.window_ms);
+        while let Some(entry) = self.entries.first_entry()
+            && entry.key().0 < self.floor
+        {
+            entry.remove();
         }
     }
 }
@@ -296,7 +310,7 @@ impl Activity {
 /// | table | bound | bytes per entry (about, 64-bit) |
 /// |---|---|---|
 /// | sessions | the caller's, through [`RouterState::forget_session`] (the router's session table) | 120–240, plus 8 per block of its last request, plus 8 per D with a reject count |
-/// | active-session aggregate | one entry per session resident on its D and routed within `active-window-ms` | 30 |
+/// | active-session aggregate | one entry per session resident on its D and routed within two `active-window-ms` of the latest decision | 30 |
 /// | block view: distinct blocks | at most the memberships below | 95–115 |
 /// | block view: (block, worker, view) memberships | [`StateBounds::blocks_per_worker`] per worker and view (default 4 × the worker's pool in blocks) | 40–60 |
 /// | pending decisions | [`StateBounds::max_pending`] (default 65,536) | 90, with its P/D pair count |
@@ -304,10 +318,11 @@ impl Activity {
 ///
 /// A decision costs the same whatever the number of sessions: it reads its own session, the
 /// block view (a few lookups per distinct depth among the candidates), per-worker counters and,
-/// for `kvc`, the active-session aggregate, which subtracts only the sessions that went quiet
-/// since the last applied decision. (A `kvc` configuration whose `active-window-ms` differs
-/// from the one the state was created with, or a decision timed before the latest applied one
-/// by more than the window allows, counts active sessions by a scan of every session instead.)
+/// for `kvc`, the active-session aggregate, which adjusts its per-D totals only by the sessions
+/// whose window ends between its own time and the latest applied decision's. (A `kvc` configuration whose
+/// `active-window-ms` differs from the one the state was created with, or a decision dated more
+/// than one window before the latest applied one, counts active sessions by a scan of every
+/// session instead.)
 #[derive(Debug, Clone)]
 pub struct RouterState {
     policy: &'static str,
@@ -760,7 +775,8 @@ impl RouterState {
     /// For every worker, the sessions other than `exclude` resident on it and routed at or
     /// after `now_ms − window_ms` (`kvc`'s active sessions), written to `out` (indexed by
     /// worker id). Reads the incremental aggregate when it answers for `window_ms` and
-    /// `now_ms` is not too early for it, else scans every session: the same counts either way.
+    /// `now_ms` is at most one window before the latest applied decision, else scans every
+    /// session: the same counts either way.
     pub(crate) fn active_sessions(
         &self,
         now_ms: u64,
@@ -770,14 +786,22 @@ impl RouterState {
     ) {
         let from = now_ms.saturating_sub(window_ms);
         let a = &self.activity;
-        if window_ms != a.window_ms || from < a.watermark {
+        if window_ms != a.window_ms || from < a.floor {
             self.scan_active(from, exclude, out);
             return;
         }
         out[..a.per_worker.len()].copy_from_slice(&a.per_worker);
-        // Sessions routed in [watermark, from) went quiet since the last applied decision.
-        for (&(_, slot), &n) in a.recent.range((a.watermark, 0)..(from, 0)) {
-            out[slot as usize] -= n;
+        if from >= a.watermark {
+            // Sessions routed in [watermark, from) went quiet since the latest applied decision.
+            for (&(_, slot), &n) in a.entries.range((a.watermark, 0)..(from, 0)) {
+                out[slot as usize] -= n;
+            }
+        } else {
+            // A decision dated before the latest applied one: sessions routed in
+            // [from, watermark) are still active for it.
+            for (&(_, slot), &n) in a.entries.range((from, 0)..(a.watermark, 0)) {
+                out[slot as usize] += n;
+            }
         }
         if let Some((t, d)) = exclude
             .and_then(|s| self.sessions.get(&s))
@@ -961,7 +985,7 @@ mod tests {
         fn active_sessions_match_a_recount(ops in prop::collection::vec(op(), 1..80)) {
             let mut state = RouterState::new(&kvc_config(), &workers());
             run(&mut state, &ops, |state, now| {
-                for dt in [-1_500i64, -200, 0, 1, 250, 999, 1_000, 1_001, 4_000] {
+                for dt in [-2_500i64, -2_001, -2_000, -1_500, -1_000, -200, -1, 0, 1, 250, 999, 1_000, 1_001, 4_000] {
                     let at = now.saturating_add_signed(dt);
                     for window in [WINDOW, 300] {
                         for exclude in [None, Some(SessionId(3)), Some(SessionId(40))] {
