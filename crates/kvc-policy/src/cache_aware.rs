@@ -10,7 +10,8 @@
 //! 3. else the least-loaded worker.
 //!
 //! The prefix match of a worker is the number of leading request blocks the router has sent it
-//! (grow-only view, like the router's approximate radix tree); the match rate is the tokens those
+//! (grow-only view, like the router's approximate radix tree, and like it bounded: the least
+//! recently sent blocks leave past the state's per-worker block bound); the match rate is the tokens those
 //! blocks cover (full blocks only) over the input length. Ties: the longest match prefers the
 //! lower load, then the lower id; among the least loaded, the worker with the fewest requests
 //! assigned so far wins, then the lower id (so an idle pool spreads new work evenly).

@@ -1,12 +1,20 @@
 //! The router's block view: which worker it believes holds which block.
 //!
 //! One entry per distinct block hash, each with two worker bitsets:
-//! - `seen`: every worker a request carrying this block was sent to. It only grows (the
-//!   reference baseline's view, and the approximate prefix-cache view of prefill and colocated
-//!   workers);
+//! - `seen`: every worker a request carrying this block was sent to. Apart from the bound below
+//!   it only grows (the reference baseline's view, and the approximate prefix-cache view of
+//!   prefill and colocated workers);
 //! - `live`: workers on which a session whose blocks include this block is believed resident
 //!   right now. It is reference counted per worker, so it forgets a session's blocks when the
 //!   session leaves the worker, is evicted or is forgotten.
+//!
+//! Each worker holds at most a bound of blocks in each view (see
+//! [`crate::StateBounds::blocks_per_worker`]); past it, its least recently used block in that
+//! view leaves (a live block with all its references). A request's blocks are used deepest
+//! first, so a prefix always outlives its extensions and a worker's blocks stay prefix-closed
+//! the way the depth search below assumes. An entry is freed when no worker holds it in either
+//! view, so the index holds at most `2 × Σ bound` (block, worker) memberships and as many
+//! distinct blocks.
 //!
 //! Because block ids are chained, a worker that holds block `k` holds blocks `0..k` as well, so
 //! the number of leading blocks each candidate holds is found by a binary search on the prefix
@@ -141,76 +149,322 @@ pub(crate) type Map<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
 /// Which of the two block views to read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BlockView {
-    /// Grow-only: every worker a block was ever sent to.
+    /// Grow-only: every worker a block was sent to (within the per-worker bound).
     Seen,
     /// Reference-counted: workers where a session holding the block is believed resident.
     Live,
 }
 
-/// The block index (see the module docs).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct BlockIndex {
-    entries: Map<BlockHash, u32>,
-    seen: Vec<WorkerSet>,
-    live: Vec<WorkerSet>,
-    /// Live reference counts keyed by `entry << 8 | worker`.
-    live_refs: Map<u64, u32>,
+impl BlockView {
+    fn index(self) -> usize {
+        match self {
+            BlockView::Seen => 0,
+            BlockView::Live => 1,
+        }
+    }
 }
 
-fn live_key(entry: u32, slot: usize) -> u64 {
-    (u64::from(entry) << 8) | slot as u64
+/// End of a list.
+const NIL: u32 = u32::MAX;
+
+/// One distinct block and the workers holding it in each view.
+#[derive(Debug, Clone)]
+struct Entry {
+    hash: BlockHash,
+    seen: WorkerSet,
+    live: WorkerSet,
+}
+
+/// One block held by one worker in one view: a link of that worker's recency list for the view.
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    entry: u32,
+    slot: u8,
+    view: u8,
+    /// Live references (1 for the seen view).
+    refs: u32,
+    /// Less recently used neighbour.
+    prev: u32,
+    /// More recently used neighbour.
+    next: u32,
+}
+
+/// A recency list: `head` is the least recently used member.
+#[derive(Debug, Clone, Copy)]
+struct List {
+    head: u32,
+    tail: u32,
+    len: u32,
+}
+
+impl List {
+    const EMPTY: List = List {
+        head: NIL,
+        tail: NIL,
+        len: 0,
+    };
+}
+
+fn member_key(entry: u32, slot: usize, view: BlockView) -> u64 {
+    (u64::from(entry) << 9) | ((view.index() as u64) << 8) | slot as u64
+}
+
+/// The block index (see the module docs), bounded per worker and view: each worker holds at
+/// most `bound(worker)` blocks in each view; past it, its least recently used block in that
+/// view leaves (a request's blocks are used deepest first, so a prefix outlives its
+/// extensions).
+#[derive(Debug, Clone)]
+pub(crate) struct BlockIndex {
+    entries: Map<BlockHash, u32>,
+    slab: Vec<Entry>,
+    free_entries: Vec<u32>,
+    members: Map<u64, u32>,
+    links: Vec<Member>,
+    free_links: Vec<u32>,
+    /// Per worker slot, one recency list per view.
+    lists: Vec<[List; 2]>,
+    /// Per worker slot; slots past the end use `default_bound`.
+    bounds: Vec<u32>,
+    default_bound: u32,
+    /// Memberships removed because a worker was over its bound.
+    dropped: u64,
 }
 
 impl BlockIndex {
-    /// Distinct blocks known.
+    /// An empty index whose workers hold at most `default_bound` blocks per view unless
+    /// [`BlockIndex::set_bound`] says otherwise.
+    pub(crate) fn new(default_bound: u32) -> Self {
+        BlockIndex {
+            entries: Map::default(),
+            slab: Vec::new(),
+            free_entries: Vec::new(),
+            members: Map::default(),
+            links: Vec::new(),
+            free_links: Vec::new(),
+            lists: Vec::new(),
+            bounds: Vec::new(),
+            default_bound,
+            dropped: 0,
+        }
+    }
+
+    /// Distinct blocks known (held by some worker in some view).
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
-    fn entry(&mut self, h: BlockHash) -> u32 {
-        let next = self.seen.len() as u32;
-        let e = *self.entries.entry(h).or_insert(next);
-        if e == next {
-            self.seen.push(WorkerSet::EMPTY);
-            self.live.push(WorkerSet::EMPTY);
-        }
-        e
+    /// Blocks worker `slot` holds in `view`.
+    pub(crate) fn held(&self, slot: usize, view: BlockView) -> usize {
+        self.lists
+            .get(slot)
+            .map_or(0, |l| l[view.index()].len as usize)
     }
 
-    /// Records that `blocks` were sent to worker `slot` (grow-only view).
-    pub(crate) fn record_seen(&mut self, slot: usize, blocks: &[BlockHash]) {
-        for &h in blocks {
-            let e = self.entry(h) as usize;
-            self.seen[e].insert(slot);
+    /// Memberships removed so far because a worker was over its bound.
+    pub(crate) fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// The most blocks worker `slot` holds per view.
+    pub(crate) fn bound(&self, slot: usize) -> u32 {
+        self.bounds.get(slot).copied().unwrap_or(self.default_bound)
+    }
+
+    /// Sets the most blocks worker `slot` holds per view, dropping its least recently used
+    /// blocks at once if it holds more.
+    pub(crate) fn set_bound(&mut self, slot: usize, bound: u32) {
+        if self.bounds.len() <= slot {
+            self.bounds.resize(slot + 1, self.default_bound);
         }
+        self.bounds[slot] = bound;
+        self.trim(slot, BlockView::Seen);
+        self.trim(slot, BlockView::Live);
+    }
+
+    fn list_mut(&mut self, slot: usize, view: BlockView) -> &mut List {
+        if self.lists.len() <= slot {
+            self.lists.resize(slot + 1, [List::EMPTY; 2]);
+        }
+        &mut self.lists[slot][view.index()]
+    }
+
+    fn unlink(&mut self, m: u32) {
+        let Member {
+            slot,
+            view,
+            prev,
+            next,
+            ..
+        } = self.links[m as usize];
+        if prev != NIL {
+            self.links[prev as usize].next = next;
+        }
+        if next != NIL {
+            self.links[next as usize].prev = prev;
+        }
+        let list = &mut self.lists[slot as usize][view as usize];
+        if list.head == m {
+            list.head = next;
+        }
+        if list.tail == m {
+            list.tail = prev;
+        }
+        list.len -= 1;
+    }
+
+    fn push_tail(&mut self, m: u32) {
+        let Member { slot, view, .. } = self.links[m as usize];
+        let list = &mut self.lists[slot as usize][view as usize];
+        let tail = list.tail;
+        list.tail = m;
+        if list.head == NIL {
+            list.head = m;
+        }
+        list.len += 1;
+        let link = &mut self.links[m as usize];
+        link.prev = tail;
+        link.next = NIL;
+        if tail != NIL {
+            self.links[tail as usize].next = m;
+        }
+    }
+
+    /// Marks member `m` as the most recently used of its list.
+    fn touch(&mut self, m: u32) {
+        let Member { slot, view, .. } = self.links[m as usize];
+        if self.lists[slot as usize][view as usize].tail != m {
+            self.unlink(m);
+            self.push_tail(m);
+        }
+    }
+
+    /// The member for `h` on `slot` in `view`, created (with no reference, most recently
+    /// used) if missing.
+    fn member(&mut self, slot: usize, view: BlockView, h: BlockHash) -> u32 {
+        let next_entry = match self.free_entries.last() {
+            Some(&e) => e,
+            None => self.slab.len() as u32,
+        };
+        let entry = *self.entries.entry(h).or_insert(next_entry);
+        if entry == next_entry {
+            let fresh = Entry {
+                hash: h,
+                seen: WorkerSet::EMPTY,
+                live: WorkerSet::EMPTY,
+            };
+            if self.free_entries.pop().is_some() {
+                self.slab[entry as usize] = fresh;
+            } else {
+                self.slab.push(fresh);
+            }
+        }
+        let key = member_key(entry, slot, view);
+        if let Some(&m) = self.members.get(&key) {
+            return m;
+        }
+        let link = Member {
+            entry,
+            slot: slot as u8,
+            view: view.index() as u8,
+            refs: 0,
+            prev: NIL,
+            next: NIL,
+        };
+        let m = match self.free_links.pop() {
+            Some(m) => {
+                self.links[m as usize] = link;
+                m
+            }
+            None => {
+                self.links.push(link);
+                (self.links.len() - 1) as u32
+            }
+        };
+        self.members.insert(key, m);
+        self.list_mut(slot, view);
+        self.push_tail(m);
+        m
+    }
+
+    /// Removes member `m`: its worker no longer holds the block in that view.
+    fn drop_member(&mut self, m: u32) {
+        self.unlink(m);
+        let Member {
+            entry, slot, view, ..
+        } = self.links[m as usize];
+        let view = if view == 0 {
+            BlockView::Seen
+        } else {
+            BlockView::Live
+        };
+        self.members.remove(&member_key(entry, slot as usize, view));
+        self.free_links.push(m);
+        let e = &mut self.slab[entry as usize];
+        match view {
+            BlockView::Seen => e.seen.remove(slot as usize),
+            BlockView::Live => e.live.remove(slot as usize),
+        }
+        if e.seen.is_empty() && e.live.is_empty() {
+            self.entries.remove(&e.hash);
+            self.free_entries.push(entry);
+        }
+    }
+
+    /// Drops the least recently used blocks of `slot` in `view` past its bound.
+    fn trim(&mut self, slot: usize, view: BlockView) {
+        let bound = self.bound(slot);
+        while let Some(list) = self.lists.get(slot).map(|l| l[view.index()])
+            && list.len > bound
+        {
+            self.drop_member(list.head);
+            self.dropped += 1;
+        }
+    }
+
+    /// Records that `blocks` were sent to worker `slot` (grow-only view, within the bound).
+    pub(crate) fn record_seen(&mut self, slot: usize, blocks: &[BlockHash]) {
+        // Deepest first, so the prefix is the most recently used.
+        for &h in blocks.iter().rev() {
+            let m = self.member(slot, BlockView::Seen, h);
+            let link = &mut self.links[m as usize];
+            link.refs = 1;
+            let entry = link.entry as usize;
+            self.slab[entry].seen.insert(slot);
+            self.touch(m);
+        }
+        self.trim(slot, BlockView::Seen);
     }
 
     /// Adds one live reference of worker `slot` to each of `blocks`.
     pub(crate) fn add_live(&mut self, slot: usize, blocks: &[BlockHash]) {
-        for &h in blocks {
-            let e = self.entry(h);
-            let count = self.live_refs.entry(live_key(e, slot)).or_insert(0);
-            *count += 1;
-            if *count == 1 {
-                self.live[e as usize].insert(slot);
+        for &h in blocks.iter().rev() {
+            let m = self.member(slot, BlockView::Live, h);
+            let link = &mut self.links[m as usize];
+            link.refs += 1;
+            let entry = link.entry as usize;
+            if link.refs == 1 {
+                self.slab[entry].live.insert(slot);
             }
+            self.touch(m);
         }
+        self.trim(slot, BlockView::Live);
     }
 
     /// Drops one live reference of worker `slot` from each of `blocks` (the inverse of
-    /// [`BlockIndex::add_live`] for the same list).
+    /// [`BlockIndex::add_live`] for the same list; blocks the bound already removed are
+    /// skipped).
     pub(crate) fn remove_live(&mut self, slot: usize, blocks: &[BlockHash]) {
         for h in blocks {
             let Some(&e) = self.entries.get(h) else {
                 continue;
             };
-            let key = live_key(e, slot);
-            if let Some(count) = self.live_refs.get_mut(&key) {
-                *count -= 1;
-                if *count == 0 {
-                    self.live_refs.remove(&key);
-                    self.live[e as usize].remove(slot);
-                }
+            let Some(&m) = self.members.get(&member_key(e, slot, BlockView::Live)) else {
+                continue;
+            };
+            let link = &mut self.links[m as usize];
+            link.refs -= 1;
+            if link.refs == 0 {
+                self.drop_member(m);
             }
         }
     }
@@ -220,8 +474,8 @@ impl BlockIndex {
         match self.entries.get(&h) {
             None => WorkerSet::EMPTY,
             Some(&e) => match view {
-                BlockView::Seen => self.seen[e as usize],
-                BlockView::Live => self.live[e as usize],
+                BlockView::Seen => self.slab[e as usize].seen,
+                BlockView::Live => self.slab[e as usize].live,
             },
         }
     }
@@ -310,7 +564,7 @@ mod tests {
 
     #[test]
     fn depths_follow_chained_prefixes() {
-        let mut idx = BlockIndex::default();
+        let mut idx = BlockIndex::new(u32::MAX);
         idx.record_seen(1, &hs(&[10, 11, 12, 13, 14]));
         idx.record_seen(2, &hs(&[10, 11]));
         idx.record_seen(3, &hs(&[10, 11, 12, 20]));
@@ -327,7 +581,7 @@ mod tests {
 
     #[test]
     fn live_view_is_reference_counted() {
-        let mut idx = BlockIndex::default();
+        let mut idx = BlockIndex::new(u32::MAX);
         let a = hs(&[1, 2, 3]);
         let b = hs(&[1, 2, 4]);
         idx.add_live(5, &a);
@@ -342,5 +596,118 @@ mod tests {
         // The grow-only view never saw them; removing unknown blocks is harmless.
         assert_eq!(idx.depth(&b, 5, BlockView::Seen), 0);
         idx.remove_live(5, &hs(&[99]));
+    }
+
+    /// A plain model of the bounded index: per (worker, view) a list of (block, references)
+    /// from least to most recently used.
+    #[derive(Default)]
+    struct Model {
+        lists: std::collections::HashMap<(usize, usize), Vec<(u64, u32)>>,
+    }
+
+    impl Model {
+        fn add(&mut self, slot: usize, view: usize, blocks: &[u64], bound: usize, seen: bool) {
+            let list = self.lists.entry((slot, view)).or_default();
+            for &h in blocks.iter().rev() {
+                let refs = match list.iter().position(|(b, _)| *b == h) {
+                    Some(i) => list.remove(i).1,
+                    None => 0,
+                };
+                list.push((h, if seen { 1 } else { refs + 1 }));
+            }
+            let over = list.len().saturating_sub(bound);
+            list.drain(..over);
+        }
+
+        fn remove(&mut self, slot: usize, blocks: &[u64]) {
+            let list = self.lists.entry((slot, 1)).or_default();
+            for h in blocks {
+                if let Some(i) = list.iter().position(|(b, _)| b == h) {
+                    list[i].1 -= 1;
+                    if list[i].1 == 0 {
+                        list.remove(i);
+                    }
+                }
+            }
+        }
+
+        fn holds(&self, slot: usize, view: usize, h: u64) -> bool {
+            self.lists
+                .get(&(slot, view))
+                .is_some_and(|l| l.iter().any(|(b, _)| *b == h))
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, failure_persistence: None, ..Default::default() })]
+
+        /// The index holds exactly what a least-recently-used model holds, per worker and
+        /// view, reference counts included; with a bound never reached it is the unbounded
+        /// index (grow-only view, reference-counted live view).
+        #[test]
+        fn bounded_index_matches_an_lru_model(
+            bound in proptest::prop_oneof![1u32..8, proptest::strategy::Just(u32::MAX)],
+            ops in proptest::collection::vec(
+                (0u8..3, 0usize..3, proptest::collection::vec(0u64..20, 0..7)),
+                1..60,
+            ),
+        ) {
+            let mut idx = BlockIndex::new(bound);
+            let mut model = Model::default();
+            let mut added: Vec<(usize, Vec<u64>)> = Vec::new();
+            for (kind, slot, blocks) in &ops {
+                let hashes = hs(blocks);
+                match kind {
+                    0 => {
+                        idx.record_seen(*slot, &hashes);
+                        model.add(*slot, 0, blocks, bound as usize, true);
+                    }
+                    1 => {
+                        idx.add_live(*slot, &hashes);
+                        model.add(*slot, 1, blocks, bound as usize, false);
+                        added.push((*slot, blocks.clone()));
+                    }
+                    _ => {
+                        if let Some((s, b)) = added.pop() {
+                            idx.remove_live(s, &hs(&b));
+                            model.remove(s, &b);
+                        }
+                    }
+                }
+                let mut distinct = std::collections::BTreeSet::new();
+                for slot in 0..3 {
+                    for (v, view) in [BlockView::Seen, BlockView::Live].into_iter().enumerate() {
+                        let n = model.lists.get(&(slot, v)).map_or(0, Vec::len);
+                        proptest::prop_assert_eq!(idx.held(slot, view), n);
+                        proptest::prop_assert!(n <= bound as usize);
+                        for h in 0..20u64 {
+                            let holds = model.holds(slot, v, h);
+                            if holds {
+                                distinct.insert(h);
+                            }
+                            proptest::prop_assert_eq!(
+                                idx.holders(BlockHash(h), view).contains(slot),
+                                holds,
+                                "block {} slot {} view {:?}", h, slot, view
+                            );
+                        }
+                    }
+                }
+                proptest::prop_assert_eq!(idx.len(), distinct.len());
+            }
+        }
+    }
+
+    #[test]
+    fn a_prefix_outlives_its_extensions() {
+        let mut idx = BlockIndex::new(3);
+        idx.record_seen(0, &hs(&[1, 2, 3, 4, 5]));
+        assert_eq!(idx.depth(&hs(&[1, 2, 3, 4, 5]), 0, BlockView::Seen), 3);
+        assert_eq!(idx.held(0, BlockView::Seen), 3);
+        assert_eq!(idx.dropped(), 2);
+        // Lowering a bound trims at once, deepest (least recently used) first.
+        idx.set_bound(0, 1);
+        assert_eq!(idx.depth(&hs(&[1, 2, 3]), 0, BlockView::Seen), 1);
+        assert_eq!(idx.len(), 1);
     }
 }

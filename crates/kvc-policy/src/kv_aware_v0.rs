@@ -8,7 +8,9 @@
 //!
 //! compared lexicographically, highest wins, final tie to the lower id. `overlap` is the number
 //! of leading request blocks the router has ever sent to the worker (a grow-only view: it never
-//! forgets on eviction); `sticky` is 1 for the session's current D; `sticky_bonus` is large, so a
+//! forgets on eviction — the study's defect, kept; only the state's per-worker block bound,
+//! 4 pools' worth of blocks by default, drops the least recently sent blocks, which the
+//! default simulator runs never notice); `sticky` is 1 for the session's current D; `sticky_bonus` is large, so a
 //! session stays on its first D however full that D is (the pinning defect); `in_flight` is the
 //! larger of the published and the router's own count; `assignments` counts requests the router
 //! sent to the worker. There is no capacity term.

@@ -209,16 +209,12 @@ impl V2<'_, '_> {
         // Sessions active on each D: the decode batch a new session would join.
         let mut active = [0u32; crate::view::MAX_WORKERS];
         if let Some(p) = self.placement {
-            let me = ctx.req.session;
-            for (id, r) in ctx.state.sessions() {
-                if Some(id) != me
-                    && r.residency == Residency::Resident
-                    && ctx.now_ms().saturating_sub(r.last_routed_ms) <= p.active_window_ms
-                    && let Some(d) = r.current_d
-                {
-                    active[d.0 as usize] += 1;
-                }
-            }
+            ctx.state.active_sessions(
+                ctx.now_ms(),
+                p.active_window_ms,
+                ctx.req.session,
+                &mut active,
+            );
         }
         let cap = f64::from(cfg.overlap_cap_blocks);
         let mut best: Option<RankKey> = None;

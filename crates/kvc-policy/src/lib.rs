@@ -114,5 +114,5 @@ pub use kvc_v2::KvcV2Config;
 pub use prefill::PrefillPolicy;
 pub use round_robin::RoundRobinConfig;
 pub use route::route;
-pub use state::{Observation, Residency, RouterState, SessionRoute};
+pub use state::{Observation, Residency, RouterState, SessionRoute, StateBounds};
 pub use view::{ClusterView, MAX_WORKERS, RouteRequest, WorkerView};

@@ -4,8 +4,9 @@ use crate::config::PolicyConfig;
 use crate::decision::StateChange;
 use crate::index::{BlockIndex, BlockView, Map, WorkerSet};
 use crate::view::{MAX_WORKERS, WorkerView};
-use kvc_core::{BlockHash, Outcome, RequestId, SessionId, WorkerId, WorkerRole};
+use kvc_core::{BlockHash, BlockSize, Outcome, RequestId, SessionId, WorkerId, WorkerRole};
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, VecDeque};
 
 /// Whether the router believes a session's KV is on its current D.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -82,6 +83,15 @@ impl SessionRoute {
         }
     }
 
+    /// Where and since when the session counts as possibly active: resident on its D, keyed by
+    /// the time of its last routing.
+    fn activity_key(&self) -> Option<(u64, WorkerId)> {
+        match (self.residency, self.current_d) {
+            (Residency::Resident, Some(d)) => Some((self.last_routed_ms, d)),
+            _ => None,
+        }
+    }
+
     fn set_rejects(&mut self, worker: WorkerId, n: u32) {
         match self.rejects.iter_mut().find(|(w, _)| *w == worker) {
             Some(entry) => entry.1 = n,
@@ -137,6 +147,151 @@ struct WorkerCounters {
 struct Pending {
     decode: WorkerId,
     prefill: Option<WorkerId>,
+    /// Order of application, to find the oldest pending decision.
+    seq: u64,
+}
+
+/// How much a [`RouterState`] may hold besides its sessions (which the caller bounds, with
+/// [`RouterState::forget_session`]). `docs/kvc-policy.md` ("Memory and cost") gives the cost of
+/// each entry.
+///
+/// Serialized in kebab-case; absent fields take the defaults below.
+///
+/// | field | default |
+/// |---|---|
+/// | `blocks-per-worker` | none: derived from each worker's pool |
+/// | `pool-multiple` | 4 |
+/// | `fallback-blocks-per-worker` | 4,096 |
+/// | `max-pending` | 65,536 |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct StateBounds {
+    /// Blocks the block view keeps per worker, in each of its two views (grow-only and live);
+    /// past it the worker's least recently used blocks leave. `None`: `pool-multiple` times the
+    /// worker's pool in blocks (its published `capacity_tokens` over the policy's block size,
+    /// rounded up) for workers whose capacity is known when the state is created, otherwise
+    /// `fallback-blocks-per-worker`.
+    pub blocks_per_worker: Option<u32>,
+    /// How many pools' worth of blocks a worker keeps when the bound is derived (at least 1).
+    pub pool_multiple: u32,
+    /// Blocks per worker and view when the bound is derived but the pool is unknown (capacity
+    /// 0, or a worker absent when the state was created).
+    pub fallback_blocks_per_worker: u32,
+    /// Decisions applied and not yet completed that the state tracks; past it the oldest is
+    /// released as if it had completed (its in-flight counts drop, its session is untouched).
+    pub max_pending: u32,
+}
+
+impl Default for StateBounds {
+    fn default() -> Self {
+        StateBounds {
+            blocks_per_worker: None,
+            pool_multiple: 4,
+            fallback_blocks_per_worker: 4_096,
+            max_pending: 65_536,
+        }
+    }
+}
+
+impl StateBounds {
+    /// The per-view block bound of a worker with a pool of `capacity_tokens` (0: unknown).
+    pub fn blocks_for(&self, capacity_tokens: u64, block_size: BlockSize) -> u32 {
+        if let Some(n) = self.blocks_per_worker {
+            return n;
+        }
+        if capacity_tokens == 0 {
+            return self.fallback_blocks_per_worker;
+        }
+        let pool = block_size.blocks_for(capacity_tokens);
+        u32::try_from(pool.saturating_mul(u64::from(self.pool_multiple.max(1)))).unwrap_or(u32::MAX)
+    }
+}
+
+/// Sessions that may count as active for `kvc`'s placement term, maintained incrementally:
+/// every session resident on its D and routed at or after `floor` has one count under the key
+/// (time of its last routing, D). A session counts as active at time `now` when routed at or
+/// after `now − window_ms`. `watermark` is the latest applied decision's `now − window_ms`, and
+/// `per_worker` counts the entries at or after it; a decision adds or subtracts only the
+/// entries between its own `now − window_ms` and the watermark, that is the sessions routed in
+/// the interval between its time and the latest applied decision's. Entries are kept one window
+/// below the watermark (`floor`), so decisions dated up to one window before the latest
+/// applied one (requests racing for the router's lock) are answered the same way.
+#[derive(Debug, Clone)]
+struct Activity {
+    window_ms: u64,
+    watermark: u64,
+    floor: u64,
+    entries: BTreeMap<(u64, u32), u32>,
+    per_worker: Vec<u32>,
+}
+
+impl Activity {
+    fn new(window_ms: u64) -> Self {
+        Activity {
+            window_ms,
+            watermark: 0,
+            floor: 0,
+            entries: BTreeMap::new(),
+            per_worker: Vec::new(),
+        }
+    }
+
+    fn add(&mut self, key: Option<(u64, WorkerId)>) {
+        let Some((t, d)) = key else { return };
+        if t < self.floor {
+            return;
+        }
+        *self.entries.entry((t, d.0)).or_insert(0) += 1;
+        if t >= self.watermark {
+            let slot = d.0 as usize;
+            if self.per_worker.len() <= slot {
+                self.per_worker.resize(slot + 1, 0);
+            }
+            self.per_worker[slot] += 1;
+        }
+    }
+
+    fn remove(&mut self, key: Option<(u64, WorkerId)>) {
+        let Some((t, d)) = key else { return };
+        if t < self.floor {
+            return;
+        }
+        if let Some(n) = self.entries.get_mut(&(t, d.0)) {
+            *n -= 1;
+            if *n == 0 {
+                self.entries.remove(&(t, d.0));
+            }
+            if t >= self.watermark {
+                self.per_worker[d.0 as usize] -= 1;
+            }
+        }
+    }
+
+    fn update(&mut self, before: Option<(u64, WorkerId)>, after: Option<(u64, WorkerId)>) {
+        if before != after {
+            self.remove(before);
+            self.add(after);
+        }
+    }
+
+    /// Moves the watermark to `now_ms − window_ms` if that is later (and the floor one window
+    /// below it), dropping the entries under the floor.
+    fn advance(&mut self, now_ms: u64) {
+        let mark = now_ms.saturating_sub(self.window_ms);
+        if mark <= self.watermark {
+            return;
+        }
+        for (&(_, slot), &n) in self.entries.range((self.watermark, 0)..(mark, 0)) {
+            self.per_worker[slot as usize] -= n;
+        }
+        self.watermark = mark;
+        self.floor = mark.saturating_sub(self.window_ms);
+        while let Some(entry) = self.entries.first_entry()
+            && entry.key().0 < self.floor
+        {
+            entry.remove();
+        }
+    }
 }
 
 /// Everything the router remembers between decisions: per-session routing state (current D,
@@ -147,13 +302,42 @@ struct Pending {
 /// The state is the same for every policy (each policy reads the parts it needs), so a router
 /// may switch policy without rebuilding it. It changes only through [`RouterState::apply`],
 /// [`RouterState::observe`] and [`RouterState::forget_session`]; [`crate::route`] only reads it.
+///
+/// # Memory and cost
+///
+/// Every table is bounded (`docs/kvc-policy.md`, "Memory and cost", has the derivation):
+///
+/// | table | bound | bytes per entry (about, 64-bit) |
+/// |---|---|---|
+/// | sessions | the caller's, through [`RouterState::forget_session`] (the router's session table) | 120–240, plus 8 per block of its last request, plus 8 per D with a reject count |
+/// | active-session aggregate | one entry per session resident on its D and routed within two `active-window-ms` of the latest decision | 30 |
+/// | block view: distinct blocks | at most the memberships below | 95–115 |
+/// | block view: (block, worker, view) memberships | [`StateBounds::blocks_per_worker`] per worker and view (default 4 × the worker's pool in blocks) | 40–60 |
+/// | pending decisions | [`StateBounds::max_pending`] (default 65,536) | 90, with its P/D pair count |
+/// | per-worker counters, round-robin cursors | [`MAX_WORKERS`] | 16 |
+///
+/// A decision costs the same whatever the number of sessions: it reads its own session, the
+/// block view (a few lookups per distinct depth among the candidates), per-worker counters and,
+/// for `kvc`, the active-session aggregate, which adjusts its per-D totals only by the sessions
+/// whose window ends between its own time and the latest applied decision's. (A `kvc` configuration whose
+/// `active-window-ms` differs from the one the state was created with, or a decision dated more
+/// than one window before the latest applied one, counts active sessions by a scan of every
+/// session instead.)
 #[derive(Debug, Clone)]
 pub struct RouterState {
     policy: &'static str,
+    bounds: StateBounds,
+    block_size: BlockSize,
     sessions: Map<SessionId, SessionRoute>,
     index: BlockIndex,
+    activity: Activity,
     counters: Vec<WorkerCounters>,
     pending: Map<RequestId, Pending>,
+    /// Pending decisions in order of application, with stale ids (completed or re-applied)
+    /// skipped when met.
+    pending_order: VecDeque<(u64, RequestId)>,
+    next_seq: u64,
+    dropped_pending: u64,
     pairs: Map<(WorkerId, WorkerId), u32>,
     /// Last chosen worker per role (prefill, decode, colocated).
     cursors: [Option<WorkerId>; 3],
@@ -170,25 +354,101 @@ fn role_index(role: WorkerRole) -> usize {
 }
 
 impl RouterState {
-    /// An empty state for a router running `config` over `workers` (used to size the per-worker
-    /// counters; workers that appear later are added on first use).
+    /// An empty state for a router running `config` over `workers`, with the default
+    /// [`StateBounds`] (see [`RouterState::with_bounds`]).
     pub fn new(config: &PolicyConfig, workers: &[WorkerView]) -> Self {
+        Self::with_bounds(config, workers, StateBounds::default())
+    }
+
+    /// An empty state for a router running `config` over `workers`, holding at most what
+    /// `bounds` allows. `workers` size the per-worker counters (workers that appear later are
+    /// added on first use) and give each worker its block bound from its published capacity
+    /// ([`StateBounds::blocks_for`], with the block size of `config`); a router that learns a
+    /// pool later sets it with [`RouterState::set_worker_blocks`].
+    pub fn with_bounds(config: &PolicyConfig, workers: &[WorkerView], bounds: StateBounds) -> Self {
         let slots = workers
             .iter()
             .map(|w| w.id.0 as usize + 1)
             .max()
             .unwrap_or(0)
             .min(MAX_WORKERS);
+        let block_size = config.block_size();
+        let window_ms = match config {
+            PolicyConfig::Kvc(c) => c.active_window_ms,
+            _ => crate::KvcConfig::default().active_window_ms,
+        };
+        let mut index = BlockIndex::new(bounds.blocks_for(0, block_size));
+        for w in workers {
+            if (w.id.0 as usize) < MAX_WORKERS {
+                index.set_bound(
+                    w.id.0 as usize,
+                    bounds.blocks_for(w.state.capacity_tokens, block_size),
+                );
+            }
+        }
         RouterState {
             policy: config.name(),
+            bounds,
+            block_size,
             sessions: Map::default(),
-            index: BlockIndex::default(),
+            index,
+            activity: Activity::new(window_ms),
             counters: vec![WorkerCounters::default(); slots],
             pending: Map::default(),
+            pending_order: VecDeque::new(),
+            next_seq: 0,
+            dropped_pending: 0,
             pairs: Map::default(),
             cursors: [None; 3],
             no_direct: WorkerSet::EMPTY,
         }
+    }
+
+    /// The bounds the state was created with.
+    pub fn bounds(&self) -> &StateBounds {
+        &self.bounds
+    }
+
+    /// Sets the per-view block bound of `worker` from its pool of `capacity_tokens` (see
+    /// [`StateBounds::blocks_for`]), e.g. once a worker that was unknown or unreachable when
+    /// the state was created publishes its capacity; blocks past the new bound leave at once,
+    /// least recently used first. Ids at or above [`MAX_WORKERS`] are ignored.
+    pub fn set_worker_blocks(&mut self, worker: WorkerId, capacity_tokens: u64) {
+        let slot = worker.0 as usize;
+        if slot < MAX_WORKERS {
+            let n = self.bounds.blocks_for(capacity_tokens, self.block_size);
+            self.index.set_bound(slot, n);
+        }
+    }
+
+    /// The most blocks the block view keeps for `worker` in each view.
+    pub fn worker_block_bound(&self, worker: WorkerId) -> u32 {
+        self.index.bound(worker.0 as usize)
+    }
+
+    /// Blocks the grow-only view holds for `worker` (at most its bound).
+    pub fn seen_blocks(&self, worker: WorkerId) -> usize {
+        self.index.held(worker.0 as usize, BlockView::Seen)
+    }
+
+    /// Blocks the live view holds for `worker` (at most its bound).
+    pub fn live_blocks(&self, worker: WorkerId) -> usize {
+        self.index.held(worker.0 as usize, BlockView::Live)
+    }
+
+    /// (worker, block) memberships the block bound has removed so far.
+    pub fn dropped_blocks(&self) -> u64 {
+        self.index.dropped()
+    }
+
+    /// Decisions applied and not yet completed.
+    pub fn pending_count(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Pending decisions released by [`StateBounds::max_pending`] so far.
+    pub fn dropped_pending(&self) -> u64 {
+        self.dropped_pending
     }
 
     /// Declares whether decode worker `worker` takes direct-to-D turns (every worker does
@@ -241,10 +501,15 @@ impl RouterState {
         if let Some(old) = self.pending.remove(&change.request_id) {
             self.release(old);
         }
+        self.activity.advance(change.now_ms);
         let pending = Pending {
             decode: change.decode,
             prefill: change.prefill,
+            seq: self.next_seq,
         };
+        self.pending_order
+            .push_back((self.next_seq, change.request_id));
+        self.next_seq += 1;
         for id in std::iter::once(change.decode).chain(change.prefill) {
             if let Some(c) = self.counters_mut(id) {
                 c.in_flight = c.in_flight.saturating_add(1);
@@ -257,6 +522,7 @@ impl RouterState {
             self.cursors[role_index(WorkerRole::Prefill)] = Some(p);
         }
         self.pending.insert(change.request_id, pending);
+        self.bound_pending();
         self.index
             .record_seen(change.decode.0 as usize, &change.blocks);
         self.cursors[role_index(change.decode_role)] = Some(change.decode);
@@ -265,6 +531,7 @@ impl RouterState {
             return;
         };
         let route = self.sessions.entry(sid).or_insert_with(SessionRoute::new);
+        let before = route.activity_key();
         if route.current_d != Some(change.decode) {
             if route.current_d.is_some() {
                 route.d_changes = route.d_changes.saturating_add(1);
@@ -298,6 +565,37 @@ impl RouterState {
         route.live_on = Some(change.decode);
         route.blocks.clear();
         route.blocks.extend_from_slice(&change.blocks);
+        // A session's list holds its last request only: give back what a longer one left.
+        if route.blocks.capacity() > 2 * route.blocks.len() + 16 {
+            route.blocks.shrink_to_fit();
+        }
+        self.activity.update(before, route.activity_key());
+    }
+
+    /// Releases the oldest pending decisions past [`StateBounds::max_pending`], and drops
+    /// stale ids from the order once they outnumber the pending decisions.
+    fn bound_pending(&mut self) {
+        while self.pending.len() > self.bounds.max_pending as usize {
+            let Some((seq, id)) = self.pending_order.pop_front() else {
+                break;
+            };
+            if self.pending.get(&id).is_some_and(|p| p.seq == seq)
+                && let Some(p) = self.pending.remove(&id)
+            {
+                self.release(p);
+                self.dropped_pending += 1;
+            }
+        }
+        while let Some(&(seq, id)) = self.pending_order.front()
+            && self.pending.get(&id).is_none_or(|p| p.seq != seq)
+        {
+            self.pending_order.pop_front();
+        }
+        if self.pending_order.len() > 2 * self.pending.len() + 64 {
+            let pending = &self.pending;
+            self.pending_order
+                .retain(|(seq, id)| pending.get(id).is_some_and(|p| p.seq == *seq));
+        }
     }
 
     fn release(&mut self, p: Pending) {
@@ -331,7 +629,8 @@ impl RouterState {
     /// - `AdmissionRejected`: the session's reject counter on `worker` grows by one (a re-route
     ///   of the same reject with [`crate::RouteRequest::rejected_by`] does not count it again).
     /// - `Evicted`: if `worker` is the session's current D, the session is `evicted` there and
-    ///   leaves the live block view. The grow-only view keeps its blocks.
+    ///   leaves the live block view. The grow-only view keeps its blocks (until the worker's
+    ///   block bound pushes them out, least recently used first).
     pub fn observe(&mut self, event: &Observation) {
         match *event {
             Observation::Completed {
@@ -348,6 +647,7 @@ impl RouterState {
                 let Some(route) = session.and_then(|s| self.sessions.get_mut(&s)) else {
                     return;
                 };
+                let before = route.activity_key();
                 if direct && outcome == Outcome::Ok {
                     route.set_rejects(worker, 0);
                     if route.observed_reject == Some(worker) {
@@ -371,6 +671,7 @@ impl RouterState {
                     route.resident_tokens = 0;
                     Self::drop_live(&mut self.index, route);
                 }
+                self.activity.update(before, route.activity_key());
             }
             Observation::AdmissionRejected { session, worker } => {
                 let route = self
@@ -386,9 +687,11 @@ impl RouterState {
                     return;
                 };
                 if route.current_d == Some(worker) {
+                    let before = route.activity_key();
                     route.residency = Residency::Evicted;
                     route.resident_tokens = 0;
                     Self::drop_live(&mut self.index, route);
+                    self.activity.update(before, route.activity_key());
                 }
             }
         }
@@ -404,6 +707,7 @@ impl RouterState {
     pub fn forget_session(&mut self, id: SessionId) {
         if let Some(mut route) = self.sessions.remove(&id) {
             Self::drop_live(&mut self.index, &mut route);
+            self.activity.remove(route.activity_key());
         }
     }
 
@@ -441,7 +745,8 @@ impl RouterState {
         self.cursors[role_index(role)]
     }
 
-    /// Leading blocks of `blocks` the router has ever sent to `worker` (grow-only view).
+    /// Leading blocks of `blocks` the router has sent to `worker` (grow-only view, within the
+    /// worker's block bound).
     pub fn seen_depth(&self, worker: WorkerId, blocks: &[BlockHash]) -> usize {
         self.depth(worker, blocks, BlockView::Seen)
     }
@@ -458,12 +763,291 @@ impl RouterState {
         self.index.depth(blocks, worker.0 as usize, view) as usize
     }
 
-    /// Distinct blocks in the block view.
+    /// Distinct blocks in the block view (held by some worker in either view).
     pub fn known_blocks(&self) -> usize {
         self.index.len()
     }
 
     pub(crate) fn index(&self) -> &BlockIndex {
         &self.index
+    }
+
+    /// For every worker, the sessions other than `exclude` resident on it and routed at or
+    /// after `now_ms − window_ms` (`kvc`'s active sessions), written to `out` (indexed by
+    /// worker id). Reads the incremental aggregate when it answers for `window_ms` and
+    /// `now_ms` is at most one window before the latest applied decision, else scans every
+    /// session: the same counts either way.
+    pub(crate) fn active_sessions(
+        &self,
+        now_ms: u64,
+        window_ms: u64,
+        exclude: Option<SessionId>,
+        out: &mut [u32; MAX_WORKERS],
+    ) {
+        let from = now_ms.saturating_sub(window_ms);
+        let a = &self.activity;
+        if window_ms != a.window_ms || from < a.floor {
+            self.scan_active(from, exclude, out);
+            return;
+        }
+        out[..a.per_worker.len()].copy_from_slice(&a.per_worker);
+        if from >= a.watermark {
+            // Sessions routed in [watermark, from) went quiet since the latest applied decision.
+            for (&(_, slot), &n) in a.entries.range((a.watermark, 0)..(from, 0)) {
+                out[slot as usize] -= n;
+            }
+        } else {
+            // A decision dated before the latest applied one: sessions routed in
+            // [from, watermark) are still active for it.
+            for (&(_, slot), &n) in a.entries.range((from, 0)..(a.watermark, 0)) {
+                out[slot as usize] += n;
+            }
+        }
+        if let Some((t, d)) = exclude
+            .and_then(|s| self.sessions.get(&s))
+            .and_then(SessionRoute::activity_key)
+            && t >= from
+        {
+            out[d.0 as usize] -= 1;
+        }
+    }
+
+    /// [`RouterState::active_sessions`] from scratch, over every session.
+    pub(crate) fn scan_active(
+        &self,
+        from: u64,
+        exclude: Option<SessionId>,
+        out: &mut [u32; MAX_WORKERS],
+    ) {
+        for (id, r) in &self.sessions {
+            if Some(*id) != exclude
+                && let Some((t, d)) = r.activity_key()
+                && t >= from
+            {
+                out[d.0 as usize] += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const WINDOW: u64 = 1_000;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Apply {
+            session: Option<u64>,
+            decode: u32,
+            /// Time step; negative steps model decisions applied out of order.
+            step: i64,
+            blocks: Vec<u64>,
+        },
+        Complete {
+            back: usize,
+            resident: bool,
+            direct: bool,
+        },
+        Reject {
+            session: u64,
+            worker: u32,
+        },
+        Evict {
+            session: u64,
+            worker: u32,
+        },
+        Forget {
+            session: u64,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (
+                prop::option::weighted(0.9, 0u64..12),
+                1u32..5,
+                -300i64..700,
+                prop::collection::vec(0u64..30, 0..6),
+            )
+                .prop_map(|(session, decode, step, blocks)| Op::Apply {
+                    session,
+                    decode,
+                    step,
+                    blocks,
+                }),
+            3 => (0usize..8, any::<bool>(), any::<bool>())
+                .prop_map(|(back, resident, direct)| Op::Complete { back, resident, direct }),
+            1 => (0u64..12, 1u32..5).prop_map(|(session, worker)| Op::Reject { session, worker }),
+            1 => (0u64..12, 1u32..5).prop_map(|(session, worker)| Op::Evict { session, worker }),
+            1 => (0u64..12).prop_map(|session| Op::Forget { session }),
+        ]
+    }
+
+    fn workers() -> Vec<WorkerView> {
+        (0..5)
+            .map(|i| {
+                let role = if i == 0 {
+                    WorkerRole::Prefill
+                } else {
+                    WorkerRole::Decode
+                };
+                WorkerView::new(WorkerId(i), role, kvc_core::WorkerState::empty(4 * 512))
+            })
+            .collect()
+    }
+
+    fn kvc_config() -> PolicyConfig {
+        PolicyConfig::Kvc(crate::KvcConfig {
+            active_window_ms: WINDOW,
+            ..crate::KvcConfig::default()
+        })
+    }
+
+    /// Runs `ops`, calling `check` after each with the state and the latest decision time.
+    fn run(
+        state: &mut RouterState,
+        ops: &[Op],
+        mut check: impl FnMut(&RouterState, u64) -> Result<(), TestCaseError>,
+    ) -> Result<(), TestCaseError> {
+        let mut now = 5_000u64;
+        let mut applied: Vec<(RequestId, Option<SessionId>, WorkerId)> = Vec::new();
+        for (k, op) in ops.iter().enumerate() {
+            match op {
+                Op::Apply {
+                    session,
+                    decode,
+                    step,
+                    blocks,
+                } => {
+                    now = now.saturating_add_signed(*step);
+                    let id = RequestId(k as u64);
+                    let session = session.map(SessionId);
+                    state.apply(&StateChange {
+                        request_id: id,
+                        session,
+                        now_ms: now,
+                        decode: WorkerId(*decode),
+                        decode_role: WorkerRole::Decode,
+                        prefill: Some(WorkerId(0)),
+                        direct: false,
+                        blocks: blocks.iter().map(|b| BlockHash(*b)).collect(),
+                        reject_count: None,
+                    });
+                    applied.push((id, session, WorkerId(*decode)));
+                }
+                Op::Complete {
+                    back,
+                    resident,
+                    direct,
+                } => {
+                    if let Some(&(request_id, session, worker)) =
+                        applied.iter().rev().nth(*back % applied.len().max(1))
+                    {
+                        state.observe(&Observation::Completed {
+                            request_id,
+                            session,
+                            worker,
+                            outcome: Outcome::Ok,
+                            resident_tokens: if *resident { 700 } else { 0 },
+                            direct: *direct,
+                        });
+                    }
+                }
+                Op::Reject { session, worker } => {
+                    state.observe(&Observation::AdmissionRejected {
+                        session: SessionId(*session),
+                        worker: WorkerId(*worker),
+                    });
+                }
+                Op::Evict { session, worker } => {
+                    state.observe(&Observation::Evicted {
+                        session: SessionId(*session),
+                        worker: WorkerId(*worker),
+                    });
+                }
+                Op::Forget { session } => state.forget_session(SessionId(*session)),
+            }
+            check(state, now)?;
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// The incremental active-session counts equal a count from scratch over every session,
+        /// for decision times before, at and after the latest applied one, with and without an
+        /// excluded session, and for another window (answered by the scan).
+        #[test]
+        fn active_sessions_match_a_recount(ops in prop::collection::vec(op(), 1..80)) {
+            let mut state = RouterState::new(&kvc_config(), &workers());
+            run(&mut state, &ops, |state, now| {
+                for dt in [-2_500i64, -2_001, -2_000, -1_500, -1_000, -200, -1, 0, 1, 250, 999, 1_000, 1_001, 4_000] {
+                    let at = now.saturating_add_signed(dt);
+                    for window in [WINDOW, 300] {
+                        for exclude in [None, Some(SessionId(3)), Some(SessionId(40))] {
+                            let mut fast = [0u32; MAX_WORKERS];
+                            state.active_sessions(at, window, exclude, &mut fast);
+                            let mut slow = [0u32; MAX_WORKERS];
+                            for (id, r) in state.sessions() {
+                                if Some(id) != exclude
+                                    && r.residency == Residency::Resident
+                                    && at.saturating_sub(r.last_routed_ms) <= window
+                                    && let Some(d) = r.current_d
+                                {
+                                    slow[d.0 as usize] += 1;
+                                }
+                            }
+                            prop_assert_eq!(&fast[..8], &slow[..8], "at {} window {}", at, window);
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+        }
+
+        /// Pending decisions never exceed their bound, and in-flight counts equal the
+        /// decisions still pending on each worker.
+        #[test]
+        fn pending_decisions_stay_bounded(ops in prop::collection::vec(op(), 1..80), max in 0u32..6) {
+            let bounds = StateBounds { max_pending: max, ..StateBounds::default() };
+            let mut state = RouterState::with_bounds(&kvc_config(), &workers(), bounds);
+            run(&mut state, &ops, |state, _| {
+                prop_assert!(state.pending_count() <= max as usize);
+                prop_assert!(state.pending_order.len() <= 2 * state.pending.len() + 65);
+                for w in 0..5u32 {
+                    let n = state
+                        .pending
+                        .values()
+                        .filter(|p| p.decode == WorkerId(w) || p.prefill == Some(WorkerId(w)))
+                        .count();
+                    prop_assert_eq!(state.in_flight(WorkerId(w)) as usize, n);
+                }
+                Ok(())
+            })?;
+        }
+    }
+
+    #[test]
+    fn block_bounds_derive_from_the_pool() {
+        let b = StateBounds::default();
+        let bs = BlockSize::default();
+        assert_eq!(b.blocks_for(92_160, bs), 4 * 180);
+        assert_eq!(b.blocks_for(92_161, bs), 4 * 181);
+        assert_eq!(b.blocks_for(0, bs), 4_096);
+        let fixed = StateBounds {
+            blocks_per_worker: Some(10),
+            ..b
+        };
+        assert_eq!(fixed.blocks_for(92_160, bs), 10);
+        let ws = workers();
+        let mut state = RouterState::new(&kvc_config(), &ws);
+        assert_eq!(state.worker_block_bound(WorkerId(1)), 16);
+        assert_eq!(state.worker_block_bound(WorkerId(9)), 4_096);
+        state.set_worker_blocks(WorkerId(9), 1_024);
+        assert_eq!(state.worker_block_bound(WorkerId(9)), 8);
     }
 }
