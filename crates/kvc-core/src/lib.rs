@@ -14,6 +14,10 @@
 //! - execution modes ([`ExecutionMode`]), fall-through reasons ([`FallThroughReason`]) and
 //!   request outcomes ([`Outcome`]) with the one rule for what counts as a mechanism error
 //!   ([`Outcome::is_mechanism_error`]);
+//! - the names of settings and states other crates expose in files, labels and flags: prefill
+//!   selection ([`PrefillPolicy`]), decode-side eviction ([`EvictionMode`]), the HTTP front's
+//!   circuit breaker ([`BreakerState`]), and the router's probe, commit and session-table
+//!   results ([`ProbeKind`], [`CommitKind`], [`Forgotten`]);
 //! - block-prefix helpers ([`prefix`]).
 //!
 //! Every enum serializes to a **stable kebab-case name** ([`StableName`]); the same string is
@@ -38,7 +42,8 @@ mod worker;
 
 pub use ids::{BlockHash, BlockSize, RequestId, SessionId, TurnId, WorkerId};
 pub use names::{
-    ExecutionMode, FallThroughReason, Health, Outcome, StableName, UnknownName, WorkerRole,
+    BreakerState, CommitKind, EvictionMode, ExecutionMode, FallThroughReason, Forgotten, Health,
+    Outcome, PrefillPolicy, ProbeKind, StableName, UnknownName, WorkerRole,
 };
 pub use topology::{Topology, TopologyError};
 pub use trace::TraceRecord;

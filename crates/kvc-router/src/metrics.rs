@@ -29,9 +29,10 @@
 //! | `kvc_router_http_admission_rejects_total` | counter | — (answers `503` + `x-kvc-admission: rejected` from a decode worker) |
 //! | `kvc_router_http_inferred_sessions_total` | counter | `result` (`continued`: a request without a session key continued a known session; `new`: it started an inferred session) |
 
-use crate::http::BreakerState;
-use kvc_core::{ExecutionMode, FallThroughReason, Health, Outcome, StableName, WorkerRole};
-use kvc_core::{WorkerId, WorkerState};
+pub use kvc_core::{CommitKind, ProbeKind};
+
+use kvc_core::{BreakerState, ExecutionMode, FallThroughReason, Forgotten, Health, Outcome};
+use kvc_core::{StableName, WorkerId, WorkerRole, WorkerState};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -47,72 +48,6 @@ pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
 const MODES: usize = 5;
 const REASONS: usize = 1 + FallThroughReason::ALL.len(); // "none", then each reason
 const OUTCOMES: usize = 6;
-
-/// The result of one admission probe, as counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProbeKind {
-    /// The snapshot is fresh and has room.
-    Admit,
-    /// The snapshot is fresh and has no room.
-    Reject,
-    /// The snapshot is stale (or was never published).
-    Stale,
-    /// Every read attempt overlapped a publish.
-    Contended,
-    /// No snapshot: answered from the last polled state.
-    State,
-}
-
-impl ProbeKind {
-    const ALL: [ProbeKind; 5] = [
-        ProbeKind::Admit,
-        ProbeKind::Reject,
-        ProbeKind::Stale,
-        ProbeKind::Contended,
-        ProbeKind::State,
-    ];
-
-    fn label(self) -> &'static str {
-        match self {
-            ProbeKind::Admit => "admit",
-            ProbeKind::Reject => "reject",
-            ProbeKind::Stale => "stale",
-            ProbeKind::Contended => "contended",
-            ProbeKind::State => "state",
-        }
-    }
-}
-
-/// The result of one `CommitEvict`, as counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CommitKind {
-    /// The worker made room.
-    Admitted,
-    /// The worker could not make room.
-    Rejected,
-    /// The worker's commit queue was full.
-    Busy,
-    /// The worker did not answer or failed.
-    Error,
-}
-
-impl CommitKind {
-    const ALL: [CommitKind; 4] = [
-        CommitKind::Admitted,
-        CommitKind::Rejected,
-        CommitKind::Busy,
-        CommitKind::Error,
-    ];
-
-    fn label(self) -> &'static str {
-        match self {
-            CommitKind::Admitted => "admitted",
-            CommitKind::Rejected => "rejected",
-            CommitKind::Busy => "busy",
-            CommitKind::Error => "error",
-        }
-    }
-}
 
 const ERROR_CODES: [tonic::Code; 7] = [
     tonic::Code::InvalidArgument,
@@ -193,6 +128,10 @@ impl Default for Metrics {
 
 fn mode_index(m: ExecutionMode) -> usize {
     ExecutionMode::ALL.iter().position(|x| *x == m).unwrap_or(0)
+}
+
+fn breaker_index(s: BreakerState) -> usize {
+    BreakerState::ALL.iter().position(|x| *x == s).unwrap_or(0)
 }
 
 fn reason_index(r: Option<FallThroughReason>) -> usize {
@@ -325,7 +264,7 @@ impl Metrics {
         if previous.is_some_and(|p| p != state)
             || (previous.is_none() && state != BreakerState::Closed)
         {
-            self.breaker_transitions[state.index()].fetch_add(1, Ordering::Relaxed);
+            self.breaker_transitions[breaker_index(state)].fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -337,7 +276,7 @@ impl Metrics {
 
     /// Circuit-breaker transitions into `state` so far.
     pub fn breaker_transitions(&self, state: BreakerState) -> u64 {
-        self.breaker_transitions[state.index()].load(Ordering::Relaxed)
+        self.breaker_transitions[breaker_index(state)].load(Ordering::Relaxed)
     }
 
     /// Counts one HTTP request forwarded again after a failure.
@@ -461,7 +400,7 @@ impl Metrics {
             "kvc_router_probes_total",
             "Admission probes of decode-worker snapshots, by result.",
             "result",
-            ProbeKind::ALL.iter().map(|k| k.label()),
+            ProbeKind::ALL.iter().map(|k| k.as_str()),
             &self.probes,
         );
         header(
@@ -481,7 +420,7 @@ impl Metrics {
             "kvc_router_commit_evicts_total",
             "CommitEvict calls forwarded to workers, by result.",
             "result",
-            CommitKind::ALL.iter().map(|k| k.label()),
+            CommitKind::ALL.iter().map(|k| k.as_str()),
             &self.commits,
         );
 
@@ -509,12 +448,14 @@ impl Metrics {
         );
         let _ = writeln!(
             o,
-            "kvc_router_sessions_forgotten_total{{cause=\"expired\"}} {}",
+            "kvc_router_sessions_forgotten_total{{cause=\"{}\"}} {}",
+            Forgotten::Expired.as_str(),
             self.forgotten_expired.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             o,
-            "kvc_router_sessions_forgotten_total{{cause=\"evicted\"}} {}",
+            "kvc_router_sessions_forgotten_total{{cause=\"{}\"}} {}",
+            Forgotten::Evicted.as_str(),
             self.forgotten_evicted.load(Ordering::Relaxed)
         );
         header(
@@ -547,7 +488,7 @@ impl Metrics {
             "Circuit-breaker state of each worker the HTTP front has used (1 for the current state).",
         );
         for (worker, current) in self.breaker_states.lock().iter() {
-            for state in BreakerState::ALL {
+            for &state in BreakerState::ALL {
                 let v = u8::from(state == *current);
                 let _ = writeln!(
                     o,
@@ -562,8 +503,8 @@ impl Metrics {
             "counter",
             "Circuit-breaker transitions, by the state entered.",
         );
-        for state in BreakerState::ALL {
-            let v = self.breaker_transitions[state.index()].load(Ordering::Relaxed);
+        for &state in BreakerState::ALL {
+            let v = self.breaker_transitions[breaker_index(state)].load(Ordering::Relaxed);
             let _ = writeln!(
                 o,
                 "kvc_router_http_breaker_transitions_total{{to=\"{}\"}} {v}",

@@ -16,52 +16,16 @@ pub mod profile;
 
 use crate::trace::{Trace, TraceRequest};
 use engine::{DirectAdmission, Engine, EngineOptions, Event, Job, Micros, Wake, micros};
-use kvc_admission::EvictionConfig;
 use kvc_core::{ExecutionMode, Outcome, StableName, Topology, WorkerId, WorkerRole};
 use kvc_policy::{
     ClusterView, Decision, Observation, PolicyConfig, RouteRequest, RouterState, WorkerView,
 };
 use metrics::{RequestRecord, RunConfig, Summary};
 pub use profile::Profile;
-use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap};
 
-/// How decode workers evict.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum EvictionMode {
-    /// Only idle sessions, least recently used first (the reference engine).
-    IdleLru,
-    /// Idle, then cold sessions, then hot ones above the hard cap (`kvc-admission` tiers).
-    Tiered,
-}
-
-impl EvictionMode {
-    /// Stable name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EvictionMode::IdleLru => "idle-lru",
-            EvictionMode::Tiered => "tiered",
-        }
-    }
-
-    /// The planner settings of this mode.
-    pub fn config(self) -> EvictionConfig {
-        let mut cfg = EvictionConfig::default();
-        match self {
-            EvictionMode::IdleLru => {
-                cfg.allow_cold = false;
-                cfg.allow_hot = false;
-            }
-            EvictionMode::Tiered => {
-                cfg.allow_cold = true;
-                cfg.allow_hot = true;
-            }
-        }
-        cfg
-    }
-}
+pub use kvc_core::EvictionMode;
 
 /// Everything a run depends on besides the trace.
 #[derive(Debug, Clone)]
@@ -377,7 +341,7 @@ pub fn run(
     let engine = Engine::new(
         cfg.profile.clone(),
         EngineOptions {
-            eviction: cfg.eviction.config(),
+            eviction: cfg.eviction.into(),
             block_size: trace.block_size(),
         },
         &roles,
