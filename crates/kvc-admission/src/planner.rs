@@ -12,7 +12,7 @@
 //!
 //! The requesting session is never a victim, and neither is a session holding no tokens.
 
-use kvc_core::SessionId;
+use kvc_core::{EvictionMode, SessionId};
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 
@@ -87,6 +87,23 @@ impl Default for EvictionConfig {
             order: VictimOrder::Lru,
             allow_cold: true,
             allow_hot: true,
+        }
+    }
+}
+
+impl From<EvictionMode> for EvictionConfig {
+    /// The planner settings of a decode worker's eviction mode: `idle-lru` takes idle sessions
+    /// only, `tiered` takes idle, then cold, then hot ones; the other settings keep their
+    /// defaults.
+    fn from(mode: EvictionMode) -> Self {
+        let tiered = match mode {
+            EvictionMode::IdleLru => false,
+            EvictionMode::Tiered => true,
+        };
+        EvictionConfig {
+            allow_cold: tiered,
+            allow_hot: tiered,
+            ..EvictionConfig::default()
         }
     }
 }
@@ -449,5 +466,17 @@ mod tests {
         assert!(!c.allow_hot);
         assert_eq!(c.cold_after_ms, 30_000);
         assert!(serde_json::from_str::<EvictionConfig>(r#"{"colder":1}"#).is_err());
+    }
+
+    #[test]
+    fn eviction_modes_choose_the_tiers() {
+        let idle = EvictionConfig::from(EvictionMode::IdleLru);
+        assert!(!idle.allow_cold && !idle.allow_hot);
+        let tiered = EvictionConfig::from(EvictionMode::Tiered);
+        assert!(tiered.allow_cold && tiered.allow_hot);
+        for c in [idle, tiered] {
+            assert_eq!(c.cold_after_ms, EvictionConfig::default().cold_after_ms);
+            assert_eq!(c.order, VictimOrder::Lru);
+        }
     }
 }

@@ -14,6 +14,10 @@
 //! - execution modes ([`ExecutionMode`]), fall-through reasons ([`FallThroughReason`]) and
 //!   request outcomes ([`Outcome`]) with the one rule for what counts as a mechanism error
 //!   ([`Outcome::is_mechanism_error`]);
+//! - the names of settings and states other crates expose in files, labels and flags: prefill
+//!   selection ([`PrefillPolicy`]), decode-side eviction ([`EvictionMode`]), the HTTP front's
+//!   circuit breaker ([`BreakerState`]), and the router's probe, commit and session-table
+//!   results ([`ProbeKind`], [`CommitKind`], [`Forgotten`]);
 //! - block-prefix helpers ([`prefix`]);
 //! - the nearest-rank percentile every kvc summary reports ([`stats`]) and the scanner and
 //!   framing of Server-Sent Events streams ([`sse`]).
@@ -41,9 +45,9 @@ mod trace;
 mod worker;
 
 pub use ids::{BlockHash, BlockSize, RequestId, SessionId, TurnId, WorkerId};
-pub use names::StateSource;
 pub use names::{
-    ExecutionMode, FallThroughReason, Health, Outcome, StableName, UnknownName, WorkerRole,
+    BreakerState, CommitKind, EvictionMode, ExecutionMode, FallThroughReason, Forgotten, Health,
+    Outcome, PrefillPolicy, ProbeKind, StableName, StateSource, UnknownName, WorkerRole,
 };
 pub use topology::{Topology, TopologyError};
 pub use trace::TraceRecord;

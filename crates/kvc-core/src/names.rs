@@ -191,6 +191,86 @@ impl Outcome {
 }
 
 stable_enum! {
+    /// How the prefill worker of a P→D path is chosen (the `prefill` knob of `kvc-policy`'s
+    /// policies).
+    PrefillPolicy, "prefill policy" {
+        /// The next healthy prefill worker in id order, blind to D (the reference baseline).
+        RoundRobin => "round-robin",
+        /// The lowest joint cost of the P's in-flight transfers and the target D's queue
+        /// (`kvc-policy`'s `prefill` module gives the formula).
+        DHealthAware => "d-health-aware",
+    }
+}
+
+stable_enum! {
+    /// Which resident sessions a decode worker may evict to make room (the simulator's
+    /// `--eviction` flag; `kvc-admission` turns it into planner settings).
+    EvictionMode, "eviction mode" {
+        /// Only idle sessions, least recently used first (the reference engine).
+        IdleLru => "idle-lru",
+        /// Idle, then cold sessions, then hot ones above the hard cap (`kvc-admission` tiers).
+        Tiered => "tiered",
+    }
+}
+
+stable_enum! {
+    /// The state of the circuit breaker the router's HTTP front keeps for each worker (the
+    /// `state` and `to` labels of its breaker metrics).
+    BreakerState, "breaker state" {
+        /// Requests flow; consecutive failures are counted.
+        Closed => "closed",
+        /// Out of rotation until the cool-down ends.
+        Open => "open",
+        /// The cool-down ended: the worker is back in rotation for one trial request (or one
+        /// health check), whose result closes the breaker or opens it again.
+        HalfOpen => "half-open",
+    }
+}
+
+stable_enum! {
+    /// What the router's admission probe of a decode worker's snapshot found (the `result`
+    /// label of `kvc_router_probes_total`).
+    ProbeKind, "probe result" {
+        /// The snapshot is fresh and has room.
+        Admit => "admit",
+        /// The snapshot is fresh and has no room.
+        Reject => "reject",
+        /// The snapshot is stale (or was never published).
+        Stale => "stale",
+        /// Every read attempt overlapped a publish.
+        Contended => "contended",
+        /// No snapshot: answered from the last polled state.
+        State => "state",
+    }
+}
+
+stable_enum! {
+    /// How a `CommitEvict` the router forwarded to a worker ended (the `result` label of
+    /// `kvc_router_commit_evicts_total`).
+    CommitKind, "commit result" {
+        /// The worker made room.
+        Admitted => "admitted",
+        /// The worker could not make room.
+        Rejected => "rejected",
+        /// The worker's commit queue was full.
+        Busy => "busy",
+        /// The worker did not answer or failed.
+        Error => "error",
+    }
+}
+
+stable_enum! {
+    /// Why the router's session table dropped a session (the `cause` label of
+    /// `kvc_router_sessions_forgotten_total`).
+    Forgotten, "forget cause" {
+        /// Not seen for longer than the TTL.
+        Expired => "expired",
+        /// The least recently seen session when the table was over its bound.
+        Evicted => "evicted",
+    }
+}
+
+stable_enum! {
     /// Where the router reads a worker's state from (a metrics label and the `source` of
     /// `ListWorkers`).
     StateSource, "state source" {

@@ -10,6 +10,18 @@ where
 {
     let names: Vec<&str> = T::ALL.iter().map(|v| v.as_str()).collect();
     assert_eq!(names, expected, "{}: stable names changed", T::KIND);
+    let unique: std::collections::BTreeSet<&str> = names.iter().copied().collect();
+    assert_eq!(unique.len(), names.len(), "{}: a name twice", T::KIND);
+    for name in &names {
+        assert!(
+            !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'),
+            "{}: `{name}` is not kebab-case",
+            T::KIND
+        );
+    }
     for v in T::ALL {
         let json = serde_json::to_string(v).unwrap();
         assert_eq!(json, format!("\"{}\"", v.as_str()));
@@ -71,6 +83,57 @@ fn outcomes_have_stable_names() {
         "rejected",
         "worker-failed",
     ]);
+}
+
+#[test]
+fn prefill_policies_have_stable_names() {
+    check_names::<PrefillPolicy>(&["round-robin", "d-health-aware"]);
+}
+
+#[test]
+fn eviction_modes_have_stable_names() {
+    check_names::<EvictionMode>(&["idle-lru", "tiered"]);
+}
+
+#[test]
+fn breaker_states_have_stable_names() {
+    check_names::<BreakerState>(&["closed", "open", "half-open"]);
+}
+
+#[test]
+fn probe_results_have_stable_names() {
+    check_names::<ProbeKind>(&["admit", "reject", "stale", "contended", "state"]);
+}
+
+#[test]
+fn commit_results_have_stable_names() {
+    check_names::<CommitKind>(&["admitted", "rejected", "busy", "error"]);
+}
+
+#[test]
+fn forget_causes_have_stable_names() {
+    check_names::<Forgotten>(&["expired", "evicted"]);
+}
+
+/// The kinds name different things: no two enums share a `KIND`, which is what error messages
+/// and parse failures tell apart.
+#[test]
+fn stable_name_kinds_are_unique() {
+    let kinds = [
+        WorkerRole::KIND,
+        Health::KIND,
+        ExecutionMode::KIND,
+        FallThroughReason::KIND,
+        Outcome::KIND,
+        PrefillPolicy::KIND,
+        EvictionMode::KIND,
+        BreakerState::KIND,
+        ProbeKind::KIND,
+        CommitKind::KIND,
+        Forgotten::KIND,
+    ];
+    let unique: std::collections::BTreeSet<&str> = kinds.iter().copied().collect();
+    assert_eq!(unique.len(), kinds.len(), "{kinds:?}");
 }
 
 #[test]

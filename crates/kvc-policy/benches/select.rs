@@ -98,7 +98,7 @@ fn bench_select(c: &mut Criterion) {
             .in_session(SessionId(3), TurnId(2));
         let view = ClusterView::new(0, &workers);
 
-        for name in ["kvc-v2", "kv-aware-v0", "cache-aware", "round-robin"] {
+        for name in ["kvc-v2", "kvc", "kv-aware-v0", "cache-aware", "round-robin"] {
             let config = PolicyConfig::from_name(name).unwrap();
             let state = populated(&config, &workers, d);
             assert!(state.known_blocks() as u64 >= u64::from(d) * 1_000);

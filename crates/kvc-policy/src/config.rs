@@ -5,9 +5,8 @@ use crate::error::PolicyError;
 use crate::kv_aware_v0::KvAwareV0Config;
 use crate::kvc::KvcConfig;
 use crate::kvc_v2::KvcV2Config;
-use crate::prefill::PrefillPolicy;
 use crate::round_robin::RoundRobinConfig;
-use kvc_core::BlockSize;
+use kvc_core::{BlockSize, PrefillPolicy};
 use serde::{Deserialize, Serialize};
 
 /// A routing policy and its configuration.

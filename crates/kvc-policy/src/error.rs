@@ -20,9 +20,6 @@ pub enum PolicyError {
     /// A policy name that is not one of [`crate::PolicyConfig::all_names`].
     #[error("unknown policy `{0}` (expected one of: {names})", names = crate::PolicyConfig::all_names().join(", "))]
     UnknownPolicy(String),
-    /// A prefill-selection name that is not `round-robin` or `d-health-aware`.
-    #[error("unknown prefill policy `{0}` (expected one of: round-robin, d-health-aware)")]
-    UnknownPrefillPolicy(String),
     /// A configuration value out of its range.
     #[error("invalid {policy} config: {detail}")]
     InvalidConfig {

@@ -37,9 +37,9 @@ use crate::decision::{Decision, ScoreEntry};
 use crate::error::PolicyError;
 use crate::fallthrough::TurnClass;
 use crate::index::BlockView;
-use crate::prefill::{self, PrefillPolicy};
+use crate::prefill;
 use crate::route::{Ctx, Knobs, Plan};
-use kvc_core::{BlockSize, ExecutionMode, WorkerId};
+use kvc_core::{BlockSize, ExecutionMode, PrefillPolicy, WorkerId};
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 

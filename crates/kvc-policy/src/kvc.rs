@@ -31,9 +31,8 @@ use crate::backpressure::BackpressureConfig;
 use crate::decision::Decision;
 use crate::error::PolicyError;
 use crate::kvc_v2::{KvcV2Config, Placement, route_with};
-use crate::prefill::PrefillPolicy;
 use crate::route::Ctx;
-use kvc_core::BlockSize;
+use kvc_core::{BlockSize, PrefillPolicy};
 use serde::{Deserialize, Serialize};
 
 /// Configuration of `kvc`.

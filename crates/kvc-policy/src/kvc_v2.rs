@@ -51,10 +51,10 @@ use crate::decision::{Decision, ScoreEntry};
 use crate::error::PolicyError;
 use crate::fallthrough::TurnClass;
 use crate::index::{BlockView, WorkerSet};
-use crate::prefill::{self, PrefillPolicy};
+use crate::prefill;
 use crate::route::{Ctx, Knobs, Plan};
 use crate::state::{Residency, SessionRoute};
-use kvc_core::{BlockSize, ExecutionMode, FallThroughReason, WorkerId};
+use kvc_core::{BlockSize, ExecutionMode, FallThroughReason, PrefillPolicy, WorkerId};
 use serde::{Deserialize, Serialize};
 use std::cmp::{Ordering, Reverse};
 

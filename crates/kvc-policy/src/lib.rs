@@ -34,8 +34,12 @@
 //! | `cache-aware` | SGLang router's baseline: imbalance check, longest prefix match above a threshold, else least loaded; P and D chosen independently; every P/D turn goes P→D |
 //! | `kv-aware-v0` | the reference study's baseline: `(overlap + sticky bonus, sticky, −in-flight, −assignments)`, grow-only block view, 2,048-token direct limit, no capacity term, no migration: sessions stay pinned to their first D |
 //! | `kvc-v2` | the study's fix: capacity term and 85% hard cap, capped overlap, migration after 3 rejects (counter reset by each successful direct-to-D turn), 8,192-token direct limit, incremental footprint, D-health-aware choice of P, backpressure hint |
+//! | `kvc` | the default ([`PolicyConfig::default`]): `kvc-v2`'s procedure with placement that charges each D for its active sessions, weak stickiness for sessions that lost their KV, and stronger capacity and load terms (`docs/kvc-policy.md`) |
 //!
-//! Prefill selection ([`PrefillPolicy`]): `round-robin` or `d-health-aware`. Shared helpers:
+//! [`PolicyConfig::all_names`] lists the same names in this order.
+//!
+//! Prefill selection ([`PrefillPolicy`], named in `kvc-core`): `round-robin` or
+//! `d-health-aware`. Shared helpers:
 //! [`footprint_tokens`], [`classify_turn`], [`recommended_pause_ms`].
 //!
 //! ## A foreign router calling it
@@ -110,8 +114,8 @@ pub use fallthrough::{TurnClass, classify_turn, is_first_turn};
 pub use footprint::footprint_tokens;
 pub use kv_aware_v0::KvAwareV0Config;
 pub use kvc::KvcConfig;
+pub use kvc_core::PrefillPolicy;
 pub use kvc_v2::KvcV2Config;
-pub use prefill::PrefillPolicy;
 pub use round_robin::RoundRobinConfig;
 pub use route::route;
 pub use state::{Observation, Residency, RouterState, SessionRoute, StateBounds};

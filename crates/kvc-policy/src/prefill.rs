@@ -1,4 +1,5 @@
-//! Choosing the prefill worker of a P→D path.
+//! Choosing the prefill worker of a P→D path by the configured [`PrefillPolicy`] (its stable
+//! names are defined in `kvc-core`).
 //!
 //! - `round-robin`: the next healthy prefill worker after the last one chosen (by id, wrapping).
 //! - `d-health-aware`: the lowest joint cost given the target D (chosen first):
@@ -19,60 +20,7 @@ use crate::error::PolicyError;
 use crate::index::BlockView;
 use crate::round_robin;
 use crate::route::Ctx;
-use kvc_core::{BlockSize, StableName, UnknownName, WorkerId, WorkerRole};
-use serde::{Deserialize, Serialize};
-use std::fmt;
-use std::str::FromStr;
-
-/// How the prefill worker of a P→D path is chosen (stable names `round-robin`,
-/// `d-health-aware`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum PrefillPolicy {
-    /// The next healthy prefill worker in id order, blind to D (the reference baseline).
-    RoundRobin,
-    /// Joint cost of the P's in-flight transfers and the target D's queue (see the module docs).
-    DHealthAware,
-}
-
-impl StableName for PrefillPolicy {
-    const ALL: &'static [Self] = &[PrefillPolicy::RoundRobin, PrefillPolicy::DHealthAware];
-    const KIND: &'static str = "prefill policy";
-    fn as_str(self) -> &'static str {
-        match self {
-            PrefillPolicy::RoundRobin => "round-robin",
-            PrefillPolicy::DHealthAware => "d-health-aware",
-        }
-    }
-}
-
-impl fmt::Display for PrefillPolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for PrefillPolicy {
-    type Err = UnknownName;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::from_name(s).ok_or_else(|| UnknownName {
-            kind: Self::KIND,
-            name: s.to_owned(),
-            expected: Self::ALL
-                .iter()
-                .map(|v| v.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-        })
-    }
-}
-
-impl PrefillPolicy {
-    /// The policy with this stable name.
-    pub fn parse(name: &str) -> Result<Self, PolicyError> {
-        Self::from_name(name).ok_or_else(|| PolicyError::UnknownPrefillPolicy(name.to_owned()))
-    }
-}
+use kvc_core::{BlockSize, PrefillPolicy, WorkerId, WorkerRole};
 
 /// Chooses the prefill worker for a P→D path to `decode`; appends the prefill score entries.
 /// Returns the worker and the tokens of the request its prefix cache holds, as the router

@@ -14,9 +14,9 @@ use crate::config::check_backpressure;
 use crate::decision::{Decision, ScoreEntry};
 use crate::error::PolicyError;
 use crate::index::{BlockView, WorkerSet};
-use crate::prefill::{self, PrefillPolicy};
+use crate::prefill;
 use crate::route::{Ctx, Knobs, Plan};
-use kvc_core::{BlockSize, WorkerId, WorkerRole};
+use kvc_core::{BlockSize, PrefillPolicy, WorkerId, WorkerRole};
 use serde::{Deserialize, Serialize};
 
 /// Configuration of `round-robin`.

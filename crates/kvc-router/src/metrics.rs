@@ -1,5 +1,7 @@
-//! Router metrics: lock-free counters, a decision-latency histogram, and the Prometheus text
-//! exposition (format 0.0.4) served on `/metrics`.
+//! The router's metrics: counters and the decision-latency histogram, kept in a
+//! `prometheus-client` [`Registry`] and recorded lock-free, plus the Prometheus text exposition
+//! (format 0.0.4, [`CONTENT_TYPE`]) served on `/metrics`. The gauges read from live state at
+//! scrape time ([`Gauges`]) are registered afresh for each scrape (`metrics/scrape.rs`).
 //!
 //! | metric | type | labels |
 //! |---|---|---|
@@ -28,15 +30,31 @@
 //! | `kvc_router_http_health_checks_total` | counter | `result` (`ok`, `failed`) |
 //! | `kvc_router_http_admission_rejects_total` | counter | — (answers `503` + `x-kvc-admission: rejected` from a decode worker) |
 //! | `kvc_router_http_inferred_sessions_total` | counter | `result` (`continued`: a request without a session key continued a known session; `new`: it started an inferred session) |
+//!
+//! Every label value of a counter exists from the start (at zero). Counters are registered
+//! without their `_total` suffix, which the encoder appends; help texts without their final
+//! full stop, which the registry appends.
 
-use crate::http::BreakerState;
-use kvc_core::{ExecutionMode, FallThroughReason, Health, Outcome, StableName, WorkerRole};
-use kvc_core::{WorkerId, WorkerState};
+mod scrape;
+
+pub use kvc_core::{CommitKind, ProbeKind};
+pub use scrape::{Gauges, WorkerSample};
+
+use kvc_core::{
+    BreakerState, ExecutionMode, FallThroughReason, Forgotten, Outcome, StableName, WorkerId,
+};
 use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+/// The `Content-Type` of the exposition [`Metrics::render`] writes (Prometheus text format
+/// 0.0.4).
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
 /// Upper bounds of the latency histogram buckets, in seconds (`+Inf` is implicit).
 pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
@@ -44,76 +62,12 @@ pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 
-const MODES: usize = 5;
+const MODES: usize = ExecutionMode::ALL.len();
 const REASONS: usize = 1 + FallThroughReason::ALL.len(); // "none", then each reason
-const OUTCOMES: usize = 6;
+/// The label of a decision without a fall-through reason (direct, or a session's first turn).
+const NO_REASON: &str = "none";
 
-/// The result of one admission probe, as counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProbeKind {
-    /// The snapshot is fresh and has room.
-    Admit,
-    /// The snapshot is fresh and has no room.
-    Reject,
-    /// The snapshot is stale (or was never published).
-    Stale,
-    /// Every read attempt overlapped a publish.
-    Contended,
-    /// No snapshot: answered from the last polled state.
-    State,
-}
-
-impl ProbeKind {
-    const ALL: [ProbeKind; 5] = [
-        ProbeKind::Admit,
-        ProbeKind::Reject,
-        ProbeKind::Stale,
-        ProbeKind::Contended,
-        ProbeKind::State,
-    ];
-
-    fn label(self) -> &'static str {
-        match self {
-            ProbeKind::Admit => "admit",
-            ProbeKind::Reject => "reject",
-            ProbeKind::Stale => "stale",
-            ProbeKind::Contended => "contended",
-            ProbeKind::State => "state",
-        }
-    }
-}
-
-/// The result of one `CommitEvict`, as counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CommitKind {
-    /// The worker made room.
-    Admitted,
-    /// The worker could not make room.
-    Rejected,
-    /// The worker's commit queue was full.
-    Busy,
-    /// The worker did not answer or failed.
-    Error,
-}
-
-impl CommitKind {
-    const ALL: [CommitKind; 4] = [
-        CommitKind::Admitted,
-        CommitKind::Rejected,
-        CommitKind::Busy,
-        CommitKind::Error,
-    ];
-
-    fn label(self) -> &'static str {
-        match self {
-            CommitKind::Admitted => "admitted",
-            CommitKind::Rejected => "rejected",
-            CommitKind::Busy => "busy",
-            CommitKind::Error => "error",
-        }
-    }
-}
-
+/// The gRPC codes `Route` fails with, in label order; any other code counts as `internal`.
 const ERROR_CODES: [tonic::Code; 7] = [
     tonic::Code::InvalidArgument,
     tonic::Code::NotFound,
@@ -136,53 +90,101 @@ fn code_label(code: tonic::Code) -> &'static str {
     }
 }
 
-/// One worker as the metrics report it.
-#[derive(Debug, Clone)]
-pub struct WorkerSample {
-    /// The worker.
-    pub id: WorkerId,
-    /// Its display name.
-    pub name: String,
-    /// Its role.
-    pub role: WorkerRole,
-    /// Its last known state (health included).
-    pub state: WorkerState,
+/// The labels of `kvc_router_decisions_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DecisionLabels {
+    mode: &'static str,
+    reason: &'static str,
 }
 
-/// Gauges read at scrape time.
-#[derive(Debug, Clone, Default)]
-pub struct Gauges {
-    /// Every worker.
-    pub workers: Vec<WorkerSample>,
-    /// Sessions in the session table.
-    pub sessions_tracked: usize,
-    /// Decisions awaiting an outcome report.
-    pub pending_decisions: usize,
+// The families with one label: `code`, `result`, `outcome`, `cause` or `to`.
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct CodeLabel {
+    code: &'static str,
 }
 
-/// The router's counters and histograms. Recording is lock-free except for the quantile
-/// histogram (one short uncontended-in-practice lock per decision).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct CauseLabel {
+    cause: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ToLabel {
+    to: &'static str,
+}
+
+/// Registers a counter family whose label sets are all known up front, creates every series
+/// (so each is exposed at zero before its first count) and returns their handles in the
+/// order of `labels`: counting through a handle takes no lock.
+fn counter_family<S, const N: usize>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    labels: [S; N],
+) -> [Counter; N]
+where
+    S: Clone + std::hash::Hash + Eq + EncodeLabelSet + std::fmt::Debug + Send + Sync + 'static,
+{
+    let family = Family::<S, Counter>::default();
+    let handles = labels.map(|l| family.get_or_create_owned(&l));
+    registry.register(name, help, family);
+    handles
+}
+
+/// Registers a counter without labels and returns its handle.
+fn counter(registry: &mut Registry, name: &str, help: &str) -> Counter {
+    let c = Counter::default();
+    registry.register(name, help, c.clone());
+    c
+}
+
+/// Where a value sits in a stable-name enum's `ALL` (the index of its counter handle).
+fn position<T: StableName + PartialEq>(value: T) -> usize {
+    T::ALL.iter().position(|v| *v == value).unwrap_or(0)
+}
+
+fn reason_index(r: Option<FallThroughReason>) -> usize {
+    r.map_or(0, |r| 1 + position(r))
+}
+
+/// The router's counters and histograms. Recording is lock-free (each counter is an atomic
+/// shared with the registry) except for the latency histograms and the breaker table (one
+/// short, uncontended-in-practice lock each).
 #[derive(Debug)]
 pub struct Metrics {
-    decisions: [[AtomicU64; REASONS]; MODES],
-    route_errors: [AtomicU64; ERROR_CODES.len()],
-    latency_buckets: [AtomicU64; LATENCY_BUCKETS_SECONDS.len() + 1],
-    latency_sum_ns: AtomicU64,
-    latency_count: AtomicU64,
+    registry: Registry,
+    decisions: [[Counter; REASONS]; MODES],
+    route_errors: [Counter; ERROR_CODES.len()],
+    latency: Histogram,
+    /// The same latencies at 3 significant figures, for the quantile gauges and
+    /// [`Metrics::decision_latency`].
     latency_hist: Mutex<hdrhistogram::Histogram<u64>>,
-    probes: [AtomicU64; 5],
-    reroutes: AtomicU64,
-    commits: [AtomicU64; 4],
-    outcomes: [AtomicU64; OUTCOMES],
-    forgotten_expired: AtomicU64,
-    forgotten_evicted: AtomicU64,
-    pending_dropped: AtomicU64,
+    probes: [Counter; ProbeKind::ALL.len()],
+    reroutes: Counter,
+    commits: [Counter; CommitKind::ALL.len()],
+    outcomes: [Counter; Outcome::ALL.len()],
+    forgotten: [Counter; Forgotten::ALL.len()],
+    pending_dropped: Counter,
+    /// Each worker's breaker state as last recorded, by worker id (exposed at scrape time).
     breaker_states: Mutex<BTreeMap<u32, BreakerState>>,
-    breaker_transitions: [AtomicU64; 3],
-    http_retries: AtomicU64,
-    health_checks: [AtomicU64; 2],
-    http_admission_rejects: AtomicU64,
-    inferred_sessions: [AtomicU64; 2],
+    breaker_transitions: [Counter; BreakerState::ALL.len()],
+    http_retries: Counter,
+    /// `ok`, then `failed`.
+    health_checks: [Counter; 2],
+    http_admission_rejects: Counter,
+    /// `continued`, then `new`.
+    inferred_sessions: [Counter; 2],
 }
 
 impl Default for Metrics {
@@ -191,77 +193,168 @@ impl Default for Metrics {
     }
 }
 
-fn mode_index(m: ExecutionMode) -> usize {
-    ExecutionMode::ALL.iter().position(|x| *x == m).unwrap_or(0)
-}
-
-fn reason_index(r: Option<FallThroughReason>) -> usize {
-    r.map_or(0, |r| {
-        1 + FallThroughReason::ALL
-            .iter()
-            .position(|x| *x == r)
-            .unwrap_or(0)
-    })
-}
-
 impl Metrics {
     /// All counters at zero.
     pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let r = &mut registry;
+        let decision_labels: [[DecisionLabels; REASONS]; MODES] = std::array::from_fn(|mi| {
+            std::array::from_fn(|ri| DecisionLabels {
+                mode: ExecutionMode::ALL[mi].as_str(),
+                reason: if ri == 0 {
+                    NO_REASON
+                } else {
+                    FallThroughReason::ALL[ri - 1].as_str()
+                },
+            })
+        });
+        let family = Family::<DecisionLabels, Counter>::default();
+        let decisions = decision_labels.map(|row| row.map(|l| family.get_or_create_owned(&l)));
+        r.register(
+            "kvc_router_decisions",
+            "Routing decisions by execution mode and fall-through reason",
+            family,
+        );
+        let route_errors = counter_family(
+            r,
+            "kvc_router_route_errors",
+            "Route calls that failed, by gRPC status code",
+            ERROR_CODES.map(|c| CodeLabel {
+                code: code_label(c),
+            }),
+        );
+        let latency = Histogram::new(LATENCY_BUCKETS_SECONDS.iter().copied());
+        r.register(
+            "kvc_router_decision_latency_seconds",
+            "Time to decide one Route call inside the router (validation, policy, probe, re-route)",
+            latency.clone(),
+        );
+        let probes = counter_family(
+            r,
+            "kvc_router_probes",
+            "Admission probes of decode-worker snapshots, by result",
+            std::array::from_fn(|i| ResultLabel {
+                result: ProbeKind::ALL[i].as_str(),
+            }),
+        );
+        let reroutes = counter(
+            r,
+            "kvc_router_probe_reroutes",
+            "Requests re-routed through a prefill worker after a probe could not admit them",
+        );
+        let commits = counter_family(
+            r,
+            "kvc_router_commit_evicts",
+            "CommitEvict calls forwarded to workers, by result",
+            std::array::from_fn(|i| ResultLabel {
+                result: CommitKind::ALL[i].as_str(),
+            }),
+        );
+        let outcomes = counter_family(
+            r,
+            "kvc_router_outcomes",
+            "Outcomes reported for routed requests",
+            std::array::from_fn(|i| OutcomeLabel {
+                outcome: Outcome::ALL[i].as_str(),
+            }),
+        );
+        let forgotten = counter_family(
+            r,
+            "kvc_router_sessions_forgotten",
+            "Sessions dropped from the table, by cause",
+            std::array::from_fn(|i| CauseLabel {
+                cause: Forgotten::ALL[i].as_str(),
+            }),
+        );
+        let pending_dropped = counter(
+            r,
+            "kvc_router_pending_dropped",
+            "Decisions dropped unreported (pending table full)",
+        );
+        let breaker_transitions = counter_family(
+            r,
+            "kvc_router_http_breaker_transitions",
+            "Circuit-breaker transitions, by the state entered",
+            std::array::from_fn(|i| ToLabel {
+                to: BreakerState::ALL[i].as_str(),
+            }),
+        );
+        let http_retries = counter(
+            r,
+            "kvc_router_http_retries",
+            "HTTP requests forwarded again after a failure before any byte reached the client",
+        );
+        let health_checks = counter_family(
+            r,
+            "kvc_router_http_health_checks",
+            "Active health checks of the workers' /health, by result",
+            [
+                ResultLabel { result: "ok" },
+                ResultLabel { result: "failed" },
+            ],
+        );
+        let http_admission_rejects = counter(
+            r,
+            "kvc_router_http_admission_rejects",
+            "Requests a decode worker's admission refused over HTTP (503 with x-kvc-admission: rejected)",
+        );
+        let inferred_sessions = counter_family(
+            r,
+            "kvc_router_http_inferred_sessions",
+            "Requests without a session key placed in an inferred session, by result",
+            [
+                ResultLabel {
+                    result: "continued",
+                },
+                ResultLabel { result: "new" },
+            ],
+        );
         // 1 ns to 60 s at 3 significant figures.
         let hist = hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 3)
             .expect("constant histogram bounds are valid");
         Metrics {
-            decisions: Default::default(),
-            route_errors: Default::default(),
-            latency_buckets: Default::default(),
-            latency_sum_ns: AtomicU64::new(0),
-            latency_count: AtomicU64::new(0),
+            registry,
+            decisions,
+            route_errors,
+            latency,
             latency_hist: Mutex::new(hist),
-            probes: Default::default(),
-            reroutes: AtomicU64::new(0),
-            commits: Default::default(),
-            outcomes: Default::default(),
-            forgotten_expired: AtomicU64::new(0),
-            forgotten_evicted: AtomicU64::new(0),
-            pending_dropped: AtomicU64::new(0),
+            probes,
+            reroutes,
+            commits,
+            outcomes,
+            forgotten,
+            pending_dropped,
             breaker_states: Mutex::new(BTreeMap::new()),
-            breaker_transitions: Default::default(),
-            http_retries: AtomicU64::new(0),
-            health_checks: Default::default(),
-            http_admission_rejects: AtomicU64::new(0),
-            inferred_sessions: Default::default(),
+            breaker_transitions,
+            http_retries,
+            health_checks,
+            http_admission_rejects,
+            inferred_sessions,
         }
     }
 
     /// Counts a decision.
     pub fn record_decision(&self, mode: ExecutionMode, reason: Option<FallThroughReason>) {
-        self.decisions[mode_index(mode)][reason_index(reason)].fetch_add(1, Ordering::Relaxed);
+        self.decisions[position(mode)][reason_index(reason)].inc();
     }
 
     /// Decisions counted with this mode and reason.
     pub fn decisions(&self, mode: ExecutionMode, reason: Option<FallThroughReason>) -> u64 {
-        self.decisions[mode_index(mode)][reason_index(reason)].load(Ordering::Relaxed)
+        self.decisions[position(mode)][reason_index(reason)].get()
     }
 
     /// Counts a failed `Route`.
     pub fn record_route_error(&self, code: tonic::Code) {
         let label = code_label(code);
         if let Some(i) = ERROR_CODES.iter().position(|c| code_label(*c) == label) {
-            self.route_errors[i].fetch_add(1, Ordering::Relaxed);
+            self.route_errors[i].inc();
         }
     }
 
     /// Records the latency of one decision.
     pub fn record_latency(&self, elapsed: Duration) {
-        let secs = elapsed.as_secs_f64();
-        let bucket = LATENCY_BUCKETS_SECONDS
-            .iter()
-            .position(|le| secs <= *le)
-            .unwrap_or(LATENCY_BUCKETS_SECONDS.len());
-        self.latency_buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        self.latency.observe(elapsed.as_secs_f64());
         let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
-        self.latency_sum_ns.fetch_add(ns, Ordering::Relaxed);
-        self.latency_count.fetch_add(1, Ordering::Relaxed);
         self.latency_hist.lock().saturating_record(ns.max(1));
     }
 
@@ -276,56 +369,53 @@ impl Metrics {
 
     /// Decisions whose latency was recorded.
     pub fn decision_count(&self) -> u64 {
-        self.latency_count.load(Ordering::Relaxed)
+        self.latency_hist.lock().len()
     }
 
     /// Counts a probe.
     pub fn record_probe(&self, kind: ProbeKind) {
-        let i = ProbeKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
-        self.probes[i].fetch_add(1, Ordering::Relaxed);
+        self.probes[position(kind)].inc();
     }
 
     /// Probes counted with this result.
     pub fn probes(&self, kind: ProbeKind) -> u64 {
-        let i = ProbeKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
-        self.probes[i].load(Ordering::Relaxed)
+        self.probes[position(kind)].get()
     }
 
     /// Counts a re-route after a probe reject.
     pub fn record_reroute(&self) {
-        self.reroutes.fetch_add(1, Ordering::Relaxed);
+        self.reroutes.inc();
     }
 
     /// Counts a `CommitEvict`.
     pub fn record_commit(&self, kind: CommitKind) {
-        let i = CommitKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
-        self.commits[i].fetch_add(1, Ordering::Relaxed);
+        self.commits[position(kind)].inc();
     }
 
     /// Counts an outcome report.
     pub fn record_outcome(&self, outcome: Outcome) {
-        let i = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
-        self.outcomes[i].fetch_add(1, Ordering::Relaxed);
+        self.outcomes[position(outcome)].inc();
     }
 
     /// Counts sessions leaving the table (`expired` by TTL or `evicted` by the bound).
     pub fn record_forgotten(&self, expired: u64, evicted: u64) {
-        self.forgotten_expired.fetch_add(expired, Ordering::Relaxed);
-        self.forgotten_evicted.fetch_add(evicted, Ordering::Relaxed);
+        self.forgotten[position(Forgotten::Expired)].inc_by(expired);
+        self.forgotten[position(Forgotten::Evicted)].inc_by(evicted);
     }
 
     /// Counts pending decisions dropped unreported.
     pub fn record_pending_dropped(&self, n: u64) {
-        self.pending_dropped.fetch_add(n, Ordering::Relaxed);
+        self.pending_dropped.inc_by(n);
     }
 
-    /// Sets `worker`'s circuit-breaker state; a change of state is counted as a transition.
+    /// Sets `worker`'s circuit-breaker state; a change of state is counted as a transition (so
+    /// is a first state other than `closed`).
     pub fn record_breaker_state(&self, worker: WorkerId, state: BreakerState) {
         let previous = self.breaker_states.lock().insert(worker.0, state);
         if previous.is_some_and(|p| p != state)
             || (previous.is_none() && state != BreakerState::Closed)
         {
-            self.breaker_transitions[state.index()].fetch_add(1, Ordering::Relaxed);
+            self.breaker_transitions[position(state)].inc();
         }
     }
 
@@ -337,395 +427,68 @@ impl Metrics {
 
     /// Circuit-breaker transitions into `state` so far.
     pub fn breaker_transitions(&self, state: BreakerState) -> u64 {
-        self.breaker_transitions[state.index()].load(Ordering::Relaxed)
+        self.breaker_transitions[position(state)].get()
     }
 
     /// Counts one HTTP request forwarded again after a failure.
     pub fn record_http_retry(&self) {
-        self.http_retries.fetch_add(1, Ordering::Relaxed);
+        self.http_retries.inc();
     }
 
     /// HTTP requests forwarded again after a failure so far.
     pub fn http_retries(&self) -> u64 {
-        self.http_retries.load(Ordering::Relaxed)
+        self.http_retries.get()
     }
 
     /// Counts one active health check of a worker's `/health`.
     pub fn record_health_check(&self, ok: bool) {
-        self.health_checks[usize::from(!ok)].fetch_add(1, Ordering::Relaxed);
+        self.health_checks[usize::from(!ok)].inc();
     }
 
     /// Active health checks so far that succeeded (`ok`) or failed.
     pub fn health_checks(&self, ok: bool) -> u64 {
-        self.health_checks[usize::from(!ok)].load(Ordering::Relaxed)
+        self.health_checks[usize::from(!ok)].get()
     }
 
     /// Counts one refusal by a decode worker's admission over HTTP (`503` with
     /// `x-kvc-admission: rejected`).
     pub fn record_http_admission_reject(&self) {
-        self.http_admission_rejects.fetch_add(1, Ordering::Relaxed);
+        self.http_admission_rejects.inc();
     }
 
     /// Refusals by decode workers' admission over HTTP so far.
     pub fn http_admission_rejects(&self) -> u64 {
-        self.http_admission_rejects.load(Ordering::Relaxed)
+        self.http_admission_rejects.get()
     }
 
     /// Counts one request without a session key placed in an inferred session: `continued` a
     /// known session, or started a new one.
     pub fn record_inferred_session(&self, continued: bool) {
-        self.inferred_sessions[usize::from(!continued)].fetch_add(1, Ordering::Relaxed);
+        self.inferred_sessions[usize::from(!continued)].inc();
     }
 
     /// Requests without a session key that continued a known session (`continued`) or started
     /// an inferred one, so far.
     pub fn inferred_sessions(&self, continued: bool) -> u64 {
-        self.inferred_sessions[usize::from(!continued)].load(Ordering::Relaxed)
+        self.inferred_sessions[usize::from(!continued)].get()
     }
 
-    /// The Prometheus text exposition (format 0.0.4) of every metric.
+    /// Every circuit breaker's state as last recorded, by worker id.
+    pub(crate) fn breaker_states(&self) -> BTreeMap<u32, BreakerState> {
+        self.breaker_states.lock().clone()
+    }
+
+    /// The Prometheus text exposition (format 0.0.4, [`CONTENT_TYPE`]) of every metric: the
+    /// counters and the histogram, then the gauges read from `gauges` and from the latency and
+    /// breaker tables now.
     pub fn render(&self, gauges: &Gauges) -> String {
-        let mut out = String::with_capacity(8 * 1024);
-        let o = &mut out;
-
-        header(
-            o,
-            "kvc_router_decisions_total",
-            "counter",
-            "Routing decisions by execution mode and fall-through reason.",
-        );
-        for (mi, mode) in ExecutionMode::ALL.iter().enumerate() {
-            for ri in 0..REASONS {
-                let reason = if ri == 0 {
-                    "none"
-                } else {
-                    FallThroughReason::ALL[ri - 1].as_str()
-                };
-                let v = self.decisions[mi][ri].load(Ordering::Relaxed);
-                let _ = writeln!(
-                    o,
-                    "kvc_router_decisions_total{{mode=\"{}\",reason=\"{reason}\"}} {v}",
-                    mode.as_str()
-                );
-            }
+        let mut out = String::with_capacity(16 * 1024);
+        let scraped = scrape::registry(self, gauges);
+        for registry in [&self.registry, &scraped] {
+            prometheus_client::encoding::prometheus_text::encode(&mut out, registry)
+                .expect("encoding into a String does not fail");
         }
-
-        counter_family(
-            o,
-            "kvc_router_route_errors_total",
-            "Route calls that failed, by gRPC status code.",
-            "code",
-            ERROR_CODES.iter().map(|c| code_label(*c)),
-            &self.route_errors,
-        );
-
-        header(
-            o,
-            "kvc_router_decision_latency_seconds",
-            "histogram",
-            "Time to decide one Route call inside the router (validation, policy, probe, re-route).",
-        );
-        let mut cumulative = 0u64;
-        for (i, le) in LATENCY_BUCKETS_SECONDS.iter().enumerate() {
-            cumulative += self.latency_buckets[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                o,
-                "kvc_router_decision_latency_seconds_bucket{{le=\"{le}\"}} {cumulative}"
-            );
-        }
-        cumulative += self.latency_buckets[LATENCY_BUCKETS_SECONDS.len()].load(Ordering::Relaxed);
-        let _ = writeln!(
-            o,
-            "kvc_router_decision_latency_seconds_bucket{{le=\"+Inf\"}} {cumulative}"
-        );
-        let sum = self.latency_sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(o, "kvc_router_decision_latency_seconds_sum {sum}");
-        let _ = writeln!(o, "kvc_router_decision_latency_seconds_count {cumulative}");
-
-        header(
-            o,
-            "kvc_router_decision_latency_quantile_seconds",
-            "gauge",
-            "Decision latency quantiles since start, from the router's HDR histogram.",
-        );
-        for q in [0.5, 0.99, 0.999] {
-            let v = self.decision_latency(q).as_secs_f64();
-            let _ = writeln!(
-                o,
-                "kvc_router_decision_latency_quantile_seconds{{quantile=\"{q}\"}} {v}"
-            );
-        }
-
-        counter_family(
-            o,
-            "kvc_router_probes_total",
-            "Admission probes of decode-worker snapshots, by result.",
-            "result",
-            ProbeKind::ALL.iter().map(|k| k.label()),
-            &self.probes,
-        );
-        header(
-            o,
-            "kvc_router_probe_reroutes_total",
-            "counter",
-            "Requests re-routed through a prefill worker after a probe could not admit them.",
-        );
-        let _ = writeln!(
-            o,
-            "kvc_router_probe_reroutes_total {}",
-            self.reroutes.load(Ordering::Relaxed)
-        );
-
-        counter_family(
-            o,
-            "kvc_router_commit_evicts_total",
-            "CommitEvict calls forwarded to workers, by result.",
-            "result",
-            CommitKind::ALL.iter().map(|k| k.label()),
-            &self.commits,
-        );
-
-        counter_family(
-            o,
-            "kvc_router_outcomes_total",
-            "Outcomes reported for routed requests.",
-            "outcome",
-            Outcome::ALL.iter().map(|x| x.as_str()),
-            &self.outcomes,
-        );
-
-        header(
-            o,
-            "kvc_router_sessions_tracked",
-            "gauge",
-            "Sessions in the router's session table.",
-        );
-        let _ = writeln!(o, "kvc_router_sessions_tracked {}", gauges.sessions_tracked);
-        header(
-            o,
-            "kvc_router_sessions_forgotten_total",
-            "counter",
-            "Sessions dropped from the table, by cause.",
-        );
-        let _ = writeln!(
-            o,
-            "kvc_router_sessions_forgotten_total{{cause=\"expired\"}} {}",
-            self.forgotten_expired.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            o,
-            "kvc_router_sessions_forgotten_total{{cause=\"evicted\"}} {}",
-            self.forgotten_evicted.load(Ordering::Relaxed)
-        );
-        header(
-            o,
-            "kvc_router_pending_decisions",
-            "gauge",
-            "Decisions awaiting an outcome report.",
-        );
-        let _ = writeln!(
-            o,
-            "kvc_router_pending_decisions {}",
-            gauges.pending_decisions
-        );
-        header(
-            o,
-            "kvc_router_pending_dropped_total",
-            "counter",
-            "Decisions dropped unreported (pending table full).",
-        );
-        let _ = writeln!(
-            o,
-            "kvc_router_pending_dropped_total {}",
-            self.pending_dropped.load(Ordering::Relaxed)
-        );
-
-        header(
-            o,
-            "kvc_router_http_breaker_state",
-            "gauge",
-            "Circuit-breaker state of each worker the HTTP front has used (1 for the current state).",
-        );
-        for (worker, current) in self.breaker_states.lock().iter() {
-            for state in BreakerState::ALL {
-                let v = u8::from(state == *current);
-                let _ = writeln!(
-                    o,
-                    "kvc_router_http_breaker_state{{worker=\"{worker}\",state=\"{}\"}} {v}",
-                    state.as_str()
-                );
-            }
-        }
-        header(
-            o,
-            "kvc_router_http_breaker_transitions_total",
-            "counter",
-            "Circuit-breaker transitions, by the state entered.",
-        );
-        for state in BreakerState::ALL {
-            let v = self.breaker_transitions[state.index()].load(Ordering::Relaxed);
-            let _ = writeln!(
-                o,
-                "kvc_router_http_breaker_transitions_total{{to=\"{}\"}} {v}",
-                state.as_str()
-            );
-        }
-        header(
-            o,
-            "kvc_router_http_retries_total",
-            "counter",
-            "HTTP requests forwarded again after a failure before any byte reached the client.",
-        );
-        let _ = writeln!(
-            o,
-            "kvc_router_http_retries_total {}",
-            self.http_retries.load(Ordering::Relaxed)
-        );
-        counter_family(
-            o,
-            "kvc_router_http_health_checks_total",
-            "Active health checks of the workers' /health, by result.",
-            "result",
-            ["ok", "failed"].into_iter(),
-            &self.health_checks,
-        );
-        header(
-            o,
-            "kvc_router_http_admission_rejects_total",
-            "counter",
-            "Requests a decode worker's admission refused over HTTP (503 with x-kvc-admission: rejected).",
-        );
-        let _ = writeln!(
-            o,
-            "kvc_router_http_admission_rejects_total {}",
-            self.http_admission_rejects.load(Ordering::Relaxed)
-        );
-        counter_family(
-            o,
-            "kvc_router_http_inferred_sessions_total",
-            "Requests without a session key placed in an inferred session, by result.",
-            "result",
-            ["continued", "new"].into_iter(),
-            &self.inferred_sessions,
-        );
-
-        worker_gauges(o, &gauges.workers);
         out
-    }
-}
-
-/// A counter with one label: the HELP/TYPE header, then one sample per label value
-/// (`values[i]` is the counter of the i-th label value).
-fn counter_family<'a>(
-    o: &mut String,
-    name: &str,
-    help: &str,
-    label: &str,
-    label_values: impl Iterator<Item = &'a str>,
-    values: &[AtomicU64],
-) {
-    header(o, name, "counter", help);
-    for (value, counter) in label_values.zip(values) {
-        let v = counter.load(Ordering::Relaxed);
-        let _ = writeln!(o, "{name}{{{label}=\"{value}\"}} {v}");
-    }
-}
-
-fn header(o: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(o, "# HELP {name} {help}");
-    let _ = writeln!(o, "# TYPE {name} {kind}");
-}
-
-/// Escapes a label value for the text format (`\`, `"` and newline).
-fn escape(v: &str) -> String {
-    let mut s = String::with_capacity(v.len());
-    for c in v.chars() {
-        match c {
-            '\\' => s.push_str("\\\\"),
-            '"' => s.push_str("\\\""),
-            '\n' => s.push_str("\\n"),
-            c => s.push(c),
-        }
-    }
-    s
-}
-
-fn worker_gauges(o: &mut String, workers: &[WorkerSample]) {
-    type Getter = fn(&WorkerState) -> f64;
-    let series: [(&str, &str, Getter); 6] = [
-        (
-            "kvc_router_worker_capacity_tokens",
-            "KV pool size of each worker, in tokens.",
-            |s| s.capacity_tokens as f64,
-        ),
-        (
-            "kvc_router_worker_used_tokens",
-            "KV tokens used on each worker, as last published.",
-            |s| s.used_tokens as f64,
-        ),
-        (
-            "kvc_router_worker_used_fraction",
-            "Used fraction of each worker's KV pool, as last published.",
-            |s| s.used_fraction(),
-        ),
-        (
-            "kvc_router_worker_queue_depth",
-            "Queue depth of each worker, as last published.",
-            |s| f64::from(s.queue_depth),
-        ),
-        (
-            "kvc_router_worker_in_flight",
-            "Requests running on each worker, as last published.",
-            |s| f64::from(s.in_flight),
-        ),
-        (
-            "kvc_router_worker_state_age_seconds",
-            "Age of each worker's last published state (staleness).",
-            |s| {
-                if s.state_age_ms == u64::MAX {
-                    f64::INFINITY
-                } else {
-                    s.state_age_ms as f64 / 1e3
-                }
-            },
-        ),
-    ];
-    for (name, help, get) in series {
-        header(o, name, "gauge", help);
-        for w in workers {
-            let v = get(&w.state);
-            let v = if v.is_infinite() {
-                "+Inf".to_owned()
-            } else {
-                v.to_string()
-            };
-            let _ = writeln!(
-                o,
-                "{name}{{worker=\"{}\",name=\"{}\",role=\"{}\"}} {v}",
-                w.id.0,
-                escape(&w.name),
-                w.role.as_str()
-            );
-        }
-    }
-    header(
-        o,
-        "kvc_router_worker_health",
-        "gauge",
-        "1 for each worker's current health (healthy workers are in rotation), 0 otherwise.",
-    );
-    for w in workers {
-        for h in Health::ALL {
-            let v = u8::from(w.state.health == *h);
-            let _ = writeln!(
-                o,
-                "kvc_router_worker_health{{worker=\"{}\",name=\"{}\",role=\"{}\",health=\"{}\"}} {v}",
-                w.id.0,
-                escape(&w.name),
-                w.role.as_str(),
-                h.as_str()
-            );
-        }
     }
 }
 
@@ -740,19 +503,16 @@ mod tests {
             m.record_latency(Duration::from_micros(us));
         }
         let text = m.render(&Gauges::default());
-        assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"0.000005\"} 1\n"));
-        assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"0.00005\"} 4\n"));
+        // Bounds below 1e-4 are written as Go's `strconv.FormatFloat` does (`5e-06`).
+        assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"5e-06\"} 1\n"));
+        assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"5e-05\"} 4\n"));
+        assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"0.001\"} 4\n"));
         assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"1\"} 4\n"));
         assert!(text.contains("kvc_router_decision_latency_seconds_bucket{le=\"+Inf\"} 5\n"));
         assert!(text.contains("kvc_router_decision_latency_seconds_count 5\n"));
         assert!(m.decision_latency(0.5) <= m.decision_latency(0.99));
         assert!(m.decision_latency(0.99) >= Duration::from_secs(1));
         assert_eq!(m.decision_count(), 5);
-    }
-
-    #[test]
-    fn label_values_are_escaped() {
-        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 
     #[test]
@@ -772,5 +532,49 @@ mod tests {
         assert!(
             text.contains("kvc_router_decisions_total{mode=\"direct-to-d\",reason=\"none\"} 2\n")
         );
+        // Every combination is exposed from the start.
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("kvc_router_decisions_total{"))
+            .count();
+        assert_eq!(series, MODES * REASONS);
+    }
+
+    #[test]
+    fn counters_keep_their_names_help_and_type() {
+        let m = Metrics::new();
+        m.record_reroute();
+        m.record_forgotten(2, 1);
+        let text = m.render(&Gauges::default());
+        assert!(text.contains(
+            "# HELP kvc_router_probe_reroutes_total Requests re-routed through a prefill worker \
+             after a probe could not admit them.\n\
+             # TYPE kvc_router_probe_reroutes_total counter\n\
+             kvc_router_probe_reroutes_total 1\n"
+        ));
+        assert!(text.contains("kvc_router_sessions_forgotten_total{cause=\"expired\"} 2\n"));
+        assert!(text.contains("kvc_router_sessions_forgotten_total{cause=\"evicted\"} 1\n"));
+        assert!(!text.contains("_total_total"));
+        assert!(!text.contains(".."), "help texts end with one full stop");
+        assert!(!text.contains("# EOF"));
+    }
+
+    #[test]
+    fn breaker_transitions_count_changes_only() {
+        let m = Metrics::new();
+        m.record_breaker_state(WorkerId(0), BreakerState::Closed);
+        m.record_breaker_state(WorkerId(1), BreakerState::Open);
+        m.record_breaker_state(WorkerId(1), BreakerState::Open);
+        m.record_breaker_state(WorkerId(1), BreakerState::HalfOpen);
+        assert_eq!(m.breaker_transitions(BreakerState::Closed), 0);
+        assert_eq!(m.breaker_transitions(BreakerState::Open), 1);
+        assert_eq!(m.breaker_transitions(BreakerState::HalfOpen), 1);
+        let text = m.render(&Gauges::default());
+        assert!(text.contains("kvc_router_http_breaker_transitions_total{to=\"half-open\"} 1\n"));
+        assert!(
+            text.contains("kvc_router_http_breaker_state{worker=\"1\",state=\"half-open\"} 1\n")
+        );
+        assert!(text.contains("kvc_router_http_breaker_state{worker=\"1\",state=\"open\"} 0\n"));
+        assert!(text.contains("kvc_router_http_breaker_state{worker=\"0\",state=\"closed\"} 1\n"));
     }
 }

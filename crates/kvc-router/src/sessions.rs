@@ -5,17 +5,9 @@
 //! the TTL, or least recently seen beyond the bound), which the router then drops from its
 //! [`kvc_policy::RouterState`] with `forget_session`.
 
+pub use kvc_core::Forgotten;
 use kvc_core::SessionId;
 use std::collections::{BTreeSet, HashMap};
-
-/// Why a session left the table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Forgotten {
-    /// Not seen for longer than the TTL.
-    Expired,
-    /// The least recently seen session when the table was over its bound.
-    Evicted,
-}
 
 /// Sessions with their last-seen time, bounded by a TTL and a maximum count.
 ///

@@ -5,46 +5,10 @@ use super::SimError;
 use super::metrics::RunConfig;
 use super::profile::Profile;
 use crate::trace::Trace;
-use kvc_admission::EvictionConfig;
 use kvc_core::{StableName, Topology};
 use kvc_policy::PolicyConfig;
-use serde::{Deserialize, Serialize};
 
-/// How decode workers evict.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum EvictionMode {
-    /// Only idle sessions, least recently used first (the reference engine).
-    IdleLru,
-    /// Idle, then cold sessions, then hot ones above the hard cap (`kvc-admission` tiers).
-    Tiered,
-}
-
-impl EvictionMode {
-    /// Stable name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EvictionMode::IdleLru => "idle-lru",
-            EvictionMode::Tiered => "tiered",
-        }
-    }
-
-    /// The planner settings of this mode.
-    pub fn config(self) -> EvictionConfig {
-        let mut cfg = EvictionConfig::default();
-        match self {
-            EvictionMode::IdleLru => {
-                cfg.allow_cold = false;
-                cfg.allow_hot = false;
-            }
-            EvictionMode::Tiered => {
-                cfg.allow_cold = true;
-                cfg.allow_hot = true;
-            }
-        }
-        cfg
-    }
-}
+pub use kvc_core::EvictionMode;
 
 /// Everything a run depends on besides the trace.
 #[derive(Debug, Clone)]

@@ -94,7 +94,7 @@ pub fn run(
     let engine = Engine::new(
         cfg.profile.clone(),
         EngineOptions {
-            eviction: cfg.eviction.config(),
+            eviction: cfg.eviction.into(),
             block_size: trace.block_size(),
         },
         &roles,

@@ -9,43 +9,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// The state of one worker's circuit breaker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BreakerState {
-    /// Requests flow; consecutive failures are counted.
-    Closed,
-    /// Out of rotation until the cool-down ends.
-    Open,
-    /// The cool-down ended: the worker is back in rotation for one trial request (or one
-    /// health check), whose result closes the breaker or opens it again.
-    HalfOpen,
-}
-
-impl BreakerState {
-    /// Every state, in metric order.
-    pub const ALL: [BreakerState; 3] = [
-        BreakerState::Closed,
-        BreakerState::Open,
-        BreakerState::HalfOpen,
-    ];
-
-    /// `closed`, `open` or `half-open`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BreakerState::Closed => "closed",
-            BreakerState::Open => "open",
-            BreakerState::HalfOpen => "half-open",
-        }
-    }
-
-    pub(crate) fn index(self) -> usize {
-        match self {
-            BreakerState::Closed => 0,
-            BreakerState::Open => 1,
-            BreakerState::HalfOpen => 2,
-        }
-    }
-}
+pub use kvc_core::BreakerState;
 
 /// Settings of the circuit breakers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -128,7 +128,7 @@ impl HttpWorkers {
         let engine = Engine::new(
             cfg.profile.clone(),
             EngineOptions {
-                eviction: cfg.eviction.config(),
+                eviction: cfg.eviction.into(),
                 block_size: trace.block_size(),
             },
             &roles,

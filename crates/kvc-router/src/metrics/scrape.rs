@@ -1,0 +1,275 @@
+//! Gauges read at scrape time: the workers' last known states, the session and pending tables,
+//! the decision-latency quantiles and the circuit breakers. Each scrape registers them afresh
+//! in a registry of their own from the values of that moment, so a scrape never shows a value
+//! left over from an earlier one.
+
+use super::Metrics;
+use kvc_core::{BreakerState, Health, StableName, WorkerId, WorkerRole, WorkerState};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+/// One worker as the metrics report it.
+#[derive(Debug, Clone)]
+pub struct WorkerSample {
+    /// The worker (its `worker` label).
+    pub id: WorkerId,
+    /// Its display name from the configuration (its `name` label).
+    pub name: String,
+    /// Its role (its `role` label).
+    pub role: WorkerRole,
+    /// Its last known state (health included), as the router judges it at scrape time.
+    pub state: WorkerState,
+}
+
+/// The live state a scrape reports, read by the service just before rendering.
+#[derive(Debug, Clone, Default)]
+pub struct Gauges {
+    /// Every configured worker, in id order.
+    pub workers: Vec<WorkerSample>,
+    /// Sessions in the session table.
+    pub sessions_tracked: usize,
+    /// Decisions awaiting an outcome report.
+    pub pending_decisions: usize,
+}
+
+/// The quantiles of `kvc_router_decision_latency_quantile_seconds`, with their label values.
+const QUANTILES: [(f64, &str); 3] = [(0.5, "0.5"), (0.99, "0.99"), (0.999, "0.999")];
+
+/// A gauge holding a float (seconds, fractions).
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct QuantileLabel {
+    quantile: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BreakerLabels {
+    worker: u32,
+    state: &'static str,
+}
+
+/// The labels of every per-worker gauge.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct WorkerLabels {
+    worker: u32,
+    name: String,
+    role: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct WorkerHealthLabels {
+    worker: u32,
+    name: String,
+    role: &'static str,
+    health: &'static str,
+}
+
+fn count(n: impl TryInto<i64>) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
+}
+
+/// A registry holding the scrape-time gauges of `metrics` and `gauges` as they are now.
+pub(super) fn registry(metrics: &Metrics, gauges: &Gauges) -> Registry {
+    let mut r = Registry::default();
+
+    let quantiles = Family::<QuantileLabel, FloatGauge>::default();
+    for (q, label) in QUANTILES {
+        quantiles
+            .get_or_create(&QuantileLabel { quantile: label })
+            .set(metrics.decision_latency(q).as_secs_f64());
+    }
+    r.register(
+        "kvc_router_decision_latency_quantile_seconds",
+        "Decision latency quantiles since start, from the router's HDR histogram",
+        quantiles,
+    );
+
+    let sessions = Gauge::<i64>::default();
+    sessions.set(count(gauges.sessions_tracked));
+    r.register(
+        "kvc_router_sessions_tracked",
+        "Sessions in the router's session table",
+        sessions,
+    );
+    let pending = Gauge::<i64>::default();
+    pending.set(count(gauges.pending_decisions));
+    r.register(
+        "kvc_router_pending_decisions",
+        "Decisions awaiting an outcome report",
+        pending,
+    );
+
+    let breakers = Family::<BreakerLabels, Gauge>::default();
+    for (worker, current) in metrics.breaker_states() {
+        for state in BreakerState::ALL {
+            breakers
+                .get_or_create(&BreakerLabels {
+                    worker,
+                    state: state.as_str(),
+                })
+                .set(i64::from(*state == current));
+        }
+    }
+    r.register(
+        "kvc_router_http_breaker_state",
+        "Circuit-breaker state of each worker the HTTP front has used (1 for the current state)",
+        breakers,
+    );
+
+    worker_gauges(&mut r, &gauges.workers);
+    r
+}
+
+fn worker_gauges(r: &mut Registry, workers: &[WorkerSample]) {
+    let labels = |w: &WorkerSample| WorkerLabels {
+        worker: w.id.0,
+        name: w.name.clone(),
+        role: w.role.as_str(),
+    };
+    type Count = fn(&WorkerState) -> i64;
+    let counts: [(&str, &str, Count); 2] = [
+        (
+            "kvc_router_worker_capacity_tokens",
+            "KV pool size of each worker, in tokens",
+            |s| count(s.capacity_tokens),
+        ),
+        (
+            "kvc_router_worker_used_tokens",
+            "KV tokens used on each worker, as last published",
+            |s| count(s.used_tokens),
+        ),
+    ];
+    for (name, help, get) in counts {
+        let family = Family::<WorkerLabels, Gauge>::default();
+        for w in workers {
+            family.get_or_create(&labels(w)).set(get(&w.state));
+        }
+        r.register(name, help, family);
+    }
+    let used_fraction = Family::<WorkerLabels, FloatGauge>::default();
+    for w in workers {
+        used_fraction
+            .get_or_create(&labels(w))
+            .set(w.state.used_fraction());
+    }
+    r.register(
+        "kvc_router_worker_used_fraction",
+        "Used fraction of each worker's KV pool, as last published",
+        used_fraction,
+    );
+    let loads: [(&str, &str, Count); 2] = [
+        (
+            "kvc_router_worker_queue_depth",
+            "Queue depth of each worker, as last published",
+            |s| i64::from(s.queue_depth),
+        ),
+        (
+            "kvc_router_worker_in_flight",
+            "Requests running on each worker, as last published",
+            |s| i64::from(s.in_flight),
+        ),
+    ];
+    for (name, help, get) in loads {
+        let family = Family::<WorkerLabels, Gauge>::default();
+        for w in workers {
+            family.get_or_create(&labels(w)).set(get(&w.state));
+        }
+        r.register(name, help, family);
+    }
+    let age = Family::<WorkerLabels, FloatGauge>::default();
+    for w in workers {
+        let seconds = if w.state.state_age_ms == u64::MAX {
+            f64::INFINITY
+        } else {
+            w.state.state_age_ms as f64 / 1e3
+        };
+        age.get_or_create(&labels(w)).set(seconds);
+    }
+    r.register(
+        "kvc_router_worker_state_age_seconds",
+        "Age of each worker's last published state (staleness)",
+        age,
+    );
+    let health = Family::<WorkerHealthLabels, Gauge>::default();
+    for w in workers {
+        for h in Health::ALL {
+            health
+                .get_or_create(&WorkerHealthLabels {
+                    worker: w.id.0,
+                    name: w.name.clone(),
+                    role: w.role.as_str(),
+                    health: h.as_str(),
+                })
+                .set(i64::from(w.state.health == *h));
+        }
+    }
+    r.register(
+        "kvc_router_worker_health",
+        "1 for each worker's current health (healthy workers are in rotation), 0 otherwise",
+        health,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(id: u32, name: &str, state: WorkerState) -> WorkerSample {
+        WorkerSample {
+            id: WorkerId(id),
+            name: name.to_owned(),
+            role: WorkerRole::Decode,
+            state,
+        }
+    }
+
+    #[test]
+    fn worker_gauges_keep_integers_and_report_unknown_age_as_infinite() {
+        let mut fresh = WorkerState::empty(92_000);
+        fresh.used_tokens = 46_000;
+        fresh.state_age_ms = 250;
+        let mut lost = WorkerState::empty(92_000);
+        lost.state_age_ms = u64::MAX;
+        lost.health = Health::Down;
+        let gauges = Gauges {
+            workers: vec![sample(1, "d1", fresh), sample(2, "d2", lost)],
+            sessions_tracked: 3,
+            pending_decisions: 0,
+        };
+        let text = Metrics::new().render(&gauges);
+        let d1 = "{worker=\"1\",name=\"d1\",role=\"decode\"}";
+        let d2 = "{worker=\"2\",name=\"d2\",role=\"decode\"}";
+        for line in [
+            format!("kvc_router_worker_capacity_tokens{d1} 92000\n"),
+            format!("kvc_router_worker_used_tokens{d1} 46000\n"),
+            format!("kvc_router_worker_used_fraction{d1} 0.5\n"),
+            format!("kvc_router_worker_state_age_seconds{d1} 0.25\n"),
+            format!("kvc_router_worker_state_age_seconds{d2} +Inf\n"),
+            "kvc_router_worker_health{worker=\"2\",name=\"d2\",role=\"decode\",health=\"down\"} 1\n"
+                .to_owned(),
+            "kvc_router_worker_health{worker=\"2\",name=\"d2\",role=\"decode\",health=\"healthy\"} 0\n"
+                .to_owned(),
+            "kvc_router_sessions_tracked 3\n".to_owned(),
+            "kvc_router_pending_decisions 0\n".to_owned(),
+        ] {
+            assert!(text.contains(&line), "missing {line:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        let gauges = Gauges {
+            workers: vec![sample(0, "a\"b\\c\nd", WorkerState::empty(1))],
+            ..Gauges::default()
+        };
+        let text = Metrics::new().render(&gauges);
+        assert!(
+            text.contains("name=\"a\\\"b\\\\c\\nd\""),
+            "unescaped worker name in\n{text}"
+        );
+    }
+}
