@@ -101,12 +101,14 @@ pub fn router_config(
             .iter()
             .enumerate()
             .map(|(i, role)| kvc_router::config::WorkerConfig {
-                id: i as u32,
                 name: Some(names[i].clone()),
-                role: *role,
-                capacity_tokens: cfg.profile.hardware.kv_pool_tokens,
                 snapshot: Some(snapshot_path(dir, WorkerId(i as u32))),
                 address: worker_addrs.get(i).map(|a| format!("http://{a}")),
+                ..kvc_router::config::WorkerConfig::new(
+                    i as u32,
+                    *role,
+                    cfg.profile.hardware.kv_pool_tokens,
+                )
             })
             .collect(),
         ..kvc_router::config::RouterConfig::default()

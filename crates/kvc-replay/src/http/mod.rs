@@ -146,13 +146,9 @@ pub fn http_router_config(
     let mut rc = router_config(cfg, dir, listen, metrics_listen, &[]);
     rc.http_listen = Some(http_listen);
     for (i, addr) in workers.addrs().iter().enumerate() {
-        rc.worker_http.insert(
-            i as u32,
-            kvc_router::config::WorkerHttpConfig {
-                url: format!("http://{addr}"),
-                bootstrap_port: workers.bootstrap_ports()[i],
-            },
-        );
+        let w = &mut rc.workers[i];
+        w.http_url = Some(format!("http://{addr}"));
+        w.bootstrap_port = workers.bootstrap_ports()[i];
     }
     rc
 }
