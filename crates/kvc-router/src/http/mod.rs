@@ -44,8 +44,11 @@
 //! `infer-min-blocks = 0` turns inference off. Counted in
 //! `kvc_router_http_inferred_sessions_total{result="continued"|"new"}`.
 //!
-//! **Forwarding.** For a decision through a prefill worker (`turn1-seed`, `fallback`,
-//! `reseed`) the same JSON body, with `bootstrap_host` (P's host), `bootstrap_port` (P's
+//! **Forwarding.** Each worker is reached at the `http-url` of its `[[workers]]` entry
+//! (`http://host:port[/prefix]`; a worker without one gets no forwarded requests), a prefill
+//! worker's bootstrap server at its `bootstrap-port` ([`DEFAULT_BOOTSTRAP_PORT`] when absent).
+//! For a decision through a prefill worker (`turn1-seed`, `fallback`, `reseed`) the same JSON
+//! body, with `bootstrap_host` (P's host), `bootstrap_port` (P's
 //! bootstrap port) and a random `bootstrap_room` injected, goes to P and D concurrently; D's
 //! answer is returned. `direct-to-d` sends the body to D alone with the session's continuation
 //! parameters: for `/generate` without `session_params`, `session_params: {"id": <session
