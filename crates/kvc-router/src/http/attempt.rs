@@ -208,21 +208,23 @@ impl<'a> Attempt<'a> {
     }
 
     /// The payload for both workers, with P's request started on a P→D path (the decode
-    /// worker's breaker hears of the dispatch too), or the attempt's end when a worker has no
-    /// address.
+    /// worker's breaker hears of the dispatch too), or the attempt's end (boxed: it is the
+    /// rare path) when a worker has no address.
     pub(super) fn dispatch(
         &self,
         mut body: Map<String, Value>,
-    ) -> Result<Dispatched, AttemptResult> {
+    ) -> Result<Dispatched, Box<AttemptResult>> {
         let app = self.app;
         let Some(decode) = app.endpoint(self.decode()) else {
-            return Err(self.retry(no_address(self.decode()), vec![self.decode()]));
+            return Err(Box::new(
+                self.retry(no_address(self.decode()), vec![self.decode()]),
+            ));
         };
         let prefill = match self.decision.prefill {
             None => None,
             Some(p_id) => {
                 let Some(p) = app.endpoint(p_id) else {
-                    return Err(self.retry(no_address(p_id), vec![p_id]));
+                    return Err(Box::new(self.retry(no_address(p_id), vec![p_id])));
                 };
                 app.rooms.add_to(&mut body, &p);
                 Some((p_id, p))

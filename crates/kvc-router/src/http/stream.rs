@@ -42,7 +42,7 @@ pub(super) async fn forward_stream(
         mut prefill,
     } = match attempt.dispatch(body) {
         Ok(d) => d,
-        Err(end) => return end,
+        Err(end) => return *end,
     };
     let open = app.client.post_streaming(
         &decode.url,

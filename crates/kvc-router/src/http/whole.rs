@@ -32,7 +32,7 @@ pub(super) async fn forward_whole(
         mut prefill,
     } = match attempt.dispatch(body) {
         Ok(d) => d,
-        Err(end) => return end,
+        Err(end) => return *end,
     };
     let decode_call = app.client.post_whole(
         &decode.url,

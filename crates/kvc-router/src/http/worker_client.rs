@@ -408,7 +408,7 @@ mod tests {
                 .post_whole(
                     &server.url,
                     "/generate",
-                    &[header.clone()],
+                    std::slice::from_ref(&header),
                     Bytes::from_static(b"{\"a\":1}"),
                     SECOND,
                 )
