@@ -10,7 +10,7 @@ use kvc_core::{Topology, WorkerId, WorkerRole};
 use kvc_policy::PolicyConfig;
 use kvc_replay::live::{router_config, snapshot_path};
 use kvc_replay::sim::SimConfig;
-use kvc_router::{RouterConfig, WorkerConfig, WorkerHttpConfig};
+use kvc_router::{RouterConfig, WorkerConfig};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
@@ -35,12 +35,10 @@ fn expected(
         policy,
         workers: (0..3u32)
             .map(|i| WorkerConfig {
-                id: i,
                 name: Some(names[i as usize].to_owned()),
-                role: roles[i as usize],
-                capacity_tokens: capacity,
                 snapshot: Some(snapshot_path(dir, WorkerId(i))),
                 address: service_base.map(|b| format!("http://127.0.0.1:{}", b + i as u16)),
+                ..WorkerConfig::new(i, roles[i as usize], capacity)
             })
             .collect(),
         ..RouterConfig::default()
@@ -102,15 +100,10 @@ fn http_router_config_is_loaded_by_the_router() {
         None,
     );
     want.http_listen = Some(http);
-    for (i, (url, bootstrap_port)) in urls.iter().enumerate() {
-        want.worker_http.insert(
-            i as u32,
-            WorkerHttpConfig {
-                url: url.clone(),
-                bootstrap_port: *bootstrap_port,
-            },
-        );
+    for (w, (url, bootstrap_port)) in want.workers.iter_mut().zip(&urls) {
+        w.http_url = Some(url.clone());
+        w.bootstrap_port = *bootstrap_port;
     }
     assert_eq!(loaded, want);
-    assert!(loaded.http_workers().is_ok());
+    assert!(loaded.validate().is_ok());
 }

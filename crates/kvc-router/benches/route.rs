@@ -70,12 +70,8 @@ impl Fixture {
             w.publish(&d).unwrap();
             writers.push(w);
             cfg.workers.push(WorkerConfig {
-                id: i as u32,
-                name: None,
-                role,
-                capacity_tokens: 92_000,
                 snapshot: Some(path),
-                address: None,
+                ..WorkerConfig::new(i as u32, role, 92_000)
             });
         }
         let (router, client) = rt.block_on(async {

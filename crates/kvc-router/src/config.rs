@@ -1,10 +1,11 @@
-//! The router configuration: TOML (kebab-case keys), validated before use.
+//! The router configuration: TOML (kebab-case keys) read straight into these types, then
+//! checked by one `validate()` per type.
 
 use crate::error::ConfigError;
 use kvc_core::{WorkerId, WorkerRole};
 use kvc_policy::{MAX_WORKERS, PolicyConfig};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -36,12 +37,15 @@ use std::path::{Path, PathBuf};
 /// # Ok::<(), kvc_router::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(try_from = "RawRouterConfig", into = "RawRouterConfig")]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct RouterConfig {
     /// gRPC listen address (port 0 picks a free port). Default `127.0.0.1:50051`.
     pub listen: SocketAddr,
     /// Prometheus `/metrics` listen address; `None` serves no metrics. Default `127.0.0.1:9464`.
     pub metrics_listen: Option<SocketAddr>,
+    /// HTTP data-plane listen address (the HTTP front, specified in `kvc_router::http`);
+    /// `None` (the default) serves no HTTP front. Port 0 picks a free port.
+    pub http_listen: Option<SocketAddr>,
     /// The routing policy and its knobs (a table tagged by `policy`, see
     /// [`kvc_policy::PolicyConfig`]). Default `kvc` with its defaults.
     pub policy: PolicyConfig,
@@ -65,33 +69,11 @@ pub struct RouterConfig {
     /// On shutdown, how long open connections may finish before they are closed. Default
     /// 5,000 ms.
     pub shutdown_grace_ms: u64,
-    /// HTTP data-plane listen address (see [`crate::http`]); `None` (the default) serves no
-    /// HTTP front. Port 0 picks a free port.
-    pub http_listen: Option<SocketAddr>,
-    /// Resilience of the HTTP data plane (the `[http]` table): timeouts, retries, circuit
-    /// breakers, health checks.
+    /// The HTTP data plane's settings (the `[http]` table): timeouts, connection pool,
+    /// retries, circuit breakers, health checks, tokenizer, session inference.
     pub http: HttpConfig,
-    /// The workers.
+    /// The workers (`[[workers]]`).
     pub workers: Vec<WorkerConfig>,
-    /// Each worker's HTTP endpoint for the data plane, by worker id. In TOML these are the
-    /// `http-url` and `bootstrap-port` keys of the worker's `[[workers]]` entry; a worker
-    /// without `http-url` gets no forwarded requests.
-    pub worker_http: BTreeMap<u32, WorkerHttpConfig>,
-    /// Decode workers whose engine cannot append-prefill (no decode-side prefill of a turn's
-    /// new tokens), by worker id: the `append-prefill = false` key of their `[[workers]]`
-    /// entry (default `true`). No decision sends them a direct-to-D turn: later turns of a
-    /// session resident there go P→D with the fall-through reason `direct-unsupported`.
-    pub no_append_prefill: BTreeSet<u32>,
-}
-
-/// A worker's HTTP endpoint (the `http-url` and `bootstrap-port` keys of `[[workers]]`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkerHttpConfig {
-    /// Base URL of its SGLang-style HTTP server, `http://host:port[/prefix]`.
-    pub url: String,
-    /// The disaggregation bootstrap port of a prefill worker (default
-    /// [`crate::http::DEFAULT_BOOTSTRAP_PORT`]); ignored for other roles.
-    pub bootstrap_port: Option<u16>,
 }
 
 impl Default for RouterConfig {
@@ -99,6 +81,7 @@ impl Default for RouterConfig {
         RouterConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
             metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
+            http_listen: None,
             policy: PolicyConfig::default(),
             sessions: SessionLimits::default(),
             stale_after_ms: kvc_admission::DEFAULT_STALE_AFTER_MS,
@@ -108,178 +91,40 @@ impl Default for RouterConfig {
             max_message_bytes: 1 << 20,
             max_pending_decisions: 100_000,
             shutdown_grace_ms: 5_000,
-            http_listen: None,
             http: HttpConfig::default(),
             workers: Vec::new(),
-            worker_http: BTreeMap::new(),
-            no_append_prefill: BTreeSet::new(),
         }
     }
 }
 
-/// The TOML shape of [`RouterConfig`]: the same keys, with each worker's HTTP endpoint inline
-/// in its `[[workers]]` entry.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
-struct RawRouterConfig {
-    listen: SocketAddr,
-    metrics_listen: Option<SocketAddr>,
-    http_listen: Option<SocketAddr>,
-    policy: PolicyConfig,
-    sessions: SessionLimits,
-    stale_after_ms: u64,
-    refresh_interval_ms: u64,
-    poll_interval_ms: u64,
-    rpc_timeout_ms: u64,
-    max_message_bytes: usize,
-    max_pending_decisions: usize,
-    shutdown_grace_ms: u64,
-    http: HttpConfig,
-    workers: Vec<RawWorkerConfig>,
-}
-
-impl Default for RawRouterConfig {
-    fn default() -> Self {
-        RouterConfig::default().into()
+/// Fails with "`name` must be positive" for the first zero value of `values`.
+fn all_positive<'a>(values: impl IntoIterator<Item = (&'a str, u64)>) -> Result<(), ConfigError> {
+    match values.into_iter().find(|(_, v)| *v == 0) {
+        Some((name, _)) => Err(ConfigError::Invalid(format!("{name} must be positive"))),
+        None => Ok(()),
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields)]
-struct RawWorkerConfig {
-    id: u32,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    name: Option<String>,
-    role: WorkerRole,
-    capacity_tokens: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    snapshot: Option<PathBuf>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    address: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    http_url: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    bootstrap_port: Option<u16>,
-    #[serde(default = "yes", skip_serializing_if = "is_true")]
-    append_prefill: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
-fn is_true(b: &bool) -> bool {
-    *b
-}
-
-impl TryFrom<RawRouterConfig> for RouterConfig {
-    type Error = String;
-
-    fn try_from(raw: RawRouterConfig) -> Result<Self, String> {
-        let mut worker_http = BTreeMap::new();
-        let mut no_append_prefill = BTreeSet::new();
-        let mut workers = Vec::with_capacity(raw.workers.len());
-        for w in raw.workers {
-            if !w.append_prefill {
-                no_append_prefill.insert(w.id);
-            }
-            match (w.http_url, w.bootstrap_port) {
-                (Some(url), bootstrap_port) => {
-                    worker_http.insert(
-                        w.id,
-                        WorkerHttpConfig {
-                            url,
-                            bootstrap_port,
-                        },
-                    );
-                }
-                (None, Some(_)) => {
-                    return Err(format!(
-                        "worker {}: `bootstrap-port` needs `http-url`",
-                        w.id
-                    ));
-                }
-                (None, None) => {}
-            }
-            workers.push(WorkerConfig {
-                id: w.id,
-                name: w.name,
-                role: w.role,
-                capacity_tokens: w.capacity_tokens,
-                snapshot: w.snapshot,
-                address: w.address,
-            });
-        }
-        Ok(RouterConfig {
-            listen: raw.listen,
-            metrics_listen: raw.metrics_listen,
-            policy: raw.policy,
-            sessions: raw.sessions,
-            stale_after_ms: raw.stale_after_ms,
-            refresh_interval_ms: raw.refresh_interval_ms,
-            poll_interval_ms: raw.poll_interval_ms,
-            rpc_timeout_ms: raw.rpc_timeout_ms,
-            max_message_bytes: raw.max_message_bytes,
-            max_pending_decisions: raw.max_pending_decisions,
-            shutdown_grace_ms: raw.shutdown_grace_ms,
-            http_listen: raw.http_listen,
-            http: raw.http,
-            workers,
-            worker_http,
-            no_append_prefill,
-        })
-    }
-}
-
-impl From<RouterConfig> for RawRouterConfig {
-    fn from(cfg: RouterConfig) -> Self {
-        let mut http = cfg.worker_http;
-        RawRouterConfig {
-            listen: cfg.listen,
-            metrics_listen: cfg.metrics_listen,
-            http_listen: cfg.http_listen,
-            policy: cfg.policy,
-            sessions: cfg.sessions,
-            stale_after_ms: cfg.stale_after_ms,
-            refresh_interval_ms: cfg.refresh_interval_ms,
-            poll_interval_ms: cfg.poll_interval_ms,
-            rpc_timeout_ms: cfg.rpc_timeout_ms,
-            max_message_bytes: cfg.max_message_bytes,
-            max_pending_decisions: cfg.max_pending_decisions,
-            shutdown_grace_ms: cfg.shutdown_grace_ms,
-            http: cfg.http,
-            workers: cfg
-                .workers
-                .into_iter()
-                .map(|w| {
-                    let h = http.remove(&w.id);
-                    RawWorkerConfig {
-                        id: w.id,
-                        name: w.name,
-                        role: w.role,
-                        capacity_tokens: w.capacity_tokens,
-                        snapshot: w.snapshot,
-                        address: w.address,
-                        bootstrap_port: h.as_ref().and_then(|h| h.bootstrap_port),
-                        http_url: h.map(|h| h.url),
-                        append_prefill: !cfg.no_append_prefill.contains(&w.id),
-                    }
-                })
-                .collect(),
-        }
-    }
-}
-
-/// Resilience of the HTTP data plane: the `[http]` table (see [`crate::http`] for what each
-/// knob does).
+/// The HTTP data plane's settings: the `[http]` table (the HTTP front's module doc,
+/// `kvc_router::http`, says what each one does).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct HttpConfig {
     /// Deadline of each call to a worker (a streamed answer: its head, then each wait for
     /// more). Default 300,000 ms.
     pub request_timeout_ms: u64,
+    /// Deadline of opening a connection to a worker (within the request's own deadline).
+    /// Default 5,000 ms.
+    pub connect_timeout_ms: u64,
+    /// An idle pooled connection to a worker is closed after this long. Keep it below the
+    /// workers' own keep-alive timeout (uvicorn's default is 5 s), so that the router does not
+    /// reuse a connection the worker is closing. Default 4,000 ms.
+    pub pool_idle_timeout_ms: u64,
+    /// Idle connections kept open per worker for reuse; 0 opens a connection per call.
+    /// Default 64.
+    pub pool_max_idle_per_worker: usize,
     /// Times a request that failed before any byte reached the client is routed and
-    /// forwarded again. Default 2.
+    /// forwarded again. Default 2, at most [`HttpConfig::MAX_RETRIES`].
     pub max_retries: u32,
     /// Wait before the first retry, doubled for each further one, with jitter. Default 25 ms.
     pub retry_backoff_ms: u64,
@@ -311,6 +156,9 @@ impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             request_timeout_ms: 300_000,
+            connect_timeout_ms: 5_000,
+            pool_idle_timeout_ms: 4_000,
+            pool_max_idle_per_worker: 64,
             max_retries: 2,
             retry_backoff_ms: 25,
             breaker_failures: 3,
@@ -328,42 +176,16 @@ impl HttpConfig {
     /// Largest `max-retries` accepted.
     pub const MAX_RETRIES: u32 = 10;
 
-    /// These settings as [`crate::http::HttpOptions`] (the other options at their defaults),
-    /// with the tokenizer file loaded: [`ConfigError::Tokenizer`] when it cannot be used.
-    pub fn options(&self) -> Result<crate::http::HttpOptions, ConfigError> {
-        use std::time::Duration;
-        let tokenizer = match &self.tokenizer {
-            Some(path) => crate::http::Tokenizer::from_file(path)?,
-            None => crate::http::Tokenizer::fallback(),
-        };
-        Ok(crate::http::HttpOptions {
-            request_timeout: Duration::from_millis(self.request_timeout_ms),
-            max_retries: self.max_retries,
-            retry_backoff: Duration::from_millis(self.retry_backoff_ms),
-            breaker: crate::http::BreakerOptions {
-                failure_threshold: self.breaker_failures,
-                cooldown: Duration::from_millis(self.breaker_cooldown_ms),
-                max_cooldown: Duration::from_millis(self.breaker_max_cooldown_ms),
-            },
-            health_check_interval: (self.health_check_interval_ms > 0)
-                .then(|| Duration::from_millis(self.health_check_interval_ms)),
-            health_check_timeout: Duration::from_millis(self.health_check_timeout_ms),
-            tokenizer,
-            infer_min_blocks: self.infer_min_blocks,
-            ..crate::http::HttpOptions::default()
-        })
-    }
-
-    fn validate(&self) -> Result<(), ConfigError> {
-        let positive = [
+    /// Checks the `[http]` table: positive deadlines, `max-retries` in range, the breaker's
+    /// longest cool-down at least its first. (The tokenizer file is loaded, and checked, when
+    /// the HTTP front starts.)
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        all_positive([
             ("http.request-timeout-ms", self.request_timeout_ms),
+            ("http.connect-timeout-ms", self.connect_timeout_ms),
+            ("http.pool-idle-timeout-ms", self.pool_idle_timeout_ms),
             ("http.health-check-timeout-ms", self.health_check_timeout_ms),
-        ];
-        for (name, value) in positive {
-            if value == 0 {
-                return Err(ConfigError::Invalid(format!("{name} must be positive")));
-            }
-        }
+        ])?;
         if self.max_retries > Self::MAX_RETRIES {
             return Err(ConfigError::Invalid(format!(
                 "http.max-retries must be at most {}",
@@ -399,29 +221,79 @@ impl Default for SessionLimits {
     }
 }
 
-/// One worker of the cluster. At least one of `snapshot` and `address` is required.
+impl SessionLimits {
+    /// Checks the `[sessions]` table: both bounds positive.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        all_positive([
+            ("sessions.ttl-ms", self.ttl_ms),
+            ("sessions.max", self.max_sessions as u64),
+        ])
+    }
+}
+
+/// One worker of the cluster (a `[[workers]]` entry). At least one of `snapshot` and
+/// `address` is required.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Dense id, unique across roles, below [`kvc_policy::MAX_WORKERS`].
     pub id: u32,
     /// Display name (default `w<id>`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     /// `prefill`, `decode` or `colocated`.
     pub role: WorkerRole,
     /// Size of its KV pool in tokens (must match the snapshot header when there is one).
     pub capacity_tokens: u64,
     /// Its shared-memory snapshot file: state and probes are read from it, with no RPC.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<PathBuf>,
     /// Its `kvc.v1.Worker` service (`http://host:port`): `CommitEvict` goes there, and its
     /// state is polled with `State` when it has no snapshot.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<String>,
+    /// Base URL of its SGLang-style HTTP server for the HTTP data plane,
+    /// `http://host:port[/prefix]` (see [`WorkerUrl`]); a worker without one gets no
+    /// forwarded requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_url: Option<String>,
+    /// The disaggregation bootstrap port of a prefill worker (the HTTP front's default is
+    /// SGLang's, 8998); needs `http-url`; ignored for other roles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
+    /// Whether a decode worker's engine can append-prefill (decode-side prefill of a turn's
+    /// new tokens). Default `true`; with `false` no decision sends it a direct-to-D turn:
+    /// later turns of a session resident there go P→D with the fall-through reason
+    /// `direct-unsupported`. Only decode workers may set `false`.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub append_prefill: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 impl WorkerConfig {
+    /// A worker with only the required keys: no name, snapshot, address or HTTP endpoint,
+    /// append-prefill on.
+    pub fn new(id: u32, role: WorkerRole, capacity_tokens: u64) -> Self {
+        WorkerConfig {
+            id,
+            name: None,
+            role,
+            capacity_tokens,
+            snapshot: None,
+            address: None,
+            http_url: None,
+            bootstrap_port: None,
+            append_prefill: true,
+        }
+    }
+
     /// The worker id.
     pub fn worker_id(&self) -> WorkerId {
         WorkerId(self.id)
@@ -430,6 +302,125 @@ impl WorkerConfig {
     /// The display name.
     pub fn display_name(&self) -> String {
         self.name.clone().unwrap_or_else(|| format!("w{}", self.id))
+    }
+
+    /// Checks this entry on its own: id in range, a snapshot or an address, a positive
+    /// capacity, a service address that is a URI, an `http-url` of the form
+    /// `http://host:port[/prefix]`, `bootstrap-port` only with `http-url`, `append-prefill =
+    /// false` only on a decode worker.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let id = self.id;
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if id as usize >= MAX_WORKERS {
+            return invalid(format!(
+                "worker id {id} out of range (ids must be below {MAX_WORKERS})"
+            ));
+        }
+        if self.snapshot.is_none() && self.address.is_none() {
+            return invalid(format!(
+                "worker {id} needs a snapshot path or a service address"
+            ));
+        }
+        if self.capacity_tokens == 0 {
+            return invalid(format!("worker {id} capacity-tokens must be positive"));
+        }
+        if let Some(addr) = &self.address
+            && addr.parse::<tonic::transport::Uri>().is_err()
+        {
+            return invalid(format!("worker {id} address `{addr}` is not a URI"));
+        }
+        match (&self.http_url, self.bootstrap_port) {
+            (Some(url), _) if WorkerUrl::parse(url).is_err() => {
+                return invalid(format!(
+                    "worker {id} http-url `{url}` is not http://host:port[/prefix]"
+                ));
+            }
+            (None, Some(_)) => {
+                return invalid(format!("worker {id}: `bootstrap-port` needs `http-url`"));
+            }
+            _ => {}
+        }
+        if !self.append_prefill && self.role != WorkerRole::Decode {
+            return invalid(format!(
+                "worker {id}: append-prefill applies to decode workers only (it is {})",
+                self.role
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A worker's parsed HTTP base URL, `http://host[:port][/prefix]` (`https` is not supported).
+///
+/// ```
+/// use kvc_router::config::WorkerUrl;
+///
+/// let u = WorkerUrl::parse("http://[::1]:30000/sglang/")?;
+/// assert_eq!((u.host.as_str(), u.port, u.prefix.as_str()), ("::1", 30000, "/sglang"));
+/// assert_eq!(u.authority(), "[::1]:30000");
+/// assert!(WorkerUrl::parse("https://h:1").is_err());
+/// # Ok::<(), String>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerUrl {
+    /// Host name or address (IPv6 without brackets).
+    pub host: String,
+    /// Port (80 when absent).
+    pub port: u16,
+    /// Path prefix without a trailing `/` (often empty).
+    pub prefix: String,
+}
+
+impl WorkerUrl {
+    /// Parses `http://host[:port][/prefix]`; the error is the text that is not one.
+    pub fn parse(url: &str) -> Result<WorkerUrl, String> {
+        let bad = || url.to_owned();
+        let rest = url.strip_prefix("http://").ok_or_else(bad)?;
+        let (authority, prefix) = match rest.find('/') {
+            Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
+            None => (rest, ""),
+        };
+        let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+            let (host, after) = v6.split_once(']').ok_or_else(bad)?;
+            let port = match after.strip_prefix(':') {
+                Some(p) => p.parse().map_err(|_| bad())?,
+                None if after.is_empty() => 80,
+                None => return Err(bad()),
+            };
+            (host, port)
+        } else {
+            match authority.rsplit_once(':') {
+                Some((h, p)) => (h, p.parse().map_err(|_| bad())?),
+                None => (authority, 80),
+            }
+        };
+        if host.is_empty() {
+            return Err(bad());
+        }
+        let parsed = WorkerUrl {
+            host: host.to_owned(),
+            port,
+            prefix: prefix.to_owned(),
+        };
+        // Every request URI built from it must be valid (no spaces, no query in the prefix).
+        match parsed.uri("/").parse::<axum::http::Uri>() {
+            Ok(u) if u.query().is_none() => Ok(parsed),
+            _ => Err(bad()),
+        }
+    }
+
+    /// `host:port`, with an IPv6 host in brackets.
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+
+    /// The absolute URI of `path` (which starts with `/`) on this worker.
+    pub fn uri(&self, path: &str) -> String {
+        format!("http://{}{}{path}", self.authority(), self.prefix)
     }
 }
 
@@ -451,104 +442,40 @@ impl RouterConfig {
         Self::from_toml_str(&text)
     }
 
-    /// Checks every value: policy knobs in range, worker ids unique and in range, each worker
-    /// with a snapshot or an address, positive limits and intervals.
+    /// Checks every value: the policy's knobs, positive limits and intervals, the `[http]`
+    /// and `[sessions]` tables, each worker entry, and worker ids unique.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.policy
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        let positive = [
+        all_positive([
             ("stale-after-ms", self.stale_after_ms),
             ("refresh-interval-ms", self.refresh_interval_ms),
             ("poll-interval-ms", self.poll_interval_ms),
             ("rpc-timeout-ms", self.rpc_timeout_ms),
-            ("sessions.ttl-ms", self.sessions.ttl_ms),
-            ("sessions.max", self.sessions.max_sessions as u64),
+        ])?;
+        self.sessions.validate()?;
+        all_positive([
             ("max-message-bytes", self.max_message_bytes as u64),
             ("max-pending-decisions", self.max_pending_decisions as u64),
-        ];
-        for (name, value) in positive {
-            if value == 0 {
-                return Err(ConfigError::Invalid(format!("{name} must be positive")));
-            }
-        }
+        ])?;
         self.http.validate()?;
         let mut seen = HashSet::new();
         for w in &self.workers {
-            if w.id as usize >= MAX_WORKERS {
-                return Err(ConfigError::Invalid(format!(
-                    "worker id {} out of range (ids must be below {MAX_WORKERS})",
-                    w.id
-                )));
-            }
             if !seen.insert(w.id) {
                 return Err(ConfigError::Invalid(format!(
                     "worker id {} appears twice",
                     w.id
                 )));
             }
-            if w.snapshot.is_none() && w.address.is_none() {
-                return Err(ConfigError::Invalid(format!(
-                    "worker {} needs a snapshot path or a service address",
-                    w.id
-                )));
-            }
-            if w.capacity_tokens == 0 {
-                return Err(ConfigError::Invalid(format!(
-                    "worker {} capacity-tokens must be positive",
-                    w.id
-                )));
-            }
-            if let Some(addr) = &w.address
-                && addr.parse::<tonic::transport::Uri>().is_err()
-            {
-                return Err(ConfigError::Invalid(format!(
-                    "worker {} address `{addr}` is not a URI",
-                    w.id
-                )));
-            }
-        }
-        for id in &self.no_append_prefill {
-            match self.workers.iter().find(|w| w.id == *id) {
-                None => {
-                    return Err(ConfigError::Invalid(format!(
-                        "append-prefill set for worker {id}, which is not configured"
-                    )));
-                }
-                Some(w) if w.role != WorkerRole::Decode => {
-                    return Err(ConfigError::Invalid(format!(
-                        "worker {id}: append-prefill applies to decode workers only (it is {})",
-                        w.role
-                    )));
-                }
-                Some(_) => {}
-            }
-        }
-        for (id, h) in &self.worker_http {
-            if !seen.contains(id) {
-                return Err(ConfigError::Invalid(format!(
-                    "HTTP endpoint for worker {id}, which is not configured"
-                )));
-            }
-            if crate::http::BaseUrl::parse(&h.url).is_err() {
-                return Err(ConfigError::Invalid(format!(
-                    "worker {id} http-url `{}` is not http://host:port[/prefix]",
-                    h.url
-                )));
-            }
+            w.validate()?;
         }
         Ok(())
     }
 
-    /// The HTTP endpoints of the workers that have one, for [`crate::http::http_app`].
-    pub fn http_workers(&self) -> Result<crate::http::HttpWorkers, ConfigError> {
-        let mut workers = crate::http::HttpWorkers::new();
-        for (id, h) in &self.worker_http {
-            workers
-                .insert(WorkerId(*id), &h.url, h.bootstrap_port)
-                .map_err(|e| ConfigError::Invalid(format!("worker {id}: {e}")))?;
-        }
-        Ok(workers)
+    /// The configured worker `id`.
+    pub fn worker(&self, id: WorkerId) -> Option<&WorkerConfig> {
+        self.workers.iter().find(|w| w.id == id.0)
     }
 }
 
@@ -571,15 +498,17 @@ mod tests {
         assert_eq!(cfg.http, HttpConfig::default());
         assert_eq!(cfg.http.infer_min_blocks, 4);
         assert_eq!(cfg.http.tokenizer, None);
-        assert_eq!(cfg.http.options().unwrap().max_retries, 2);
-        assert!(cfg.no_append_prefill.is_empty());
-        assert_eq!(cfg.worker_http.len(), 3);
-        assert_eq!(cfg.worker_http[&0].bootstrap_port, Some(8998));
-        assert_eq!(cfg.worker_http[&1].url, "http://127.0.0.1:30001");
-        assert_eq!(cfg.worker_http[&2].bootstrap_port, None);
-        let workers = cfg.http_workers().unwrap();
-        assert_eq!(workers.len(), 3);
-        assert_eq!(workers.get(WorkerId(0)).unwrap().url.port, 30000);
+        assert_eq!(cfg.http.max_retries, 2);
+        assert!(cfg.workers.iter().all(|w| w.append_prefill));
+        assert!(cfg.workers.iter().all(|w| w.http_url.is_some()));
+        assert_eq!(cfg.workers[0].bootstrap_port, Some(8998));
+        assert_eq!(
+            cfg.workers[1].http_url.as_deref(),
+            Some("http://127.0.0.1:30001")
+        );
+        assert_eq!(cfg.workers[2].bootstrap_port, None);
+        let url = WorkerUrl::parse(cfg.workers[0].http_url.as_deref().unwrap()).unwrap();
+        assert_eq!(url.port, 30000);
         // The HTTP keys survive a round trip inline in `[[workers]]`.
         let text = toml::to_string(&cfg).unwrap();
         assert!(
@@ -595,17 +524,25 @@ mod tests {
             "[[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/x\"\n";
         let cfg = RouterConfig::from_toml_str(worker).unwrap();
         assert_eq!(cfg.http_listen, None);
-        assert!(cfg.worker_http.is_empty());
-        let bad_url = format!("{worker}http-url = \"https://h:1\"\n");
-        let err = RouterConfig::from_toml_str(&bad_url).unwrap_err();
-        assert!(
-            matches!(err, ConfigError::Invalid(ref m) if m.contains("http-url")),
-            "{err}"
-        );
+        assert!(cfg.workers.iter().all(|w| w.http_url.is_none()));
+        for url in [
+            "https://h:1",
+            "http://:1",
+            "http://h:x",
+            "http://h/a b",
+            "http://h/?q=1",
+        ] {
+            let bad_url = format!("{worker}http-url = \"{url}\"\n");
+            let err = RouterConfig::from_toml_str(&bad_url).unwrap_err();
+            assert!(
+                matches!(err, ConfigError::Invalid(ref m) if m.contains("http-url") && m.contains("worker 1")),
+                "{url}: {err}"
+            );
+        }
         let orphan_port = format!("{worker}bootstrap-port = 9000\n");
         let err = RouterConfig::from_toml_str(&orphan_port).unwrap_err();
         assert!(
-            matches!(err, ConfigError::Parse(ref m) if m.contains("needs `http-url`")),
+            matches!(err, ConfigError::Invalid(ref m) if m.contains("needs `http-url`")),
             "{err}"
         );
         let bad_listen = format!("http-listen = \"nowhere\"\n{worker}");
@@ -613,22 +550,36 @@ mod tests {
             RouterConfig::from_toml_str(&bad_listen),
             Err(ConfigError::Parse(_))
         ));
-        let mut cfg = RouterConfig::from_toml_str(worker).unwrap();
-        cfg.worker_http.insert(
-            7,
-            WorkerHttpConfig {
-                url: "http://h:1".into(),
-                bootstrap_port: None,
-            },
+        let unknown = format!("{worker}http-port = 1\n");
+        assert!(matches!(
+            RouterConfig::from_toml_str(&unknown),
+            Err(ConfigError::Parse(_))
+        ));
+    }
+
+    #[test]
+    fn worker_urls_parse() {
+        let u = WorkerUrl::parse("http://10.0.0.1:30000").unwrap();
+        assert_eq!(
+            (u.host.as_str(), u.port, u.prefix.as_str()),
+            ("10.0.0.1", 30000, "")
         );
-        assert!(cfg.validate().unwrap_err().to_string().contains("worker 7"));
+        assert_eq!(u.uri("/generate"), "http://10.0.0.1:30000/generate");
+        let u = WorkerUrl::parse("http://h/p/").unwrap();
+        assert_eq!((u.port, u.prefix.as_str()), (80, "/p"));
+        assert_eq!(u.uri("/health"), "http://h:80/p/health");
+        let u = WorkerUrl::parse("http://[fe80::1]").unwrap();
+        assert_eq!((u.host.as_str(), u.port), ("fe80::1", 80));
+        for bad in ["http://[::1", "http://[::1]x", "ftp://h", "http://h:70000"] {
+            assert_eq!(WorkerUrl::parse(bad), Err(bad.to_owned()));
+        }
     }
 
     #[test]
     fn the_http_table_is_parsed_and_validated() {
         let cfg = RouterConfig::from_toml_str(
             "[http]\nmax-retries = 1\nbreaker-failures = 0\nhealth-check-interval-ms = 0\n\
-             request-timeout-ms = 700\n",
+             request-timeout-ms = 700\npool-max-idle-per-worker = 0\n",
         )
         .unwrap();
         assert_eq!(cfg.http.max_retries, 1);
@@ -636,22 +587,15 @@ mod tests {
             cfg.http.retry_backoff_ms, 25,
             "absent keys take their defaults"
         );
-        let o = cfg.http.options().unwrap();
-        assert_eq!(o.max_retries, 1);
-        assert_eq!(o.breaker.failure_threshold, 0);
-        assert_eq!(o.health_check_interval, None);
-        assert_eq!(o.request_timeout, std::time::Duration::from_millis(700));
-        assert_eq!(o.session_header, "x-session-id");
-        let defaults = HttpConfig::default().options().unwrap();
-        assert_eq!(defaults.infer_min_blocks, 4);
-        assert_eq!(defaults.tokenizer, crate::http::Tokenizer::fallback());
-        assert_eq!(
-            defaults.health_check_interval,
-            Some(std::time::Duration::from_secs(5))
-        );
-        assert_eq!(defaults.breaker, crate::http::BreakerOptions::default());
+        assert_eq!(cfg.http.breaker_failures, 0);
+        assert_eq!(cfg.http.health_check_interval_ms, 0);
+        assert_eq!(cfg.http.request_timeout_ms, 700);
+        assert_eq!(cfg.http.pool_max_idle_per_worker, 0);
+        assert_eq!(cfg.http.connect_timeout_ms, 5_000);
         for (text, key) in [
             ("[http]\nrequest-timeout-ms = 0\n", "request-timeout-ms"),
+            ("[http]\nconnect-timeout-ms = 0\n", "connect-timeout-ms"),
+            ("[http]\npool-idle-timeout-ms = 0\n", "pool-idle-timeout-ms"),
             (
                 "[http]\nhealth-check-timeout-ms = 0\n",
                 "health-check-timeout-ms",
@@ -682,27 +626,30 @@ mod tests {
                     [[workers]]\nid = 2\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/d2\"\n\
                     append-prefill = true\n";
         let cfg = RouterConfig::from_toml_str(text).unwrap();
-        assert_eq!(cfg.no_append_prefill, BTreeSet::from([1]));
+        let off: Vec<u32> = cfg
+            .workers
+            .iter()
+            .filter(|w| !w.append_prefill)
+            .map(|w| w.id)
+            .collect();
+        assert_eq!(off, [1]);
         // It survives a round trip; the default (`true`) is not written out.
         let out = toml::to_string(&cfg).unwrap();
         assert_eq!(out.matches("append-prefill = false").count(), 1, "{out}");
         assert!(!out.contains("append-prefill = true"), "{out}");
         assert_eq!(RouterConfig::from_toml_str(&out).unwrap(), cfg);
-        // The policy state learns it: no direct-to-D turn for worker 1.
+        // The policy state learns it.
         let svc = crate::RouterService::new(cfg).unwrap();
-        assert_eq!(svc.config().no_append_prefill.len(), 1);
+        assert!(!svc.config().worker(WorkerId(1)).unwrap().append_prefill);
         let bad = text.replace(
             "snapshot = \"/p\"\n",
             "snapshot = \"/p\"\nappend-prefill = false\n",
         );
         let err = RouterConfig::from_toml_str(&bad).unwrap_err();
         assert!(
-            matches!(err, ConfigError::Invalid(ref m) if m.contains("decode workers only")),
+            matches!(err, ConfigError::Invalid(ref m) if m.contains("decode workers only") && m.contains("worker 0")),
             "{err}"
         );
-        let mut cfg = RouterConfig::from_toml_str(text).unwrap();
-        cfg.no_append_prefill.insert(9);
-        assert!(cfg.validate().unwrap_err().to_string().contains("worker 9"));
     }
 
     #[test]
@@ -718,10 +665,6 @@ mod tests {
         assert_eq!(cfg.http.infer_min_blocks, 0);
         let text = toml::to_string(&cfg).unwrap();
         assert_eq!(RouterConfig::from_toml_str(&text).unwrap(), cfg);
-        // The file is loaded with the options: a missing one is an error naming it.
-        let err = cfg.http.options().unwrap_err();
-        assert!(matches!(err, ConfigError::Tokenizer(_)), "{err}");
-        assert!(err.to_string().contains("/nowhere/tokenizer.json"), "{err}");
         assert!(
             !toml::to_string(&RouterConfig::default())
                 .unwrap()
@@ -749,13 +692,24 @@ mod tests {
             RouterConfig::from_toml_str(unknown),
             Err(ConfigError::Parse(_))
         ));
-        let zero = "stale-after-ms = 0\n";
-        assert!(
-            RouterConfig::from_toml_str(zero)
-                .unwrap_err()
-                .to_string()
-                .contains("stale-after-ms")
-        );
+        for key in [
+            "stale-after-ms",
+            "refresh-interval-ms",
+            "poll-interval-ms",
+            "rpc-timeout-ms",
+            "max-message-bytes",
+            "max-pending-decisions",
+        ] {
+            let err = RouterConfig::from_toml_str(&format!("{key} = 0\n")).unwrap_err();
+            assert!(
+                matches!(err, ConfigError::Invalid(ref m) if m == &format!("{key} must be positive")),
+                "{key}: {err}"
+            );
+        }
+        for (key, name) in [("ttl-ms", "sessions.ttl-ms"), ("max", "sessions.max")] {
+            let err = RouterConfig::from_toml_str(&format!("[sessions]\n{key} = 0\n")).unwrap_err();
+            assert!(err.to_string().contains(name), "{err}");
+        }
         let policy = "[policy]\npolicy = \"kvc-v2\"\nhard-cap = 3.0\n";
         assert!(matches!(
             RouterConfig::from_toml_str(policy),
@@ -768,6 +722,20 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("out of range")
+        );
+        let capacity = format!("{}snapshot = \"/x\"\n", base.replace("10", "0"));
+        assert!(
+            RouterConfig::from_toml_str(&capacity)
+                .unwrap_err()
+                .to_string()
+                .contains("worker 1 capacity-tokens must be positive")
+        );
+        let address = format!("{base}address = \"not a uri\"\n");
+        assert!(
+            RouterConfig::from_toml_str(&address)
+                .unwrap_err()
+                .to_string()
+                .contains("worker 1 address `not a uri` is not a URI")
         );
     }
 

@@ -20,9 +20,6 @@ pub enum ConfigError {
     /// A value out of range or inconsistent.
     #[error("invalid config: {0}")]
     Invalid(String),
-    /// The tokenizer file (`http.tokenizer`) cannot be read or used.
-    #[error("invalid config: {0}")]
-    Tokenizer(#[from] crate::http::TokenizerError),
 }
 
 /// Why the router could not start or stopped abnormally.
@@ -51,6 +48,10 @@ pub enum ServeError {
     /// The metrics server failed.
     #[error("metrics server: {0}")]
     Metrics(std::io::Error),
+    /// The HTTP front could not be built from the configuration (e.g. its tokenizer file
+    /// cannot be used); the message says what and names the file.
+    #[error("http front: {0}")]
+    HttpFront(Box<dyn std::error::Error + Send + Sync>),
     /// The HTTP data-plane server failed.
     #[error("http server: {0}")]
     Http(std::io::Error),

@@ -26,14 +26,8 @@
 //!   `hash_ids` than `ceil(input_length / block)`, zero input, a turn without a session, an
 //!   unknown worker, including in `rejected_by`, a message over `max-message-bytes`) get
 //!   `INVALID_ARGUMENT`.
-//! - **HTTP data plane** ([`http`]): with `http-listen` set, an SGLang/OpenAI-compatible HTTP
-//!   front (`/generate`, `/v1/completions`, `/v1/chat/completions`, `/health`, `/v1/models`)
-//!   routes each request and forwards it to the workers' `http-url`s, P→D with the bootstrap
-//!   fields of the prefill worker (`bootstrap-port`), direct-to-D with the session's
-//!   continuation parameters. Text is tokenized with the model's `tokenizer.json`
-//!   (`http.tokenizer`) when given; a request without a session key is placed in a session by
-//!   its prefix; a decode worker's admission refusal (`503` + `x-kvc-admission: rejected`) is
-//!   routed again through a prefill worker.
+//! - **HTTP data plane**: with `http-listen` set, an SGLang/OpenAI-compatible HTTP front
+//!   forwards each request to the workers; [`http`] is its specification.
 //! - **Engines without decode-side append-prefill**: a decode worker with
 //!   `append-prefill = false` never gets a direct-to-D decision (reason `direct-unsupported`).
 //! - **Operations**: standard gRPC health and reflection, Prometheus text on `/metrics` (see
@@ -127,7 +121,7 @@ mod service;
 pub mod sessions;
 mod workers;
 
-pub use config::{HttpConfig, RouterConfig, SessionLimits, WorkerConfig, WorkerHttpConfig};
+pub use config::{HttpConfig, RouterConfig, SessionLimits, WorkerConfig};
 pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::RouterGrpc;
 pub use server::{RunningRouter, serve, serve_service, spawn_background};

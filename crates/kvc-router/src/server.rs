@@ -62,7 +62,7 @@ impl RunningRouter {
 /// Returns once every listener is bound (port 0 picks a free port; see
 /// [`RunningRouter::grpc_addr`]). Serves `kvc.v1.Router`, `grpc.health.v1.Health` and gRPC
 /// reflection on the gRPC address, Prometheus text on `/metrics` at the metrics address, and,
-/// when `http-listen` is set, the HTTP data plane ([`crate::http::http_app`], forwarding to the
+/// when `http-listen` is set, the HTTP data plane ([`crate::http`], forwarding to the
 /// workers' `http-url`s) at that address.
 /// Must be called within a tokio runtime.
 pub async fn serve(
@@ -79,9 +79,10 @@ pub async fn serve_service(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<RunningRouter, ServeError> {
     let config = service.config().clone();
-    // The HTTP front's options (its tokenizer file loaded) before anything is bound.
-    let http_options = match config.http_listen {
-        Some(_) => Some(config.http.options()?),
+    // The HTTP front (its tokenizer file loaded, its workers' URLs parsed) before anything
+    // is bound.
+    let http_app = match config.http_listen {
+        Some(_) => Some(crate::http::http_app_from_config(Arc::clone(&service))?),
         None => None,
     };
     let grpc_listener =
@@ -120,9 +121,8 @@ pub async fn serve_service(
         None => None,
     };
 
-    let http = match config.http_listen {
-        Some(addr) => {
-            let workers = config.http_workers()?;
+    let http = match (config.http_listen, http_app) {
+        (Some(addr), Some(app)) => {
             let listener = TcpListener::bind(addr)
                 .await
                 .map_err(|source| ServeError::Bind {
@@ -135,9 +135,9 @@ pub async fn serve_service(
                 addr,
                 source,
             })?;
-            Some((listener, bound, workers))
+            Some((listener, bound, app))
         }
-        None => None,
+        _ => None,
     };
     let http_addr = http.as_ref().map(|(_, a, _)| *a);
 
@@ -182,13 +182,8 @@ pub async fn serve_service(
         })
     });
 
-    let http = http.map(|(listener, _, workers)| {
+    let http = http.map(|(listener, _, app)| {
         let stop = stop.clone();
-        let app = crate::http::http_app_with(
-            Arc::clone(&service),
-            workers,
-            http_options.unwrap_or_default(),
-        );
         // Streamed events go out as they come: no Nagle delay behind the client's delayed ACK.
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
             let _ = tcp.set_nodelay(true);

@@ -155,8 +155,8 @@ impl RouterService {
         }
         let views: Vec<WorkerView> = workers.iter().map(|w| w.view_at(0)).collect();
         let mut state = RouterState::new(&config.policy, &views);
-        for id in &config.no_append_prefill {
-            state.set_direct_append(WorkerId(*id), false);
+        for w in config.workers.iter().filter(|w| !w.append_prefill) {
+            state.set_direct_append(w.worker_id(), false);
         }
         let service = RouterService {
             core: Mutex::new(Core {

@@ -2,6 +2,7 @@
 //! clock), with in-process mock HTTP workers that record what they receive.
 
 mod common;
+mod http_client;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -703,33 +704,18 @@ async fn the_session_header_name_is_configurable() {
     assert_eq!(s.counts()[0], 2);
 }
 
-/// A streamed request to the front, read with the crate's own streaming client.
-async fn open_stream(s: &Setup, path: &str, body: &Value) -> kvc_router::http::WorkerStream {
-    let base = kvc_router::http::BaseUrl::parse(&format!("http://{}", s.front)).unwrap();
-    kvc_router::http::post_streaming(
-        &base,
-        path,
-        body.to_string().as_bytes(),
-        Duration::from_secs(5),
-    )
-    .await
-    .expect("the front answers a streamed request")
+/// A streamed request to the front.
+async fn open_stream(s: &Setup, path: &str, body: &Value) -> http_client::Streamed {
+    http_client::post(s.front, path, &[], &body.to_string()).await
 }
 
 /// The next piece of a streamed answer, within a bound.
-async fn next_piece(ws: &mut kvc_router::http::WorkerStream) -> Option<Vec<u8>> {
-    tokio::time::timeout(Duration::from_secs(5), ws.next_chunk())
-        .await
-        .expect("the stream stalled")
-        .expect("the front's stream is well formed")
+async fn next_piece(ws: &mut http_client::Streamed) -> Option<Vec<u8>> {
+    ws.next_piece().await
 }
 
-async fn read_all(ws: &mut kvc_router::http::WorkerStream) -> String {
-    let mut all = Vec::new();
-    while let Some(p) = next_piece(ws).await {
-        all.extend_from_slice(&p);
-    }
-    String::from_utf8(all).unwrap()
+async fn read_all(ws: &mut http_client::Streamed) -> String {
+    ws.read_all().await
 }
 
 /// Outcomes are reported once a stream has ended: wait (bounded) until none is pending.
@@ -763,7 +749,7 @@ async fn streamed_answers_are_relayed_as_they_arrive() {
     s.mocks[0].gate.notify_one();
     let mut ws = open_stream(&s, "/generate", &body(1_300)).await;
     assert_eq!(ws.status, 200);
-    assert_eq!(ws.content_type.as_deref(), Some("text/event-stream"));
+    assert_eq!(ws.headers["content-type"], "text/event-stream");
     let d = chosen_decode(&s, [1, 0, 0]);
     // The first event reaches the client while the worker still holds the rest back: the
     // answer is not buffered.

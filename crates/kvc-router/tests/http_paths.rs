@@ -3,6 +3,7 @@
 //! in-process mock workers (snapshot workers on a manual clock give the router its state).
 
 mod common;
+mod http_client;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -19,7 +20,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// What a mock worker does with a request.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -306,41 +306,13 @@ impl Reply {
     }
 }
 
-/// One bounded HTTP/1.1 POST to the front; a chunked body is de-chunked.
+/// One bounded POST to the front; a chunked body is de-chunked.
 async fn exchange(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
-    let fut = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let mut head = format!(
-            "POST {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\
-             Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        );
-        for (k, v) in headers {
-            head.push_str(&format!("{k}: {v}\r\n"));
-        }
-        head.push_str("\r\n");
-        s.write_all(head.as_bytes()).await.unwrap();
-        s.write_all(body.as_bytes()).await.unwrap();
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await.unwrap();
-        buf
-    };
-    let raw = tokio::time::timeout(Duration::from_secs(10), fut)
-        .await
-        .expect("the front answered in time");
-    let r = kvc_router::http::parse_response(&raw).expect("a well-formed answer");
-    let text = String::from_utf8(raw).unwrap();
-    let head = text.split_once("\r\n\r\n").unwrap().0;
-    let headers = head
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
+    let (status, headers, text) = http_client::exchange(addr, path, headers, body).await;
     Reply {
-        status: r.status,
+        status,
         headers,
-        text: String::from_utf8(r.body).unwrap(),
+        text,
     }
 }
 
@@ -435,7 +407,7 @@ async fn a_decode_worker_without_append_prefill_gets_every_turn_through_p() {
     let f = Front::start(
         |cfg| {
             one_p_one_d(cfg);
-            cfg.no_append_prefill.insert(1);
+            cfg.workers[1].append_prefill = false;
         },
         |_| {},
     )
@@ -761,12 +733,9 @@ fn two_prefill(cfg: &mut RouterConfig) {
         .unwrap()
         .to_owned();
     cfg.workers.push(WorkerConfig {
-        id: 3,
         name: Some("p3".into()),
-        role: WorkerRole::Prefill,
-        capacity_tokens: common::CAPACITY,
         snapshot: Some(dir.join("w3.snap")),
-        address: None,
+        ..WorkerConfig::new(3, WorkerRole::Prefill, common::CAPACITY)
     });
 }
 

@@ -441,7 +441,9 @@ async fn a_refused_direct_turn_reported_rejected_leaves_the_session_resident() {
 #[tokio::test]
 async fn a_decode_worker_without_append_prefill_is_never_direct_over_grpc() {
     let mut c = Cluster::start(|cfg| {
-        cfg.no_append_prefill.extend([1, 2]);
+        for w in &mut cfg.workers[1..=2] {
+            w.append_prefill = false;
+        }
     })
     .await;
     let d1 = seed_session(&mut c).await;

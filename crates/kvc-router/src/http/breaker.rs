@@ -2,9 +2,8 @@
 //! (during which the worker is out of rotation), then one trial request decides.
 
 use crate::RouterService;
+use dashmap::DashMap;
 use kvc_core::WorkerId;
-use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -68,7 +67,9 @@ pub(crate) struct Breakers {
     options: BreakerOptions,
     /// A trial without a result after this long failed (its request was abandoned).
     trial_timeout_ms: u64,
-    table: Mutex<HashMap<WorkerId, Breaker>>,
+    /// Each worker's breaker, locked per worker (every forwarded call touches its workers'
+    /// entries; calls to different workers do not wait for each other).
+    table: DashMap<WorkerId, Breaker>,
     random: std::collections::hash_map::RandomState,
     counter: AtomicU64,
 }
@@ -79,7 +80,7 @@ impl Breakers {
         Breakers {
             options,
             trial_timeout_ms: trial_timeout.as_millis() as u64,
-            table: Mutex::new(HashMap::new()),
+            table: DashMap::new(),
             random: std::collections::hash_map::RandomState::new(),
             counter: AtomicU64::new(0),
         }
@@ -129,10 +130,9 @@ impl Breakers {
         if !self.enabled() {
             return;
         }
-        let mut table = self.table.lock();
-        let b = table.entry(worker).or_default();
+        let mut b = self.table.entry(worker).or_default();
         *b = Breaker::default();
-        Self::apply(service, worker, b);
+        Self::apply(service, worker, &b);
     }
 
     /// A health check found `worker` up: a half-open breaker (cool-down over) closes; an open
@@ -142,13 +142,12 @@ impl Breakers {
         if !self.enabled() {
             return;
         }
-        let mut table = self.table.lock();
-        let b = table.entry(worker).or_default();
+        let mut b = self.table.entry(worker).or_default();
         if b.state == BreakerState::HalfOpen {
             *b = Breaker::default();
             tracing::info!(worker = worker.0, "circuit closed by a health check");
         }
-        Self::apply(service, worker, b);
+        Self::apply(service, worker, &b);
     }
 
     /// A request or health check of `worker` failed at `now_ms`.
@@ -156,8 +155,8 @@ impl Breakers {
         if !self.enabled() {
             return;
         }
-        let mut table = self.table.lock();
-        let b = table.entry(worker).or_default();
+        let mut entry = self.table.entry(worker).or_default();
+        let b = entry.value_mut();
         match b.state {
             BreakerState::Closed => {
                 b.failures = b.failures.saturating_add(1);
@@ -186,14 +185,13 @@ impl Breakers {
         if !self.enabled() {
             return;
         }
-        let mut table = self.table.lock();
-        if let Some(b) = table.get_mut(&worker)
+        if let Some(mut b) = self.table.get_mut(&worker)
             && b.state == BreakerState::HalfOpen
             && !b.trial_sent
         {
             b.trial_sent = true;
             b.trial_ms = now_ms;
-            Self::apply(service, worker, b);
+            Self::apply(service, worker, &b);
         }
     }
 
@@ -204,13 +202,12 @@ impl Breakers {
         if !self.enabled() {
             return;
         }
-        let mut table = self.table.lock();
-        if let Some(b) = table.get_mut(&worker)
+        if let Some(mut b) = self.table.get_mut(&worker)
             && b.state == BreakerState::HalfOpen
             && b.trial_sent
         {
             b.trial_sent = false;
-            Self::apply(service, worker, b);
+            Self::apply(service, worker, &b);
         }
     }
 
@@ -220,8 +217,8 @@ impl Breakers {
         if !self.enabled() {
             return;
         }
-        let mut table = self.table.lock();
-        for (worker, b) in table.iter_mut() {
+        for mut entry in self.table.iter_mut() {
+            let (worker, b) = entry.pair_mut();
             if b.state == BreakerState::Open && now_ms >= b.until_ms {
                 b.state = BreakerState::HalfOpen;
                 b.trial_sent = false;
@@ -240,7 +237,6 @@ impl Breakers {
     #[cfg(test)]
     pub(crate) fn state(&self, worker: WorkerId) -> BreakerState {
         self.table
-            .lock()
             .get(&worker)
             .map_or(BreakerState::Closed, |b| b.state)
     }
@@ -257,14 +253,9 @@ mod tests {
     fn service() -> RouterService {
         let mut config = RouterConfig::default();
         for id in 0..2 {
-            config.workers.push(WorkerConfig {
-                id,
-                name: None,
-                role: WorkerRole::Decode,
-                capacity_tokens: 100,
-                snapshot: None,
-                address: Some("http://127.0.0.1:1".into()),
-            });
+            let mut w = WorkerConfig::new(id, WorkerRole::Decode, 100);
+            w.address = Some("http://127.0.0.1:1".into());
+            config.workers.push(w);
         }
         RouterService::with_clock(config, Arc::new(ManualClock::new(0))).unwrap()
     }
@@ -296,7 +287,7 @@ mod tests {
         assert_eq!(b.state(w), BreakerState::Open);
         assert!(svc.is_http_down(w));
         assert!(!svc.is_http_down(WorkerId(0)));
-        let until = b.table.lock()[&w].until_ms;
+        let until = b.table.get(&w).unwrap().until_ms;
         assert!((100 + 750..=100 + 1_000).contains(&until), "{until}");
         b.tick(&svc, until - 1);
         assert_eq!(b.state(w), BreakerState::Open);
@@ -395,7 +386,7 @@ mod tests {
         for _ in 0..4 {
             b.on_failure(&svc, w, now);
             assert_eq!(b.state(w), BreakerState::Open);
-            let until = b.table.lock()[&w].until_ms;
+            let until = b.table.get(&w).unwrap().until_ms;
             cooldowns.push(until - now);
             now = until;
             b.tick(&svc, now);
@@ -407,9 +398,9 @@ mod tests {
         }
         // Failures while open do not extend the cool-down.
         b.on_failure(&svc, w, now);
-        let until = b.table.lock()[&w].until_ms;
+        let until = b.table.get(&w).unwrap().until_ms;
         b.on_failure(&svc, w, now + 10);
-        assert_eq!(b.table.lock()[&w].until_ms, until);
+        assert_eq!(b.table.get(&w).unwrap().until_ms, until);
     }
 
     #[test]

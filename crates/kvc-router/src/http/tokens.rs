@@ -164,6 +164,24 @@ impl Tokenizer {
     }
 }
 
+impl Tokenizer {
+    /// [`Tokenizer::encode`] for a request handler: a tokenizer file's encoding runs on the
+    /// blocking pool (long prompts take a while); the fallback runs inline.
+    pub(crate) async fn encode_off_thread(&self, text: &str) -> Vec<u32> {
+        if self.loaded.is_none() {
+            return fallback_tokens(text);
+        }
+        let (tokenizer, owned) = (self.clone(), text.to_owned());
+        match tokio::task::spawn_blocking(move || tokenizer.encode(&owned)).await {
+            Ok(tokens) => tokens,
+            Err(e) => {
+                tracing::warn!(error = %e, "tokenizer task failed; using the whitespace fallback");
+                fallback_tokens(text)
+            }
+        }
+    }
+}
+
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.path() {
@@ -183,12 +201,12 @@ impl PartialEq for Tokenizer {
 impl Eq for Tokenizer {}
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
     use super::*;
 
     /// A Hugging Face `tokenizer.json`: a word-level model over `words` (ids from 1, `[UNK]` is
     /// 0) after a whitespace pre-tokenizer.
-    pub(in crate::http) fn word_level_json(words: &[&str]) -> String {
+    fn word_level_json(words: &[&str]) -> String {
         let mut vocab = serde_json::Map::new();
         vocab.insert("[UNK]".into(), 0.into());
         for (i, w) in words.iter().enumerate() {
@@ -338,5 +356,22 @@ pub(super) mod tests {
         assert_eq!(ids2.len(), 4);
         assert_eq!(ids[..2], ids2[..2]);
         assert_ne!(ids[2], ids2[2]);
+    }
+
+    #[tokio::test]
+    async fn text_goes_through_the_tokenizer_off_the_request_thread() {
+        let fallback = Tokenizer::fallback();
+        assert_eq!(
+            fallback.encode_off_thread("a b c").await,
+            fallback_tokens("a b c")
+        );
+        let dir = Dir::new("off-thread");
+        let path = dir.0.join("tokenizer.json");
+        std::fs::write(&path, word_level_json(&["a", "b", "c"])).unwrap();
+        let tokenizer = Tokenizer::from_file(&path).unwrap();
+        assert_eq!(
+            tokenizer.encode_off_thread("a b c zzz").await,
+            vec![1, 2, 3, 0]
+        );
     }
 }

@@ -70,12 +70,9 @@ pub fn base_config(dir: &TempDir) -> RouterConfig {
         .iter()
         .enumerate()
         .map(|(i, role)| WorkerConfig {
-            id: i as u32,
             name: Some(format!("{}{i}", &role.to_string()[..1])),
-            role: *role,
-            capacity_tokens: CAPACITY,
             snapshot: Some(dir.0.join(format!("w{i}.snap"))),
-            address: None,
+            ..WorkerConfig::new(i as u32, *role, CAPACITY)
         })
         .collect();
     cfg

@@ -1,0 +1,70 @@
+//! The HTTP front's shared state: the routing service, the worker endpoints and the pooled
+//! client that reaches them, the circuit breakers, the session book and the settings.
+
+use super::breaker::Breakers;
+use super::endpoints::{HttpWorker, HttpWorkers};
+use super::options::HttpOptions;
+use super::pairing::BootstrapRooms;
+use super::session::Sessions;
+use super::worker_client::WorkerClient;
+use crate::RouterService;
+use axum::http::HeaderName;
+use kvc_core::WorkerId;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Everything a request handler needs, shared by all of them.
+pub(super) struct App {
+    pub(super) service: Arc<RouterService>,
+    pub(super) workers: HttpWorkers,
+    pub(super) client: WorkerClient,
+    pub(super) breakers: Breakers,
+    pub(super) sessions: Sessions,
+    pub(super) rooms: BootstrapRooms,
+    pub(super) options: HttpOptions,
+    /// [`HttpOptions::session_header`] as a header name; `None` when it is not one (then no
+    /// worker request carries it).
+    pub(super) session_header: Option<HeaderName>,
+    next_request: AtomicU64,
+}
+
+impl App {
+    pub(super) fn new(
+        service: Arc<RouterService>,
+        workers: HttpWorkers,
+        options: HttpOptions,
+    ) -> App {
+        let sessions = Sessions::new(service.config().sessions, options.infer_min_blocks);
+        App {
+            client: WorkerClient::new(options.pool),
+            breakers: Breakers::new(options.breaker, options.request_timeout),
+            session_header: HeaderName::from_bytes(options.session_header.as_bytes()).ok(),
+            sessions,
+            rooms: BootstrapRooms::new(),
+            service,
+            workers,
+            options,
+            next_request: AtomicU64::new(1),
+        }
+    }
+
+    /// A fresh id for the next client request (from 1).
+    pub(super) fn next_request_id(&self) -> u64 {
+        self.next_request.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Feeds one worker's result to its circuit breaker.
+    pub(super) fn feed_breaker(&self, worker: WorkerId, failed: bool) {
+        if failed {
+            self.breakers
+                .on_failure(&self.service, worker, self.service.now_ms());
+        } else {
+            self.breakers.on_success(&self.service, worker);
+        }
+    }
+
+    /// Worker `id`'s endpoint.
+    pub(super) fn endpoint(&self, id: WorkerId) -> Option<HttpWorker> {
+        self.workers.get(id).cloned()
+    }
+}

@@ -1,0 +1,302 @@
+//! One forwarding attempt of a decision: what it shares with the request's other attempts,
+//! how it starts (the payload, P's request on a P→D path), what it can come to, and how a
+//! worker's answer is judged for the breakers and for retries.
+
+use super::app::App;
+use super::decision::{self, Decision};
+use super::endpoints::HttpWorker;
+use super::pairing::{PrefillLeg, PrefillResult};
+use super::request::Api;
+use super::responses::{answer_or_error, no_address, worker_answer};
+use super::worker_client::{ForwardError, WorkerAnswer};
+use axum::body::Bytes;
+use axum::http::{HeaderName, HeaderValue};
+use axum::response::Response;
+use kvc_core::{ExecutionMode, Outcome, WorkerId};
+use serde_json::{Map, Value};
+use std::sync::Arc;
+
+/// One client request, as every attempt forwards it.
+pub(super) struct ForwardedRequest {
+    pub(super) api: Api,
+    pub(super) request_id: u64,
+    pub(super) input_length: u64,
+    /// The session key, sent to every worker in the session header.
+    pub(super) session_key: Option<Arc<str>>,
+}
+
+impl ForwardedRequest {
+    /// The headers every worker request carries: the session header with the session key
+    /// (none without a session, or when the key or the header name cannot be sent).
+    pub(super) fn worker_headers(&self, app: &App) -> Vec<(HeaderName, HeaderValue)> {
+        let (Some(name), Some(key)) = (&app.session_header, &self.session_key) else {
+            return Vec::new();
+        };
+        match HeaderValue::from_str(key) {
+            Ok(value) => vec![(name.clone(), value)],
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
+/// What one forwarding attempt came to. Whatever it is, its decision has been (or, for a
+/// relayed stream, will be) reported.
+pub(super) enum AttemptResult {
+    /// The client's answer.
+    Answered(Response),
+    /// Failed before any byte reached the client, in a way worth trying elsewhere (connection
+    /// refused or broken, timeout before an answer, 502-504, or a prefill worker that failed
+    /// before the decode worker answered): `response` is the failure as the client would get
+    /// it, `failed` the workers to avoid.
+    RetryElsewhere {
+        response: Response,
+        failed: Vec<WorkerId>,
+    },
+    /// The decode worker's admission refused the request (`503` with
+    /// `x-kvc-admission: rejected`), reported `rejected`; `response` is its answer.
+    RefusedByAdmission {
+        response: Response,
+        decode: WorkerId,
+        /// Whether the refused decision was direct-to-D.
+        direct: bool,
+    },
+}
+
+/// Whether a worker's answer (its status, or why there is none) counts against its circuit
+/// breaker: no answer, or a 5xx status.
+pub(super) fn counts_against_breaker(status: Result<u16, &ForwardError>) -> bool {
+    match status {
+        Ok(s) => s >= 500,
+        Err(_) => true,
+    }
+}
+
+/// Whether a worker's failure may be retried on another worker: no answer (connection
+/// refused or broken, timeout), or 502, 503 or 504.
+pub(super) fn worth_retrying(status: Result<u16, &ForwardError>) -> bool {
+    match status {
+        Ok(s) => (502..=504).contains(&s),
+        Err(e) => e.is_transient(),
+    }
+}
+
+/// Whether a worker answered 2xx.
+pub(super) fn is_success(r: &Result<WorkerAnswer, ForwardError>) -> bool {
+    matches!(r, Ok(a) if (200..300).contains(&a.status))
+}
+
+/// Tokens generated, as the worker's answer reports them (SGLang `meta_info` or OpenAI
+/// `usage`).
+pub(super) fn completion_tokens(body: &[u8]) -> Option<u64> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    v.pointer("/meta_info/completion_tokens")
+        .or_else(|| v.pointer("/usage/completion_tokens"))
+        .and_then(Value::as_u64)
+}
+
+/// An attempt that has its workers: D's endpoint, the payload for both workers and, on a P→D
+/// path, P's request already running.
+pub(super) struct Dispatched {
+    pub(super) decode: HttpWorker,
+    pub(super) payload: Bytes,
+    pub(super) prefill: Option<PrefillLeg>,
+}
+
+/// One decision being carried out: what every step of the attempt needs.
+pub(super) struct Attempt<'a> {
+    pub(super) app: &'a Arc<App>,
+    pub(super) request: &'a ForwardedRequest,
+    pub(super) decision: &'a Decision,
+    /// The session header for the workers.
+    pub(super) headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl<'a> Attempt<'a> {
+    pub(super) fn new(
+        app: &'a Arc<App>,
+        request: &'a ForwardedRequest,
+        decision: &'a Decision,
+    ) -> Self {
+        Attempt {
+            app,
+            request,
+            decision,
+            headers: request.worker_headers(app),
+        }
+    }
+
+    /// The decode worker.
+    pub(super) fn decode(&self) -> WorkerId {
+        self.decision.decode
+    }
+
+    /// Reports the decision's outcome.
+    pub(super) fn report(&self, outcome: Outcome, resident_tokens: u64) {
+        decision::report(
+            &self.app.service,
+            self.decision.id,
+            self.request.request_id,
+            outcome,
+            resident_tokens,
+        );
+    }
+
+    /// Reports `worker-failed` and asks for the request to be tried without `failed`.
+    pub(super) fn retry(&self, response: Response, failed: Vec<WorkerId>) -> AttemptResult {
+        self.report(Outcome::WorkerFailed, 0);
+        AttemptResult::RetryElsewhere { response, failed }
+    }
+
+    /// P failed before D answered anything: D's request is dropped (not D's failure), the
+    /// decision reported `worker-failed`, and the request tried again without P when P's
+    /// failure is worth it; otherwise P's answer goes to the client.
+    pub(super) fn prefill_failed_first(
+        &self,
+        prefill: WorkerId,
+        answer: PrefillResult,
+    ) -> AttemptResult {
+        self.app
+            .breakers
+            .on_abandoned(&self.app.service, self.decode());
+        tracing::info!(
+            request = self.request.request_id,
+            prefill = prefill.0,
+            "prefill worker failed before the decode worker answered"
+        );
+        if worth_retrying(answer.as_ref().map(|a| a.status)) {
+            return self.retry(answer_or_error("prefill worker", answer), vec![prefill]);
+        }
+        self.report(Outcome::WorkerFailed, 0);
+        AttemptResult::Answered(answer_or_error("prefill worker", answer))
+    }
+
+    /// D's admission refused the request: not a failure of D (its breaker hears a success),
+    /// P's request (if any) is stopped, and the decision is reported `rejected`.
+    pub(super) fn refused(
+        &self,
+        answer: WorkerAnswer,
+        prefill: Option<PrefillLeg>,
+    ) -> AttemptResult {
+        self.app.feed_breaker(self.decode(), false);
+        if let Some(p) = prefill {
+            p.abandon(self.app);
+        }
+        tracing::info!(
+            request = self.request.request_id,
+            decode = self.decode().0,
+            "decode worker's admission refused the request"
+        );
+        self.report(Outcome::Rejected, 0);
+        AttemptResult::RefusedByAdmission {
+            response: worker_answer(answer),
+            decode: self.decode(),
+            direct: self.decision.mode == ExecutionMode::DirectToD,
+        }
+    }
+
+    /// D's failure before any byte reached the client: `failed` D (and P, if it has failed
+    /// too) are avoided by a retry; P's request is stopped.
+    pub(super) async fn decode_failed(&self, prefill: Option<PrefillLeg>) -> Vec<WorkerId> {
+        let mut failed = vec![self.decode()];
+        if let Some(mut p) = prefill {
+            if p.failed().await {
+                failed.push(p.id);
+            }
+            p.abandon(self.app);
+        }
+        failed
+    }
+
+    /// The payload for both workers, with P's request started on a P→D path (the decode
+    /// worker's breaker hears of the dispatch too), or the attempt's end (boxed: it is the
+    /// rare path) when a worker has no address.
+    pub(super) fn dispatch(
+        &self,
+        mut body: Map<String, Value>,
+    ) -> Result<Dispatched, Box<AttemptResult>> {
+        let app = self.app;
+        let Some(decode) = app.endpoint(self.decode()) else {
+            return Err(Box::new(
+                self.retry(no_address(self.decode()), vec![self.decode()]),
+            ));
+        };
+        let prefill = match self.decision.prefill {
+            None => None,
+            Some(p_id) => {
+                let Some(p) = app.endpoint(p_id) else {
+                    return Err(Box::new(self.retry(no_address(p_id), vec![p_id])));
+                };
+                app.rooms.add_to(&mut body, &p);
+                Some((p_id, p))
+            }
+        };
+        let payload = Bytes::from(Value::Object(body).to_string());
+        let prefill = prefill.map(|(p_id, p)| {
+            PrefillLeg::start(
+                app,
+                p_id,
+                p,
+                self.request.api.path(),
+                payload.clone(),
+                self.headers.clone(),
+            )
+        });
+        app.breakers
+            .on_dispatch(&app.service, self.decode(), app.service.now_ms());
+        Ok(Dispatched {
+            decode,
+            payload,
+            prefill,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn failures_are_classified_for_breakers_and_retries() {
+        let refused = ForwardError::Unreachable("refused".into());
+        assert!(counts_against_breaker(Err(&refused)) && worth_retrying(Err(&refused)));
+        let broken = ForwardError::Broken("reset".into());
+        assert!(counts_against_breaker(Err(&broken)) && worth_retrying(Err(&broken)));
+        let late = ForwardError::Timeout(Duration::from_secs(1));
+        assert!(worth_retrying(Err(&late)));
+        let bad = ForwardError::BadResponse("x".into());
+        assert!(counts_against_breaker(Err(&bad)) && !worth_retrying(Err(&bad)));
+        for s in [502, 503, 504] {
+            assert!(
+                counts_against_breaker(Ok(s)) && worth_retrying(Ok(s)),
+                "{s}"
+            );
+        }
+        assert!(counts_against_breaker(Ok(500)) && !worth_retrying(Ok(500)));
+        for s in [200, 400, 404] {
+            assert!(
+                !counts_against_breaker(Ok(s)) && !worth_retrying(Ok(s)),
+                "{s}"
+            );
+        }
+        let answer = |status| -> Result<WorkerAnswer, ForwardError> {
+            Ok(WorkerAnswer {
+                status,
+                content_type: None,
+                admission_rejected: false,
+                body: Bytes::new(),
+            })
+        };
+        assert!(is_success(&answer(204)) && !is_success(&answer(300)));
+        assert!(!is_success(&Err(bad)));
+        assert_eq!(
+            completion_tokens(br#"{"meta_info":{"completion_tokens":4}}"#),
+            Some(4)
+        );
+        assert_eq!(
+            completion_tokens(br#"{"usage":{"completion_tokens":6}}"#),
+            Some(6)
+        );
+        assert_eq!(completion_tokens(b"not json"), None);
+    }
+}

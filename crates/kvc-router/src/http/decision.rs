@@ -1,0 +1,110 @@
+//! The HTTP front's calls into the routing service: ask for a decision, report its outcome.
+//! Decisions come back as `kvc-core` values; this is the only file of the front that sees
+//! the service's request and decision types.
+
+use crate::{DecisionOutcome, RequestError, RouterService};
+use kvc_core::{
+    BlockHash, ExecutionMode, FallThroughReason, Outcome, RequestId, SessionId, TurnId, WorkerId,
+};
+use kvc_policy::RouteRequest;
+
+/// What the front asks the routing service for one client request (the same for every
+/// attempt, but for `rejected_by`).
+#[derive(Debug, Clone)]
+pub(super) struct RouteQuery {
+    request_id: RequestId,
+    session: Option<(SessionId, TurnId)>,
+    input_length: u64,
+    output_hint: u64,
+    hash_ids: Vec<BlockHash>,
+    rejected_by: Option<WorkerId>,
+}
+
+impl RouteQuery {
+    /// A request of `input_length` tokens with `hash_ids`, in `session` at `turn` when it has
+    /// one.
+    pub(super) fn new(
+        request_id: u64,
+        session: Option<(SessionId, u32)>,
+        input_length: u64,
+        output_hint: u64,
+        hash_ids: Vec<u64>,
+    ) -> Self {
+        RouteQuery {
+            request_id: RequestId(request_id),
+            session: session.map(|(s, t)| (s, TurnId(t))),
+            input_length,
+            output_hint,
+            hash_ids: hash_ids.into_iter().map(BlockHash).collect(),
+            rejected_by: None,
+        }
+    }
+
+    /// Marks the next decision as the answer to `worker`'s admission refusal (`None`: a plain
+    /// route).
+    pub(super) fn set_rejected_by(&mut self, worker: Option<WorkerId>) {
+        self.rejected_by = worker;
+    }
+
+    /// The policy's view of this query.
+    fn request(&self) -> RouteRequest<'_> {
+        RouteRequest {
+            request_id: self.request_id,
+            session: self.session.map(|(s, _)| s),
+            turn: self.session.map(|(_, t)| t),
+            input_length: self.input_length,
+            output_hint: self.output_hint,
+            hash_ids: &self.hash_ids,
+            rejected_by: self.rejected_by,
+        }
+    }
+}
+
+/// Where one attempt of a request goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Decision {
+    /// Names the decision in its outcome report.
+    pub(super) id: u64,
+    /// The path: through a prefill worker, direct-to-D, or colocated.
+    pub(super) mode: ExecutionMode,
+    /// The prefill worker of a P→D path.
+    pub(super) prefill: Option<WorkerId>,
+    /// The decode worker (the colocated worker in a colocated cluster).
+    pub(super) decode: WorkerId,
+    /// Why a later turn did not go direct-to-D.
+    pub(super) reason: Option<FallThroughReason>,
+}
+
+/// The routing service's decision for `query`, the workers in `excluded` counted as down.
+pub(super) fn route(
+    service: &RouterService,
+    query: &RouteQuery,
+    excluded: &[WorkerId],
+) -> Result<Decision, RequestError> {
+    let d = service.route_excluding(&query.request(), excluded)?;
+    Ok(Decision {
+        id: d.decision_id,
+        mode: d.mode,
+        prefill: d.prefill_worker,
+        decode: d.decode_worker,
+        reason: d.fall_through_reason,
+    })
+}
+
+/// Reports the outcome of `decision` (logged, never fatal).
+pub(super) fn report(
+    service: &RouterService,
+    decision: u64,
+    request_id: u64,
+    outcome: Outcome,
+    resident_tokens: u64,
+) {
+    if let Err(e) = service.report_outcome(&DecisionOutcome {
+        decision_id: decision,
+        request_id: RequestId(request_id),
+        outcome,
+        resident_tokens,
+    }) {
+        tracing::warn!(decision, error = %e, "outcome not recorded");
+    }
+}

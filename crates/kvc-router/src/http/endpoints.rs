@@ -1,0 +1,133 @@
+//! Where the HTTP front reaches each worker: its base URL and, for a prefill worker, its
+//! disaggregation bootstrap port.
+
+use super::error::FrontError;
+use crate::config::{RouterConfig, WorkerUrl};
+use kvc_core::WorkerId;
+use std::collections::HashMap;
+
+/// SGLang's default disaggregation bootstrap port, used for a prefill worker registered
+/// without one.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// Every worker the HTTP front forwards to, by id.
+#[derive(Debug, Clone, Default)]
+pub struct HttpWorkers {
+    workers: HashMap<WorkerId, HttpWorker>,
+}
+
+/// One worker's HTTP endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpWorker {
+    /// Its base URL, parsed.
+    pub url: WorkerUrl,
+    /// The bootstrap port of a prefill worker (ignored for others).
+    pub bootstrap_port: u16,
+}
+
+impl HttpWorkers {
+    /// No workers.
+    pub fn new() -> Self {
+        HttpWorkers::default()
+    }
+
+    /// The endpoints of the configured workers that have an `http-url`.
+    pub fn from_config(config: &RouterConfig) -> Result<Self, FrontError> {
+        let mut workers = HttpWorkers::new();
+        for w in &config.workers {
+            if let Some(url) = &w.http_url {
+                workers.insert(w.worker_id(), url, w.bootstrap_port)?;
+            }
+        }
+        Ok(workers)
+    }
+
+    /// Registers worker `id` at `url` (`http://host:port[/prefix]`); `bootstrap_port` is the
+    /// disaggregation bootstrap port of a prefill worker ([`DEFAULT_BOOTSTRAP_PORT`] when
+    /// `None`). Replaces an earlier entry for `id`.
+    pub fn insert(
+        &mut self,
+        id: WorkerId,
+        url: &str,
+        bootstrap_port: Option<u16>,
+    ) -> Result<(), FrontError> {
+        let url =
+            WorkerUrl::parse(url).map_err(|url| FrontError::WorkerUrl { worker: id.0, url })?;
+        self.workers.insert(
+            id,
+            HttpWorker {
+                url,
+                bootstrap_port: bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT),
+            },
+        );
+        Ok(())
+    }
+
+    /// Worker `id`'s endpoint.
+    pub fn get(&self, id: WorkerId) -> Option<&HttpWorker> {
+        self.workers.get(&id)
+    }
+
+    /// Every worker and its endpoint, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (WorkerId, &HttpWorker)> {
+        self.workers.iter().map(|(id, w)| (*id, w))
+    }
+
+    /// Number of workers registered.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Whether no worker is registered.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::WorkerConfig;
+    use kvc_core::WorkerRole;
+
+    #[test]
+    fn workers_need_http_urls() {
+        let mut w = HttpWorkers::new();
+        assert!(w.is_empty());
+        w.insert(WorkerId(3), "http://h:1", None).unwrap();
+        assert_eq!(
+            w.get(WorkerId(3)).unwrap().bootstrap_port,
+            DEFAULT_BOOTSTRAP_PORT
+        );
+        w.insert(WorkerId(3), "http://h:2", Some(7)).unwrap();
+        assert_eq!(w.len(), 1);
+        assert_eq!(w.get(WorkerId(3)).unwrap().url.port, 2);
+        assert_eq!(w.get(WorkerId(3)).unwrap().bootstrap_port, 7);
+        let err = w.insert(WorkerId(4), "https://h:1", None).unwrap_err();
+        assert!(
+            matches!(&err, FrontError::WorkerUrl { worker: 4, url } if url == "https://h:1"),
+            "{err}"
+        );
+        assert_eq!(w.get(WorkerId(4)), None);
+    }
+
+    #[test]
+    fn the_configured_http_urls_are_the_endpoints() {
+        let mut config = RouterConfig::default();
+        let mut p = WorkerConfig::new(0, WorkerRole::Prefill, 10);
+        p.http_url = Some("http://10.0.0.1:30000".into());
+        p.bootstrap_port = Some(9000);
+        let mut d = WorkerConfig::new(1, WorkerRole::Decode, 10);
+        d.http_url = Some("http://10.0.0.2:30000/v".into());
+        config.workers = vec![p, d, WorkerConfig::new(2, WorkerRole::Decode, 10)];
+        let w = HttpWorkers::from_config(&config).unwrap();
+        assert_eq!(w.len(), 2);
+        assert_eq!(w.get(WorkerId(0)).unwrap().bootstrap_port, 9000);
+        assert_eq!(w.get(WorkerId(1)).unwrap().url.prefix, "/v");
+        assert_eq!(
+            w.get(WorkerId(1)).unwrap().bootstrap_port,
+            DEFAULT_BOOTSTRAP_PORT
+        );
+        assert_eq!(w.get(WorkerId(2)), None);
+    }
+}

@@ -1,0 +1,153 @@
+//! What the front answers the client besides a worker's own answer: JSON errors (for a bad
+//! request, a routing failure, a worker that did not answer) and the decision headers.
+
+use super::decision::Decision;
+use super::worker_client::{ForwardError, WorkerAnswer};
+use crate::RequestError;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use kvc_core::{StableName, WorkerId};
+use serde_json::{Value, json};
+
+/// The response header naming the session a request was routed in (the client's key, or the
+/// key of an inferred session).
+pub const SESSION_RESPONSE_HEADER: &str = "x-kvc-session";
+
+/// `body` as a JSON response with `status`.
+pub(super) fn json_response(status: StatusCode, body: &Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// `{"error": {"message", "type", "code"}}` with `status`.
+pub(super) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
+    json_response(
+        status,
+        &json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }),
+    )
+}
+
+/// A body that could not be read (too large, cut short) as a JSON error.
+pub(super) fn body_error_response(e: &BytesRejection) -> Response {
+    error_response(e.status(), "invalid_request_error", &e.body_text())
+}
+
+/// A routing failure as the client gets it: 400 for a bad request, 503 when no worker can
+/// take it, 504 for a deadline, else 500.
+pub(super) fn route_error_response(e: &RequestError) -> Response {
+    let (status, kind) = match e {
+        RequestError::InvalidArgument(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+        RequestError::Unavailable(_) | RequestError::ResourceExhausted(_) => {
+            (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+        }
+        RequestError::DeadlineExceeded(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
+        RequestError::NotFound(_)
+        | RequestError::FailedPrecondition(_)
+        | RequestError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+    };
+    error_response(status, kind, &e.to_string())
+}
+
+/// A worker (`who`) that gave no answer: 504 after a timeout, else 502.
+pub(super) fn forward_error_response(who: &str, e: &ForwardError) -> Response {
+    let status = match e {
+        ForwardError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        _ => StatusCode::BAD_GATEWAY,
+    };
+    error_response(status, "worker_error", &format!("{who}: {e}"))
+}
+
+/// A worker's whole answer, passed through to the client.
+pub(super) fn worker_answer(a: WorkerAnswer) -> Response {
+    let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = a
+        .content_type
+        .unwrap_or(HeaderValue::from_static("application/json"));
+    (status, [(header::CONTENT_TYPE, content_type)], a.body).into_response()
+}
+
+/// A worker's answer, or its absence, as the client gets it.
+pub(super) fn answer_or_error(who: &str, r: Result<WorkerAnswer, ForwardError>) -> Response {
+    match r {
+        Ok(a) => worker_answer(a),
+        Err(e) => forward_error_response(who, &e),
+    }
+}
+
+/// The 502 for a worker without an HTTP address.
+pub(super) fn no_address(id: WorkerId) -> Response {
+    error_response(
+        StatusCode::BAD_GATEWAY,
+        "worker_error",
+        &format!("worker {} has no HTTP address", id.0),
+    )
+}
+
+/// Adds `x-kvc-mode`, `x-kvc-decode-worker`, (P→D) `x-kvc-prefill-worker`, (fall-through)
+/// `x-kvc-reason` and (with a session) `x-kvc-session`.
+pub(super) fn with_decision_headers(
+    mut response: Response,
+    decision: &Decision,
+    session_key: Option<&str>,
+) -> Response {
+    let h = response.headers_mut();
+    h.insert(
+        "x-kvc-mode",
+        HeaderValue::from_static(decision.mode.as_str()),
+    );
+    h.insert("x-kvc-decode-worker", HeaderValue::from(decision.decode.0));
+    if let Some(p) = decision.prefill {
+        h.insert("x-kvc-prefill-worker", HeaderValue::from(p.0));
+    }
+    if let Some(reason) = decision.reason {
+        h.insert("x-kvc-reason", HeaderValue::from_static(reason.as_str()));
+    }
+    if let Some(v) = session_key.and_then(|k| HeaderValue::from_str(k).ok()) {
+        h.insert(SESSION_RESPONSE_HEADER, v);
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvc_core::{ExecutionMode, FallThroughReason};
+
+    #[test]
+    fn decision_headers_name_the_mode_workers_and_session() {
+        let decision = Decision {
+            id: 1,
+            mode: ExecutionMode::Fallback,
+            reason: Some(FallThroughReason::DirectUnsupported),
+            prefill: Some(WorkerId(0)),
+            decode: WorkerId(2),
+        };
+        let r = with_decision_headers(StatusCode::OK.into_response(), &decision, Some("s-1"));
+        let h = r.headers();
+        assert_eq!(h["x-kvc-mode"], "fallback");
+        assert_eq!(h["x-kvc-decode-worker"], "2");
+        assert_eq!(h["x-kvc-prefill-worker"], "0");
+        assert_eq!(h["x-kvc-reason"], "direct-unsupported");
+        assert_eq!(h[SESSION_RESPONSE_HEADER], "s-1");
+        let r = with_decision_headers(StatusCode::OK.into_response(), &decision, Some("bad\nkey"));
+        assert!(!r.headers().contains_key(SESSION_RESPONSE_HEADER));
+    }
+
+    #[test]
+    fn missing_answers_are_502_or_504() {
+        let r = forward_error_response("decode worker", &ForwardError::Broken("reset".into()));
+        assert_eq!(r.status(), StatusCode::BAD_GATEWAY);
+        let r = forward_error_response(
+            "decode worker",
+            &ForwardError::Timeout(std::time::Duration::from_secs(1)),
+        );
+        assert_eq!(r.status(), StatusCode::GATEWAY_TIMEOUT);
+        let r = route_error_response(&RequestError::Unavailable("none".into()));
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+}

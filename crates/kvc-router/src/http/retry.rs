@@ -1,0 +1,171 @@
+//! One client request from its body to its answer: parsed, its session resolved, its tokens
+//! hashed, then routed and forwarded — and, after a failure before the first byte reached the
+//! client, routed again away from the failed workers (with backoff), or through P after a
+//! decode worker's admission refusal.
+
+use super::app::App;
+use super::attempt::{AttemptResult, ForwardedRequest};
+use super::decision::{self, RouteQuery};
+use super::direct::add_continuation_params;
+use super::request::{self, Api, Prompt};
+use super::responses::{error_response, route_error_response, with_decision_headers};
+use super::session::header_key;
+use super::stream::forward_stream;
+use super::tokens::block_hashes;
+use super::whole::forward_whole;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use kvc_core::{ExecutionMode, WorkerId};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The client's answer to `bytes`, a request to `api`.
+pub(super) async fn serve_request(
+    app: &Arc<App>,
+    api: Api,
+    headers: &HeaderMap,
+    bytes: &[u8],
+) -> Response {
+    let bad_request =
+        |message: &str| error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message);
+    let req = match request::parse(api, bytes) {
+        Ok(r) => r,
+        Err(m) => return bad_request(&m),
+    };
+    let header_key = match header_key(headers, &app.options.session_header) {
+        Ok(k) => k,
+        Err(m) => return bad_request(&m),
+    };
+    let tokens = match &req.prompt {
+        Prompt::Tokens(t) => t.clone(),
+        Prompt::Text(text) => app.options.tokenizer.encode_off_thread(text).await,
+    };
+    if tokens.is_empty() {
+        return bad_request("the prompt is empty");
+    }
+    let block = app.service.config().policy.block_size();
+    let hash_ids = block_hashes(&tokens, block);
+    let full_blocks = tokens.len() / block.tokens() as usize;
+    let request_id = app.next_request_id();
+    let client_key = header_key.or_else(|| req.session_key.clone());
+    let resolved = app.sessions.resolve(
+        &app.service,
+        client_key.as_deref(),
+        &hash_ids,
+        full_blocks,
+        request_id,
+    );
+    let input_length = tokens.len() as u64;
+    let query = RouteQuery::new(
+        request_id,
+        resolved.as_ref().map(|r| (r.session, r.turn)),
+        input_length,
+        req.output_hint,
+        hash_ids,
+    );
+    let forwarded = ForwardedRequest {
+        api,
+        request_id,
+        input_length,
+        session_key: resolved.map(|r| r.key),
+    };
+    route_and_forward(app, query, &forwarded, &req.body, req.stream).await
+}
+
+/// Routes and forwards until an attempt answers the client, the retries are spent or no
+/// other worker can take the request.
+async fn route_and_forward(
+    app: &Arc<App>,
+    mut query: RouteQuery,
+    request: &ForwardedRequest,
+    body: &serde_json::Map<String, serde_json::Value>,
+    stream: bool,
+) -> Response {
+    let session_key = request.session_key.as_deref();
+    let mut excluded: Vec<WorkerId> = Vec::new();
+    let mut attempt = 0u32;
+    let mut retrying = false;
+    let mut admission_rerouted = false;
+    // The previous attempt's failure, answered when no other worker can take the request.
+    let mut previous: Option<Response> = None;
+    loop {
+        app.breakers.tick(&app.service, app.service.now_ms());
+        let decision = match decision::route(&app.service, &query, &excluded) {
+            Ok(d) => d,
+            Err(e) => return previous.unwrap_or_else(|| route_error_response(&e)),
+        };
+        // A `rejected_by` is answered by one decision; later retries are plain re-routes.
+        query.set_rejected_by(None);
+        if std::mem::take(&mut retrying) {
+            app.service.metrics().record_http_retry();
+        }
+        let may_retry = attempt < app.options.max_retries;
+        let mut body = body.clone();
+        if decision.mode == ExecutionMode::DirectToD {
+            add_continuation_params(request.api, &mut body, session_key);
+        }
+        let result = if stream {
+            forward_stream(app, request, body, &decision, may_retry).await
+        } else {
+            forward_whole(app, request, body, &decision).await
+        };
+        let respond = |response| with_decision_headers(response, &decision, session_key);
+        let (response, failed) = match result {
+            AttemptResult::Answered(response) => return respond(response),
+            AttemptResult::RetryElsewhere { response, failed } => (respond(response), failed),
+            AttemptResult::RefusedByAdmission {
+                response,
+                decode,
+                direct,
+            } => {
+                app.service.metrics().record_http_admission_reject();
+                let response = respond(response);
+                if direct && !admission_rerouted {
+                    // Like a gRPC caller whose admission refused a direct-to-D decision: route
+                    // again with `rejected_by`; the policy answers with a P→D path. Not a retry,
+                    // and at most once per request.
+                    admission_rerouted = true;
+                    query.set_rejected_by(Some(decode));
+                    previous = Some(response);
+                    tracing::info!(
+                        request = request.request_id,
+                        decode = decode.0,
+                        "direct-to-D turn refused by the decode worker; re-routing through P"
+                    );
+                    continue;
+                }
+                (response, vec![decode])
+            }
+        };
+        if !may_retry {
+            return response;
+        }
+        previous = Some(response);
+        attempt += 1;
+        retrying = true;
+        for w in failed {
+            if !excluded.contains(&w) {
+                excluded.push(w);
+            }
+        }
+        let wait = backoff(app, attempt);
+        tracing::info!(
+            request = request.request_id,
+            attempt,
+            excluded = ?excluded,
+            wait_ms = wait.as_millis() as u64,
+            "re-routing a failed request"
+        );
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// The jittered wait before retry `attempt` (from 1): the backoff doubled per retry,
+/// shortened by up to a half.
+fn backoff(app: &App, attempt: u32) -> Duration {
+    let base = app
+        .options
+        .retry_backoff
+        .saturating_mul(1 << attempt.saturating_sub(1).min(16));
+    base.mul_f64(1.0 - 0.5 * app.breakers.unit())
+}

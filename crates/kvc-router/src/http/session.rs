@@ -1,0 +1,141 @@
+//! Which session a client request belongs to: the key from the session header or the body's
+//! `session_params.id`, else a session inferred from the prompt's prefix (see [`super::infer`]);
+//! and its turn. Inferred sessions are counted in the metrics.
+
+use super::infer::{self, Inferred, Resolved, SessionBook};
+use crate::{RouterService, SessionLimits};
+use axum::http::HeaderMap;
+use parking_lot::Mutex;
+use std::hash::{BuildHasher, Hasher};
+
+/// The session key a client sent in header `name`: `Ok(None)` without the header, an error
+/// message when it is not non-empty text.
+pub(super) fn header_key(headers: &HeaderMap, name: &str) -> Result<Option<String>, String> {
+    match headers.get(name) {
+        None => Ok(None),
+        Some(v) => match v.to_str() {
+            Ok(s) if !s.trim().is_empty() => Ok(Some(s.trim().to_owned())),
+            _ => Err(format!("header `{name}` must be non-empty text")),
+        },
+    }
+}
+
+/// The front's sessions: the book of keys, turns and prefix anchors, and the per-process key
+/// of the hash that names new inferred sessions.
+pub(super) struct Sessions {
+    book: Mutex<SessionBook>,
+    min_blocks: u32,
+    key_hasher: std::collections::hash_map::RandomState,
+}
+
+impl Sessions {
+    /// Sessions bounded by the router's `limits`; inference needs `min_blocks` shared full
+    /// blocks (0: none).
+    pub(super) fn new(limits: SessionLimits, min_blocks: u32) -> Self {
+        Sessions {
+            book: Mutex::new(SessionBook::new(limits, min_blocks)),
+            min_blocks,
+            key_hasher: std::collections::hash_map::RandomState::new(),
+        }
+    }
+
+    /// The key of a new inferred session: a hash (keyed per process) of the request's first
+    /// block hashes and its id.
+    fn inferred_key(&self, hash_ids: &[u64], request_id: u64) -> String {
+        let mut h = self.key_hasher.build_hasher();
+        for id in hash_ids.iter().take((self.min_blocks as usize).max(1)) {
+            h.write_u64(*id);
+        }
+        h.write_u64(request_id);
+        format!("kvc-inferred-{:016x}", h.finish())
+    }
+
+    /// The session of a request (`key` when the client named one) and its turn (see
+    /// [`SessionBook::resolve`]), counted in `service`'s metrics when inferred.
+    pub(super) fn resolve(
+        &self,
+        service: &RouterService,
+        key: Option<&str>,
+        hash_ids: &[u64],
+        full_blocks: usize,
+        request_id: u64,
+    ) -> Option<Resolved> {
+        let prompt = infer::Prompt {
+            key,
+            hashes: hash_ids,
+            full_blocks,
+        };
+        let resolved = self.book.lock().resolve(prompt, service.now_ms(), || {
+            self.inferred_key(hash_ids, request_id)
+        });
+        if let Some(inferred) = resolved.as_ref().and_then(|r| r.inferred) {
+            service
+                .metrics()
+                .record_inferred_session(inferred == Inferred::Continued);
+        }
+        resolved
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RouterConfig;
+    use axum::http::HeaderValue;
+    use kvc_admission::ManualClock;
+    use std::sync::Arc;
+
+    #[test]
+    fn sessions_are_resolved_with_the_router_limits_and_counted() {
+        let clock = Arc::new(ManualClock::new(1_000));
+        let limits = SessionLimits {
+            ttl_ms: 100,
+            max_sessions: 10,
+        };
+        let config = RouterConfig {
+            sessions: limits,
+            ..RouterConfig::default()
+        };
+        let service = RouterService::with_clock(config, clock.clone()).unwrap();
+        let sessions = Sessions::new(limits, 2);
+        let h = [11, 12, 13];
+        let r = sessions.resolve(&service, Some("a"), &h, 3, 1).unwrap();
+        assert_eq!((r.turn, r.inferred), (1, None));
+        clock.advance(101);
+        let r = sessions.resolve(&service, Some("a"), &h, 3, 2).unwrap();
+        assert_eq!(r.turn, 1, "expired after the router's session TTL");
+        // No key: it extends session `a`'s prompt.
+        let longer = [11, 12, 13, 14];
+        let r = sessions.resolve(&service, None, &longer, 4, 3).unwrap();
+        assert_eq!(&*r.key, "a");
+        assert_eq!((r.turn, r.inferred), (2, Some(Inferred::Continued)));
+        let other = [21, 22, 23];
+        let r = sessions.resolve(&service, None, &other, 3, 4).unwrap();
+        assert_eq!(r.inferred, Some(Inferred::New));
+        assert!(r.key.starts_with("kvc-inferred-"), "{}", r.key);
+        assert_eq!(r.key.len(), "kvc-inferred-".len() + 16);
+        assert_ne!(
+            sessions.inferred_key(&other, 4),
+            sessions.inferred_key(&other, 5)
+        );
+        let m = service.metrics();
+        assert_eq!(
+            (m.inferred_sessions(true), m.inferred_sessions(false)),
+            (1, 1)
+        );
+    }
+
+    #[test]
+    fn session_keys_come_from_non_empty_headers() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(header_key(&headers, "x-session-id"), Ok(None));
+        headers.insert("x-session-id", HeaderValue::from_static("  agent-1 "));
+        assert_eq!(
+            header_key(&headers, "x-session-id"),
+            Ok(Some("agent-1".to_owned()))
+        );
+        headers.insert("x-session-id", HeaderValue::from_static(" "));
+        let err = header_key(&headers, "x-session-id").unwrap_err();
+        assert!(err.contains("`x-session-id`"), "{err}");
+    }
+}

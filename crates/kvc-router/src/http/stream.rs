@@ -1,0 +1,225 @@
+//! Forwarding a streamed request: nothing reaches the client before D's first piece of body
+//! (until then the request can go elsewhere); from it on, D's answer is relayed to the client
+//! as it arrives, and the outcome is reported when the stream has ended.
+
+use super::app::App;
+use super::attempt::{
+    Attempt, AttemptResult, Dispatched, ForwardedRequest, counts_against_breaker, worth_retrying,
+};
+use super::decision::{self, Decision};
+use super::pairing::PrefillLeg;
+use super::responses::{error_response, forward_error_response};
+use super::sse::{CompletionScan, sse_error_event};
+use super::worker_client::{ForwardError, WorkerAnswer, WorkerStream};
+use axum::body::Bytes;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::IntoResponse;
+use kvc_core::{Outcome, WorkerId};
+use serde_json::{Map, Value};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The streaming counterpart of [`super::whole::forward_whole`]: D's answer is relayed to the
+/// client as it arrives, from its first piece on, and the outcome is reported when it has
+/// ended (`ok` when D's stream completed with a 2xx status).
+///
+/// Nothing reaches the client before D's first piece of body: until then a failure of D (no
+/// head, a 502-504 head when `may_retry`, a body broken or silent before its first piece) or
+/// of P (on a P→D path) is an [`AttemptResult::RetryElsewhere`], as for a whole answer.
+pub(super) async fn forward_stream(
+    app: &Arc<App>,
+    request: &ForwardedRequest,
+    body: Map<String, Value>,
+    decision: &Decision,
+    may_retry: bool,
+) -> AttemptResult {
+    let attempt = Attempt::new(app, request, decision);
+    let d_id = attempt.decode();
+    let timeout = app.options.request_timeout;
+    let Dispatched {
+        decode,
+        payload,
+        mut prefill,
+    } = match attempt.dispatch(body) {
+        Ok(d) => d,
+        Err(end) => return *end,
+    };
+    let open = app.client.post_streaming(
+        &decode.url,
+        request.api.path(),
+        &attempt.headers,
+        payload,
+        timeout,
+    );
+    let opened = match &mut prefill {
+        None => open.await,
+        Some(p) => match p.race(open).await {
+            Ok(o) => o,
+            Err(p_answer) => return attempt.prefill_failed_first(p.id, p_answer),
+        },
+    };
+    let opened = match opened {
+        Ok(stream) if stream.admission_rejected => {
+            // The refusal stands even if its body is lost on the way.
+            let lost_body = WorkerAnswer {
+                status: stream.status,
+                content_type: stream.content_type.clone(),
+                admission_rejected: true,
+                body: Bytes::new(),
+            };
+            let answer = stream.read_rest(timeout).await.unwrap_or(lost_body);
+            return attempt.refused(answer, prefill);
+        }
+        other => other,
+    };
+    let status = opened.as_ref().map(|s| s.status);
+    let head_failed = counts_against_breaker(status);
+    let head_retryable = worth_retrying(status);
+    // A 502-504 head with no retry left is relayed like any other answer.
+    let mut stream = match opened {
+        Ok(s) if !(may_retry && head_retryable) => s,
+        other => {
+            app.feed_breaker(d_id, true);
+            let failed = attempt.decode_failed(prefill).await;
+            let response = match &other {
+                Ok(s) => error_response(
+                    StatusCode::from_u16(s.status).unwrap_or(StatusCode::BAD_GATEWAY),
+                    "worker_error",
+                    &format!("decode worker answered {}", s.status),
+                ),
+                Err(e) => forward_error_response("decode worker", e),
+            };
+            if head_retryable {
+                return attempt.retry(response, failed);
+            }
+            attempt.report(Outcome::WorkerFailed, 0);
+            return AttemptResult::Answered(response);
+        }
+    };
+    // Wait for the first piece of D's body before answering the client: until then the
+    // request can still go elsewhere.
+    let first = {
+        let next = tokio::time::timeout(timeout, stream.next_piece());
+        match &mut prefill {
+            None => next.await,
+            Some(p) => match p.race(next).await {
+                Ok(r) => r,
+                Err(p_answer) => return attempt.prefill_failed_first(p.id, p_answer),
+            },
+        }
+    };
+    let first = match first {
+        Ok(Ok(piece)) => piece,
+        failure => {
+            app.feed_breaker(d_id, true);
+            if let Some(p) = prefill {
+                p.abandon(app);
+            }
+            let response = match failure {
+                Ok(Err(e)) => forward_error_response("decode worker", &e),
+                _ => forward_error_response("decode worker", &ForwardError::Timeout(timeout)),
+            };
+            if may_retry {
+                return attempt.retry(response, vec![d_id]);
+            }
+            attempt.report(Outcome::WorkerFailed, 0);
+            return AttemptResult::Answered(response);
+        }
+    };
+    let status = StatusCode::from_u16(stream.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = stream
+        .content_type
+        .take()
+        .unwrap_or(HeaderValue::from_static("text/event-stream"));
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
+    let relay = Relay {
+        app: Arc::clone(app),
+        decision: decision.id,
+        request_id: request.request_id,
+        input_length: request.input_length,
+        decode: d_id,
+        head_failed,
+        status,
+        timeout,
+    };
+    tokio::spawn(relay.run(stream, first, prefill, tx));
+    let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    AttemptResult::Answered((status, [(header::CONTENT_TYPE, content_type)], body).into_response())
+}
+
+/// The task that relays D's stream to the client after its first piece, then reports the
+/// outcome and feeds D's breaker.
+struct Relay {
+    app: Arc<App>,
+    decision: u64,
+    request_id: u64,
+    input_length: u64,
+    decode: WorkerId,
+    /// D's head was a failure status (relayed: no retry was left).
+    head_failed: bool,
+    status: StatusCode,
+    /// Longest wait for each further piece.
+    timeout: Duration,
+}
+
+impl Relay {
+    async fn run(
+        self,
+        mut stream: WorkerStream,
+        first: Option<Bytes>,
+        prefill: Option<PrefillLeg>,
+        tx: tokio::sync::mpsc::Sender<Result<Bytes, std::convert::Infallible>>,
+    ) {
+        let timeout = self.timeout;
+        let mut scan = CompletionScan::default();
+        let mut ends_event = true;
+        let mut worker_broke = false;
+        let mut pending = Some(first);
+        let relayed = loop {
+            let next = match pending.take() {
+                Some(piece) => Ok(piece),
+                None => match tokio::time::timeout(timeout, stream.next_piece()).await {
+                    Ok(Ok(piece)) => Ok(piece),
+                    Ok(Err(e)) => Err(format!("decode worker: {e}")),
+                    Err(_) => Err(format!("decode worker: nothing within {timeout:?}")),
+                },
+            };
+            match next {
+                Ok(Some(piece)) => {
+                    scan.feed(&piece);
+                    ends_event = piece.ends_with(b"\n\n");
+                    if tx.send(Ok(piece)).await.is_err() {
+                        tracing::debug!(request = self.request_id, "client went away mid-stream");
+                        break false;
+                    }
+                }
+                Ok(None) => break true,
+                Err(message) => {
+                    worker_broke = true;
+                    tracing::warn!(request = self.request_id, error = %message, "stream ended early");
+                    let _ = tx.send(Ok(sse_error_event(&message, !ends_event))).await;
+                    break false;
+                }
+            }
+        };
+        // The client's stream ends here.
+        drop(tx);
+        let app = &self.app;
+        app.feed_breaker(self.decode, self.head_failed || worker_broke);
+        if !relayed && let Some(p) = prefill {
+            p.abandon(app);
+        }
+        let (outcome, resident) = if relayed && self.status.is_success() {
+            (Outcome::Ok, self.input_length + scan.finish().unwrap_or(0))
+        } else {
+            (Outcome::WorkerFailed, 0)
+        };
+        decision::report(
+            &app.service,
+            self.decision,
+            self.request_id,
+            outcome,
+            resident,
+        );
+    }
+}

@@ -1,0 +1,76 @@
+//! Forwarding a request whose answer goes to the client whole: D's answer read in full, P's
+//! request beside it on a P→D path, the outcome reported and the breakers fed.
+
+use super::app::App;
+use super::attempt::{
+    Attempt, AttemptResult, Dispatched, ForwardedRequest, completion_tokens,
+    counts_against_breaker, worth_retrying,
+};
+use super::decision::Decision;
+use super::responses::answer_or_error;
+use kvc_core::Outcome;
+use serde_json::{Map, Value};
+use std::sync::Arc;
+
+/// Sends the request where `decision` says and waits for D's whole answer; reports the outcome
+/// and feeds the workers' breakers.
+///
+/// On a P→D path P's request runs alongside: if P fails before D has answered, D's request is
+/// dropped and P's failure decides ([`AttemptResult::RetryElsewhere`] without P when worth
+/// it). Once D has answered, its answer goes to the client whatever P's fate (P's failure
+/// still counts against P's breaker): the outcome is `ok` when D answered 2xx in full.
+pub(super) async fn forward_whole(
+    app: &Arc<App>,
+    request: &ForwardedRequest,
+    body: Map<String, Value>,
+    decision: &Decision,
+) -> AttemptResult {
+    let attempt = Attempt::new(app, request, decision);
+    let Dispatched {
+        decode,
+        payload,
+        mut prefill,
+    } = match attempt.dispatch(body) {
+        Ok(d) => d,
+        Err(end) => return *end,
+    };
+    let decode_call = app.client.post_whole(
+        &decode.url,
+        request.api.path(),
+        &attempt.headers,
+        payload,
+        app.options.request_timeout,
+    );
+    let answer = match &mut prefill {
+        None => decode_call.await,
+        Some(p) => match p.race(decode_call).await {
+            Ok(answer) => answer,
+            Err(p_answer) => return attempt.prefill_failed_first(p.id, p_answer),
+        },
+    };
+    let answer = match answer {
+        Ok(a) if a.admission_rejected => return attempt.refused(a, prefill),
+        other => other,
+    };
+    let status = answer.as_ref().map(|a| a.status);
+    app.feed_breaker(attempt.decode(), counts_against_breaker(status));
+    if worth_retrying(status) {
+        let failed = attempt.decode_failed(prefill).await;
+        return attempt.retry(answer_or_error("decode worker", answer), failed);
+    }
+    let (outcome, resident) = match &answer {
+        Ok(a) if (200..300).contains(&a.status) => (
+            Outcome::Ok,
+            request.input_length + completion_tokens(&a.body).unwrap_or(0),
+        ),
+        _ => {
+            // D's answer is final and not a success: P has nobody to hand its KV to.
+            if let Some(p) = prefill.take() {
+                p.abandon(app);
+            }
+            (Outcome::WorkerFailed, 0)
+        }
+    };
+    attempt.report(outcome, resident);
+    AttemptResult::Answered(answer_or_error("decode worker", answer))
+}
