@@ -10,7 +10,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use common::Cluster;
 use kvc_core::{Health, WorkerId};
-use kvc_router::http::{HttpOptions, HttpWorkers, http_app_with};
+use kvc_router::http::{HttpOptions, WorkerEndpoints, http_app_with};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -184,18 +184,18 @@ impl Setup {
         Setup::start_with(|_| {}).await
     }
 
-    async fn start_with(edit: impl FnOnce(&mut HttpWorkers)) -> Setup {
+    async fn start_with(edit: impl FnOnce(&mut WorkerEndpoints)) -> Setup {
         Setup::start_full(edit, |_| {}).await
     }
 
     async fn start_full(
-        edit: impl FnOnce(&mut HttpWorkers),
+        edit: impl FnOnce(&mut WorkerEndpoints),
         edit_options: impl FnOnce(&mut HttpOptions),
     ) -> Setup {
         let cluster = Cluster::start(|_| {}).await;
         cluster.wait_health(&[0, 1, 2], Health::Healthy).await;
         let mut mocks = Vec::new();
-        let mut workers = HttpWorkers::new();
+        let mut workers = WorkerEndpoints::new();
         let mut prefill_addr = None;
         for (id, name) in ["p0", "d1", "d2"].iter().enumerate() {
             let (mock, addr) = spawn_mock(name).await;

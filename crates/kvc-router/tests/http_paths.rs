@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use common::{Cluster, TempDir};
 use kvc_core::{Health, WorkerId, WorkerRole};
-use kvc_router::http::{BreakerState, HttpOptions, HttpWorkers, Tokenizer, http_app_with};
+use kvc_router::http::{BreakerState, HttpOptions, Tokenizer, WorkerEndpoints, http_app_with};
 use kvc_router::{RouterConfig, WorkerConfig};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
@@ -212,7 +212,7 @@ impl Front {
         let ids: Vec<u32> = workers.iter().map(|w| w.0).collect();
         cluster.wait_health(&ids, Health::Healthy).await;
         let mut mocks = HashMap::new();
-        let mut http = HttpWorkers::new();
+        let mut http = WorkerEndpoints::new();
         for (id, role) in workers {
             let name = format!("{}{id}", &role.to_string()[..1]);
             let (mock, addr) = spawn_mock(&name).await;

@@ -2,7 +2,7 @@
 //! client that reaches them, the circuit breakers, the session book and the settings.
 
 use super::breaker::Breakers;
-use super::endpoints::{HttpWorker, HttpWorkers};
+use super::endpoints::{HttpWorker, WorkerEndpoints};
 use super::options::HttpOptions;
 use super::pairing::BootstrapRooms;
 use super::session::Sessions;
@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Everything a request handler needs, shared by all of them.
 pub(super) struct App {
     pub(super) service: Arc<RouterService>,
-    pub(super) workers: HttpWorkers,
+    pub(super) workers: WorkerEndpoints,
     pub(super) client: WorkerClient,
     pub(super) breakers: Breakers,
     pub(super) sessions: Sessions,
@@ -31,7 +31,7 @@ pub(super) struct App {
 impl App {
     pub(super) fn new(
         service: Arc<RouterService>,
-        workers: HttpWorkers,
+        workers: WorkerEndpoints,
         options: HttpOptions,
     ) -> App {
         let sessions = Sessions::new(service.config().sessions, options.infer_min_blocks);

@@ -12,7 +12,7 @@ pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
 /// Every worker the HTTP front forwards to, by id.
 #[derive(Debug, Clone, Default)]
-pub struct HttpWorkers {
+pub struct WorkerEndpoints {
     workers: HashMap<WorkerId, HttpWorker>,
 }
 
@@ -25,15 +25,15 @@ pub struct HttpWorker {
     pub bootstrap_port: u16,
 }
 
-impl HttpWorkers {
+impl WorkerEndpoints {
     /// No workers.
     pub fn new() -> Self {
-        HttpWorkers::default()
+        WorkerEndpoints::default()
     }
 
     /// The endpoints of the configured workers that have an `http-url`.
     pub fn from_config(config: &RouterConfig) -> Result<Self, FrontError> {
-        let mut workers = HttpWorkers::new();
+        let mut workers = WorkerEndpoints::new();
         for w in &config.workers {
             if let Some(url) = &w.http_url {
                 workers.insert(w.worker_id(), url, w.bootstrap_port)?;
@@ -92,7 +92,7 @@ mod tests {
 
     #[test]
     fn workers_need_http_urls() {
-        let mut w = HttpWorkers::new();
+        let mut w = WorkerEndpoints::new();
         assert!(w.is_empty());
         w.insert(WorkerId(3), "http://h:1", None).unwrap();
         assert_eq!(
@@ -120,7 +120,7 @@ mod tests {
         let mut d = WorkerConfig::new(1, WorkerRole::Decode, 10);
         d.http_url = Some("http://10.0.0.2:30000/v".into());
         config.workers = vec![p, d, WorkerConfig::new(2, WorkerRole::Decode, 10)];
-        let w = HttpWorkers::from_config(&config).unwrap();
+        let w = WorkerEndpoints::from_config(&config).unwrap();
         assert_eq!(w.len(), 2);
         assert_eq!(w.get(WorkerId(0)).unwrap().bootstrap_port, 9000);
         assert_eq!(w.get(WorkerId(1)).unwrap().url.prefix, "/v");

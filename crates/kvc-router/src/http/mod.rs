@@ -156,12 +156,12 @@
 //!
 //! ```
 //! use kvc_core::WorkerId;
-//! use kvc_router::http::{HttpWorkers, http_app};
+//! use kvc_router::http::{WorkerEndpoints, http_app};
 //! use kvc_router::{RouterConfig, RouterService};
 //! use std::sync::Arc;
 //!
 //! let service = Arc::new(RouterService::new(RouterConfig::default())?);
-//! let mut workers = HttpWorkers::new();
+//! let mut workers = WorkerEndpoints::new();
 //! workers.insert(WorkerId(0), "http://10.0.0.1:30000", Some(8998))?;
 //! workers.insert(WorkerId(1), "http://10.0.0.2:30000", None)?;
 //! assert_eq!(workers.len(), 2);
@@ -194,7 +194,7 @@ mod whole;
 mod worker_client;
 
 pub use breaker::{BreakerOptions, BreakerState};
-pub use endpoints::{DEFAULT_BOOTSTRAP_PORT, HttpWorker, HttpWorkers};
+pub use endpoints::{DEFAULT_BOOTSTRAP_PORT, HttpWorker, WorkerEndpoints};
 pub use error::FrontError;
 pub use options::HttpOptions;
 pub use request::{
@@ -208,7 +208,7 @@ use crate::RouterService;
 use std::sync::Arc;
 
 /// The HTTP front with the default [`HttpOptions`].
-pub fn http_app(service: Arc<RouterService>, workers: HttpWorkers) -> axum::Router {
+pub fn http_app(service: Arc<RouterService>, workers: WorkerEndpoints) -> axum::Router {
     http_app_with(service, workers, HttpOptions::default())
 }
 
@@ -216,7 +216,7 @@ pub fn http_app(service: Arc<RouterService>, workers: HttpWorkers) -> axum::Rout
 /// Tokio runtime this is called in (none outside one) while the router lives.
 pub fn http_app_with(
     service: Arc<RouterService>,
-    workers: HttpWorkers,
+    workers: WorkerEndpoints,
     options: HttpOptions,
 ) -> axum::Router {
     let health_checks = options
@@ -233,6 +233,6 @@ pub fn http_app_with(
 /// (its tokenizer file loaded) and the workers' `http-url`s.
 pub fn http_app_from_config(service: Arc<RouterService>) -> Result<axum::Router, FrontError> {
     let options = HttpOptions::from_config(&service.config().http)?;
-    let workers = HttpWorkers::from_config(service.config())?;
+    let workers = WorkerEndpoints::from_config(service.config())?;
     Ok(http_app_with(service, workers, options))
 }

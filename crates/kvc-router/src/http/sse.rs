@@ -4,51 +4,56 @@
 use super::attempt::completion_tokens;
 use axum::body::Bytes;
 use axum::http::StatusCode;
+use kvc_core::sse::{self, SseEvent, SseScanner};
 use serde_json::json;
 
-/// Finds the generated-token count in a streamed answer: the last `data:` line (SSE) or line
-/// of JSON that carries `meta_info.completion_tokens` or `usage.completion_tokens`.
-#[derive(Debug, Default)]
+/// Finds the generated-token count in a streamed answer: the last SSE event whose data
+/// carries `meta_info.completion_tokens` or `usage.completion_tokens`. The events are read by
+/// the workspace's one SSE scanner ([`kvc_core::sse`]).
+#[derive(Debug)]
 pub(super) struct CompletionScan {
-    line: Vec<u8>,
-    overflow: bool,
+    events: SseScanner,
     tokens: Option<u64>,
 }
 
+impl Default for CompletionScan {
+    fn default() -> Self {
+        CompletionScan {
+            events: SseScanner::with_max_event_bytes(Self::MAX_EVENT),
+            tokens: None,
+        }
+    }
+}
+
 impl CompletionScan {
-    /// Longest line examined; longer ones are skipped.
-    pub(super) const MAX_LINE: usize = 1 << 20;
+    /// Largest event examined; longer ones are skipped whole.
+    pub(super) const MAX_EVENT: usize = 1 << 20;
 
-    /// Scans the next piece of the stream (lines may be split across pieces).
+    /// Scans the next piece of the stream (events may be split across pieces).
     pub(super) fn feed(&mut self, bytes: &[u8]) {
-        for part in bytes.split_inclusive(|b| *b == b'\n') {
-            if self.line.len() + part.len() > Self::MAX_LINE {
-                self.overflow = true;
-                self.line.clear();
-            } else {
-                self.line.extend_from_slice(part);
-            }
-            if part.ends_with(b"\n") {
-                self.end_line();
-            }
+        for event in self.events.feed(bytes) {
+            self.read(event);
         }
     }
 
-    fn end_line(&mut self) {
-        if !self.overflow {
-            let line = self.line.trim_ascii();
-            let json = line.strip_prefix(b"data:").unwrap_or(line).trim_ascii();
-            if let Some(n) = completion_tokens(json) {
-                self.tokens = Some(n);
-            }
-        }
-        self.line.clear();
-        self.overflow = false;
+    /// Whether the stream so far stops inside an event (an error event must close it first).
+    pub(super) fn in_event(&self) -> bool {
+        self.events.in_event()
     }
 
-    /// The last count seen, the final line (without its line end) included.
+    fn read(&mut self, event: SseEvent) {
+        if let SseEvent::Data(data) = event
+            && let Some(n) = completion_tokens(data.trim_ascii())
+        {
+            self.tokens = Some(n);
+        }
+    }
+
+    /// The last count seen, an event the stream did not close included.
     pub(super) fn finish(mut self) -> Option<u64> {
-        self.end_line();
+        if let Some(event) = self.events.finish() {
+            self.read(event);
+        }
         self.tokens
     }
 }
@@ -62,7 +67,7 @@ pub(super) fn sse_error_event(message: &str, after_partial_event: bool) -> Bytes
         "code": StatusCode::BAD_GATEWAY.as_u16(),
     } });
     let lead = if after_partial_event { "\n\n" } else { "" };
-    Bytes::from(format!("{lead}data: {event}\n\n"))
+    Bytes::from(format!("{lead}{}", sse::event(&event.to_string())))
 }
 
 #[cfg(test)]
@@ -78,12 +83,24 @@ mod tests {
         scan.feed(b"\ndata: {\"text\": \"no count\"}\n\ndata: [DONE]\n\n");
         assert_eq!(scan.finish(), Some(5), "the last count seen");
         let mut scan = CompletionScan::default();
-        scan.feed(b"{\"usage\": {\"completion_tokens\": 7}}");
-        assert_eq!(scan.finish(), Some(7), "a final line without its line end");
+        scan.feed(b"data: {\"usage\": {\"completion_tokens\": 7}}");
+        assert!(scan.in_event(), "the stream stops inside an event");
+        assert_eq!(
+            scan.finish(),
+            Some(7),
+            "a final event without its blank line"
+        );
         let mut scan = CompletionScan::default();
-        scan.feed(&vec![b'x'; CompletionScan::MAX_LINE + 1]);
-        scan.feed(b"{\"usage\": {\"completion_tokens\": 9}}\n");
-        assert_eq!(scan.finish(), None, "an over-long line is skipped whole");
+        let mut long = b"data: ".to_vec();
+        long.extend(vec![b'x'; CompletionScan::MAX_EVENT + 1]);
+        scan.feed(&long);
+        scan.feed(b"\n\ndata: {\"usage\": {\"completion_tokens\": 9}}\r\n\r\n");
+        assert!(!scan.in_event());
+        assert_eq!(
+            scan.finish(),
+            Some(9),
+            "an over-long event is skipped whole, the next read"
+        );
         assert_eq!(CompletionScan::default().finish(), None);
     }
 

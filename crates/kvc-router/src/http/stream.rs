@@ -187,7 +187,7 @@ impl Relay {
             match next {
                 Ok(Some(piece)) => {
                     scan.feed(&piece);
-                    ends_event = piece.ends_with(b"\n\n");
+                    ends_event = !scan.in_event();
                     if tx.send(Ok(piece)).await.is_err() {
                         tracing::debug!(request = self.request_id, "client went away mid-stream");
                         break false;
