@@ -286,16 +286,10 @@ pub fn spawn_background(
         let svc = Arc::clone(service);
         let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(refresh);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    () = stop.cancelled() => break,
-                    _ = tick.tick() => {
-                        svc.refresh_workers();
-                        svc.expire_sessions();
-                    }
-                }
+            let mut tick = ticker(refresh);
+            while next_tick(&mut tick, &stop).await {
+                svc.refresh_workers();
+                svc.expire_sessions();
             }
         }));
     }
@@ -304,15 +298,26 @@ pub fn spawn_background(
         let stop = stop.clone();
         let every = Duration::from_millis(service.config().poll_interval_ms);
         tasks.push(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    () = stop.cancelled() => break,
-                    _ = tick.tick() => svc.poll_workers().await,
-                }
+            let mut tick = ticker(every);
+            while next_tick(&mut tick, &stop).await {
+                svc.poll_workers().await;
             }
         }));
     }
     tasks
+}
+
+/// An interval for a periodic task: a late tick delays the next ones, none is made up for.
+fn ticker(period: Duration) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick
+}
+
+/// Waits for `tick`'s next tick: `true`, or `false` once `stop` is cancelled.
+async fn next_tick(tick: &mut tokio::time::Interval, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        () = stop.cancelled() => false,
+        _ = tick.tick() => true,
+    }
 }

@@ -170,6 +170,22 @@ impl<'a> Attempt<'a> {
         AttemptResult::Answered(answer_or_error("prefill worker", answer))
     }
 
+    /// Waits for `decode` (D's side of the attempt), racing P's request on a P→D path: P
+    /// failing first ends the attempt (see [`Attempt::prefill_failed_first`]).
+    pub(super) async fn await_decode<T>(
+        &self,
+        prefill: &mut Option<PrefillLeg>,
+        decode: impl Future<Output = T>,
+    ) -> Result<T, AttemptResult> {
+        match prefill {
+            None => Ok(decode.await),
+            Some(p) => p
+                .race(decode)
+                .await
+                .map_err(|p_answer| self.prefill_failed_first(p.id, p_answer)),
+        }
+    }
+
     /// D's admission refused the request: not a failure of D (its breaker hears a success),
     /// P's request (if any) is stopped, and the decision is reported `rejected`.
     pub(super) fn refused(

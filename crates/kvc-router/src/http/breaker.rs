@@ -260,18 +260,35 @@ mod tests {
         RouterService::with_clock(config, Arc::new(ManualClock::new(0))).unwrap()
     }
 
+    /// Breakers opening after `threshold` failures, cooling down from `cooldown_ms` up to
+    /// `max_cooldown_ms`, with half a second for a trial.
+    fn breakers(threshold: u32, cooldown_ms: u64, max_cooldown_ms: u64) -> Breakers {
+        Breakers::new(
+            BreakerOptions {
+                failure_threshold: threshold,
+                cooldown: Duration::from_millis(cooldown_ms),
+                max_cooldown: Duration::from_millis(max_cooldown_ms),
+            },
+            Duration::from_millis(500),
+        )
+    }
+
+    /// The breaker transitions counted into open, half-open and closed.
+    fn transitions(svc: &RouterService) -> [u64; 3] {
+        let m = svc.metrics();
+        [
+            BreakerState::Open,
+            BreakerState::HalfOpen,
+            BreakerState::Closed,
+        ]
+        .map(|s| m.breaker_transitions(s))
+    }
+
     #[test]
     fn opens_after_the_threshold_then_half_opens_and_closes_on_success() {
         let svc = service();
         let w = WorkerId(1);
-        let b = Breakers::new(
-            BreakerOptions {
-                failure_threshold: 3,
-                cooldown: Duration::from_millis(1_000),
-                max_cooldown: Duration::from_millis(4_000),
-            },
-            Duration::from_millis(500),
-        );
+        let b = breakers(3, 1_000, 4_000);
         b.on_failure(&svc, w, 0);
         b.on_failure(&svc, w, 0);
         b.on_success(&svc, w);
@@ -299,25 +316,15 @@ mod tests {
         b.on_success(&svc, w);
         assert_eq!(b.state(w), BreakerState::Closed);
         assert!(!svc.is_http_down(w));
-        let m = svc.metrics();
-        assert_eq!(m.breaker_transitions(BreakerState::Open), 1);
-        assert_eq!(m.breaker_transitions(BreakerState::HalfOpen), 1);
-        assert_eq!(m.breaker_transitions(BreakerState::Closed), 1);
-        assert_eq!(m.breaker_state(w), Some(BreakerState::Closed));
+        assert_eq!(transitions(&svc), [1, 1, 1]);
+        assert_eq!(svc.metrics().breaker_state(w), Some(BreakerState::Closed));
     }
 
     #[test]
     fn an_abandoned_trial_reopens_the_breaker() {
         let svc = service();
         let w = WorkerId(0);
-        let b = Breakers::new(
-            BreakerOptions {
-                failure_threshold: 1,
-                cooldown: Duration::from_millis(100),
-                max_cooldown: Duration::from_millis(100),
-            },
-            Duration::from_millis(500),
-        );
+        let b = breakers(1, 100, 100);
         b.on_failure(&svc, w, 0);
         b.tick(&svc, 100);
         assert_eq!(b.state(w), BreakerState::HalfOpen);
@@ -328,25 +335,15 @@ mod tests {
         b.tick(&svc, 600);
         assert_eq!(b.state(w), BreakerState::Open);
         assert!(svc.is_http_down(w));
-        let m = svc.metrics();
-        assert_eq!(m.breaker_transitions(BreakerState::Open), 2);
-        assert_eq!(m.breaker_transitions(BreakerState::HalfOpen), 1);
-        assert_eq!(m.breaker_transitions(BreakerState::Closed), 0);
-        assert_eq!(m.breaker_state(w), Some(BreakerState::Open));
+        assert_eq!(transitions(&svc), [2, 1, 0]);
+        assert_eq!(svc.metrics().breaker_state(w), Some(BreakerState::Open));
     }
 
     #[test]
     fn a_trial_dropped_for_another_worker_waits_for_a_new_trial() {
         let svc = service();
         let w = WorkerId(0);
-        let b = Breakers::new(
-            BreakerOptions {
-                failure_threshold: 1,
-                cooldown: Duration::from_millis(100),
-                max_cooldown: Duration::from_millis(100),
-            },
-            Duration::from_millis(500),
-        );
+        let b = breakers(1, 100, 100);
         // Closed or open breakers are not affected.
         b.on_abandoned(&svc, w);
         assert_eq!(b.state(w), BreakerState::Closed);
@@ -373,14 +370,7 @@ mod tests {
     fn a_failed_trial_reopens_with_a_doubled_capped_cooldown() {
         let svc = service();
         let w = WorkerId(0);
-        let b = Breakers::new(
-            BreakerOptions {
-                failure_threshold: 1,
-                cooldown: Duration::from_millis(1_000),
-                max_cooldown: Duration::from_millis(3_000),
-            },
-            Duration::from_millis(500),
-        );
+        let b = breakers(1, 1_000, 3_000);
         let mut now = 0;
         let mut cooldowns = Vec::new();
         for _ in 0..4 {

@@ -194,7 +194,7 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
         return Err("the body must be a JSON object".to_owned());
     };
     let stream = stream_flag(&body)?;
-    match api {
+    let (prompt, output_hint, session_key) = match api {
         Api::Generate => {
             let prompt = match (body.get("input_ids"), body.get("text")) {
                 (Some(ids), None) => Prompt::Tokens(token_ids(ids, "input_ids")?),
@@ -233,13 +233,7 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
                 },
                 Some(_) => return Err("`session_params` must be an object".to_owned()),
             };
-            Ok(ClientRequest {
-                prompt,
-                output_hint,
-                session_key,
-                stream,
-                body,
-            })
+            (prompt, output_hint, session_key)
         }
         Api::Completions => {
             let prompt = match body.get("prompt") {
@@ -248,13 +242,7 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
             };
             let output_hint =
                 optional_u64(&body, "max_tokens", "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS);
-            Ok(ClientRequest {
-                prompt,
-                output_hint,
-                session_key: None,
-                stream,
-                body,
-            })
+            (prompt, output_hint, None)
         }
         Api::ChatCompletions => {
             let prompt = Prompt::Text(chat_messages(&body)?);
@@ -264,15 +252,16 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
                     None => optional_u64(&body, "max_tokens", "max_tokens")?
                         .unwrap_or(DEFAULT_CHAT_MAX_TOKENS),
                 };
-            Ok(ClientRequest {
-                prompt,
-                output_hint,
-                session_key: None,
-                stream,
-                body,
-            })
+            (prompt, output_hint, None)
         }
-    }
+    };
+    Ok(ClientRequest {
+        prompt,
+        output_hint,
+        session_key,
+        stream,
+        body,
+    })
 }
 
 #[cfg(test)]

@@ -51,12 +51,9 @@ pub(super) async fn forward_stream(
         payload,
         timeout,
     );
-    let opened = match &mut prefill {
-        None => open.await,
-        Some(p) => match p.race(open).await {
-            Ok(o) => o,
-            Err(p_answer) => return attempt.prefill_failed_first(p.id, p_answer),
-        },
+    let opened = match attempt.await_decode(&mut prefill, open).await {
+        Ok(o) => o,
+        Err(end) => return end,
     };
     let opened = match opened {
         Ok(stream) if stream.admission_rejected => {
@@ -98,15 +95,10 @@ pub(super) async fn forward_stream(
     };
     // Wait for the first piece of D's body before answering the client: until then the
     // request can still go elsewhere.
-    let first = {
-        let next = tokio::time::timeout(timeout, stream.next_piece());
-        match &mut prefill {
-            None => next.await,
-            Some(p) => match p.race(next).await {
-                Ok(r) => r,
-                Err(p_answer) => return attempt.prefill_failed_first(p.id, p_answer),
-            },
-        }
+    let next = tokio::time::timeout(timeout, stream.next_piece());
+    let first = match attempt.await_decode(&mut prefill, next).await {
+        Ok(r) => r,
+        Err(end) => return end,
     };
     let first = match first {
         Ok(Ok(piece)) => piece,

@@ -41,12 +41,9 @@ pub(super) async fn forward_whole(
         payload,
         app.options.request_timeout,
     );
-    let answer = match &mut prefill {
-        None => decode_call.await,
-        Some(p) => match p.race(decode_call).await {
-            Ok(answer) => answer,
-            Err(p_answer) => return attempt.prefill_failed_first(p.id, p_answer),
-        },
+    let answer = match attempt.await_decode(&mut prefill, decode_call).await {
+        Ok(answer) => answer,
+        Err(end) => return end,
     };
     let answer = match answer {
         Ok(a) if a.admission_rejected => return attempt.refused(a, prefill),

@@ -249,13 +249,10 @@ impl WorkerClient {
         body: Bytes,
         timeout: Duration,
     ) -> Result<WorkerAnswer, ForwardError> {
-        let call = async {
-            let stream = self.send(Method::POST, base, path, headers, body).await?;
-            read_all(stream).await
-        };
-        tokio::time::timeout(timeout, call)
-            .await
-            .map_err(|_| ForwardError::Timeout(timeout))?
+        within(timeout, async {
+            read_all(self.send(Method::POST, base, path, headers, body).await?).await
+        })
+        .await
     }
 
     /// `POST`s `body` (JSON) to `base` + `path` with extra `headers` and returns once the
@@ -269,9 +266,7 @@ impl WorkerClient {
         body: Bytes,
         timeout: Duration,
     ) -> Result<WorkerStream, ForwardError> {
-        tokio::time::timeout(timeout, self.send(Method::POST, base, path, headers, body))
-            .await
-            .map_err(|_| ForwardError::Timeout(timeout))?
+        within(timeout, self.send(Method::POST, base, path, headers, body)).await
     }
 
     /// `GET`s `base` + `path` and reads the whole answer, all within `timeout`.
@@ -281,16 +276,25 @@ impl WorkerClient {
         path: &str,
         timeout: Duration,
     ) -> Result<WorkerAnswer, ForwardError> {
-        let call = async {
-            let stream = self
-                .send(Method::GET, base, path, &[], Bytes::new())
-                .await?;
-            read_all(stream).await
-        };
-        tokio::time::timeout(timeout, call)
+        within(timeout, async {
+            read_all(
+                self.send(Method::GET, base, path, &[], Bytes::new())
+                    .await?,
+            )
             .await
-            .map_err(|_| ForwardError::Timeout(timeout))?
+        })
+        .await
     }
+}
+
+/// `call`'s result, or [`ForwardError::Timeout`] when it takes longer than `timeout`.
+async fn within<T>(
+    timeout: Duration,
+    call: impl Future<Output = Result<T, ForwardError>>,
+) -> Result<T, ForwardError> {
+    tokio::time::timeout(timeout, call)
+        .await
+        .map_err(|_| ForwardError::Timeout(timeout))?
 }
 
 /// The whole body of `stream`, at most [`MAX_RESPONSE_BYTES`] (no deadline of its own).
