@@ -3,13 +3,31 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// A session (one agent conversation). Serialized as a plain number.
-///
-/// Sessions named by strings (an `x-session-id` header, say) map to a stable id through
-/// [`SessionId::from_key`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct SessionId(pub u64);
+/// Declares a numeric id: serialized as the plain number, displayed as `$prefix` then the
+/// number.
+macro_rules! numeric_id {
+    ($(#[$doc:meta])* $name:ident($int:ty), $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(pub $int);
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!($prefix, "{}"), self.0)
+            }
+        }
+    };
+}
+
+numeric_id!(
+    /// A session (one agent conversation). Serialized as a plain number.
+    ///
+    /// Sessions named by strings (an `x-session-id` header, say) map to a stable id through
+    /// [`SessionId::from_key`].
+    SessionId(u64),
+    "s"
+);
 
 impl SessionId {
     /// Stable id for a textual session key (64-bit FNV-1a; identical on every platform and run).
@@ -23,16 +41,11 @@ impl SessionId {
     }
 }
 
-impl fmt::Display for SessionId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "s{}", self.0)
-    }
-}
-
-/// A turn within a session, counted from 1.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct TurnId(pub u32);
+numeric_id!(
+    /// A turn within a session, counted from 1.
+    TurnId(u32),
+    ""
+);
 
 impl TurnId {
     /// Whether this is the session's first turn.
@@ -41,33 +54,17 @@ impl TurnId {
     }
 }
 
-impl fmt::Display for TurnId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
+numeric_id!(
+    /// One request (one turn sent to the cluster).
+    RequestId(u64),
+    "r"
+);
 
-/// One request (one turn sent to the cluster).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct RequestId(pub u64);
-
-impl fmt::Display for RequestId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "r{}", self.0)
-    }
-}
-
-/// A worker of the cluster: a dense index, unique across roles.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct WorkerId(pub u32);
-
-impl fmt::Display for WorkerId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "w{}", self.0)
-    }
-}
+numeric_id!(
+    /// A worker of the cluster: a dense index, unique across roles.
+    WorkerId(u32),
+    "w"
+);
 
 /// The id of one block of tokens. Ids are chained: a block's id depends on every token before
 /// it, so two requests sharing block `k` share blocks `0..=k`.

@@ -251,7 +251,9 @@ mod tests {
         SseEvent::Data(s.as_bytes().to_vec())
     }
 
-    fn scan_all(scan: &mut SseScanner, chunks: &[&[u8]]) -> Vec<SseEvent> {
+    /// Every event a new scanner finds in `chunks`, the one left at the end included.
+    fn scan_all(chunks: &[&[u8]]) -> Vec<SseEvent> {
+        let mut scan = SseScanner::new();
         let mut events: Vec<SseEvent> = chunks.iter().flat_map(|c| scan.feed(c)).collect();
         events.extend(scan.finish());
         events
@@ -259,13 +261,8 @@ mod tests {
 
     #[test]
     fn events_end_at_blank_lines_of_any_line_end() {
-        let mut scan = SseScanner::new();
-        let events = scan_all(
-            &mut scan,
-            &[b"data: a\n\ndata: b\r\n\r\ndata: c\r\rdata: [DONE]\n\n"],
-        );
         assert_eq!(
-            events,
+            scan_all(&[b"data: a\n\ndata: b\r\n\r\ndata: c\r\rdata: [DONE]\n\n"]),
             vec![data("a"), data("b"), data("c"), SseEvent::Done]
         );
     }
@@ -292,23 +289,16 @@ mod tests {
 
     #[test]
     fn multi_line_data_comments_and_other_fields() {
-        let mut scan = SseScanner::new();
-        let events = scan_all(
-            &mut scan,
-            &[b": keep-alive\n\nevent: message\nid: 7\ndata: one\ndata:two\nretry: 5\n\n"],
-        );
         assert_eq!(
-            events,
+            scan_all(&[
+                b": keep-alive\n\nevent: message\nid: 7\ndata: one\ndata:two\nretry: 5\n\n"
+            ]),
             vec![data("one\ntwo")],
             "a comment alone is no event"
         );
-        let mut scan = SseScanner::new();
+        assert_eq!(scan_all(&[b"data\n\ndata:\n\n"]), vec![data(""), data("")]);
         assert_eq!(
-            scan_all(&mut scan, &[b"data\n\ndata:\n\n"]),
-            vec![data(""), data("")]
-        );
-        assert_eq!(
-            scan_all(&mut SseScanner::new(), &[b"data:  two spaces\n\n"]),
+            scan_all(&[b"data:  two spaces\n\n"]),
             vec![data(" two spaces")],
             "one leading space is dropped"
         );
