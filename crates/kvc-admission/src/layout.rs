@@ -132,6 +132,7 @@ pub(crate) fn checksum_step(h: u64, w: u64) -> u64 {
 }
 
 /// Words 0–7. Words 0–5 are written once, before the file becomes visible under its name.
+#[derive(Default)]
 #[repr(C)]
 pub(crate) struct Header {
     pub(crate) magic: AtomicU64,
@@ -145,6 +146,7 @@ pub(crate) struct Header {
 }
 
 /// Words 8–15, protected by the seqlock.
+#[derive(Default)]
 #[repr(C)]
 pub(crate) struct Counters {
     pub(crate) used_tokens: AtomicU64,
@@ -158,53 +160,13 @@ pub(crate) struct Counters {
 }
 
 /// One table slot (4 words), protected by the seqlock.
+#[derive(Default)]
 #[repr(C)]
 pub(crate) struct Slot {
     pub(crate) session: AtomicU64,
     pub(crate) tokens: AtomicU64,
     pub(crate) last_access_ms: AtomicU64,
     pub(crate) state: AtomicU64,
-}
-
-impl Header {
-    pub(crate) fn zeroed() -> Self {
-        Header {
-            magic: AtomicU64::new(0),
-            layout_version: AtomicU64::new(0),
-            worker_id: AtomicU64::new(0),
-            capacity_tokens: AtomicU64::new(0),
-            max_sessions: AtomicU64::new(0),
-            file_bytes: AtomicU64::new(0),
-            seq: AtomicU64::new(0),
-            publish_ms: AtomicU64::new(0),
-        }
-    }
-}
-
-impl Counters {
-    pub(crate) fn zeroed() -> Self {
-        Counters {
-            used_tokens: AtomicU64::new(0),
-            free_tokens: AtomicU64::new(0),
-            evictable_tokens: AtomicU64::new(0),
-            queue_depth: AtomicU64::new(0),
-            in_flight: AtomicU64::new(0),
-            resident_count: AtomicU64::new(0),
-            checksum: AtomicU64::new(0),
-            reserved: AtomicU64::new(0),
-        }
-    }
-}
-
-impl Slot {
-    pub(crate) fn zeroed() -> Self {
-        Slot {
-            session: AtomicU64::new(0),
-            tokens: AtomicU64::new(0),
-            last_access_ms: AtomicU64::new(0),
-            state: AtomicU64::new(0),
-        }
-    }
 }
 
 /// A view of one snapshot's memory: header, counters and table.

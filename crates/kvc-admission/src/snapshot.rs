@@ -199,9 +199,9 @@ impl MemSnapshot {
     ) -> Result<Self, AdmissionError> {
         check_table_size(max_sessions)?;
         let mem = MemSnapshot {
-            header: Header::zeroed(),
-            counters: Counters::zeroed(),
-            slots: (0..max_sessions).map(|_| Slot::zeroed()).collect(),
+            header: Header::default(),
+            counters: Counters::default(),
+            slots: (0..max_sessions).map(|_| Slot::default()).collect(),
         };
         init_header(mem.region(), worker_id, capacity_tokens, max_sessions);
         Ok(mem)
