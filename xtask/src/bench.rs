@@ -187,6 +187,33 @@ fn timed(ctx: &Ctx, what: &str, args: &[&str]) -> Result<(f64, Option<f64>), Str
     Ok((wall, rss_kib.map(|k| k / 1024.0)))
 }
 
+/// Runs the simulator with `kvc-v2` over `trace` on `topology`, writing into `out`: its
+/// wall time and peak RSS (as [`timed`] measures them) and its `summary.json`.
+fn simulate(
+    ctx: &Ctx,
+    what: &str,
+    trace: &Path,
+    topology: &str,
+    out: &Path,
+) -> Result<((f64, Option<f64>), Value), String> {
+    let t = trace.to_string_lossy();
+    let o = out.to_string_lossy();
+    let args = [
+        "sim",
+        "--quiet",
+        "--trace",
+        &t,
+        "--topology",
+        topology,
+        "--policy",
+        "kvc-v2",
+        "--out",
+        &o,
+    ];
+    let measured = timed(ctx, what, &args)?;
+    Ok((measured, read_json(&out.join("summary.json"))?))
+}
+
 fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let dir = ctx.out.join("sim-speed");
     let _ = std::fs::create_dir_all(&dir);
@@ -202,25 +229,13 @@ fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let runs = if ctx.quick { 3 } else { 5 };
     let mut requests = 0.0;
     for i in 0..runs {
-        let out = dir.join(format!("default-{i}"));
-        let o = out.to_string_lossy().into_owned();
-        timed(
+        let (_, s) = simulate(
             ctx,
             "default simulation",
-            &[
-                "sim",
-                "--quiet",
-                "--trace",
-                &t,
-                "--topology",
-                "1p3d",
-                "--policy",
-                "kvc-v2",
-                "--out",
-                &o,
-            ],
+            &trace,
+            "1p3d",
+            &dir.join(format!("default-{i}")),
         )?;
-        let s = read_json(&out.join("summary.json"))?;
         walls.push(s["sim_wall_s"].as_f64().unwrap_or(f64::NAN));
         requests = s["requests"].as_f64().unwrap_or(0.0);
     }
@@ -245,25 +260,7 @@ fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
             &b,
         ]),
     )?;
-    let out = dir.join("large");
-    let o = out.to_string_lossy().into_owned();
-    let (wall, rss) = timed(
-        ctx,
-        "large simulation",
-        &[
-            "sim",
-            "--quiet",
-            "--trace",
-            &b,
-            "--topology",
-            "8p24d",
-            "--policy",
-            "kvc-v2",
-            "--out",
-            &o,
-        ],
-    )?;
-    let s = read_json(&out.join("summary.json"))?;
+    let ((wall, rss), s) = simulate(ctx, "large simulation", &big, "8p24d", &dir.join("large"))?;
     figures.insert(
         "sim.large.requests".into(),
         s["requests"].as_f64().unwrap_or(0.0),
