@@ -130,15 +130,22 @@ impl WorkerStream {
 
     /// The rest of the body, whole: at most [`MAX_RESPONSE_BYTES`], each wait for more
     /// bounded by `timeout`.
-    pub(crate) async fn read_rest(
+    pub(crate) async fn read_rest(self, timeout: Duration) -> Result<WorkerAnswer, ForwardError> {
+        self.read_body(Some(timeout)).await
+    }
+
+    /// The rest of the body, whole: at most [`MAX_RESPONSE_BYTES`], each wait for more
+    /// bounded by `piece_timeout` when there is one.
+    async fn read_body(
         mut self,
-        timeout: Duration,
+        piece_timeout: Option<Duration>,
     ) -> Result<WorkerAnswer, ForwardError> {
         let mut body = Vec::new();
         loop {
-            let piece = tokio::time::timeout(timeout, self.next_piece())
-                .await
-                .map_err(|_| ForwardError::Timeout(timeout))??;
+            let piece = match piece_timeout {
+                Some(timeout) => within(timeout, self.next_piece()).await?,
+                None => self.next_piece().await?,
+            };
             let Some(piece) = piece else { break };
             body.extend_from_slice(&piece);
             if body.len() > MAX_RESPONSE_BYTES {
@@ -298,20 +305,8 @@ async fn within<T>(
 }
 
 /// The whole body of `stream`, at most [`MAX_RESPONSE_BYTES`] (no deadline of its own).
-async fn read_all(mut stream: WorkerStream) -> Result<WorkerAnswer, ForwardError> {
-    let mut body = Vec::new();
-    while let Some(piece) = stream.next_piece().await? {
-        body.extend_from_slice(&piece);
-        if body.len() > MAX_RESPONSE_BYTES {
-            return Err(too_large());
-        }
-    }
-    Ok(WorkerAnswer {
-        status: stream.status,
-        content_type: stream.content_type,
-        admission_rejected: stream.admission_rejected,
-        body: body.into(),
-    })
+async fn read_all(stream: WorkerStream) -> Result<WorkerAnswer, ForwardError> {
+    stream.read_body(None).await
 }
 
 #[cfg(test)]
