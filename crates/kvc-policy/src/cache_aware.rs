@@ -150,11 +150,8 @@ fn pick(
 
 pub(crate) fn route(cfg: &CacheAwareConfig, ctx: &Ctx<'_>) -> Result<Decision, PolicyError> {
     ctx.require_d()?;
-    let knobs = Knobs {
-        incremental_footprint: cfg.incremental_footprint,
-        backpressure: cfg.backpressure,
-    };
-    let mut scores = Vec::with_capacity(ctx.healthy_d.len() + ctx.healthy_p.len());
+    let knobs = Knobs::new(cfg.incremental_footprint, cfg.backpressure);
+    let mut scores = ctx.score_list();
     let (d, d_depth) = pick(ctx, cfg, ctx.healthy_d, ctx.d_role(), &mut scores);
     if ctx.colocated {
         let cached = ctx.reusable(d_depth, cfg.block_size);

@@ -140,13 +140,10 @@ fn pick(
 
 pub(crate) fn route(cfg: &KvAwareV0Config, ctx: &Ctx<'_>) -> Result<Decision, PolicyError> {
     ctx.require_d()?;
-    let knobs = Knobs {
-        incremental_footprint: cfg.incremental_footprint,
-        backpressure: cfg.backpressure,
-    };
+    let knobs = Knobs::new(cfg.incremental_footprint, cfg.backpressure);
     let session = ctx.session();
     let pinned = session.and_then(|s| s.current_d);
-    let mut scores = Vec::with_capacity(ctx.healthy_d.len() + ctx.healthy_p.len());
+    let mut scores = ctx.score_list();
     let (best, best_depth) = pick(ctx, cfg, pinned, &mut scores);
     if ctx.colocated {
         let cached = ctx.reusable(best_depth, cfg.block_size);

@@ -310,28 +310,21 @@ pub(crate) fn route_with(
     ctx: &Ctx<'_>,
 ) -> Result<Decision, PolicyError> {
     ctx.require_d()?;
-    let knobs = Knobs {
-        incremental_footprint: cfg.incremental_footprint,
-        backpressure: cfg.backpressure,
-    };
+    let knobs = Knobs::new(cfg.incremental_footprint, cfg.backpressure);
     let v2 = V2 {
         cfg,
         ctx,
         placement,
     };
     let session = ctx.session();
-    let mut scores = Vec::with_capacity(ctx.healthy_d.len() + ctx.healthy_p.len());
+    let mut scores = ctx.score_list();
 
     if ctx.colocated {
         let current = session
             .and_then(|s| s.current_d)
             .filter(|d| ctx.healthy_d.contains(d.0 as usize));
         let w = v2.pick(current, None, &mut scores).unwrap_or(WorkerId(0));
-        let depth = ctx
-            .state
-            .index()
-            .depth(ctx.req.hash_ids, w.0 as usize, BlockView::Live);
-        let cached = ctx.reusable(depth, cfg.block_size);
+        let cached = ctx.cached_on(w, BlockView::Live, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(w, cached, scores), knobs));
     }
 

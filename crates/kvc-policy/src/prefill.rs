@@ -43,11 +43,7 @@ pub(crate) fn choose(
         }
         PrefillPolicy::DHealthAware => d_health_aware(ctx, decode, scores),
     };
-    let depth = ctx
-        .state
-        .index()
-        .depth(ctx.req.hash_ids, p.0 as usize, BlockView::Seen);
-    Ok((p, ctx.reusable(depth, block_size)))
+    Ok((p, ctx.cached_on(p, BlockView::Seen, block_size)))
 }
 
 fn d_health_aware(ctx: &Ctx<'_>, decode: WorkerId, scores: &mut Vec<ScoreEntry>) -> WorkerId {

@@ -89,18 +89,11 @@ pub(crate) fn pick(
 
 pub(crate) fn route(cfg: &RoundRobinConfig, ctx: &Ctx<'_>) -> Result<Decision, PolicyError> {
     ctx.require_d()?;
-    let knobs = Knobs {
-        incremental_footprint: cfg.incremental_footprint,
-        backpressure: cfg.backpressure,
-    };
-    let mut scores = Vec::with_capacity(ctx.healthy_d.len() + ctx.healthy_p.len());
+    let knobs = Knobs::new(cfg.incremental_footprint, cfg.backpressure);
+    let mut scores = ctx.score_list();
     let d = pick(ctx, ctx.healthy_d, ctx.d_role(), &mut scores);
     if ctx.colocated {
-        let depth = ctx
-            .state
-            .index()
-            .depth(ctx.req.hash_ids, d.0 as usize, BlockView::Seen);
-        let cached = ctx.reusable(depth, cfg.block_size);
+        let cached = ctx.cached_on(d, BlockView::Seen, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(d, cached, scores), knobs));
     }
     let chosen_p = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;

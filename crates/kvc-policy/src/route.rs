@@ -156,6 +156,25 @@ impl<'a> Ctx<'a> {
         kvc_core::prefix::reusable_tokens(depth as usize, self.req.input_length, block_size)
     }
 
+    /// Tokens of the request `worker` holds in `view`: its leading blocks, as tokens.
+    pub(crate) fn cached_on(
+        &self,
+        worker: WorkerId,
+        view: BlockView,
+        block_size: BlockSize,
+    ) -> u64 {
+        let depth = self
+            .state
+            .index()
+            .depth(self.req.hash_ids, worker.0 as usize, view);
+        self.reusable(depth, block_size)
+    }
+
+    /// An empty score list with room for every healthy worker.
+    pub(crate) fn score_list(&self) -> Vec<ScoreEntry> {
+        Vec::with_capacity(self.healthy_d.len() + self.healthy_p.len())
+    }
+
     /// Classifies a later turn in a P/D topology (see [`crate::classify_turn`]).
     pub(crate) fn classify(&self, direct_limit_tokens: u64, block_size: BlockSize) -> TurnClass {
         classify_with(
@@ -295,4 +314,13 @@ impl Plan {
 pub(crate) struct Knobs {
     pub(crate) incremental_footprint: bool,
     pub(crate) backpressure: BackpressureConfig,
+}
+
+impl Knobs {
+    pub(crate) fn new(incremental_footprint: bool, backpressure: BackpressureConfig) -> Self {
+        Knobs {
+            incremental_footprint,
+            backpressure,
+        }
+    }
 }
