@@ -672,21 +672,17 @@ mod tests {
         );
     }
 
+    /// The message of the error `toml` is rejected with.
+    fn error_of(toml: &str) -> String {
+        RouterConfig::from_toml_str(toml).unwrap_err().to_string()
+    }
+
     #[test]
     fn rejects_bad_configs() {
         let base = "[[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\n";
-        let err = RouterConfig::from_toml_str(base).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("snapshot path or a service address")
-        );
+        assert!(error_of(base).contains("snapshot path or a service address"));
         let dup = format!("{base}snapshot = \"/x\"\n{base}snapshot = \"/y\"\n");
-        assert!(
-            RouterConfig::from_toml_str(&dup)
-                .unwrap_err()
-                .to_string()
-                .contains("twice")
-        );
+        assert!(error_of(&dup).contains("twice"));
         let unknown = "bogus = 1\n";
         assert!(matches!(
             RouterConfig::from_toml_str(unknown),
@@ -717,26 +713,11 @@ mod tests {
         ));
         let range =
             "[[workers]]\nid = 999\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/x\"\n";
-        assert!(
-            RouterConfig::from_toml_str(range)
-                .unwrap_err()
-                .to_string()
-                .contains("out of range")
-        );
+        assert!(error_of(range).contains("out of range"));
         let capacity = format!("{}snapshot = \"/x\"\n", base.replace("10", "0"));
-        assert!(
-            RouterConfig::from_toml_str(&capacity)
-                .unwrap_err()
-                .to_string()
-                .contains("worker 1 capacity-tokens must be positive")
-        );
+        assert!(error_of(&capacity).contains("worker 1 capacity-tokens must be positive"));
         let address = format!("{base}address = \"not a uri\"\n");
-        assert!(
-            RouterConfig::from_toml_str(&address)
-                .unwrap_err()
-                .to_string()
-                .contains("worker 1 address `not a uri` is not a URI")
-        );
+        assert!(error_of(&address).contains("worker 1 address `not a uri` is not a URI"));
     }
 
     #[test]

@@ -88,20 +88,23 @@ pub(super) fn registry(metrics: &Metrics, gauges: &Gauges) -> Registry {
         quantiles,
     );
 
-    let sessions = Gauge::<i64>::default();
-    sessions.set(count(gauges.sessions_tracked));
-    r.register(
-        "kvc_router_sessions_tracked",
-        "Sessions in the router's session table",
-        sessions,
-    );
-    let pending = Gauge::<i64>::default();
-    pending.set(count(gauges.pending_decisions));
-    r.register(
-        "kvc_router_pending_decisions",
-        "Decisions awaiting an outcome report",
-        pending,
-    );
+    let sizes = [
+        (
+            "kvc_router_sessions_tracked",
+            "Sessions in the router's session table",
+            gauges.sessions_tracked,
+        ),
+        (
+            "kvc_router_pending_decisions",
+            "Decisions awaiting an outcome report",
+            gauges.pending_decisions,
+        ),
+    ];
+    for (name, help, n) in sizes {
+        let gauge = Gauge::<i64>::default();
+        gauge.set(count(n));
+        r.register(name, help, gauge);
+    }
 
     let breakers = Family::<BreakerLabels, Gauge>::default();
     for (worker, current) in metrics.breaker_states() {
@@ -124,13 +127,30 @@ pub(super) fn registry(metrics: &Metrics, gauges: &Gauges) -> Registry {
     r
 }
 
-fn worker_gauges(r: &mut Registry, workers: &[WorkerSample]) {
-    let labels = |w: &WorkerSample| WorkerLabels {
+/// A count read from a worker's published state.
+type Count = fn(&WorkerState) -> i64;
+
+/// The labels of `w`'s gauges.
+fn labels(w: &WorkerSample) -> WorkerLabels {
+    WorkerLabels {
         worker: w.id.0,
         name: w.name.clone(),
         role: w.role.as_str(),
-    };
-    type Count = fn(&WorkerState) -> i64;
+    }
+}
+
+/// Registers a gauge family per `(name, help, count)`: one gauge per worker, its count.
+fn count_families(r: &mut Registry, workers: &[WorkerSample], families: &[(&str, &str, Count)]) {
+    for &(name, help, get) in families {
+        let family = Family::<WorkerLabels, Gauge>::default();
+        for w in workers {
+            family.get_or_create(&labels(w)).set(get(&w.state));
+        }
+        r.register(name, help, family);
+    }
+}
+
+fn worker_gauges(r: &mut Registry, workers: &[WorkerSample]) {
     let counts: [(&str, &str, Count); 2] = [
         (
             "kvc_router_worker_capacity_tokens",
@@ -143,13 +163,7 @@ fn worker_gauges(r: &mut Registry, workers: &[WorkerSample]) {
             |s| count(s.used_tokens),
         ),
     ];
-    for (name, help, get) in counts {
-        let family = Family::<WorkerLabels, Gauge>::default();
-        for w in workers {
-            family.get_or_create(&labels(w)).set(get(&w.state));
-        }
-        r.register(name, help, family);
-    }
+    count_families(r, workers, &counts);
     let used_fraction = Family::<WorkerLabels, FloatGauge>::default();
     for w in workers {
         used_fraction
@@ -173,13 +187,7 @@ fn worker_gauges(r: &mut Registry, workers: &[WorkerSample]) {
             |s| i64::from(s.in_flight),
         ),
     ];
-    for (name, help, get) in loads {
-        let family = Family::<WorkerLabels, Gauge>::default();
-        for w in workers {
-            family.get_or_create(&labels(w)).set(get(&w.state));
-        }
-        r.register(name, help, family);
-    }
+    count_families(r, workers, &loads);
     let age = Family::<WorkerLabels, FloatGauge>::default();
     for w in workers {
         let seconds = if w.state.state_age_ms == u64::MAX {
