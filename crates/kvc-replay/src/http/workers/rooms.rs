@@ -145,27 +145,26 @@ mod tests {
     const P: WorkerId = WorkerId(0);
     const D: WorkerId = WorkerId(1);
 
+    /// P's leg of `room`, from worker `P`.
+    fn prefill_leg(room: u64) -> RequestPart {
+        RequestPart::PrefillLeg { room, prefill: P }
+    }
+
+    /// D's leg of `room`, from worker `D`, naming `prefill` as its P.
+    fn decode_leg(room: u64, prefill: WorkerId) -> RequestPart {
+        RequestPart::DecodeLeg {
+            room,
+            decode: D,
+            prefill,
+        }
+    }
+
     #[test]
     fn legs_meet_in_either_order() {
         for prefill_first in [true, false] {
             let mut rooms = BootstrapRooms::default();
-            let (p, _) = leg(
-                3,
-                RequestPart::PrefillLeg {
-                    room: 9,
-                    prefill: P,
-                },
-                100,
-            );
-            let (d, _) = leg(
-                3,
-                RequestPart::DecodeLeg {
-                    room: 9,
-                    decode: D,
-                    prefill: P,
-                },
-                200,
-            );
+            let (p, _) = leg(3, prefill_leg(9), 100);
+            let (d, _) = leg(3, decode_leg(9, P), 200);
             let (first, second) = if prefill_first { (p, d) } else { (d, p) };
             assert!(matches!(rooms.meet(9, first), Meeting::Waiting));
             assert!(rooms.next_deadline().is_some());
@@ -179,29 +178,20 @@ mod tests {
 
     #[test]
     fn legs_that_do_not_belong_together_are_refused() {
-        let decode_leg = |named| RequestPart::DecodeLeg {
-            room: 1,
-            decode: D,
-            prefill: named,
-        };
-        let prefill_leg = RequestPart::PrefillLeg {
-            room: 1,
-            prefill: P,
-        };
         let cases = [
             (
-                (0, decode_leg(P)),
-                (0, decode_leg(P)),
+                (0, decode_leg(1, P)),
+                (0, decode_leg(1, P)),
                 "two workers of one role",
             ),
             (
-                (0, decode_leg(P)),
-                (1, prefill_leg),
+                (0, decode_leg(1, P)),
+                (1, prefill_leg(1)),
                 "two different prompts",
             ),
             (
-                (0, decode_leg(WorkerId(2))),
-                (0, prefill_leg),
+                (0, decode_leg(1, WorkerId(2))),
+                (0, prefill_leg(1)),
                 "pointed at worker 2",
             ),
         ];
@@ -221,22 +211,8 @@ mod tests {
     #[test]
     fn a_leg_past_its_deadline_is_taken_out() {
         let mut rooms = BootstrapRooms::default();
-        let (a, _) = leg(
-            0,
-            RequestPart::PrefillLeg {
-                room: 1,
-                prefill: P,
-            },
-            100,
-        );
-        let (b, _) = leg(
-            1,
-            RequestPart::PrefillLeg {
-                room: 2,
-                prefill: P,
-            },
-            300,
-        );
+        let (a, _) = leg(0, prefill_leg(1), 100);
+        let (b, _) = leg(1, prefill_leg(2), 300);
         rooms.meet(1, a);
         rooms.meet(2, b);
         assert_eq!(rooms.next_deadline(), Some(100));
