@@ -187,6 +187,23 @@ fn timed(ctx: &Ctx, what: &str, args: &[&str]) -> Result<(f64, Option<f64>), Str
     Ok((wall, rss_kib.map(|k| k / 1024.0)))
 }
 
+/// The arguments of a quiet simulator run over `trace` on `topology` under `policy`, writing
+/// into `out`.
+fn sim_args<'a>(trace: &'a str, topology: &'a str, policy: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![
+        "sim",
+        "--quiet",
+        "--trace",
+        trace,
+        "--topology",
+        topology,
+        "--policy",
+        policy,
+        "--out",
+        out,
+    ]
+}
+
 /// Runs the simulator with `kvc-v2` over `trace` on `topology`, writing into `out`: its
 /// wall time and peak RSS (as [`timed`] measures them) and its `summary.json`.
 fn simulate(
@@ -196,21 +213,8 @@ fn simulate(
     topology: &str,
     out: &Path,
 ) -> Result<((f64, Option<f64>), Value), String> {
-    let t = trace.to_string_lossy();
-    let o = out.to_string_lossy();
-    let args = [
-        "sim",
-        "--quiet",
-        "--trace",
-        &t,
-        "--topology",
-        topology,
-        "--policy",
-        "kvc-v2",
-        "--out",
-        &o,
-    ];
-    let measured = timed(ctx, what, &args)?;
+    let (t, o) = (trace.to_string_lossy(), out.to_string_lossy());
+    let measured = timed(ctx, what, &sim_args(&t, topology, "kvc-v2", &o))?;
     Ok((measured, read_json(&out.join("summary.json"))?))
 }
 
@@ -289,20 +293,8 @@ fn matrix(ctx: &Ctx, figures: &mut Figures) -> Result<Vec<PathBuf>, String> {
                 run(
                     &format!("matrix {topology} {policy} ts{ts}"),
                     ctx.replay()
-                        .args([
-                            "sim",
-                            "--quiet",
-                            "--trace",
-                            &t,
-                            "--topology",
-                            topology,
-                            "--policy",
-                            policy,
-                            "--time-scale",
-                            &tss,
-                            "--out",
-                            &o,
-                        ])
+                        .args(sim_args(&t, topology, policy, &o))
+                        .args(["--time-scale", &tss])
                         .stdout(std::process::Stdio::null()),
                 )?;
                 let s = read_json(&out.join("summary.json"))?;
