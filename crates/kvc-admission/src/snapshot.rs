@@ -214,6 +214,36 @@ impl MemSnapshot {
             slots: &self.slots,
         }
     }
+
+    /// The fixed header fields, as [`MemSnapshot::new`] wrote them.
+    fn header_info(&self) -> HeaderInfo {
+        let h = &self.header;
+        HeaderInfo {
+            worker_id: WorkerId(u32::try_from(h.worker_id.load(Ordering::Relaxed)).unwrap_or(0)),
+            capacity_tokens: h.capacity_tokens.load(Ordering::Relaxed),
+            max_sessions: self.slots.len(),
+        }
+    }
+}
+
+/// The accessors of the fixed header fields a writer and a reader both keep (as `info`).
+macro_rules! header_accessors {
+    () => {
+        /// The worker id in the header.
+        pub fn worker_id(&self) -> WorkerId {
+            self.info.worker_id
+        }
+
+        /// The pool capacity in the header.
+        pub fn capacity_tokens(&self) -> u64 {
+            self.info.capacity_tokens
+        }
+
+        /// Slots of the resident table.
+        pub fn max_sessions(&self) -> usize {
+            self.info.max_sessions
+        }
+    };
 }
 
 impl std::fmt::Debug for MemSnapshot {
@@ -416,13 +446,8 @@ impl SnapshotWriter {
 
     /// The writer of an in-memory snapshot. There must be only one writer per snapshot.
     pub fn in_memory(mem: Arc<MemSnapshot>) -> Self {
-        let h = &mem.header;
-        let info = HeaderInfo {
-            worker_id: WorkerId(u32::try_from(h.worker_id.load(Ordering::Relaxed)).unwrap_or(0)),
-            capacity_tokens: h.capacity_tokens.load(Ordering::Relaxed),
-            max_sessions: mem.slots.len(),
-        };
-        let seq = h.seq.load(Ordering::Relaxed);
+        let info = mem.header_info();
+        let seq = mem.header.seq.load(Ordering::Relaxed);
         let filled = usize::try_from(mem.counters.resident_count.load(Ordering::Relaxed))
             .unwrap_or(usize::MAX)
             .min(info.max_sessions);
@@ -443,20 +468,7 @@ impl SnapshotWriter {
         self.path.as_deref()
     }
 
-    /// The worker id in the header.
-    pub fn worker_id(&self) -> WorkerId {
-        self.info.worker_id
-    }
-
-    /// The pool capacity in the header.
-    pub fn capacity_tokens(&self) -> u64 {
-        self.info.capacity_tokens
-    }
-
-    /// Slots of the resident table.
-    pub fn max_sessions(&self) -> usize {
-        self.info.max_sessions
-    }
+    header_accessors!();
 
     /// The last sequence number published (0 before the first publish).
     pub fn seq(&self) -> u64 {
@@ -681,15 +693,9 @@ impl SnapshotReader {
 
     /// A reader of an in-memory snapshot.
     pub fn in_memory(mem: Arc<MemSnapshot>) -> Self {
-        let h = &mem.header;
-        let info = HeaderInfo {
-            worker_id: WorkerId(u32::try_from(h.worker_id.load(Ordering::Relaxed)).unwrap_or(0)),
-            capacity_tokens: h.capacity_tokens.load(Ordering::Relaxed),
-            max_sessions: mem.slots.len(),
-        };
         SnapshotReader {
+            info: mem.header_info(),
             backing: Backing::Memory(mem),
-            info,
             stale_after_ms: DEFAULT_STALE_AFTER_MS,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
         }
@@ -707,20 +713,7 @@ impl SnapshotReader {
         self
     }
 
-    /// The worker id in the header.
-    pub fn worker_id(&self) -> WorkerId {
-        self.info.worker_id
-    }
-
-    /// The pool capacity in the header.
-    pub fn capacity_tokens(&self) -> u64 {
-        self.info.capacity_tokens
-    }
-
-    /// Slots of the resident table.
-    pub fn max_sessions(&self) -> usize {
-        self.info.max_sessions
-    }
+    header_accessors!();
 
     /// The staleness limit in milliseconds.
     pub fn stale_after_ms(&self) -> u64 {
@@ -912,6 +905,15 @@ mod tests {
         )
     }
 
+    /// A writer and a reader of a worker-0 snapshot of 100 tokens, with its memory (for
+    /// tests that tamper with the words).
+    fn exposed_pair(max_sessions: usize) -> (Arc<MemSnapshot>, SnapshotWriter, SnapshotReader) {
+        let mem = Arc::new(MemSnapshot::new(WorkerId(0), 100, max_sessions).unwrap());
+        let w = SnapshotWriter::in_memory(Arc::clone(&mem));
+        let r = SnapshotReader::in_memory(Arc::clone(&mem));
+        (mem, w, r)
+    }
+
     fn data(w: &SnapshotWriter) -> SnapshotData {
         SnapshotData {
             used_tokens: 8_000,
@@ -1100,11 +1102,8 @@ mod tests {
 
     #[test]
     fn writer_stuck_mid_publish_is_contended_then_stale() {
-        let mem = Arc::new(MemSnapshot::new(WorkerId(0), 100, 0).unwrap());
-        let mut w = SnapshotWriter::in_memory(Arc::clone(&mem));
-        let r = SnapshotReader::in_memory(Arc::clone(&mem))
-            .with_stale_after_ms(100)
-            .with_max_attempts(4);
+        let (mem, mut w, r) = exposed_pair(0);
+        let r = r.with_stale_after_ms(100).with_max_attempts(4);
         let mut d = w.empty_data();
         d.publish_ms = 1_000;
         d.free_tokens = 100;
@@ -1118,9 +1117,7 @@ mod tests {
 
     #[test]
     fn corrupted_word_fails_the_checksum() {
-        let mem = Arc::new(MemSnapshot::new(WorkerId(0), 100, 2).unwrap());
-        let mut w = SnapshotWriter::in_memory(Arc::clone(&mem));
-        let r = SnapshotReader::in_memory(Arc::clone(&mem));
+        let (mem, mut w, r) = exposed_pair(2);
         let mut d = w.empty_data();
         d.residents = vec![entry(1, 5, ResidentState::Idle)];
         w.publish(&d).unwrap();
@@ -1134,9 +1131,7 @@ mod tests {
 
     #[test]
     fn foreign_state_words_read_as_running_and_checksum_uses_raw_word() {
-        let mem = Arc::new(MemSnapshot::new(WorkerId(0), 100, 1).unwrap());
-        let mut w = SnapshotWriter::in_memory(Arc::clone(&mem));
-        let r = SnapshotReader::in_memory(Arc::clone(&mem));
+        let (mem, mut w, r) = exposed_pair(1);
         let mut d = w.empty_data();
         d.residents = vec![entry(1, 5, ResidentState::Idle)];
         w.publish(&d).unwrap();
