@@ -914,6 +914,16 @@ mod tests {
         (mem, w, r)
     }
 
+    /// A snapshot as [`exposed_pair`] makes it, with session 1 published idle on 5 tokens:
+    /// its memory and a reader.
+    fn one_idle_resident(max_sessions: usize) -> (Arc<MemSnapshot>, SnapshotReader) {
+        let (mem, mut w, r) = exposed_pair(max_sessions);
+        let mut d = w.empty_data();
+        d.residents = vec![entry(1, 5, ResidentState::Idle)];
+        w.publish(&d).unwrap();
+        (mem, r)
+    }
+
     fn data(w: &SnapshotWriter) -> SnapshotData {
         SnapshotData {
             used_tokens: 8_000,
@@ -1117,10 +1127,7 @@ mod tests {
 
     #[test]
     fn corrupted_word_fails_the_checksum() {
-        let (mem, mut w, r) = exposed_pair(2);
-        let mut d = w.empty_data();
-        d.residents = vec![entry(1, 5, ResidentState::Idle)];
-        w.publish(&d).unwrap();
+        let (mem, r) = one_idle_resident(2);
         assert!(r.read().is_ok());
         mem.slots[0].tokens.store(6, Ordering::Relaxed);
         assert!(matches!(r.read(), Err(ReadError::Checksum { .. })));
@@ -1131,10 +1138,7 @@ mod tests {
 
     #[test]
     fn foreign_state_words_read_as_running_and_checksum_uses_raw_word() {
-        let (mem, mut w, r) = exposed_pair(1);
-        let mut d = w.empty_data();
-        d.residents = vec![entry(1, 5, ResidentState::Idle)];
-        w.publish(&d).unwrap();
+        let (mem, r) = one_idle_resident(1);
         // Rewrite the slot as a foreign writer would, with state word 7, and its checksum.
         let seq = mem.header.seq.load(Ordering::Relaxed);
         mem.slots[0].state.store(7, Ordering::Relaxed);
