@@ -9,6 +9,7 @@ use super::pairing::{PrefillLeg, PrefillResult};
 use super::request::Api;
 use super::responses::{answer_or_error, no_address, worker_answer};
 use super::worker_client::{ForwardError, WorkerAnswer};
+use crate::config::WorkerUrl;
 use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue};
 use axum::response::Response;
@@ -96,10 +97,10 @@ pub(super) fn completion_tokens(body: &[u8]) -> Option<u64> {
 
 /// An attempt that has its workers: D's endpoint, the payload for both workers and, on a P→D
 /// path, P's request already running.
-pub(super) struct Dispatched {
-    pub(super) decode: HttpWorker,
-    pub(super) payload: Bytes,
-    pub(super) prefill: Option<PrefillLeg>,
+struct Dispatched {
+    decode: HttpWorker,
+    payload: Bytes,
+    prefill: Option<PrefillLeg>,
 }
 
 /// One decision being carried out: what every step of the attempt needs.
@@ -170,6 +171,28 @@ impl<'a> Attempt<'a> {
         AttemptResult::Answered(answer_or_error("prefill worker", answer))
     }
 
+    /// Dispatches the attempt and sends D its request (`send`, given D's URL and the payload)
+    /// while P's request runs on a P→D path: D's answer (see [`Attempt::await_decode`]) with
+    /// P's leg, or the attempt's end.
+    pub(super) async fn send<T, F>(
+        &self,
+        body: Map<String, Value>,
+        send: impl FnOnce(WorkerUrl, Bytes) -> F,
+    ) -> Result<(T, Option<PrefillLeg>), AttemptResult>
+    where
+        F: Future<Output = T>,
+    {
+        let Dispatched {
+            decode,
+            payload,
+            mut prefill,
+        } = self.dispatch(body).map_err(|end| *end)?;
+        let answer = self
+            .await_decode(&mut prefill, send(decode.url, payload))
+            .await?;
+        Ok((answer, prefill))
+    }
+
     /// Waits for `decode` (D's side of the attempt), racing P's request on a P→D path: P
     /// failing first ends the attempt (see [`Attempt::prefill_failed_first`]).
     pub(super) async fn await_decode<T>(
@@ -226,10 +249,7 @@ impl<'a> Attempt<'a> {
     /// The payload for both workers, with P's request started on a P→D path (the decode
     /// worker's breaker hears of the dispatch too), or the attempt's end (boxed: it is the
     /// rare path) when a worker has no address.
-    pub(super) fn dispatch(
-        &self,
-        mut body: Map<String, Value>,
-    ) -> Result<Dispatched, Box<AttemptResult>> {
+    fn dispatch(&self, mut body: Map<String, Value>) -> Result<Dispatched, Box<AttemptResult>> {
         let app = self.app;
         let Some(decode) = app.endpoint(self.decode()) else {
             return Err(Box::new(

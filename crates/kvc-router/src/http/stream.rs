@@ -4,7 +4,7 @@
 
 use super::app::App;
 use super::attempt::{
-    Attempt, AttemptResult, Dispatched, ForwardedRequest, counts_against_breaker, worth_retrying,
+    Attempt, AttemptResult, ForwardedRequest, counts_against_breaker, worth_retrying,
 };
 use super::decision::{self, Decision};
 use super::pairing::PrefillLeg;
@@ -36,23 +36,15 @@ pub(super) async fn forward_stream(
     let attempt = Attempt::new(app, request, decision);
     let d_id = attempt.decode();
     let timeout = app.options.request_timeout;
-    let Dispatched {
-        decode,
-        payload,
-        mut prefill,
-    } = match attempt.dispatch(body) {
-        Ok(d) => d,
-        Err(end) => return *end,
-    };
-    let open = app.client.post_streaming(
-        &decode.url,
-        request.api.path(),
-        &attempt.headers,
-        payload,
-        timeout,
-    );
-    let opened = match attempt.await_decode(&mut prefill, open).await {
-        Ok(o) => o,
+    let headers = &attempt.headers;
+    let sent = attempt.send(body, |url, payload| async move {
+        let path = request.api.path();
+        app.client
+            .post_streaming(&url, path, headers, payload, timeout)
+            .await
+    });
+    let (opened, mut prefill) = match sent.await {
+        Ok(sent) => sent,
         Err(end) => return end,
     };
     let opened = match opened {

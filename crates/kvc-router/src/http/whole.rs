@@ -3,8 +3,8 @@
 
 use super::app::App;
 use super::attempt::{
-    Attempt, AttemptResult, Dispatched, ForwardedRequest, completion_tokens,
-    counts_against_breaker, worth_retrying,
+    Attempt, AttemptResult, ForwardedRequest, completion_tokens, counts_against_breaker,
+    worth_retrying,
 };
 use super::decision::Decision;
 use super::responses::answer_or_error;
@@ -26,23 +26,16 @@ pub(super) async fn forward_whole(
     decision: &Decision,
 ) -> AttemptResult {
     let attempt = Attempt::new(app, request, decision);
-    let Dispatched {
-        decode,
-        payload,
-        mut prefill,
-    } = match attempt.dispatch(body) {
-        Ok(d) => d,
-        Err(end) => return *end,
-    };
-    let decode_call = app.client.post_whole(
-        &decode.url,
-        request.api.path(),
-        &attempt.headers,
-        payload,
-        app.options.request_timeout,
-    );
-    let answer = match attempt.await_decode(&mut prefill, decode_call).await {
-        Ok(answer) => answer,
+    let headers = &attempt.headers;
+    let sent = attempt.send(body, |url, payload| async move {
+        let timeout = app.options.request_timeout;
+        let path = request.api.path();
+        app.client
+            .post_whole(&url, path, headers, payload, timeout)
+            .await
+    });
+    let (answer, mut prefill) = match sent.await {
+        Ok(sent) => sent,
         Err(end) => return end,
     };
     let answer = match answer {
