@@ -11,6 +11,7 @@ use super::profile::Profile;
 use crate::trace::HashIds;
 use kvc_admission::{EvictionConfig, Resident, ResidentState, plan_eviction};
 use kvc_core::{BlockSize, Health, SessionId, WorkerId, WorkerRole, WorkerState};
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, VecDeque};
 
 /// Microseconds of simulated (or real) time.
@@ -80,6 +81,22 @@ pub enum Event {
         /// When.
         at: Micros,
     },
+    /// A request failed for want of KV room on its decode worker: retracted more often than
+    /// the profile allows, or left waiting past the transfer timeout after a retraction.
+    DecodeOom {
+        /// Job.
+        id: usize,
+        /// When.
+        at: Micros,
+    },
+    /// A running request's KV was freed for want of room; it waits on its decode worker and
+    /// recomputes its context when room returns.
+    Retracted {
+        /// Job.
+        id: usize,
+        /// The decode worker.
+        worker: WorkerId,
+    },
     /// A decode worker evicted a session's KV.
     Evicted {
         /// Session.
@@ -94,7 +111,18 @@ struct ResidentEntry {
     tokens: u64,
     hashes: HashIds,
     last_access: Micros,
+    /// A job of the session holds this KV on the worker (transfer, prefill or decode).
     running: bool,
+    /// A request of the session is in flight elsewhere (on P, in the transfer queue):
+    /// `pin_in_flight` keeps the KV out of idle-only eviction meanwhile.
+    pending: bool,
+}
+
+impl ResidentEntry {
+    /// Evictable by idle-only eviction.
+    fn idle(&self) -> bool {
+        !self.running && !self.pending
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +137,8 @@ enum Stage {
     Transfer,
     /// Decoding.
     Decode,
+    /// Retracted from a decode worker for want of room: waits there to recompute its context.
+    Retracted,
 }
 
 #[derive(Debug, Clone)]
@@ -126,15 +156,24 @@ struct Active {
     /// Extra (non-block) tokens reserved on the prefill/colocated worker.
     extra: u64,
     cached: u64,
+    /// When waiting for room on D (transfer or retracted) fails.
+    deadline: Micros,
+    /// When the KV transfer in progress ends.
+    transfer_end: Micros,
+    /// Times retracted.
+    retractions: u32,
+    /// Bumped by every retraction, so the work of an iteration that started before it is
+    /// not applied after it.
+    epoch: u32,
 }
 
 /// What one running iteration of a worker carries.
 #[derive(Debug)]
 struct Iteration {
-    /// Prefill chunks: (job, tokens).
-    prefill: Vec<(usize, u64)>,
-    /// Jobs that get one decode step.
-    decode: Vec<usize>,
+    /// Prefill chunks: (job, tokens, job epoch).
+    prefill: Vec<(usize, u64, u32)>,
+    /// Jobs that get one decode step: (job, job epoch).
+    decode: Vec<(usize, u32)>,
 }
 
 #[derive(Debug)]
@@ -283,12 +322,14 @@ impl Engine {
             .map(|r| r.tokens)
     }
 
-    /// Sessions resident on worker `w`: (session, tokens, last access, running), by session id.
+    /// Sessions resident on worker `w`: (session, tokens, last access, busy), by session id;
+    /// busy sessions (a job running there, or with `pin_in_flight` a request in flight) are
+    /// not idle.
     pub fn residents(&self, w: WorkerId) -> Vec<(SessionId, u64, Micros, bool)> {
         self.workers[w.0 as usize]
             .residents
             .iter()
-            .map(|(s, r)| (*s, r.tokens, r.last_access, r.running))
+            .map(|(s, r)| (*s, r.tokens, r.last_access, !r.idle()))
             .collect()
     }
 
@@ -301,6 +342,13 @@ impl Engine {
     pub fn occupancy(&self) -> Vec<f64> {
         (0..self.workers.len())
             .map(|i| self.state(WorkerId(i as u32)).used_fraction())
+            .collect()
+    }
+
+    /// Committed fraction of every worker's pool (what eviction cannot reclaim), by index.
+    pub fn committed(&self) -> Vec<f64> {
+        (0..self.workers.len())
+            .map(|i| self.state(WorkerId(i as u32)).committed_fraction())
             .collect()
     }
 
@@ -340,10 +388,10 @@ impl Engine {
             .map(|(s, r)| Resident {
                 session: *s,
                 tokens: r.tokens,
-                state: if r.running {
-                    ResidentState::Running
-                } else {
+                state: if r.idle() {
                     ResidentState::Idle
+                } else {
+                    ResidentState::Running
                 },
                 last_access_ms: r.last_access / 1000,
                 predicted_next_use_ms: None,
@@ -362,14 +410,40 @@ impl Engine {
             return false;
         }
         for v in plan.victims {
-            self.drop_resident(w, v.session);
-            self.events.push(Event::Evicted {
-                session: v.session,
-                worker: w,
-            });
+            self.evict(w, v.session, now);
         }
         let wk = &self.workers[w.0 as usize];
         wk.capacity.saturating_sub(wk.resident_tokens) >= need
+    }
+
+    /// Evicts `session`'s KV from decode worker `w`; a job holding it there is retracted.
+    fn evict(&mut self, w: WorkerId, session: SessionId, now: Micros) {
+        let running = self.workers[w.0 as usize]
+            .residents
+            .get(&session)
+            .is_some_and(|r| r.running);
+        match self.job_holding(w, session).filter(|_| running) {
+            Some(id) => self.retract(id, now),
+            None => self.drop_resident(w, session),
+        }
+        self.events.push(Event::Evicted { session, worker: w });
+    }
+
+    /// The job whose KV `session` holds on decode worker `w` (transferring, append- or
+    /// re-prefilling there, or decoding).
+    fn job_holding(&self, w: WorkerId, session: SessionId) -> Option<usize> {
+        self.jobs
+            .iter()
+            .find(|(_, a)| {
+                a.decode_on == w
+                    && a.job.session == session
+                    && match a.stage {
+                        Stage::Transfer | Stage::Decode => true,
+                        Stage::Prefill => a.prefill_on == w,
+                        _ => false,
+                    }
+            })
+            .map(|(id, _)| *id)
     }
 
     /// Removes `session`'s KV from decode worker `w`.
@@ -377,8 +451,113 @@ impl Engine {
         let wk = &mut self.workers[w.0 as usize];
         if let Some(r) = wk.residents.remove(&session) {
             wk.resident_tokens -= r.tokens;
-            if !r.running {
+            if r.idle() {
                 wk.idle_tokens -= r.tokens;
+            }
+        }
+    }
+
+    /// Frees room on decode worker `w` for `full` more tokens, or failing that for `least`
+    /// (`least ≤ full`): the whole output reserved when the pool has room for it, the
+    /// profile's decode reserve when it does not. Returns the tokens obtained.
+    fn make_room_up_to(
+        &mut self,
+        w: WorkerId,
+        full: u64,
+        least: u64,
+        requester: SessionId,
+        now: Micros,
+    ) -> Option<u64> {
+        if self.make_room_d(w, full, Some(requester), now) {
+            Some(full)
+        } else if least < full && self.make_room_d(w, least, Some(requester), now) {
+            Some(least)
+        } else {
+            None
+        }
+    }
+
+    /// Tokens a job's output may still need beyond `allowed`, in one step: the profile's
+    /// decode reserve, or what is left of the output.
+    fn reserve_step(&self, allowed: u64, full: u64) -> u64 {
+        full.saturating_sub(allowed)
+            .min(self.profile.fit.pressure.decode_reserve_tokens)
+    }
+
+    /// Takes job `id`'s KV off its decode worker for want of room. The job waits at the head
+    /// of the worker's queue (a transfer for room again; a prefilled or decoding job to
+    /// recompute its context), or fails with `decode-oom` past the profile's retraction limit.
+    fn retract(&mut self, id: usize, now: Micros) {
+        let timeout = micros(self.profile.fit.transfer_timeout_s);
+        let limit = self.profile.fit.pressure.max_retractions;
+        let a = self.jobs.get_mut(&id).expect("job");
+        let (d, session, stage) = (a.decode_on, a.job.session, a.stage);
+        a.epoch += 1;
+        a.retractions += 1;
+        let fail = a.retractions > limit;
+        a.stage = if stage == Stage::Transfer {
+            Stage::WaitingD
+        } else {
+            Stage::Retracted
+        };
+        a.deadline = now + timeout;
+        let wk = &mut self.workers[d.0 as usize];
+        wk.running.retain(|x| *x != id);
+        wk.prefill_q.retain(|x| *x != id);
+        self.drop_resident(d, session);
+        if fail {
+            let p = self.jobs[&id].prefill_on;
+            self.release_prefill(id, now);
+            self.jobs.remove(&id);
+            self.events.push(Event::DecodeOom { id, at: now });
+            if p != d {
+                self.retry_waiting(p, now);
+            }
+            return;
+        }
+        self.workers[d.0 as usize].waiting.push_front(id);
+        self.wakes.push((now + timeout, Wake::TransferTimeout(id)));
+        self.events.push(Event::Retracted { id, worker: d });
+    }
+
+    /// Gives running job `id` on decode worker `w` room for its next token, evicting by the
+    /// configured mode and else retracting running jobs the way SGLang does (fewest tokens
+    /// generated first, then the longest input). Returns whether the job keeps running.
+    fn grow(&mut self, w: WorkerId, id: usize, now: Micros) -> bool {
+        loop {
+            let a = &self.jobs[&id];
+            let session = a.job.session;
+            let full = (a.job.input + a.job.output).min(self.workers[w.0 as usize].capacity);
+            let Some(allowed) = self.workers[w.0 as usize]
+                .residents
+                .get(&session)
+                .map(|r| r.tokens)
+            else {
+                return true;
+            };
+            if a.job.input + a.generated < allowed || allowed >= full {
+                return true;
+            }
+            let step = self.reserve_step(allowed, full);
+            if self.make_room_d(w, step, Some(session), now) {
+                let wk = &mut self.workers[w.0 as usize];
+                wk.resident_tokens += step;
+                if let Some(r) = wk.residents.get_mut(&session) {
+                    r.tokens += step;
+                }
+                return true;
+            }
+            let victim = self.workers[w.0 as usize]
+                .running
+                .iter()
+                .map(|v| (*v, &self.jobs[v]))
+                .filter(|(_, v)| v.stage == Stage::Decode)
+                .min_by_key(|(v, j)| (j.generated, Reverse(j.job.input), *v))
+                .map(|(v, _)| v)
+                .unwrap_or(id);
+            self.retract(victim, now);
+            if victim == id {
+                return false;
             }
         }
     }
@@ -479,8 +658,18 @@ impl Engine {
             pinned: 0,
             extra: 0,
             cached: 0,
+            deadline: 0,
+            transfer_end: 0,
+            retractions: 0,
+            epoch: 0,
         };
+        let session = a.job.session;
         self.jobs.insert(id, a);
+        // The decode worker learns of the request when it is sent (SGLang sends it to P and D
+        // at once): from then on the session has a request in flight.
+        if p != d {
+            self.pin_pending(d, session);
+        }
         self.workers[p.0 as usize].waiting.push_back(id);
         self.retry_waiting(p, now);
     }
@@ -526,14 +715,22 @@ impl Engine {
         }
         let cached =
             kvc_core::prefix::reusable_from(&res.hashes, &job.hashes, job.input, block_size);
-        let new_size = (job.input + job.output).min(wk.capacity);
+        let full = (job.input + job.output).min(wk.capacity);
         let old = res.tokens;
-        if new_size > old && !self.make_room_d(d, new_size - old, Some(job.session), now) {
-            return DirectAdmission::Rejected;
-        }
+        let least = (job.input + self.reserve_step(0, job.output)).min(full);
+        let new_size = if full > old {
+            match self.make_room_up_to(d, full - old, least.saturating_sub(old), job.session, now) {
+                Some(more) => old + more,
+                None => return DirectAdmission::Rejected,
+            }
+        } else {
+            full
+        };
         let wk = &mut self.workers[d.0 as usize];
         let res = wk.residents.get_mut(&job.session).expect("still resident");
-        wk.idle_tokens -= res.tokens;
+        if res.idle() {
+            wk.idle_tokens -= res.tokens;
+        }
         wk.resident_tokens = wk.resident_tokens - res.tokens + new_size;
         res.tokens = new_size;
         res.running = true;
@@ -554,6 +751,10 @@ impl Engine {
                 pinned: 0,
                 extra: 0,
                 cached,
+                deadline: 0,
+                transfer_end: 0,
+                retractions: 0,
+                epoch: 0,
             },
         );
         wk.prefill_q.push_back(id);
@@ -561,19 +762,32 @@ impl Engine {
         DirectAdmission::Admitted { cached }
     }
 
-    /// Admits waiting jobs of worker `w` while there is room (FIFO, no overtaking).
+    /// Admits waiting jobs of worker `w` while there is room: in order, without overtaking,
+    /// on prefill and colocated workers; on a decode worker a transfer (or retracted job) that
+    /// fits is not held behind one that does not, so a session whose own KV is pinned there
+    /// can always take its turn.
     fn retry_waiting(&mut self, w: WorkerId, now: Micros) {
-        while let Some(&id) = self.workers[w.0 as usize].waiting.front() {
-            let stage = self.jobs[&id].stage;
-            let ok = match stage {
+        let overtake = self.workers[w.0 as usize].role == WorkerRole::Decode;
+        let mut i = 0;
+        while let Some(&id) = self.workers[w.0 as usize].waiting.get(i) {
+            let ok = match self.jobs[&id].stage {
                 Stage::WaitingPool => self.admit_prefill(id, w, now),
                 Stage::WaitingD => self.admit_transfer(id, now),
+                Stage::Retracted => self.admit_retracted(id, now),
                 _ => true,
             };
-            if !ok {
+            if ok {
+                // By id: an admission may have retracted a job to the head of the queue.
+                let queue = &mut self.workers[w.0 as usize].waiting;
+                if let Some(pos) = queue.iter().position(|x| *x == id) {
+                    queue.remove(pos);
+                }
+                i = 0;
+            } else if overtake {
+                i += 1;
+            } else {
                 break;
             }
-            self.workers[w.0 as usize].waiting.pop_front();
         }
     }
 
@@ -604,7 +818,8 @@ impl Engine {
     fn admit_transfer(&mut self, id: usize, now: Micros) -> bool {
         let a = &self.jobs[&id];
         let (d, p, session) = (a.decode_on, a.prefill_on, a.job.session);
-        let need = (a.job.input + a.job.output).min(self.workers[d.0 as usize].capacity);
+        let full = (a.job.input + a.job.output).min(self.workers[d.0 as usize].capacity);
+        let least = (a.job.input + self.reserve_step(0, a.job.output)).min(full);
         // The session's previous KV on D is replaced by the incoming one.
         if self.workers[d.0 as usize]
             .residents
@@ -613,9 +828,9 @@ impl Engine {
         {
             self.drop_resident(d, session);
         }
-        if !self.make_room_d(d, need, Some(session), now) {
+        let Some(need) = self.make_room_up_to(d, full, least, session, now) else {
             return false;
-        }
+        };
         let a = self.jobs.get_mut(&id).expect("job");
         a.stage = Stage::Transfer;
         let hashes = a.job.hashes.clone();
@@ -629,14 +844,70 @@ impl Engine {
                 hashes,
                 last_access: now,
                 running: true,
+                pending: false,
             },
         );
+        // One transfer at a time leaves a P and enters a D, in the order they were admitted:
+        // a D with a queue of incoming transfers holds up the P that sends to it, and every
+        // transfer queued on that P behind it.
         let secs = self.profile.transfer_seconds(input);
-        let pw = &mut self.workers[p.0 as usize];
-        let start = pw.link_free.max(now);
+        let start = now
+            .max(self.workers[p.0 as usize].link_free)
+            .max(self.workers[d.0 as usize].link_free);
         let end = start + micros(secs);
-        pw.link_free = end;
+        self.workers[p.0 as usize].link_free = end;
+        self.workers[d.0 as usize].link_free = end;
+        self.jobs.get_mut(&id).expect("job").transfer_end = end;
         self.wakes.push((end, Wake::TransferDone(id)));
+        true
+    }
+
+    /// With `pin_in_flight`, marks `session`'s idle KV on decode worker `d` busy: a request
+    /// of the session is on its way to `d`, and its KV stays until the transfer replaces it.
+    fn pin_pending(&mut self, d: WorkerId, session: SessionId) {
+        if !self.profile.fit.pressure.pin_in_flight {
+            return;
+        }
+        let wk = &mut self.workers[d.0 as usize];
+        if let Some(r) = wk.residents.get_mut(&session)
+            && r.idle()
+        {
+            r.pending = true;
+            wk.idle_tokens -= r.tokens;
+        }
+    }
+
+    /// Re-admits a retracted job on its decode worker: room for its context and some output,
+    /// then a prefill of the whole context (recompute), then decoding resumes.
+    fn admit_retracted(&mut self, id: usize, now: Micros) -> bool {
+        let a = &self.jobs[&id];
+        let (d, session) = (a.decode_on, a.job.session);
+        let context = a.job.input + a.generated;
+        let full = (a.job.input + a.job.output).min(self.workers[d.0 as usize].capacity);
+        let least = (context + self.reserve_step(a.generated, a.job.output)).min(full);
+        let Some(tokens) = self.make_room_up_to(d, full, least, session, now) else {
+            return false;
+        };
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.stage = Stage::Prefill;
+        a.prefill_on = d;
+        a.remaining = context;
+        a.done_ctx = 0;
+        let hashes = a.job.hashes.clone();
+        let wk = &mut self.workers[d.0 as usize];
+        wk.resident_tokens += tokens;
+        wk.residents.insert(
+            session,
+            ResidentEntry {
+                tokens,
+                hashes,
+                last_access: now,
+                running: true,
+                pending: false,
+            },
+        );
+        wk.prefill_q.push_back(id);
+        self.start_iteration_if_idle(d, now);
         true
     }
 
@@ -647,7 +918,7 @@ impl Engine {
             return;
         }
         let mut budget = self.profile.fit.chunk_tokens;
-        let mut pieces: Vec<(usize, u64)> = Vec::new();
+        let mut pieces: Vec<(usize, u64, u32)> = Vec::new();
         let mut cost_pieces: Vec<(u64, u64)> = Vec::new();
         for &id in &wk.prefill_q {
             if budget == 0 {
@@ -656,13 +927,16 @@ impl Engine {
             let a = &self.jobs[&id];
             let take = a.remaining.min(budget);
             budget -= take;
-            pieces.push((id, take));
+            pieces.push((id, take, a.epoch));
             cost_pieces.push((take, a.done_ctx));
         }
         // Without mixed batches (SGLang's default), a waiting prefill runs alone and the decode
         // batch resumes after it; with them, one iteration carries both.
-        let decode: Vec<usize> = if pieces.is_empty() || self.profile.fit.mixed_batches {
-            wk.running.clone()
+        let decode: Vec<(usize, u32)> = if pieces.is_empty() || self.profile.fit.mixed_batches {
+            wk.running
+                .iter()
+                .map(|id| (*id, self.jobs[id].epoch))
+                .collect()
         } else {
             Vec::new()
         };
@@ -676,7 +950,7 @@ impl Engine {
         if !decode.is_empty() {
             let ctx: u64 = decode
                 .iter()
-                .map(|id| {
+                .map(|(id, _)| {
                     let a = &self.jobs[id];
                     a.job.input + a.generated
                 })
@@ -710,30 +984,49 @@ impl Engine {
         };
         let role = self.workers[w.0 as usize].role;
         self.workers[w.0 as usize].settling = true;
-        for (id, take) in pieces {
-            let a = self.jobs.get_mut(&id).expect("job");
+        for (id, take, epoch) in pieces {
+            // A job retracted (or failed) since the iteration started lost this work.
+            let Some(a) = self.jobs.get_mut(&id).filter(|a| a.epoch == epoch) else {
+                continue;
+            };
             a.remaining -= take;
             a.done_ctx += take;
             if a.remaining == 0 {
                 self.workers[w.0 as usize].prefill_q.retain(|x| *x != id);
                 if role == WorkerRole::Prefill {
+                    let deadline = now + micros(self.profile.fit.transfer_timeout_s);
                     let a = self.jobs.get_mut(&id).expect("job");
                     a.stage = Stage::WaitingD;
+                    a.deadline = deadline;
                     let d = a.decode_on;
-                    let deadline = now + micros(self.profile.fit.transfer_timeout_s);
                     self.workers[d.0 as usize].waiting.push_back(id);
                     self.wakes.push((deadline, Wake::TransferTimeout(id)));
+                    // P keeps no pool room for KV waiting on D: in SGLang D reserves room
+                    // before P computes, so P holds nothing for a D without room.
+                    self.release_prefill(id, now);
+                    self.retry_waiting(w, now);
                     self.retry_waiting(d, now);
+                } else if self.jobs[&id].generated > 0 {
+                    // A retracted job recomputed its context: decoding resumes.
+                    self.jobs.get_mut(&id).expect("job").stage = Stage::Decode;
+                    self.workers[w.0 as usize].running.push(id);
                 } else {
                     self.first_token(id, w, now);
                 }
             }
         }
-        for id in decode {
-            let a = self.jobs.get_mut(&id).expect("job");
-            if a.stage != Stage::Decode {
+        for (id, epoch) in decode {
+            if !self
+                .jobs
+                .get(&id)
+                .is_some_and(|a| a.epoch == epoch && a.stage == Stage::Decode)
+            {
                 continue;
             }
+            if role == WorkerRole::Decode && !self.grow(w, id, now) {
+                continue;
+            }
+            let a = self.jobs.get_mut(&id).expect("job");
             a.generated += 1;
             if a.generated >= a.job.output {
                 self.finish(id, now);
@@ -758,7 +1051,8 @@ impl Engine {
 
     fn transfer_done(&mut self, id: usize, now: Micros) {
         let Some(a) = self.jobs.get(&id) else { return };
-        if a.stage != Stage::Transfer {
+        // A transfer retracted and restarted since this wake-up was asked for ends later.
+        if a.stage != Stage::Transfer || now < a.transfer_end {
             return;
         }
         let (p, d) = (a.prefill_on, a.decode_on);
@@ -769,6 +1063,18 @@ impl Engine {
 
     fn transfer_timeout(&mut self, id: usize, now: Micros) {
         let Some(a) = self.jobs.get(&id) else { return };
+        if now < a.deadline {
+            return;
+        }
+        if a.stage == Stage::Retracted {
+            // Retracted and never given room back: out of memory as far as the client knows.
+            let d = a.decode_on;
+            self.workers[d.0 as usize].waiting.retain(|x| *x != id);
+            self.jobs.remove(&id);
+            self.events.push(Event::DecodeOom { id, at: now });
+            self.retry_waiting(d, now);
+            return;
+        }
         if a.stage != Stage::WaitingD {
             return;
         }
@@ -836,10 +1142,15 @@ mod tests {
     use kvc_core::BlockHash;
 
     fn engine(roles: &[WorkerRole], pool: u64, timeout_s: f64) -> Engine {
+        engine_with(roles, pool, |p| p.fit.transfer_timeout_s = timeout_s)
+    }
+
+    /// An idle-only-eviction engine with pool `pool` and the profile adjusted by `adjust`.
+    fn engine_with(roles: &[WorkerRole], pool: u64, adjust: impl FnOnce(&mut Profile)) -> Engine {
         let mut profile = Profile::default();
         profile.hardware.kv_pool_tokens = pool;
         profile.model.max_input_tokens = pool / 2;
-        profile.fit.transfer_timeout_s = timeout_s;
+        adjust(&mut profile);
         let eviction = EvictionConfig {
             allow_cold: false,
             allow_hot: false,
@@ -1051,6 +1362,89 @@ mod tests {
             "{at} vs {deadline}"
         );
         assert_eq!(e.resident_tokens(D, SessionId(2)), None);
+    }
+
+    #[test]
+    fn a_session_with_a_request_in_flight_is_not_idle() {
+        for pin in [true, false] {
+            let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+                p.fit.pressure.pin_in_flight = pin;
+            });
+            let mut now = 0;
+            e.start_p_to_d(job(1, 1, &[1, 2, 3, 4], 2000, 10), P, D, now);
+            settle(&mut e, &mut now);
+            assert_eq!(e.state(D).evictable_tokens, 2010);
+            // The next turn is sent: while it is on P, the session's KV on D is pinned.
+            e.start_p_to_d(job(2, 1, &[1, 2, 3, 4, 5], 2500, 10), P, D, now);
+            let (ok, freed, evicted) = e.commit_evict(D, 8192, None, now);
+            if pin {
+                assert_eq!(e.state(D).evictable_tokens, 0);
+                let busy: Vec<_> = e.residents(D).iter().map(|r| (r.0, r.1, r.3)).collect();
+                assert_eq!(busy, vec![(SessionId(1), 2010, true)]);
+                assert_eq!((ok, freed, evicted), (false, 0, vec![]));
+            } else {
+                assert_eq!((ok, freed, evicted), (true, 2010, vec![SessionId(1)]));
+            }
+            // Either way the turn completes and leaves its new KV resident.
+            let ev = settle(&mut e, &mut now);
+            assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
+            assert_eq!(e.resident_tokens(D, SessionId(1)), Some(2510));
+            assert_eq!(e.state(D).evictable_tokens, 2510);
+        }
+    }
+
+    /// Two long decodes on a pool that holds only one of them whole: the second is admitted
+    /// with the decode reserve, outgrows it, and is retracted (SGLang's choice: the fewest
+    /// tokens generated). Returns the events.
+    fn outgrow(max_retractions: u32) -> Vec<Event> {
+        let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+            p.fit.pressure.decode_reserve_tokens = 256;
+            p.fit.pressure.max_retractions = max_retractions;
+        });
+        let mut now = 0;
+        e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6], 3000, 3000), P, D, now);
+        e.start_p_to_d(job(2, 2, &[11, 12, 13], 1500, 1000), P, D, now);
+        let ev = settle(&mut e, &mut now);
+        // Nothing is left behind: both sessions idle or gone, the pool consistent.
+        let s = e.state(D);
+        assert_eq!(s.used_tokens, s.evictable_tokens);
+        ev
+    }
+
+    #[test]
+    fn decode_that_outgrows_the_pool_is_retracted_and_recomputed() {
+        let ev = outgrow(3);
+        let retracted = ev
+            .iter()
+            .filter(|x| matches!(x, Event::Retracted { id: 2, worker: D }))
+            .count();
+        assert!(retracted >= 1, "{ev:?}");
+        assert!(
+            !ev.iter()
+                .any(|x| matches!(x, Event::Retracted { id: 1, .. }))
+        );
+        for id in [1, 2] {
+            assert!(
+                ev.iter()
+                    .any(|x| matches!(x, Event::Done { id: i, .. } if *i == id))
+            );
+            let firsts = ev
+                .iter()
+                .filter(|x| matches!(x, Event::FirstToken { id: i, .. } if *i == id))
+                .count();
+            assert_eq!(firsts, 1, "job {id}: one first token, retracted or not");
+        }
+    }
+
+    #[test]
+    fn decode_retracted_past_the_limit_fails_with_decode_oom() {
+        let ev = outgrow(0);
+        assert!(
+            ev.iter()
+                .any(|x| matches!(x, Event::DecodeOom { id: 2, .. }))
+        );
+        assert!(!ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
     }
 
     #[test]

@@ -41,6 +41,7 @@ struct RequestProgress {
     first: Option<Micros>,
     decision: Option<Routed>,
     cached: u64,
+    retractions: u32,
 }
 
 /// Occupancy is sampled this often (simulated µs).
@@ -64,6 +65,7 @@ struct Replay<'a> {
     requests: Vec<RequestProgress>,
     records: Vec<Option<RequestRecord>>,
     occupancy: Occupancy,
+    committed: Occupancy,
     completed: usize,
 }
 
@@ -133,6 +135,7 @@ pub fn run(
         requests: vec![RequestProgress::default(); n],
         records: vec![None; n],
         occupancy: Vec::new(),
+        committed: Vec::new(),
         completed: 0,
     };
     for i in firsts {
@@ -164,6 +167,7 @@ pub fn run(
                 // Sample while anything else is pending; an empty queue means the run is over.
                 if sim.completed < n && !sim.queue.is_empty() {
                     sim.occupancy.push((t as f64 / 1e6, sim.engine.occupancy()));
+                    sim.committed.push((t as f64 / 1e6, sim.engine.committed()));
                     sim.push(t + SAMPLE_EVERY, Scheduled::Sample);
                 }
             }
@@ -201,6 +205,7 @@ pub fn run(
         summary,
         worker_names: sim.names,
         occupancy: sim.occupancy,
+        committed: sim.committed,
     })
 }
 
@@ -364,6 +369,11 @@ impl Replay<'_> {
                     self.observe_done(id, Outcome::KvTransferTimeout, 0);
                     self.finish(id, Outcome::KvTransferTimeout);
                 }
+                Event::DecodeOom { id, .. } => {
+                    self.observe_done(id, Outcome::DecodeOom, 0);
+                    self.finish(id, Outcome::DecodeOom);
+                }
+                Event::Retracted { id, .. } => self.requests[id].retractions += 1,
                 Event::Evicted { session, worker } => {
                     self.decider
                         .observe(&Observation::Evicted { session, worker }, None);
@@ -428,6 +438,7 @@ impl Replay<'_> {
             },
             output_tokens: r.output_length,
             outcome,
+            retractions: st.retractions,
         });
         self.in_flight -= 1;
         self.completed += 1;
