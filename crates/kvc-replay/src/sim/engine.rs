@@ -377,6 +377,20 @@ impl Engine {
         requester: Option<SessionId>,
         now: Micros,
     ) -> bool {
+        self.make_room_tiers(w, need, requester, now, true)
+    }
+
+    /// [`Self::make_room_d`], with the hot tier of the eviction mode left out unless `hot`.
+    fn make_room_tiers(
+        &mut self,
+        w: WorkerId,
+        need: u64,
+        requester: Option<SessionId>,
+        now: Micros,
+        hot: bool,
+    ) -> bool {
+        let mut eviction = self.opts.eviction;
+        eviction.allow_hot &= hot;
         let wk = &self.workers[w.0 as usize];
         let free = wk.capacity.saturating_sub(wk.resident_tokens);
         if free >= need {
@@ -404,7 +418,7 @@ impl Engine {
             wk.capacity,
             requester,
             now / 1000,
-            &self.opts.eviction,
+            &eviction,
         );
         if !plan.satisfied {
             return false;
@@ -459,18 +473,19 @@ impl Engine {
 
     /// Frees room on decode worker `w` for `full` more tokens, or failing that for `least`
     /// (`least ≤ full`): the whole output reserved when the pool has room for it, the
-    /// profile's decode reserve when it does not. Returns the tokens obtained.
+    /// profile's decode reserve when it does not. Hot sessions are evicted only if `hot`.
+    /// Returns the tokens obtained.
     fn make_room_up_to(
         &mut self,
         w: WorkerId,
-        full: u64,
-        least: u64,
+        (full, least): (u64, u64),
         requester: SessionId,
         now: Micros,
+        hot: bool,
     ) -> Option<u64> {
-        if self.make_room_d(w, full, Some(requester), now) {
+        if self.make_room_tiers(w, full, Some(requester), now, hot) {
             Some(full)
-        } else if least < full && self.make_room_d(w, least, Some(requester), now) {
+        } else if least < full && self.make_room_tiers(w, least, Some(requester), now, hot) {
             Some(least)
         } else {
             None
@@ -719,7 +734,8 @@ impl Engine {
         let old = res.tokens;
         let least = (job.input + self.reserve_step(0, job.output)).min(full);
         let new_size = if full > old {
-            match self.make_room_up_to(d, full - old, least.saturating_sub(old), job.session, now) {
+            let need = (full - old, least.saturating_sub(old));
+            match self.make_room_up_to(d, need, job.session, now, true) {
                 Some(more) => old + more,
                 None => return DirectAdmission::Rejected,
             }
@@ -828,7 +844,7 @@ impl Engine {
         {
             self.drop_resident(d, session);
         }
-        let Some(need) = self.make_room_up_to(d, full, least, session, now) else {
+        let Some(need) = self.make_room_up_to(d, (full, least), session, now, true) else {
             return false;
         };
         let a = self.jobs.get_mut(&id).expect("job");
@@ -885,7 +901,9 @@ impl Engine {
         let context = a.job.input + a.generated;
         let full = (a.job.input + a.job.output).min(self.workers[d.0 as usize].capacity);
         let least = (context + self.reserve_step(a.generated, a.job.output)).min(full);
-        let Some(tokens) = self.make_room_up_to(d, full, least, session, now) else {
+        // A retracted job takes room back without retracting hot work in turn (which could
+        // hand the same room back and forth).
+        let Some(tokens) = self.make_room_up_to(d, (full, least), session, now, false) else {
             return false;
         };
         let a = self.jobs.get_mut(&id).expect("job");
