@@ -38,34 +38,35 @@ fn check_seed(seed: u64) {
     let ts10 = |c: &mut kvc_replay::sim::SimConfig| c.time_scale = 10.0;
 
     // 2p6d + kv-aware-v0 at time-scale 10: transfers time out on the decode workers whose
-    // pools sit full of sessions with requests in flight.
+    // pools sit full of sessions with requests in flight (about 1% of requests; decode OOM
+    // does not appear there, docs/calibration.md says why).
     let v0 = run_with(&trace, "2p6d", "kv-aware-v0", ts10);
     let o = &v0.summary.outcomes;
     let timeouts = o["kv-transfer-timeout"];
-    assert!(timeouts >= 20, "seed {seed}: {timeouts} transfer timeouts");
+    assert!(timeouts >= 30, "seed {seed}: {timeouts} transfer timeouts");
     assert_eq!(
         v0.summary.mechanism_errors,
         timeouts + o["decode-oom"],
         "seed {seed}: only the memory failure paths fail requests"
     );
     let by = failures_by_worker(&v0);
-    // Concentrated: one decode worker takes at least 30% of them (an even spread over six
-    // would give each 17%), and at least 80% strike a pool that was ≥ 90% committed (sessions
+    // Concentrated: one decode worker takes at least 40% of them (an even spread over six
+    // would give each 17%), and at least 80% strike a pool that was ≥ 80% committed (sessions
     // running or with a request in flight) in the timeout before.
     let worst = by.values().copied().max().unwrap_or(0);
     assert!(
-        worst * 10 >= v0.summary.mechanism_errors * 3,
+        worst * 10 >= v0.summary.mechanism_errors * 4,
         "seed {seed}: failures not concentrated: {by:?}"
     );
     let near_full = v0
         .records
         .iter()
         .filter(|r| r.outcome.is_mechanism_error())
-        .filter(|r| committed_before(&v0, r.decode.as_deref().unwrap(), r.done_s, 0.9))
+        .filter(|r| committed_before(&v0, r.decode.as_deref().unwrap(), r.done_s, 0.8))
         .count();
     assert!(
         near_full * 10 >= v0.summary.mechanism_errors * 8,
-        "seed {seed}: only {near_full} failures on a pool ≥ 90% committed"
+        "seed {seed}: only {near_full} failures on a pool ≥ 80% committed"
     );
 
     // Where the study saw no such failure, none.

@@ -116,6 +116,9 @@ struct ResidentEntry {
     /// A request of the session is in flight elsewhere (on P, in the transfer queue):
     /// `pin_in_flight` keeps the KV out of idle-only eviction meanwhile.
     pending: bool,
+    /// Room preallocated for a transfer that has not arrived yet (the request is queued or
+    /// prefilling on P, or on the wire): no eviction tier can take it back.
+    prealloc: bool,
 }
 
 impl ResidentEntry {
@@ -399,6 +402,7 @@ impl Engine {
         let residents: Vec<Resident> = wk
             .residents
             .iter()
+            .filter(|(_, r)| !r.prealloc)
             .map(|(s, r)| Resident {
                 session: *s,
                 tokens: r.tokens,
@@ -471,32 +475,34 @@ impl Engine {
         }
     }
 
-    /// Frees room on decode worker `w` for `full` more tokens, or failing that for `least`
-    /// (`least ≤ full`): the whole output reserved when the pool has room for it, the
-    /// profile's decode reserve when it does not. Hot sessions are evicted only if `hot`.
-    /// Returns the tokens obtained.
-    fn make_room_up_to(
+    /// Frees room on decode worker `w` to admit a request that allocates `alloc` more tokens
+    /// now (its context, or what its context adds to the session's KV there), the way SGLang's
+    /// decode worker admits a transfer: only the context is allocated, and the pool must keep
+    /// the profile's decode reserve free for every request running there, this one included
+    /// (a budget, not an allocation: output is allocated token by token as decoding goes on).
+    /// An append (direct-to-D) is a prefill of D's own scheduler, which keeps the reserve
+    /// for the request itself only (`others` false). Hot sessions are evicted only if `hot`.
+    /// Returns whether the room is there.
+    fn make_room_admit(
         &mut self,
         w: WorkerId,
-        (full, least): (u64, u64),
-        requester: SessionId,
+        alloc: u64,
+        (requester, others): (SessionId, bool),
         now: Micros,
         hot: bool,
-    ) -> Option<u64> {
-        if self.make_room_tiers(w, full, Some(requester), now, hot) {
-            Some(full)
-        } else if least < full && self.make_room_tiers(w, least, Some(requester), now, hot) {
-            Some(least)
+    ) -> bool {
+        let wk = &self.workers[w.0 as usize];
+        let running = if others {
+            wk.residents
+                .iter()
+                .filter(|(s, r)| r.running && **s != requester)
+                .count() as u64
         } else {
-            None
-        }
-    }
-
-    /// Tokens a job's output may still need beyond `allowed`, in one step: the profile's
-    /// decode reserve, or what is left of the output.
-    fn reserve_step(&self, allowed: u64, full: u64) -> u64 {
-        full.saturating_sub(allowed)
-            .min(self.profile.fit.pressure.decode_reserve_tokens)
+            0
+        };
+        let headroom = self.profile.fit.pressure.decode_reserve_tokens * (running + 1);
+        let need = (alloc + headroom).min(wk.capacity);
+        self.make_room_tiers(w, need, Some(requester), now, hot)
     }
 
     /// Takes job `id`'s KV off its decode worker for want of room. The job waits at the head
@@ -553,7 +559,8 @@ impl Engine {
             if a.job.input + a.generated < allowed || allowed >= full {
                 return true;
             }
-            let step = self.reserve_step(allowed, full);
+            // Room for the token this step writes (SGLang allocates decode KV token by token).
+            let step = (a.job.input + a.generated + 1).min(full) - allowed;
             if self.make_room_d(w, step, Some(session), now) {
                 let wk = &mut self.workers[w.0 as usize];
                 wk.resident_tokens += step;
@@ -680,13 +687,23 @@ impl Engine {
         };
         let session = a.job.session;
         self.jobs.insert(id, a);
-        // The decode worker learns of the request when it is sent (SGLang sends it to P and D
-        // at once): from then on the session has a request in flight.
-        if p != d {
-            self.pin_pending(d, session);
+        if p == d {
+            self.workers[p.0 as usize].waiting.push_back(id);
+            self.retry_waiting(p, now);
+            return;
         }
-        self.workers[p.0 as usize].waiting.push_back(id);
-        self.retry_waiting(p, now);
+        // The decode worker learns of the request when it is sent (SGLang sends it to P and D
+        // at once): from then on the session has a request in flight. D preallocates room for
+        // the whole context before P computes anything; the request waits in D's queue for
+        // that room, and fails past the transfer timeout.
+        self.pin_pending(d, session);
+        let deadline = now + micros(self.profile.fit.transfer_timeout_s);
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.stage = Stage::WaitingD;
+        a.deadline = deadline;
+        self.workers[d.0 as usize].waiting.push_back(id);
+        self.wakes.push((deadline, Wake::TransferTimeout(id)));
+        self.retry_waiting(d, now);
     }
 
     /// Starts a job on the P→D path that seeds (or re-seeds) its session on `d`: the
@@ -730,18 +747,11 @@ impl Engine {
         }
         let cached =
             kvc_core::prefix::reusable_from(&res.hashes, &job.hashes, job.input, block_size);
-        let full = (job.input + job.output).min(wk.capacity);
         let old = res.tokens;
-        let least = (job.input + self.reserve_step(0, job.output)).min(full);
-        let new_size = if full > old {
-            let need = (full - old, least.saturating_sub(old));
-            match self.make_room_up_to(d, need, job.session, now, true) {
-                Some(more) => old + more,
-                None => return DirectAdmission::Rejected,
-            }
-        } else {
-            full
-        };
+        let new_size = job.input.max(old);
+        if !self.make_room_admit(d, new_size - old, (job.session, false), now, true) {
+            return DirectAdmission::Rejected;
+        }
         let wk = &mut self.workers[d.0 as usize];
         let res = wk.residents.get_mut(&job.session).expect("still resident");
         if res.idle() {
@@ -783,10 +793,22 @@ impl Engine {
     /// fits is not held behind one that does not, so a session whose own KV is pinned there
     /// can always take its turn.
     fn retry_waiting(&mut self, w: WorkerId, now: Micros) {
-        let overtake = self.workers[w.0 as usize].role == WorkerRole::Decode;
+        let decode = self.workers[w.0 as usize].role == WorkerRole::Decode;
+        let mut blocked = false;
         let mut i = 0;
         while let Some(&id) = self.workers[w.0 as usize].waiting.get(i) {
-            let ok = match self.jobs[&id].stage {
+            let a = &self.jobs[&id];
+            // Behind a request that does not fit, only a session whose own KV is on this
+            // worker may go ahead: its admission replaces that KV.
+            if blocked
+                && !self.workers[w.0 as usize]
+                    .residents
+                    .contains_key(&a.job.session)
+            {
+                i += 1;
+                continue;
+            }
+            let ok = match a.stage {
                 Stage::WaitingPool => self.admit_prefill(id, w, now),
                 Stage::WaitingD => self.admit_transfer(id, now),
                 Stage::Retracted => self.admit_retracted(id, now),
@@ -799,7 +821,9 @@ impl Engine {
                     queue.remove(pos);
                 }
                 i = 0;
-            } else if overtake {
+                blocked = false;
+            } else if decode {
+                blocked = true;
                 i += 1;
             } else {
                 break;
@@ -834,9 +858,10 @@ impl Engine {
     fn admit_transfer(&mut self, id: usize, now: Micros) -> bool {
         let a = &self.jobs[&id];
         let (d, p, session) = (a.decode_on, a.prefill_on, a.job.session);
-        let full = (a.job.input + a.job.output).min(self.workers[d.0 as usize].capacity);
-        let least = (a.job.input + self.reserve_step(0, a.job.output)).min(full);
-        // The session's previous KV on D is replaced by the incoming one.
+        let need = a.job.input;
+        // The session's previous KV on D is replaced by the incoming one. It is released at
+        // the first try, room or not: SGLang locks the matched prefix for a preallocation
+        // and unlocks it when the room is not there.
         if self.workers[d.0 as usize]
             .residents
             .get(&session)
@@ -844,13 +869,12 @@ impl Engine {
         {
             self.drop_resident(d, session);
         }
-        let Some(need) = self.make_room_up_to(d, (full, least), session, now, true) else {
+        if !self.make_room_admit(d, need, (session, true), now, true) {
             return false;
-        };
+        }
         let a = self.jobs.get_mut(&id).expect("job");
-        a.stage = Stage::Transfer;
+        a.stage = Stage::WaitingPool;
         let hashes = a.job.hashes.clone();
-        let input = a.job.input;
         let wk = &mut self.workers[d.0 as usize];
         wk.resident_tokens += need;
         wk.residents.insert(
@@ -861,11 +885,23 @@ impl Engine {
                 last_access: now,
                 running: true,
                 pending: false,
+                prealloc: true,
             },
         );
-        // One transfer at a time leaves a P and enters a D, in the order they were admitted:
-        // a D with a queue of incoming transfers holds up the P that sends to it, and every
-        // transfer queued on that P behind it.
+        // The room is D's; now P may prefill.
+        self.workers[p.0 as usize].waiting.push_back(id);
+        self.retry_waiting(p, now);
+        true
+    }
+
+    /// Starts the transfer of prefilled job `id` from P to D, into room D preallocated.
+    /// One transfer at a time leaves a P and enters a D, in the order P finished them: a D
+    /// with a queue of incoming transfers holds up the P that sends to it, and every transfer
+    /// queued on that P behind it; P holds the job's KV until its transfer ends.
+    fn start_transfer(&mut self, id: usize, now: Micros) {
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.stage = Stage::Transfer;
+        let (p, d, input) = (a.prefill_on, a.decode_on, a.job.input);
         let secs = self.profile.transfer_seconds(input);
         let start = now
             .max(self.workers[p.0 as usize].link_free)
@@ -875,7 +911,6 @@ impl Engine {
         self.workers[d.0 as usize].link_free = end;
         self.jobs.get_mut(&id).expect("job").transfer_end = end;
         self.wakes.push((end, Wake::TransferDone(id)));
-        true
     }
 
     /// With `pin_in_flight`, marks `session`'s idle KV on decode worker `d` busy: a request
@@ -899,13 +934,12 @@ impl Engine {
         let a = &self.jobs[&id];
         let (d, session) = (a.decode_on, a.job.session);
         let context = a.job.input + a.generated;
-        let full = (a.job.input + a.job.output).min(self.workers[d.0 as usize].capacity);
-        let least = (context + self.reserve_step(a.generated, a.job.output)).min(full);
         // A retracted job takes room back without retracting hot work in turn (which could
         // hand the same room back and forth).
-        let Some(tokens) = self.make_room_up_to(d, (full, least), session, now, false) else {
+        if !self.make_room_admit(d, context, (session, true), now, false) {
             return false;
-        };
+        }
+        let tokens = context;
         let a = self.jobs.get_mut(&id).expect("job");
         a.stage = Stage::Prefill;
         a.prefill_on = d;
@@ -922,6 +956,7 @@ impl Engine {
                 last_access: now,
                 running: true,
                 pending: false,
+                prealloc: false,
             },
         );
         wk.prefill_q.push_back(id);
@@ -1012,18 +1047,7 @@ impl Engine {
             if a.remaining == 0 {
                 self.workers[w.0 as usize].prefill_q.retain(|x| *x != id);
                 if role == WorkerRole::Prefill {
-                    let deadline = now + micros(self.profile.fit.transfer_timeout_s);
-                    let a = self.jobs.get_mut(&id).expect("job");
-                    a.stage = Stage::WaitingD;
-                    a.deadline = deadline;
-                    let d = a.decode_on;
-                    self.workers[d.0 as usize].waiting.push_back(id);
-                    self.wakes.push((deadline, Wake::TransferTimeout(id)));
-                    // P keeps no pool room for KV waiting on D: in SGLang D reserves room
-                    // before P computes, so P holds nothing for a D without room.
-                    self.release_prefill(id, now);
-                    self.retry_waiting(w, now);
-                    self.retry_waiting(d, now);
+                    self.start_transfer(id, now);
                 } else if self.jobs[&id].generated > 0 {
                     // A retracted job recomputed its context: decoding resumes.
                     self.jobs.get_mut(&id).expect("job").stage = Stage::Decode;
@@ -1073,7 +1097,10 @@ impl Engine {
         if a.stage != Stage::Transfer || now < a.transfer_end {
             return;
         }
-        let (p, d) = (a.prefill_on, a.decode_on);
+        let (p, d, session) = (a.prefill_on, a.decode_on, a.job.session);
+        if let Some(r) = self.workers[d.0 as usize].residents.get_mut(&session) {
+            r.prealloc = false;
+        }
         self.release_prefill(id, now);
         self.first_token(id, d, now);
         self.retry_waiting(p, now);
@@ -1284,14 +1311,15 @@ mod tests {
         e.reseed(job(2, 8, &[9], 100, 1), P, d2, now);
         settle(&mut e, &mut now);
         assert_eq!(e.resident_tokens(D, SessionId(7)), Some(1504));
-        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(101));
+        // A one-token answer writes no KV past its prompt.
+        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(100));
         // Session 7 moves to d2: D holds it no more; session 8 stays where it is.
         e.reseed(job(3, 7, &[1, 2, 3, 4], 2000, 4), P, d2, now);
         assert_eq!(e.resident_tokens(D, SessionId(7)), None);
         assert_eq!(e.state(D).used_tokens, 0);
         settle(&mut e, &mut now);
         assert_eq!(e.resident_tokens(d2, SessionId(7)), Some(2004));
-        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(101));
+        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(100));
     }
 
     #[test]
@@ -1392,17 +1420,15 @@ mod tests {
             e.start_p_to_d(job(1, 1, &[1, 2, 3, 4], 2000, 10), P, D, now);
             settle(&mut e, &mut now);
             assert_eq!(e.state(D).evictable_tokens, 2010);
-            // The next turn is sent: while it is on P, the session's KV on D is pinned.
+            // The next turn is sent: D preallocates its whole context at once (there is room),
+            // replacing the session's old KV, and no eviction can take that room back while
+            // the request is on P or on the wire, pinned or not.
             e.start_p_to_d(job(2, 1, &[1, 2, 3, 4, 5], 2500, 10), P, D, now);
             let (ok, freed, evicted) = e.commit_evict(D, 8192, None, now);
-            if pin {
-                assert_eq!(e.state(D).evictable_tokens, 0);
-                let busy: Vec<_> = e.residents(D).iter().map(|r| (r.0, r.1, r.3)).collect();
-                assert_eq!(busy, vec![(SessionId(1), 2010, true)]);
-                assert_eq!((ok, freed, evicted), (false, 0, vec![]));
-            } else {
-                assert_eq!((ok, freed, evicted), (true, 2010, vec![SessionId(1)]));
-            }
+            assert_eq!(e.state(D).evictable_tokens, 0);
+            let busy: Vec<_> = e.residents(D).iter().map(|r| (r.0, r.1, r.3)).collect();
+            assert_eq!(busy, vec![(SessionId(1), 2500, true)]);
+            assert_eq!((ok, freed, evicted), (false, 0, vec![]));
             // Either way the turn completes and leaves its new KV resident.
             let ev = settle(&mut e, &mut now);
             assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
@@ -1421,7 +1447,7 @@ mod tests {
         });
         let mut now = 0;
         e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6], 3000, 3000), P, D, now);
-        e.start_p_to_d(job(2, 2, &[11, 12, 13], 1500, 1000), P, D, now);
+        e.start_p_to_d(job(2, 2, &[11, 12, 13], 1500, 3000), P, D, now);
         let ev = settle(&mut e, &mut now);
         // Nothing is left behind: both sessions idle or gone, the pool consistent.
         let s = e.state(D);

@@ -94,9 +94,9 @@ pub struct FitFactors {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PressureFacts {
-    /// Output room (tokens) a decode worker reserves at least when it admits a request (an
-    /// incoming transfer, an append or a retracted request) and the pool lacks room for the
-    /// whole output; the rest is allocated in steps of this size as decoding goes on
+    /// Free room (tokens) a decode worker keeps for every active request when it admits an
+    /// incoming transfer or a retracted request (for an append: for that request alone). A
+    /// budget, not an allocation: output KV is allocated token by token as decoding goes on
     /// (SGLang's `num_reserved_decode_tokens`, 512).
     pub decode_reserve_tokens: u64,
     /// A running request that cannot get its next step of room, with nothing evictable under
