@@ -33,6 +33,31 @@ fn committed_before(out: &SimOutput, name: &str, t: f64, at_least: f64) -> bool 
         .any(|(_, f)| f[k] >= at_least)
 }
 
+/// One of kvc's three fixes for the baseline's failures.
+#[derive(Clone, Copy)]
+enum Fix {
+    Eviction,
+    Backpressure,
+    PrefillChoice,
+}
+
+/// `kvc` with all three fixes (tiered eviction, the backpressure hint, d-health-aware P
+/// choice) at `time_scale`, but for `off`, switched back to the baseline's.
+fn deployed_kvc(c: &mut kvc_replay::sim::SimConfig, time_scale: f64, off: Option<Fix>) {
+    c.time_scale = time_scale;
+    c.eviction = EvictionMode::Tiered;
+    if let PolicyConfig::Kvc(k) = &mut c.policy {
+        k.backpressure = kvc_policy::BackpressureConfig::ENABLED;
+        k.prefill = kvc_policy::PrefillPolicy::DHealthAware;
+        match off {
+            Some(Fix::Eviction) => c.eviction = EvictionMode::IdleLru,
+            Some(Fix::Backpressure) => k.backpressure = kvc_policy::BackpressureConfig::DISABLED,
+            Some(Fix::PrefillChoice) => k.prefill = kvc_policy::PrefillPolicy::RoundRobin,
+            None => {}
+        }
+    }
+}
+
 fn check_seed(seed: u64) {
     let trace = swe_trace(seed, 52);
     let ts10 = |c: &mut kvc_replay::sim::SimConfig| c.time_scale = 10.0;
@@ -74,17 +99,37 @@ fn check_seed(seed: u64) {
     assert_eq!(dp.summary.mechanism_errors, 0, "seed {seed}: 8dp");
     let kvc = run_with(&trace, "2p6d", "kvc", ts10);
     assert_eq!(kvc.summary.mechanism_errors, 0, "seed {seed}: 2p6d kvc");
-    let deployed = run_with(&trace, "2p6d", "kvc", |c| {
-        c.time_scale = 10.0;
-        c.eviction = EvictionMode::Tiered;
-        if let PolicyConfig::Kvc(k) = &mut c.policy {
-            k.backpressure = kvc_policy::BackpressureConfig::ENABLED;
-        }
-    });
+    let deployed = run_with(&trace, "2p6d", "kvc", |c| deployed_kvc(c, 10.0, None));
     assert_eq!(
         deployed.summary.mechanism_errors, 0,
         "seed {seed}: 2p6d kvc with tiered eviction and backpressure"
     );
+    // The ablation (docs/calibration.md): at this load kvc's placement keeps the decode pools
+    // healthy by itself, so each of its three fixes switched off alone still fails nothing.
+    for (fix, off) in [
+        ("tiered eviction", Fix::Eviction),
+        ("backpressure", Fix::Backpressure),
+        ("d-health-aware P", Fix::PrefillChoice),
+    ] {
+        let run = run_with(&trace, "2p6d", "kvc", |c| deployed_kvc(c, 10.0, Some(off)));
+        assert_eq!(
+            run.summary.mechanism_errors, 0,
+            "seed {seed}: 2p6d kvc without {fix}"
+        );
+    }
+    // Under overload (1p3d at time-scale 10) kvc fails too, and backpressure is the fix whose
+    // removal brings failures back on both seeds.
+    let all = run_with(&trace, "1p3d", "kvc", |c| deployed_kvc(c, 10.0, None));
+    let no_pause = run_with(&trace, "1p3d", "kvc", |c| {
+        deployed_kvc(c, 10.0, Some(Fix::Backpressure))
+    });
+    assert!(
+        no_pause.summary.mechanism_errors > all.summary.mechanism_errors,
+        "seed {seed}: 1p3d kvc without backpressure: {} vs {}",
+        no_pause.summary.mechanism_errors,
+        all.summary.mechanism_errors
+    );
+
     let v0_ts1 = run_with(&trace, "1p3d", "kv-aware-v0", |_| {});
     assert_eq!(
         v0_ts1.summary.mechanism_errors, 0,
