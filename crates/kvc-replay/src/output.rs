@@ -60,21 +60,35 @@ pub fn write_run(output: &SimOutput, dir: &Path) -> Result<()> {
     let mut text = serde_json::to_string_pretty(&output.summary)?;
     text.push('\n');
     std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    let csv = occupancy_csv(&output.worker_names, &output.occupancy);
+    let path = dir.join("occupancy.csv");
+    std::fs::write(&path, csv).with_context(|| format!("cannot write {}", path.display()))?;
+    if !output.committed.is_empty() {
+        let path = dir.join("committed.csv");
+        std::fs::write(
+            &path,
+            occupancy_csv(&output.worker_names, &output.committed),
+        )
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `time_s` and one column per worker, four decimals, one row per sample.
+fn occupancy_csv(names: &[String], rows: &Occupancy) -> String {
     let mut csv = String::from("time_s");
-    for n in &output.worker_names {
+    for n in names {
         let _ = write!(csv, ",{n}");
     }
     csv.push('\n');
-    for (t, fr) in &output.occupancy {
+    for (t, fr) in rows {
         let _ = write!(csv, "{t}");
         for f in fr {
             let _ = write!(csv, ",{f:.4}");
         }
         csv.push('\n');
     }
-    let path = dir.join("occupancy.csv");
-    std::fs::write(&path, csv).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
+    csv
 }
 
 /// Reads `DIR/summary.json`.
@@ -106,9 +120,23 @@ pub fn read_records(dir: &Path) -> Result<Vec<RequestRecord>> {
 
 /// Reads `DIR/occupancy.csv`: worker names and (time, fractions) rows.
 pub fn read_occupancy(dir: &Path) -> Result<(Vec<String>, Occupancy)> {
-    let path = dir.join("occupancy.csv");
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read {}", path.display()))?;
+    read_fractions(&dir.join("occupancy.csv"))
+}
+
+/// Reads `DIR/committed.csv` (the committed share of every pool) if the run wrote one.
+pub fn read_committed(dir: &Path) -> Result<Option<(Vec<String>, Occupancy)>> {
+    let path = dir.join("committed.csv");
+    if path.exists() {
+        read_fractions(&path).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// Reads a `time_s,worker…` CSV of fractions.
+fn read_fractions(path: &Path) -> Result<(Vec<String>, Occupancy)> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut lines = text.lines();
     let header = lines.next().unwrap_or("");
     let names: Vec<String> = header.split(',').skip(1).map(str::to_owned).collect();

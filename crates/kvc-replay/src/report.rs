@@ -1,10 +1,12 @@
 //! Markdown reports with SVG plots: TTFT and latency CDFs per run, decode-pool occupancy over
-//! time, execution-mode shares.
+//! time (used and committed), execution-mode shares, and failures per worker and over time.
 
-use crate::output::{compare_table, read_occupancy, read_records, read_summary};
+use crate::output::{compare_table, read_committed, read_occupancy, read_records, read_summary};
+use crate::sim::metrics::RequestRecord;
 use anyhow::{Context, Result};
 use kvc_core::stats::percentile;
 use kvc_core::{Outcome, StableName};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -56,18 +58,7 @@ pub fn line_chart(
         left + ((v - lo) / (hi - lo)).clamp(0.0, 1.0) * pw
     };
     let sy = |y: f64| top + ph - (y / y_max).clamp(0.0, 1.0) * ph;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-        left + pw / 2.0,
-        esc(title)
-    );
+    let mut s = svg_open(w, h, left + pw / 2.0, title);
     let x_ticks: Vec<f64> = if log {
         (lo.floor() as i32..=hi.ceil() as i32)
             .map(|e| 10f64.powi(e))
@@ -162,18 +153,7 @@ pub fn share_chart(title: &str, runs: &[(String, Vec<(String, f64)>)]) -> String
     modes.sort();
     modes.dedup();
     let h = top + runs.len() as f64 * (bar_h + 10.0) + 30.0 + 18.0 * modes.len().div_ceil(3) as f64;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-        w / 2.0,
-        esc(title)
-    );
+    let mut s = svg_open(w, h, w / 2.0, title);
     for (i, (name, shares)) in runs.iter().enumerate() {
         let y = top + i as f64 * (bar_h + 10.0);
         let _ = writeln!(
@@ -227,6 +207,22 @@ fn tick(v: f64) -> String {
     } else {
         format!("{v:.0e}")
     }
+}
+
+/// The start of every plot: the SVG element `w`×`h`, a white page, and `title` centred on `title_x`.
+fn svg_open(w: f64, h: f64, title_x: f64, title: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{title_x}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
+        esc(title)
+    );
+    s
 }
 
 fn esc(s: &str) -> String {
@@ -369,6 +365,52 @@ pub fn write_report(runs: &[PathBuf], out: &Path) -> Result<PathBuf> {
             ),
         )?;
         let _ = writeln!(md, "![{title}]({file})\n");
+        if let Some((names, rows)) = read_committed(dir)? {
+            let file = format!("committed_{i}.svg");
+            let title = format!("KV pool committed (not evictable): {}", summaries[i].0);
+            let series = decode_series(&names, &rows);
+            write(
+                &file,
+                line_chart(
+                    &title,
+                    "time (s)",
+                    "committed fraction",
+                    &series,
+                    XAxis::Linear(t_max),
+                    1.0,
+                ),
+            )?;
+            let _ = writeln!(md, "![{title}]({file})\n");
+        }
+    }
+    md.push_str("\n## Failures\n\n");
+    for (i, dir) in runs.iter().enumerate() {
+        let name = &summaries[i].0;
+        let recs = read_records(dir)?;
+        let failed: Vec<&RequestRecord> = recs
+            .iter()
+            .filter(|r| r.outcome.is_mechanism_error())
+            .collect();
+        if failed.is_empty() {
+            let _ = writeln!(md, "{name}: no mechanism errors.\n");
+            continue;
+        }
+        md.push_str(&failure_table(name, &failed));
+        let file = format!("failures_{i}.svg");
+        let title = format!("Failures over time: {name}");
+        let t_max = recs.iter().map(|r| r.done_s).fold(1.0, f64::max);
+        write(
+            &file,
+            line_chart(
+                &title,
+                "time (s)",
+                "failed requests (cumulative)",
+                &failure_series(&failed),
+                XAxis::Linear(t_max),
+                failed.len() as f64,
+            ),
+        )?;
+        let _ = writeln!(md, "![{title}]({file})\n");
     }
     md.push_str("\nOutcomes per run:\n\n| run | ");
     let outcome_names: Vec<&str> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
@@ -386,6 +428,93 @@ pub fn write_report(runs: &[PathBuf], out: &Path) -> Result<PathBuf> {
     let path = out.join("report.md");
     std::fs::write(&path, md).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(path)
+}
+
+/// Occupancy series of the decode (and colocated) workers, prefill workers left out.
+fn decode_series(names: &[String], rows: &[(f64, Vec<f64>)]) -> Vec<Series> {
+    names
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| !n.starts_with('p'))
+        .map(|(k, n)| Series {
+            name: n.clone(),
+            points: rows
+                .iter()
+                .map(|(t, f)| (*t, f.get(k).copied().unwrap_or(0.0)))
+                .collect(),
+        })
+        .collect()
+}
+
+/// Markdown: failed requests of one run per decode worker, per prefill worker and per P–D
+/// pair, by outcome.
+fn failure_table(run: &str, failed: &[&RequestRecord]) -> String {
+    let outcomes: Vec<Outcome> = Outcome::ALL
+        .iter()
+        .copied()
+        .filter(|o| failed.iter().any(|r| r.outcome == *o))
+        .collect();
+    let mut rows: BTreeMap<(u8, String), BTreeMap<Outcome, usize>> = BTreeMap::new();
+    for r in failed {
+        let decode = r.decode.clone().unwrap_or_else(|| "–".into());
+        let mut keys = vec![(0, decode.clone())];
+        if let Some(p) = &r.prefill {
+            keys.push((1, p.clone()));
+            keys.push((2, format!("{p}→{decode}")));
+        }
+        for k in keys {
+            *rows.entry(k).or_default().entry(r.outcome).or_default() += 1;
+        }
+    }
+    let mut md = format!("{run}: {} failed requests.\n\n| worker |", failed.len());
+    for o in &outcomes {
+        let _ = write!(md, " {} |", o.as_str());
+    }
+    md.push_str(" retractions |\n|---|");
+    md.push_str(&"---:|".repeat(outcomes.len() + 1));
+    md.push('\n');
+    for ((_, w), counts) in &rows {
+        let _ = write!(md, "| {w} |");
+        for o in &outcomes {
+            let _ = write!(md, " {} |", counts.get(o).copied().unwrap_or(0));
+        }
+        let retracted: u32 = failed
+            .iter()
+            .filter(|r| {
+                r.decode.as_deref() == Some(w)
+                    || r.prefill.as_deref() == Some(w)
+                    || r.prefill
+                        .as_ref()
+                        .zip(r.decode.as_ref())
+                        .is_some_and(|(p, d)| format!("{p}→{d}") == *w)
+            })
+            .map(|r| r.retractions)
+            .sum();
+        let _ = writeln!(md, " {retracted} |");
+    }
+    md.push('\n');
+    md
+}
+
+/// Cumulative failed requests over time, one series per decode worker.
+fn failure_series(failed: &[&RequestRecord]) -> Vec<Series> {
+    let mut by_worker: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for r in failed {
+        let w = r.decode.clone().unwrap_or_else(|| "–".into());
+        by_worker.entry(w).or_default().push(r.done_s);
+    }
+    by_worker
+        .into_iter()
+        .map(|(name, mut times)| {
+            times.sort_by(f64::total_cmp);
+            let mut points = vec![(0.0, 0.0)];
+            for (k, t) in times.iter().enumerate() {
+                points.push((*t, k as f64));
+                points.push((*t, (k + 1) as f64));
+            }
+            Series { name, points }
+        })
+        .collect()
 }
 
 /// A run's display name: `topology+policy tsN`.

@@ -32,7 +32,8 @@ Outputs (in --out):
   metrics.jsonl   one JSON object per trace request, in trace order: index, session, turn,
                   scheduled_s, dispatch_s, first_token_s, done_s, ttft_s, latency_s, wait_s,
                   mode, reason, prefill, decode, input_tokens, cached_tokens, uncached_tokens,
-                  output_tokens, outcome. Times are seconds from the start of the replay;
+                  output_tokens, outcome, and retractions when a decode worker retracted the
+                  request for want of KV room. Times are seconds from the start of the replay;
                   TTFT and latency count from when the turn was ready.
   summary.json    requests, outcomes{name: count}, mechanism_errors, ttft_s / latency_s / wait_s
                   {mean, p50, p90, p99} over ok requests, direct_to_d_rate,
@@ -41,6 +42,8 @@ Outputs (in --out):
                   d_changes_max, direct_rate_0_20, direct_rate_80_100}, config{…}, sim_span_s,
                   sim_wall_s.
   occupancy.csv   time_s and the used fraction of every worker's KV pool, every 10 s.
+  committed.csv   the same for the committed fraction: what eviction cannot reclaim (running
+                  requests; on decode workers, sessions that are not idle).
 
 Policy knobs: --knob KEY=VALUE sets a field of the policy's configuration (repeatable); the
 keys are those `kvc-replay policies` prints for the policy. Example:

@@ -331,6 +331,7 @@ pub fn live_http(
             summary,
             worker_names: names,
             occupancy: Vec::new(),
+            committed: Vec::new(),
         },
         report,
     })
@@ -454,6 +455,7 @@ fn build_records(
             },
             output_tokens: r.output_length,
             outcome,
+            retractions: 0,
         });
     }
     let report = HttpReport {
@@ -487,6 +489,7 @@ fn lost_record(i: usize, r: &crate::trace::TraceRequest) -> RequestRecord {
         uncached_tokens: 0,
         output_tokens: r.output_length,
         outcome: Outcome::WorkerFailed,
+        retractions: 0,
     }
 }
 

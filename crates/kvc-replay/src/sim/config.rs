@@ -2,6 +2,8 @@
 //! checks, and the `config` block of the summary it yields.
 
 use super::SimError;
+use super::cluster::worker_roles;
+use super::engine::{Engine, EngineOptions};
 use super::metrics::RunConfig;
 use super::profile::Profile;
 use crate::trace::Trace;
@@ -34,6 +36,21 @@ pub struct SimConfig {
 }
 
 impl SimConfig {
+    /// The simulated workers this configuration runs, in the trace's block size: the one
+    /// constructor the simulator and the live workers share.
+    pub fn engine(&self, trace: &Trace) -> Engine {
+        Engine::new(
+            self.profile.clone(),
+            EngineOptions {
+                eviction: self.eviction.into(),
+                block_size: trace.block_size(),
+            },
+            &worker_roles(self.topology),
+            self.seed,
+            self.jitter,
+        )
+    }
+
     /// The reference setup: `1p3d`, time-scale 1, concurrency 32, seed 0, the default profile.
     pub fn new(topology: Topology, policy: PolicyConfig) -> Self {
         SimConfig {

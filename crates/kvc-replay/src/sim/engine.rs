@@ -11,6 +11,7 @@ use super::profile::Profile;
 use crate::trace::HashIds;
 use kvc_admission::{EvictionConfig, Resident, ResidentState, plan_eviction};
 use kvc_core::{BlockSize, Health, SessionId, WorkerId, WorkerRole, WorkerState};
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, VecDeque};
 
 /// Microseconds of simulated (or real) time.
@@ -80,6 +81,22 @@ pub enum Event {
         /// When.
         at: Micros,
     },
+    /// A request failed for want of KV room on its decode worker: retracted more often than
+    /// the profile allows, or left waiting past the transfer timeout after a retraction.
+    DecodeOom {
+        /// Job.
+        id: usize,
+        /// When.
+        at: Micros,
+    },
+    /// A running request's KV was freed for want of room; it waits on its decode worker and
+    /// recomputes its context when room returns.
+    Retracted {
+        /// Job.
+        id: usize,
+        /// The decode worker.
+        worker: WorkerId,
+    },
     /// A decode worker evicted a session's KV.
     Evicted {
         /// Session.
@@ -94,7 +111,21 @@ struct ResidentEntry {
     tokens: u64,
     hashes: HashIds,
     last_access: Micros,
+    /// A job of the session holds this KV on the worker (transfer, prefill or decode).
     running: bool,
+    /// A request of the session is in flight elsewhere (on P, in the transfer queue):
+    /// `pin_in_flight` keeps the KV out of idle-only eviction meanwhile.
+    pending: bool,
+    /// Room preallocated for a transfer that has not arrived yet (the request is queued or
+    /// prefilling on P, or on the wire): no eviction tier can take it back.
+    prealloc: bool,
+}
+
+impl ResidentEntry {
+    /// Evictable by idle-only eviction.
+    fn idle(&self) -> bool {
+        !self.running && !self.pending
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +140,8 @@ enum Stage {
     Transfer,
     /// Decoding.
     Decode,
+    /// Retracted from a decode worker for want of room: waits there to recompute its context.
+    Retracted,
 }
 
 #[derive(Debug, Clone)]
@@ -126,15 +159,24 @@ struct Active {
     /// Extra (non-block) tokens reserved on the prefill/colocated worker.
     extra: u64,
     cached: u64,
+    /// When waiting for room on D (transfer or retracted) fails.
+    deadline: Micros,
+    /// When the KV transfer in progress ends.
+    transfer_end: Micros,
+    /// Times retracted.
+    retractions: u32,
+    /// Bumped by every retraction, so the work of an iteration that started before it is
+    /// not applied after it.
+    epoch: u32,
 }
 
 /// What one running iteration of a worker carries.
 #[derive(Debug)]
 struct Iteration {
-    /// Prefill chunks: (job, tokens).
-    prefill: Vec<(usize, u64)>,
-    /// Jobs that get one decode step.
-    decode: Vec<usize>,
+    /// Prefill chunks: (job, tokens, job epoch).
+    prefill: Vec<(usize, u64, u32)>,
+    /// Jobs that get one decode step: (job, job epoch).
+    decode: Vec<(usize, u32)>,
 }
 
 #[derive(Debug)]
@@ -283,12 +325,14 @@ impl Engine {
             .map(|r| r.tokens)
     }
 
-    /// Sessions resident on worker `w`: (session, tokens, last access, running), by session id.
+    /// Sessions resident on worker `w`: (session, tokens, last access, busy), by session id;
+    /// busy sessions (a job running there, or with `pin_in_flight` a request in flight) are
+    /// not idle.
     pub fn residents(&self, w: WorkerId) -> Vec<(SessionId, u64, Micros, bool)> {
         self.workers[w.0 as usize]
             .residents
             .iter()
-            .map(|(s, r)| (*s, r.tokens, r.last_access, r.running))
+            .map(|(s, r)| (*s, r.tokens, r.last_access, !r.idle()))
             .collect()
     }
 
@@ -301,6 +345,13 @@ impl Engine {
     pub fn occupancy(&self) -> Vec<f64> {
         (0..self.workers.len())
             .map(|i| self.state(WorkerId(i as u32)).used_fraction())
+            .collect()
+    }
+
+    /// Committed fraction of every worker's pool (what eviction cannot reclaim), by index.
+    pub fn committed(&self) -> Vec<f64> {
+        (0..self.workers.len())
+            .map(|i| self.state(WorkerId(i as u32)).committed_fraction())
             .collect()
     }
 
@@ -329,6 +380,20 @@ impl Engine {
         requester: Option<SessionId>,
         now: Micros,
     ) -> bool {
+        self.make_room_tiers(w, need, requester, now, true)
+    }
+
+    /// [`Self::make_room_d`], with the hot tier of the eviction mode left out unless `hot`.
+    fn make_room_tiers(
+        &mut self,
+        w: WorkerId,
+        need: u64,
+        requester: Option<SessionId>,
+        now: Micros,
+        hot: bool,
+    ) -> bool {
+        let mut eviction = self.opts.eviction;
+        eviction.allow_hot &= hot;
         let wk = &self.workers[w.0 as usize];
         let free = wk.capacity.saturating_sub(wk.resident_tokens);
         if free >= need {
@@ -337,13 +402,14 @@ impl Engine {
         let residents: Vec<Resident> = wk
             .residents
             .iter()
+            .filter(|(_, r)| !r.prealloc)
             .map(|(s, r)| Resident {
                 session: *s,
                 tokens: r.tokens,
-                state: if r.running {
-                    ResidentState::Running
-                } else {
+                state: if r.idle() {
                     ResidentState::Idle
+                } else {
+                    ResidentState::Running
                 },
                 last_access_ms: r.last_access / 1000,
                 predicted_next_use_ms: None,
@@ -356,20 +422,46 @@ impl Engine {
             wk.capacity,
             requester,
             now / 1000,
-            &self.opts.eviction,
+            &eviction,
         );
         if !plan.satisfied {
             return false;
         }
         for v in plan.victims {
-            self.drop_resident(w, v.session);
-            self.events.push(Event::Evicted {
-                session: v.session,
-                worker: w,
-            });
+            self.evict(w, v.session, now);
         }
         let wk = &self.workers[w.0 as usize];
         wk.capacity.saturating_sub(wk.resident_tokens) >= need
+    }
+
+    /// Evicts `session`'s KV from decode worker `w`; a job holding it there is retracted.
+    fn evict(&mut self, w: WorkerId, session: SessionId, now: Micros) {
+        let running = self.workers[w.0 as usize]
+            .residents
+            .get(&session)
+            .is_some_and(|r| r.running);
+        match self.job_holding(w, session).filter(|_| running) {
+            Some(id) => self.retract(id, now),
+            None => self.drop_resident(w, session),
+        }
+        self.events.push(Event::Evicted { session, worker: w });
+    }
+
+    /// The job whose KV `session` holds on decode worker `w` (transferring, append- or
+    /// re-prefilling there, or decoding).
+    fn job_holding(&self, w: WorkerId, session: SessionId) -> Option<usize> {
+        self.jobs
+            .iter()
+            .find(|(_, a)| {
+                a.decode_on == w
+                    && a.job.session == session
+                    && match a.stage {
+                        Stage::Transfer | Stage::Decode => true,
+                        Stage::Prefill => a.prefill_on == w,
+                        _ => false,
+                    }
+            })
+            .map(|(id, _)| *id)
     }
 
     /// Removes `session`'s KV from decode worker `w`.
@@ -377,8 +469,117 @@ impl Engine {
         let wk = &mut self.workers[w.0 as usize];
         if let Some(r) = wk.residents.remove(&session) {
             wk.resident_tokens -= r.tokens;
-            if !r.running {
+            if r.idle() {
                 wk.idle_tokens -= r.tokens;
+            }
+        }
+    }
+
+    /// Frees room on decode worker `w` to admit a request that allocates `alloc` more tokens
+    /// now (its context, or what its context adds to the session's KV there), the way SGLang's
+    /// decode worker admits a transfer: only the context is allocated, and the pool must keep
+    /// the profile's decode reserve free for every request running there, this one included
+    /// (a budget, not an allocation: output is allocated token by token as decoding goes on).
+    /// An append (direct-to-D) is a prefill of D's own scheduler, which keeps the reserve
+    /// for the request itself only (`others` false). Hot sessions are evicted only if `hot`.
+    /// Returns whether the room is there.
+    fn make_room_admit(
+        &mut self,
+        w: WorkerId,
+        alloc: u64,
+        (requester, others): (SessionId, bool),
+        now: Micros,
+        hot: bool,
+    ) -> bool {
+        let wk = &self.workers[w.0 as usize];
+        let running = if others {
+            wk.residents
+                .iter()
+                .filter(|(s, r)| r.running && **s != requester)
+                .count() as u64
+        } else {
+            0
+        };
+        let headroom = self.profile.fit.pressure.decode_reserve_tokens * (running + 1);
+        let need = (alloc + headroom).min(wk.capacity);
+        self.make_room_tiers(w, need, Some(requester), now, hot)
+    }
+
+    /// Takes job `id`'s KV off its decode worker for want of room. The job waits at the head
+    /// of the worker's queue (a transfer for room again; a prefilled or decoding job to
+    /// recompute its context), or fails with `decode-oom` past the profile's retraction limit.
+    fn retract(&mut self, id: usize, now: Micros) {
+        let timeout = micros(self.profile.fit.transfer_timeout_s);
+        let limit = self.profile.fit.pressure.max_retractions;
+        let a = self.jobs.get_mut(&id).expect("job");
+        let (d, session, stage) = (a.decode_on, a.job.session, a.stage);
+        a.epoch += 1;
+        a.retractions += 1;
+        let fail = a.retractions > limit;
+        a.stage = if stage == Stage::Transfer {
+            Stage::WaitingD
+        } else {
+            Stage::Retracted
+        };
+        a.deadline = now + timeout;
+        let wk = &mut self.workers[d.0 as usize];
+        wk.running.retain(|x| *x != id);
+        wk.prefill_q.retain(|x| *x != id);
+        self.drop_resident(d, session);
+        if fail {
+            let p = self.jobs[&id].prefill_on;
+            self.release_prefill(id, now);
+            self.jobs.remove(&id);
+            self.events.push(Event::DecodeOom { id, at: now });
+            if p != d {
+                self.retry_waiting(p, now);
+            }
+            return;
+        }
+        self.workers[d.0 as usize].waiting.push_front(id);
+        self.wakes.push((now + timeout, Wake::TransferTimeout(id)));
+        self.events.push(Event::Retracted { id, worker: d });
+    }
+
+    /// Gives running job `id` on decode worker `w` room for its next token, evicting by the
+    /// configured mode and else retracting running jobs the way SGLang does (fewest tokens
+    /// generated first, then the longest input). Returns whether the job keeps running.
+    fn grow(&mut self, w: WorkerId, id: usize, now: Micros) -> bool {
+        loop {
+            let a = &self.jobs[&id];
+            let session = a.job.session;
+            let full = (a.job.input + a.job.output).min(self.workers[w.0 as usize].capacity);
+            let Some(allowed) = self.workers[w.0 as usize]
+                .residents
+                .get(&session)
+                .map(|r| r.tokens)
+            else {
+                return true;
+            };
+            if a.job.input + a.generated < allowed || allowed >= full {
+                return true;
+            }
+            // Room for the token this step writes (SGLang allocates decode KV token by token).
+            let step = (a.job.input + a.generated + 1).min(full) - allowed;
+            if self.make_room_d(w, step, Some(session), now) {
+                let wk = &mut self.workers[w.0 as usize];
+                wk.resident_tokens += step;
+                if let Some(r) = wk.residents.get_mut(&session) {
+                    r.tokens += step;
+                }
+                return true;
+            }
+            let victim = self.workers[w.0 as usize]
+                .running
+                .iter()
+                .map(|v| (*v, &self.jobs[v]))
+                .filter(|(_, v)| v.stage == Stage::Decode)
+                .min_by_key(|(v, j)| (j.generated, Reverse(j.job.input), *v))
+                .map(|(v, _)| v)
+                .unwrap_or(id);
+            self.retract(victim, now);
+            if victim == id {
+                return false;
             }
         }
     }
@@ -479,10 +680,30 @@ impl Engine {
             pinned: 0,
             extra: 0,
             cached: 0,
+            deadline: 0,
+            transfer_end: 0,
+            retractions: 0,
+            epoch: 0,
         };
+        let session = a.job.session;
         self.jobs.insert(id, a);
-        self.workers[p.0 as usize].waiting.push_back(id);
-        self.retry_waiting(p, now);
+        if p == d {
+            self.workers[p.0 as usize].waiting.push_back(id);
+            self.retry_waiting(p, now);
+            return;
+        }
+        // The decode worker learns of the request when it is sent (SGLang sends it to P and D
+        // at once): from then on the session has a request in flight. D preallocates room for
+        // the whole context before P computes anything; the request waits in D's queue for
+        // that room, and fails past the transfer timeout.
+        self.pin_pending(d, session);
+        let deadline = now + micros(self.profile.fit.transfer_timeout_s);
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.stage = Stage::WaitingD;
+        a.deadline = deadline;
+        self.workers[d.0 as usize].waiting.push_back(id);
+        self.wakes.push((deadline, Wake::TransferTimeout(id)));
+        self.retry_waiting(d, now);
     }
 
     /// Starts a job on the P→D path that seeds (or re-seeds) its session on `d`: the
@@ -526,14 +747,16 @@ impl Engine {
         }
         let cached =
             kvc_core::prefix::reusable_from(&res.hashes, &job.hashes, job.input, block_size);
-        let new_size = (job.input + job.output).min(wk.capacity);
         let old = res.tokens;
-        if new_size > old && !self.make_room_d(d, new_size - old, Some(job.session), now) {
+        let new_size = job.input.max(old);
+        if !self.make_room_admit(d, new_size - old, (job.session, false), now, true) {
             return DirectAdmission::Rejected;
         }
         let wk = &mut self.workers[d.0 as usize];
         let res = wk.residents.get_mut(&job.session).expect("still resident");
-        wk.idle_tokens -= res.tokens;
+        if res.idle() {
+            wk.idle_tokens -= res.tokens;
+        }
         wk.resident_tokens = wk.resident_tokens - res.tokens + new_size;
         res.tokens = new_size;
         res.running = true;
@@ -554,6 +777,10 @@ impl Engine {
                 pinned: 0,
                 extra: 0,
                 cached,
+                deadline: 0,
+                transfer_end: 0,
+                retractions: 0,
+                epoch: 0,
             },
         );
         wk.prefill_q.push_back(id);
@@ -561,19 +788,46 @@ impl Engine {
         DirectAdmission::Admitted { cached }
     }
 
-    /// Admits waiting jobs of worker `w` while there is room (FIFO, no overtaking).
+    /// Admits waiting jobs of worker `w` while there is room: in order, without overtaking,
+    /// on prefill and colocated workers; on a decode worker a transfer (or retracted job) that
+    /// fits is not held behind one that does not, so a session whose own KV is pinned there
+    /// can always take its turn.
     fn retry_waiting(&mut self, w: WorkerId, now: Micros) {
-        while let Some(&id) = self.workers[w.0 as usize].waiting.front() {
-            let stage = self.jobs[&id].stage;
-            let ok = match stage {
+        let decode = self.workers[w.0 as usize].role == WorkerRole::Decode;
+        let mut blocked = false;
+        let mut i = 0;
+        while let Some(&id) = self.workers[w.0 as usize].waiting.get(i) {
+            let a = &self.jobs[&id];
+            // Behind a request that does not fit, only a session whose own KV is on this
+            // worker may go ahead: its admission replaces that KV.
+            if blocked
+                && !self.workers[w.0 as usize]
+                    .residents
+                    .contains_key(&a.job.session)
+            {
+                i += 1;
+                continue;
+            }
+            let ok = match a.stage {
                 Stage::WaitingPool => self.admit_prefill(id, w, now),
                 Stage::WaitingD => self.admit_transfer(id, now),
+                Stage::Retracted => self.admit_retracted(id, now),
                 _ => true,
             };
-            if !ok {
+            if ok {
+                // By id: an admission may have retracted a job to the head of the queue.
+                let queue = &mut self.workers[w.0 as usize].waiting;
+                if let Some(pos) = queue.iter().position(|x| *x == id) {
+                    queue.remove(pos);
+                }
+                i = 0;
+                blocked = false;
+            } else if decode {
+                blocked = true;
+                i += 1;
+            } else {
                 break;
             }
-            self.workers[w.0 as usize].waiting.pop_front();
         }
     }
 
@@ -604,8 +858,10 @@ impl Engine {
     fn admit_transfer(&mut self, id: usize, now: Micros) -> bool {
         let a = &self.jobs[&id];
         let (d, p, session) = (a.decode_on, a.prefill_on, a.job.session);
-        let need = (a.job.input + a.job.output).min(self.workers[d.0 as usize].capacity);
-        // The session's previous KV on D is replaced by the incoming one.
+        let need = a.job.input;
+        // The session's previous KV on D is replaced by the incoming one. It is released at
+        // the first try, room or not: SGLang locks the matched prefix for a preallocation
+        // and unlocks it when the room is not there.
         if self.workers[d.0 as usize]
             .residents
             .get(&session)
@@ -613,13 +869,12 @@ impl Engine {
         {
             self.drop_resident(d, session);
         }
-        if !self.make_room_d(d, need, Some(session), now) {
+        if !self.make_room_admit(d, need, (session, true), now, true) {
             return false;
         }
         let a = self.jobs.get_mut(&id).expect("job");
-        a.stage = Stage::Transfer;
+        a.stage = Stage::WaitingPool;
         let hashes = a.job.hashes.clone();
-        let input = a.job.input;
         let wk = &mut self.workers[d.0 as usize];
         wk.resident_tokens += need;
         wk.residents.insert(
@@ -629,14 +884,83 @@ impl Engine {
                 hashes,
                 last_access: now,
                 running: true,
+                pending: false,
+                prealloc: true,
             },
         );
+        // The room is D's; now P may prefill.
+        self.workers[p.0 as usize].waiting.push_back(id);
+        self.retry_waiting(p, now);
+        true
+    }
+
+    /// Starts the transfer of prefilled job `id` from P to D, into room D preallocated.
+    /// One transfer at a time leaves a P and enters a D, in the order P finished them: a D
+    /// with a queue of incoming transfers holds up the P that sends to it, and every transfer
+    /// queued on that P behind it; P holds the job's KV until its transfer ends.
+    fn start_transfer(&mut self, id: usize, now: Micros) {
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.stage = Stage::Transfer;
+        let (p, d, input) = (a.prefill_on, a.decode_on, a.job.input);
         let secs = self.profile.transfer_seconds(input);
-        let pw = &mut self.workers[p.0 as usize];
-        let start = pw.link_free.max(now);
+        let start = now
+            .max(self.workers[p.0 as usize].link_free)
+            .max(self.workers[d.0 as usize].link_free);
         let end = start + micros(secs);
-        pw.link_free = end;
+        self.workers[p.0 as usize].link_free = end;
+        self.workers[d.0 as usize].link_free = end;
+        self.jobs.get_mut(&id).expect("job").transfer_end = end;
         self.wakes.push((end, Wake::TransferDone(id)));
+    }
+
+    /// With `pin_in_flight`, marks `session`'s idle KV on decode worker `d` busy: a request
+    /// of the session is on its way to `d`, and its KV stays until the transfer replaces it.
+    fn pin_pending(&mut self, d: WorkerId, session: SessionId) {
+        if !self.profile.fit.pressure.pin_in_flight {
+            return;
+        }
+        let wk = &mut self.workers[d.0 as usize];
+        if let Some(r) = wk.residents.get_mut(&session)
+            && r.idle()
+        {
+            r.pending = true;
+            wk.idle_tokens -= r.tokens;
+        }
+    }
+
+    /// Re-admits a retracted job on its decode worker: room for its context and some output,
+    /// then a prefill of the whole context (recompute), then decoding resumes.
+    fn admit_retracted(&mut self, id: usize, now: Micros) -> bool {
+        let a = &self.jobs[&id];
+        let (d, session) = (a.decode_on, a.job.session);
+        let context = a.job.input + a.generated;
+        // A retracted job takes room back without retracting hot work in turn (which could
+        // hand the same room back and forth).
+        if !self.make_room_admit(d, context, (session, true), now, false) {
+            return false;
+        }
+        let tokens = context;
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.stage = Stage::Prefill;
+        a.prefill_on = d;
+        a.remaining = context;
+        a.done_ctx = 0;
+        let hashes = a.job.hashes.clone();
+        let wk = &mut self.workers[d.0 as usize];
+        wk.resident_tokens += tokens;
+        wk.residents.insert(
+            session,
+            ResidentEntry {
+                tokens,
+                hashes,
+                last_access: now,
+                running: true,
+                pending: false,
+                prealloc: false,
+            },
+        );
+        wk.prefill_q.push_back(id);
+        self.start_iteration_if_idle(d, now);
         true
     }
 
@@ -647,7 +971,7 @@ impl Engine {
             return;
         }
         let mut budget = self.profile.fit.chunk_tokens;
-        let mut pieces: Vec<(usize, u64)> = Vec::new();
+        let mut pieces: Vec<(usize, u64, u32)> = Vec::new();
         let mut cost_pieces: Vec<(u64, u64)> = Vec::new();
         for &id in &wk.prefill_q {
             if budget == 0 {
@@ -656,13 +980,16 @@ impl Engine {
             let a = &self.jobs[&id];
             let take = a.remaining.min(budget);
             budget -= take;
-            pieces.push((id, take));
+            pieces.push((id, take, a.epoch));
             cost_pieces.push((take, a.done_ctx));
         }
         // Without mixed batches (SGLang's default), a waiting prefill runs alone and the decode
         // batch resumes after it; with them, one iteration carries both.
-        let decode: Vec<usize> = if pieces.is_empty() || self.profile.fit.mixed_batches {
-            wk.running.clone()
+        let decode: Vec<(usize, u32)> = if pieces.is_empty() || self.profile.fit.mixed_batches {
+            wk.running
+                .iter()
+                .map(|id| (*id, self.jobs[id].epoch))
+                .collect()
         } else {
             Vec::new()
         };
@@ -676,7 +1003,7 @@ impl Engine {
         if !decode.is_empty() {
             let ctx: u64 = decode
                 .iter()
-                .map(|id| {
+                .map(|(id, _)| {
                     let a = &self.jobs[id];
                     a.job.input + a.generated
                 })
@@ -710,30 +1037,38 @@ impl Engine {
         };
         let role = self.workers[w.0 as usize].role;
         self.workers[w.0 as usize].settling = true;
-        for (id, take) in pieces {
-            let a = self.jobs.get_mut(&id).expect("job");
+        for (id, take, epoch) in pieces {
+            // A job retracted (or failed) since the iteration started lost this work.
+            let Some(a) = self.jobs.get_mut(&id).filter(|a| a.epoch == epoch) else {
+                continue;
+            };
             a.remaining -= take;
             a.done_ctx += take;
             if a.remaining == 0 {
                 self.workers[w.0 as usize].prefill_q.retain(|x| *x != id);
                 if role == WorkerRole::Prefill {
-                    let a = self.jobs.get_mut(&id).expect("job");
-                    a.stage = Stage::WaitingD;
-                    let d = a.decode_on;
-                    let deadline = now + micros(self.profile.fit.transfer_timeout_s);
-                    self.workers[d.0 as usize].waiting.push_back(id);
-                    self.wakes.push((deadline, Wake::TransferTimeout(id)));
-                    self.retry_waiting(d, now);
+                    self.start_transfer(id, now);
+                } else if self.jobs[&id].generated > 0 {
+                    // A retracted job recomputed its context: decoding resumes.
+                    self.jobs.get_mut(&id).expect("job").stage = Stage::Decode;
+                    self.workers[w.0 as usize].running.push(id);
                 } else {
                     self.first_token(id, w, now);
                 }
             }
         }
-        for id in decode {
-            let a = self.jobs.get_mut(&id).expect("job");
-            if a.stage != Stage::Decode {
+        for (id, epoch) in decode {
+            if !self
+                .jobs
+                .get(&id)
+                .is_some_and(|a| a.epoch == epoch && a.stage == Stage::Decode)
+            {
                 continue;
             }
+            if role == WorkerRole::Decode && !self.grow(w, id, now) {
+                continue;
+            }
+            let a = self.jobs.get_mut(&id).expect("job");
             a.generated += 1;
             if a.generated >= a.job.output {
                 self.finish(id, now);
@@ -758,10 +1093,14 @@ impl Engine {
 
     fn transfer_done(&mut self, id: usize, now: Micros) {
         let Some(a) = self.jobs.get(&id) else { return };
-        if a.stage != Stage::Transfer {
+        // A transfer retracted and restarted since this wake-up was asked for ends later.
+        if a.stage != Stage::Transfer || now < a.transfer_end {
             return;
         }
-        let (p, d) = (a.prefill_on, a.decode_on);
+        let (p, d, session) = (a.prefill_on, a.decode_on, a.job.session);
+        if let Some(r) = self.workers[d.0 as usize].residents.get_mut(&session) {
+            r.prealloc = false;
+        }
         self.release_prefill(id, now);
         self.first_token(id, d, now);
         self.retry_waiting(p, now);
@@ -769,6 +1108,18 @@ impl Engine {
 
     fn transfer_timeout(&mut self, id: usize, now: Micros) {
         let Some(a) = self.jobs.get(&id) else { return };
+        if now < a.deadline {
+            return;
+        }
+        if a.stage == Stage::Retracted {
+            // Retracted and never given room back: out of memory as far as the client knows.
+            let d = a.decode_on;
+            self.workers[d.0 as usize].waiting.retain(|x| *x != id);
+            self.jobs.remove(&id);
+            self.events.push(Event::DecodeOom { id, at: now });
+            self.retry_waiting(d, now);
+            return;
+        }
         if a.stage != Stage::WaitingD {
             return;
         }
@@ -836,10 +1187,15 @@ mod tests {
     use kvc_core::BlockHash;
 
     fn engine(roles: &[WorkerRole], pool: u64, timeout_s: f64) -> Engine {
+        engine_with(roles, pool, |p| p.fit.transfer_timeout_s = timeout_s)
+    }
+
+    /// An idle-only-eviction engine with pool `pool` and the profile adjusted by `adjust`.
+    fn engine_with(roles: &[WorkerRole], pool: u64, adjust: impl FnOnce(&mut Profile)) -> Engine {
         let mut profile = Profile::default();
         profile.hardware.kv_pool_tokens = pool;
         profile.model.max_input_tokens = pool / 2;
-        profile.fit.transfer_timeout_s = timeout_s;
+        adjust(&mut profile);
         let eviction = EvictionConfig {
             allow_cold: false,
             allow_hot: false,
@@ -955,14 +1311,15 @@ mod tests {
         e.reseed(job(2, 8, &[9], 100, 1), P, d2, now);
         settle(&mut e, &mut now);
         assert_eq!(e.resident_tokens(D, SessionId(7)), Some(1504));
-        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(101));
+        // A one-token answer writes no KV past its prompt.
+        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(100));
         // Session 7 moves to d2: D holds it no more; session 8 stays where it is.
         e.reseed(job(3, 7, &[1, 2, 3, 4], 2000, 4), P, d2, now);
         assert_eq!(e.resident_tokens(D, SessionId(7)), None);
         assert_eq!(e.state(D).used_tokens, 0);
         settle(&mut e, &mut now);
         assert_eq!(e.resident_tokens(d2, SessionId(7)), Some(2004));
-        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(101));
+        assert_eq!(e.resident_tokens(d2, SessionId(8)), Some(100));
     }
 
     #[test]
@@ -1051,6 +1408,87 @@ mod tests {
             "{at} vs {deadline}"
         );
         assert_eq!(e.resident_tokens(D, SessionId(2)), None);
+    }
+
+    #[test]
+    fn a_session_with_a_request_in_flight_is_not_idle() {
+        for pin in [true, false] {
+            let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+                p.fit.pressure.pin_in_flight = pin;
+            });
+            let mut now = 0;
+            e.start_p_to_d(job(1, 1, &[1, 2, 3, 4], 2000, 10), P, D, now);
+            settle(&mut e, &mut now);
+            assert_eq!(e.state(D).evictable_tokens, 2010);
+            // The next turn is sent: D preallocates its whole context at once (there is room),
+            // replacing the session's old KV, and no eviction can take that room back while
+            // the request is on P or on the wire, pinned or not.
+            e.start_p_to_d(job(2, 1, &[1, 2, 3, 4, 5], 2500, 10), P, D, now);
+            let (ok, freed, evicted) = e.commit_evict(D, 8192, None, now);
+            assert_eq!(e.state(D).evictable_tokens, 0);
+            let busy: Vec<_> = e.residents(D).iter().map(|r| (r.0, r.1, r.3)).collect();
+            assert_eq!(busy, vec![(SessionId(1), 2500, true)]);
+            assert_eq!((ok, freed, evicted), (false, 0, vec![]));
+            // Either way the turn completes and leaves its new KV resident.
+            let ev = settle(&mut e, &mut now);
+            assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
+            assert_eq!(e.resident_tokens(D, SessionId(1)), Some(2510));
+            assert_eq!(e.state(D).evictable_tokens, 2510);
+        }
+    }
+
+    /// Two long decodes on a pool that holds only one of them whole: the second is admitted
+    /// with the decode reserve, outgrows it, and is retracted (SGLang's choice: the fewest
+    /// tokens generated). Returns the events.
+    fn outgrow(max_retractions: u32) -> Vec<Event> {
+        let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+            p.fit.pressure.decode_reserve_tokens = 256;
+            p.fit.pressure.max_retractions = max_retractions;
+        });
+        let mut now = 0;
+        e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6], 3000, 3000), P, D, now);
+        e.start_p_to_d(job(2, 2, &[11, 12, 13], 1500, 3000), P, D, now);
+        let ev = settle(&mut e, &mut now);
+        // Nothing is left behind: both sessions idle or gone, the pool consistent.
+        let s = e.state(D);
+        assert_eq!(s.used_tokens, s.evictable_tokens);
+        ev
+    }
+
+    #[test]
+    fn decode_that_outgrows_the_pool_is_retracted_and_recomputed() {
+        let ev = outgrow(3);
+        let retracted = ev
+            .iter()
+            .filter(|x| matches!(x, Event::Retracted { id: 2, worker: D }))
+            .count();
+        assert!(retracted >= 1, "{ev:?}");
+        assert!(
+            !ev.iter()
+                .any(|x| matches!(x, Event::Retracted { id: 1, .. }))
+        );
+        for id in [1, 2] {
+            assert!(
+                ev.iter()
+                    .any(|x| matches!(x, Event::Done { id: i, .. } if *i == id))
+            );
+            let firsts = ev
+                .iter()
+                .filter(|x| matches!(x, Event::FirstToken { id: i, .. } if *i == id))
+                .count();
+            assert_eq!(firsts, 1, "job {id}: one first token, retracted or not");
+        }
+    }
+
+    #[test]
+    fn decode_retracted_past_the_limit_fails_with_decode_oom() {
+        let ev = outgrow(0);
+        assert!(
+            ev.iter()
+                .any(|x| matches!(x, Event::DecodeOom { id: 2, .. }))
+        );
+        assert!(!ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
     }
 
     #[test]

@@ -48,6 +48,13 @@ pub struct RequestRecord {
     pub output_tokens: u64,
     /// How it ended.
     pub outcome: Outcome,
+    /// Times its decode worker retracted it for want of KV room (absent when 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub retractions: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Mean and percentiles of a sample.

@@ -68,4 +68,7 @@ pub struct SimOutput {
     pub worker_names: Vec<String>,
     /// Pool occupancy samples, every 10 s of simulated time.
     pub occupancy: Occupancy,
+    /// Committed share of every pool at the same instants: tokens the worker cannot evict
+    /// (running requests and, on decode workers, sessions that are not idle) over capacity.
+    pub committed: Occupancy,
 }

@@ -83,6 +83,41 @@ pub struct FitFactors {
     pub transfer_setup_ms: f64,
     /// A transfer waiting longer than this for room on D fails, s.
     pub transfer_timeout_s: f64,
+    /// Failure paths of the decode engine under memory pressure (defaults: SGLang's).
+    #[serde(default)]
+    pub pressure: PressureFacts,
+}
+
+/// How a decode worker behaves when its KV pool runs out (`[fit.pressure]`). None of it acts
+/// while the pool has room: a request is admitted with room for its whole output when there
+/// is some, and nothing is ever retracted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PressureFacts {
+    /// Free room (tokens) a decode worker keeps for every active request when it admits an
+    /// incoming transfer or a retracted request (for an append: for that request alone). A
+    /// budget, not an allocation: output KV is allocated token by token as decoding goes on
+    /// (SGLang's `num_reserved_decode_tokens`, 512).
+    pub decode_reserve_tokens: u64,
+    /// A running request that cannot get its next step of room, with nothing evictable under
+    /// the eviction mode, is retracted (its KV freed; it waits on the same worker and
+    /// recomputes its context when room returns). The retraction after this many fails it
+    /// with `decode-oom`.
+    pub max_retractions: u32,
+    /// A session with a request in flight (on P, in D's transfer queue, on D) is not idle: its
+    /// KV on its decode worker cannot be evicted by idle-only eviction (the reference engine
+    /// pins a session when its request is routed).
+    pub pin_in_flight: bool,
+}
+
+impl Default for PressureFacts {
+    fn default() -> Self {
+        PressureFacts {
+            decode_reserve_tokens: 512,
+            max_retractions: 3,
+            pin_in_flight: true,
+        }
+    }
 }
 
 /// A profile that could not be read.
@@ -156,6 +191,10 @@ impl Profile {
             ("fit.chunk_tokens", f.chunk_tokens as f64),
             ("fit.transfer_bytes_per_s", f.transfer_bytes_per_s),
             ("fit.transfer_timeout_s", f.transfer_timeout_s),
+            (
+                "fit.pressure.decode_reserve_tokens",
+                f.pressure.decode_reserve_tokens as f64,
+            ),
         ];
         for (name, v) in positive {
             if !(v.is_finite() && v > 0.0) {

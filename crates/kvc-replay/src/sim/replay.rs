@@ -8,7 +8,7 @@
 
 use super::cluster::{decode_worker_names, initial_views, worker_names, worker_roles};
 use super::decider::{Decider, Hooks, LocalPolicy, Routed, Virtual};
-use super::engine::{DirectAdmission, Engine, EngineOptions, Event, Job, Micros, Wake, micros};
+use super::engine::{DirectAdmission, Engine, Event, Job, Micros, Wake, micros};
 use super::metrics::{RequestRecord, Summary};
 use super::{Occupancy, SimConfig, SimError, SimOutput, run_config};
 use crate::trace::{Trace, TraceRequest};
@@ -41,6 +41,7 @@ struct RequestProgress {
     first: Option<Micros>,
     decision: Option<Routed>,
     cached: u64,
+    retractions: u32,
 }
 
 /// Occupancy is sampled this often (simulated µs).
@@ -64,6 +65,7 @@ struct Replay<'a> {
     requests: Vec<RequestProgress>,
     records: Vec<Option<RequestRecord>>,
     occupancy: Occupancy,
+    committed: Occupancy,
     completed: usize,
 }
 
@@ -91,16 +93,7 @@ pub fn run(
     let wall = std::time::Instant::now();
     let roles = worker_roles(cfg.topology);
     let names = worker_names(&roles);
-    let engine = Engine::new(
-        cfg.profile.clone(),
-        EngineOptions {
-            eviction: cfg.eviction.into(),
-            block_size: trace.block_size(),
-        },
-        &roles,
-        cfg.seed,
-        cfg.jitter,
-    );
+    let engine = cfg.engine(trace);
     let n = trace.requests.len();
     // Link each request to its session's next turn (trace order is timestamp order; turns of
     // a session are sorted by turn number).
@@ -133,6 +126,7 @@ pub fn run(
         requests: vec![RequestProgress::default(); n],
         records: vec![None; n],
         occupancy: Vec::new(),
+        committed: Vec::new(),
         completed: 0,
     };
     for i in firsts {
@@ -164,6 +158,7 @@ pub fn run(
                 // Sample while anything else is pending; an empty queue means the run is over.
                 if sim.completed < n && !sim.queue.is_empty() {
                     sim.occupancy.push((t as f64 / 1e6, sim.engine.occupancy()));
+                    sim.committed.push((t as f64 / 1e6, sim.engine.committed()));
                     sim.push(t + SAMPLE_EVERY, Scheduled::Sample);
                 }
             }
@@ -201,6 +196,7 @@ pub fn run(
         summary,
         worker_names: sim.names,
         occupancy: sim.occupancy,
+        committed: sim.committed,
     })
 }
 
@@ -364,6 +360,11 @@ impl Replay<'_> {
                     self.observe_done(id, Outcome::KvTransferTimeout, 0);
                     self.finish(id, Outcome::KvTransferTimeout);
                 }
+                Event::DecodeOom { id, .. } => {
+                    self.observe_done(id, Outcome::DecodeOom, 0);
+                    self.finish(id, Outcome::DecodeOom);
+                }
+                Event::Retracted { id, .. } => self.requests[id].retractions += 1,
                 Event::Evicted { session, worker } => {
                     self.decider
                         .observe(&Observation::Evicted { session, worker }, None);
@@ -428,6 +429,7 @@ impl Replay<'_> {
             },
             output_tokens: r.output_length,
             outcome,
+            retractions: st.retractions,
         });
         self.in_flight -= 1;
         self.completed += 1;

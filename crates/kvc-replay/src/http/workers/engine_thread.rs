@@ -276,6 +276,20 @@ impl EngineThread {
         );
     }
 
+    /// Records `outcome` for job `id` and fails its pending answers with `message`.
+    fn fail(&mut self, id: usize, outcome: Outcome, message: &str) {
+        if let Some(r) = self.running.remove(&id) {
+            self.shared.with_served(r.index, |s| {
+                s.path = Some(r.path);
+                s.failure = Some(outcome);
+            });
+            let failed = Progress::Failed(StatusCode::INTERNAL_SERVER_ERROR, message.into());
+            for tx in std::iter::once(&r.decode).chain(r.prefill.as_ref()) {
+                let _ = tx.send(failed.clone());
+            }
+        }
+    }
+
     /// Takes the engine's wake-ups and events, telling each request's handlers.
     fn drain(&mut self) {
         for (t, w) in self.engine.take_wakes() {
@@ -301,22 +315,17 @@ impl EngineThread {
                         let _ = r.decode.send(Progress::Done { cached });
                     }
                 }
-                Event::TransferTimedOut { id, .. } => {
-                    if let Some(r) = self.running.remove(&id) {
-                        self.shared.with_served(r.index, |s| {
-                            s.path = Some(r.path);
-                            s.failure = Some(Outcome::KvTransferTimeout);
-                        });
-                        let failed = Progress::Failed(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            "the KV transfer to the decode worker timed out".into(),
-                        );
-                        for tx in std::iter::once(&r.decode).chain(r.prefill.as_ref()) {
-                            let _ = tx.send(failed.clone());
-                        }
-                    }
-                }
-                Event::Evicted { .. } => {}
+                Event::TransferTimedOut { id, .. } => self.fail(
+                    id,
+                    Outcome::KvTransferTimeout,
+                    "the KV transfer to the decode worker timed out",
+                ),
+                Event::DecodeOom { id, .. } => self.fail(
+                    id,
+                    Outcome::DecodeOom,
+                    "the decode worker ran out of KV memory for this request",
+                ),
+                Event::Retracted { .. } | Event::Evicted { .. } => {}
             }
         }
     }

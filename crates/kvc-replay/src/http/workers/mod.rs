@@ -56,7 +56,7 @@ pub use state::{Served, ServedPath};
 
 use crate::live::{LiveError, Publisher, check_pacing};
 use crate::sim::SimConfig;
-use crate::sim::engine::{Engine, EngineOptions, Micros};
+use crate::sim::engine::Micros;
 use crate::trace::Trace;
 use axum::Router;
 use bootstrap::{bootstrap_app, bootstrap_client};
@@ -125,16 +125,7 @@ impl HttpWorkers {
         let roles = crate::sim::worker_roles(cfg.topology);
         let names = crate::sim::worker_names(&roles);
         let publisher = Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?;
-        let engine = Engine::new(
-            cfg.profile.clone(),
-            EngineOptions {
-                eviction: cfg.eviction.into(),
-                block_size: trace.block_size(),
-            },
-            &roles,
-            cfg.seed,
-            cfg.jitter,
-        );
+        let engine = cfg.engine(&trace);
         let (to_engine, requests) = mpsc::channel();
         let shared = Arc::new(SharedState {
             served: Mutex::new(vec![Served::default(); trace.len()]),
