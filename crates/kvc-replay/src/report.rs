@@ -339,18 +339,7 @@ pub fn write_report(runs: &[PathBuf], out: &Path) -> Result<PathBuf> {
     for (i, dir) in runs.iter().enumerate() {
         let (names, rows) = read_occupancy(dir)?;
         let t_max = rows.last().map_or(1.0, |r| r.0);
-        let series: Vec<Series> = names
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| !n.starts_with('p'))
-            .map(|(k, n)| Series {
-                name: n.clone(),
-                points: rows
-                    .iter()
-                    .map(|(t, f)| (*t, f.get(k).copied().unwrap_or(0.0)))
-                    .collect(),
-            })
-            .collect();
+        let series = decode_series(&names, &rows);
         let file = format!("occupancy_{i}.svg");
         let title = format!("KV pool use over time: {}", summaries[i].0);
         write(

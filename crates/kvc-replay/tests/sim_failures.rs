@@ -1,4 +1,4 @@
-//! The failures the reference study found in its baseline (docs/mission.md, defects 3 and 6),
+//! The failures the reference study found in its baseline (idle-only eviction, round-robin P),
 //! reproduced by the simulator's engine, and their absence where the study saw none
 //! (docs/calibration.md, "Failure paths"). Generated SWE traces, seeds 7 and 11, concurrency 32.
 
