@@ -106,7 +106,7 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     for d in ["d8", "d64"] {
         figures.insert(
             format!("policy.select_ns.{d}"),
-            // `select/dN` times the default policy (the per-policy ids are `select/dN_<name>`).
+            // `select/dN` times `kvc-v2` (the other policies are `select/dN/<name>`).
             criterion_median(ctx, &format!("select/{d}"))?,
         );
     }
