@@ -161,6 +161,7 @@ struct Envelope {
 
 /// The owner's side of a reply slot; dropping it unanswered wakes the caller with
 /// [`CommitError::OwnerGone`].
+#[derive(Debug)]
 struct ReplyTo(Arc<ReplySlot>);
 
 impl Drop for ReplyTo {
@@ -245,17 +246,10 @@ impl PendingReply {
 }
 
 /// A command taken from the queue, to answer after the owner's step.
+#[derive(Debug)]
 pub struct CommitJob {
     request: CommitRequest,
     reply: ReplyTo,
-}
-
-impl std::fmt::Debug for CommitJob {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CommitJob")
-            .field("request", &self.request)
-            .finish_non_exhaustive()
-    }
 }
 
 impl CommitJob {

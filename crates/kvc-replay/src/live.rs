@@ -372,6 +372,15 @@ impl Decider for RemoteDecider {
     }
 }
 
+/// The async runtime a live replay runs on: two worker threads, timers and I/O.
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, LiveError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| LiveError::Router(format!("cannot start the async runtime: {e}")))
+}
+
 /// Runs the live replay of `trace` under `cfg` (its policy is used when the router is spawned
 /// here). `progress` gets (completed, total).
 pub fn live(
@@ -383,11 +392,7 @@ pub fn live(
     opts.validate()?;
     let roles = worker_roles(cfg.topology);
     let mut publisher = Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| LiveError::Router(format!("cannot start the async runtime: {e}")))?;
+    let rt = runtime()?;
     let start_wall_ms = SystemClock.now_ms();
     // Publish once so the router finds fresh snapshots from its first read.
     let engine_for_first = crate::sim::engine::Engine::new(

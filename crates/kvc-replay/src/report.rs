@@ -336,39 +336,30 @@ pub fn write_report(runs: &[PathBuf], out: &Path) -> Result<PathBuf> {
     md.push_str(
         "\n## Execution modes\n\n![Execution-mode shares](modes.svg)\n\n## Pool occupancy\n\n",
     );
+    // One chart of a per-decode-worker fraction over time.
+    let pool_chart = |file: &str,
+                      title: &str,
+                      y: &str,
+                      names: &[String],
+                      rows: &[(f64, Vec<f64>)],
+                      t_max: f64| {
+        let series = decode_series(names, rows);
+        write(
+            file,
+            line_chart(title, "time (s)", y, &series, XAxis::Linear(t_max), 1.0),
+        )
+    };
     for (i, dir) in runs.iter().enumerate() {
         let (names, rows) = read_occupancy(dir)?;
         let t_max = rows.last().map_or(1.0, |r| r.0);
-        let series = decode_series(&names, &rows);
         let file = format!("occupancy_{i}.svg");
         let title = format!("KV pool use over time: {}", summaries[i].0);
-        write(
-            &file,
-            line_chart(
-                &title,
-                "time (s)",
-                "used fraction",
-                &series,
-                XAxis::Linear(t_max),
-                1.0,
-            ),
-        )?;
+        pool_chart(&file, &title, "used fraction", &names, &rows, t_max)?;
         let _ = writeln!(md, "![{title}]({file})\n");
         if let Some((names, rows)) = read_committed(dir)? {
             let file = format!("committed_{i}.svg");
             let title = format!("KV pool committed (not evictable): {}", summaries[i].0);
-            let series = decode_series(&names, &rows);
-            write(
-                &file,
-                line_chart(
-                    &title,
-                    "time (s)",
-                    "committed fraction",
-                    &series,
-                    XAxis::Linear(t_max),
-                    1.0,
-                ),
-            )?;
+            pool_chart(&file, &title, "committed fraction", &names, &rows, t_max)?;
             let _ = writeln!(md, "![{title}]({file})\n");
         }
     }

@@ -32,6 +32,7 @@ struct Live {
 }
 
 /// One worker.
+#[derive(Debug)]
 pub(crate) struct WorkerEntry {
     pub(crate) id: WorkerId,
     pub(crate) name: String,
@@ -48,16 +49,6 @@ pub(crate) struct WorkerEntry {
     pub(crate) http_down: std::sync::atomic::AtomicBool,
     stale_after_ms: u64,
     rpc_timeout: Duration,
-}
-
-impl std::fmt::Debug for WorkerEntry {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WorkerEntry")
-            .field("id", &self.id)
-            .field("role", &self.role)
-            .field("source", &self.source)
-            .finish_non_exhaustive()
-    }
 }
 
 impl WorkerEntry {

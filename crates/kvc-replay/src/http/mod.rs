@@ -223,11 +223,7 @@ pub fn live_http(
     cfg.validate()?;
     cfg.check_block_size(trace)?;
     opts.workers.validate()?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| LiveError::Router(format!("cannot start the async runtime: {e}")))?;
+    let rt = crate::live::runtime()?;
     let trace = Arc::new(trace.clone());
     let workers = HttpWorkers::start(rt.handle(), trace.clone(), cfg, &opts.workers)?;
     if let Some(path) = &opts.router_config_file {
