@@ -59,6 +59,8 @@ fn http_run(trace: &Trace, stream: bool, name: &str) -> HttpOutput {
             snapshot_dir: dir.join("snap"),
             table_slots: 64,
             model: "sim".into(),
+            router_state: kvc_core::StateSource::Snapshot,
+            engine_base_port: None,
         },
         session_header: Some("x-session-id".into()),
         stream,

@@ -278,5 +278,19 @@ stable_enum! {
         Snapshot => "snapshot",
         /// The worker's `kvc.v1.Worker` service, asked with `State` every poll interval.
         Service => "service",
+        /// A stock engine's own signals: load and pool use scraped from its Prometheus
+        /// `/metrics`, and (when configured) its KV-cache events.
+        Events => "events",
+    }
+}
+
+stable_enum! {
+    /// The serving engine behind a worker: which names its `/metrics` uses, which P/D protocol
+    /// it speaks and what it can do alone.
+    EngineKind, "engine" {
+        /// vLLM (NixlConnector P/D; any instance can serve a plain request in full).
+        Vllm => "vllm",
+        /// SGLang (bootstrap P/D; a decode server cannot serve a request alone).
+        Sglang => "sglang",
     }
 }

@@ -321,5 +321,10 @@ proptest::proptest! {
 
 #[test]
 fn state_sources_have_stable_names() {
-    check_names::<StateSource>(&["snapshot", "service"]);
+    check_names::<StateSource>(&["snapshot", "service", "events"]);
+}
+
+#[test]
+fn engine_kinds_have_stable_names() {
+    check_names::<EngineKind>(&["vllm", "sglang"]);
 }

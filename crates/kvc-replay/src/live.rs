@@ -12,6 +12,7 @@
 //! at an address, or the `kvc-router` binary started here ([`router`]); this crate speaks to
 //! it only through `kvc-proto`.
 
+pub mod engine_signals;
 pub mod router;
 
 use crate::sim::engine::{Engine, Micros};
@@ -21,7 +22,7 @@ use kvc_admission::{
     Clock, CommitReceiver, CommitReply, ResidentEntry, ResidentState, SnapshotData, SnapshotReader,
     SnapshotWriter, SystemClock, commit_queue,
 };
-use kvc_core::{ExecutionMode, FallThroughReason, WorkerId};
+use kvc_core::{ExecutionMode, FallThroughReason, StateSource, WorkerId};
 use kvc_policy::{ClusterView, Observation, RouteRequest};
 use kvc_proto::convert::ProtoEnum;
 use kvc_proto::pb;
@@ -65,13 +66,32 @@ pub struct LiveOptions {
     /// Serve each worker's `kvc.v1.Worker` service on `127.0.0.1:<base + id>` (a spawned
     /// router always gets worker services, on free ports).
     pub worker_base_port: Option<u16>,
+    /// Where the router reads the workers' state: [`StateSource::Snapshot`] (their snapshot
+    /// files) or [`StateSource::Events`] (each worker also serves vLLM-named `/metrics`, see
+    /// [`engine_signals`], and the router is configured with those instead of snapshots).
+    pub router_state: StateSource,
+    /// With [`StateSource::Events`]: serve worker `i`'s `/metrics` on `127.0.0.1:<base + i>`
+    /// (free ports when `None`; then only a spawned router knows them).
+    pub engine_base_port: Option<u16>,
 }
 
 impl LiveOptions {
-    /// Checks the settings a live replay cannot run with: a positive, finite speedup and at
-    /// least one snapshot slot.
+    /// Checks the settings a live replay cannot run with: a positive, finite speedup, at
+    /// least one snapshot slot, and a router state source of `snapshot` or `events`.
     pub fn validate(&self) -> Result<(), LiveError> {
-        check_pacing(self.speedup, self.table_slots)
+        check_pacing(self.speedup, self.table_slots)?;
+        check_router_state(self.router_state)
+    }
+}
+
+/// The router may read the workers' state from their snapshots or their engine signals (a
+/// live replay has no worker that only answers `State`).
+pub(crate) fn check_router_state(source: StateSource) -> Result<(), LiveError> {
+    match source {
+        StateSource::Snapshot | StateSource::Events => Ok(()),
+        StateSource::Service => Err(LiveError::Invalid(
+            "the router state of a live replay is `snapshot` or `events`".to_owned(),
+        )),
     }
 }
 
@@ -145,6 +165,8 @@ pub fn router_config(
                 address: worker_addrs.get(i).map(|a| format!("http://{a}")),
                 http_url: None,
                 bootstrap_port: None,
+                engine: None,
+                metrics_url: None,
             })
             .collect(),
     }
@@ -154,6 +176,8 @@ pub fn router_config(
 pub(crate) struct Publisher {
     writers: Vec<SnapshotWriter>,
     data: SnapshotData,
+    /// The workers' engine signals, updated at every publish when served.
+    signals: Option<engine_signals::EngineSignals>,
 }
 
 impl Publisher {
@@ -184,7 +208,28 @@ impl Publisher {
         Ok(Publisher {
             data: SnapshotData::empty(WorkerId(0), capacity),
             writers,
+            signals: None,
         })
+    }
+
+    /// Also serves every worker's engine signals (vLLM-named `/metrics`) on `rt`, worker `i`
+    /// on `127.0.0.1:<base + i>` (free ports when `None`), until `stop`; returns their URLs.
+    pub(crate) fn serve_engine_signals(
+        &mut self,
+        rt: &tokio::runtime::Handle,
+        base: Option<u16>,
+        model: &str,
+        stop: &CancellationToken,
+    ) -> Result<Vec<String>, LiveError> {
+        let states = self
+            .writers
+            .iter()
+            .map(|w| kvc_core::WorkerState::empty(w.capacity_tokens()))
+            .collect();
+        let signals = engine_signals::EngineSignals::serve(rt, states, base, model, stop)?;
+        let urls = signals.urls();
+        self.signals = Some(signals);
+        Ok(urls)
     }
 
     /// Publishes the engine's state of every worker, stamped with the wall clock.
@@ -228,6 +273,9 @@ impl Publisher {
                 path: format!("worker {i}"),
                 message: e.to_string(),
             })?;
+        }
+        if let Some(signals) = &self.signals {
+            signals.update(engine);
         }
         Ok(())
     }
@@ -410,6 +458,15 @@ pub fn live(
     // return by the guard.
     let stop = CancellationToken::new();
     let _stop_on_exit = stop.clone().drop_guard();
+    let engine_urls = match opts.router_state {
+        StateSource::Events => publisher.serve_engine_signals(
+            rt.handle(),
+            opts.engine_base_port,
+            engine_signals::MODEL_NAME,
+            &stop,
+        )?,
+        _ => Vec::new(),
+    };
     // Worker services: State from the snapshot, CommitEvict through a queue the replay loop
     // answers at its step boundary.
     let mut commits = Vec::new();
@@ -450,13 +507,16 @@ pub fn live(
         RouterTarget::Address(a) => a.clone(),
         RouterTarget::Spawn { router_bin } => {
             let binary = find_router_binary(router_bin.as_deref())?;
-            let rc = router_config(
+            let mut rc = router_config(
                 cfg,
                 &opts.snapshot_dir,
                 SocketAddr::from(([127, 0, 0, 1], 0)),
                 None,
                 &worker_addrs,
             );
+            if opts.router_state == StateSource::Events {
+                rc = rc.with_engine_signals(&engine_urls);
+            }
             let config_path = opts.snapshot_dir.join("kvc-router.toml");
             let process = RouterProcess::start(&binary, &rc, &config_path, opts.connect_timeout)?;
             let addr = process.grpc_addr();

@@ -2,7 +2,7 @@
 //! checked by one `validate()` per type.
 
 use crate::error::ConfigError;
-use kvc_core::{WorkerId, WorkerRole};
+use kvc_core::{EngineKind, WorkerId, WorkerRole};
 use kvc_policy::{MAX_WORKERS, PolicyConfig};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -72,6 +72,9 @@ pub struct RouterConfig {
     /// The HTTP data plane's settings (the `[http]` table): timeouts, connection pool,
     /// retries, circuit breakers, health checks, tokenizer, session inference.
     pub http: HttpConfig,
+    /// How stock engines' own signals are read (the `[engine-signals]` table): `/metrics`
+    /// scrape interval, deadline and staleness.
+    pub engine_signals: EngineSignalsConfig,
     /// The workers (`[[workers]]`).
     pub workers: Vec<WorkerConfig>,
 }
@@ -92,6 +95,7 @@ impl Default for RouterConfig {
             max_pending_decisions: 100_000,
             shutdown_grace_ms: 5_000,
             http: HttpConfig::default(),
+            engine_signals: EngineSignalsConfig::default(),
             workers: Vec::new(),
         }
     }
@@ -102,6 +106,41 @@ fn all_positive<'a>(values: impl IntoIterator<Item = (&'a str, u64)>) -> Result<
     match values.into_iter().find(|(_, v)| *v == 0) {
         Some((name, _)) => Err(ConfigError::Invalid(format!("{name} must be positive"))),
         None => Ok(()),
+    }
+}
+
+/// How the router reads stock engines' own signals: the `[engine-signals]` table. Applies to
+/// workers with `metrics-url` (state source `events`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct EngineSignalsConfig {
+    /// How often each engine's `/metrics` is scraped. Default 100 ms.
+    pub scrape_interval_ms: u64,
+    /// Deadline of one scrape. Default 500 ms.
+    pub scrape_timeout_ms: u64,
+    /// An engine whose last good scrape is older than this is `stale` (out of rotation).
+    /// Default 2,000 ms.
+    pub stale_after_ms: u64,
+}
+
+impl Default for EngineSignalsConfig {
+    fn default() -> Self {
+        EngineSignalsConfig {
+            scrape_interval_ms: 100,
+            scrape_timeout_ms: 500,
+            stale_after_ms: 2_000,
+        }
+    }
+}
+
+impl EngineSignalsConfig {
+    /// Checks the `[engine-signals]` table: every interval and deadline positive.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        all_positive([
+            ("engine-signals.scrape-interval-ms", self.scrape_interval_ms),
+            ("engine-signals.scrape-timeout-ms", self.scrape_timeout_ms),
+            ("engine-signals.stale-after-ms", self.stale_after_ms),
+        ])
     }
 }
 
@@ -231,8 +270,8 @@ impl SessionLimits {
     }
 }
 
-/// One worker of the cluster (a `[[workers]]` entry). At least one of `snapshot` and
-/// `address` is required.
+/// One worker of the cluster (a `[[workers]]` entry). At least one of `snapshot`, `address`
+/// and `metrics-url` is required; the state comes from the first of them present.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct WorkerConfig {
@@ -267,6 +306,14 @@ pub struct WorkerConfig {
     /// `direct-unsupported`. Only decode workers may set `false`.
     #[serde(default = "yes", skip_serializing_if = "is_true")]
     pub append_prefill: bool,
+    /// The stock engine serving this worker, `vllm` or `sglang`: which metric names its
+    /// `/metrics` uses. Required with `metrics-url`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineKind>,
+    /// The engine's Prometheus endpoint, `http://host:port/metrics`: without a snapshot, the
+    /// worker's load and pool use are scraped from it (state source `events`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_url: Option<String>,
 }
 
 fn yes() -> bool {
@@ -291,6 +338,8 @@ impl WorkerConfig {
             http_url: None,
             bootstrap_port: None,
             append_prefill: true,
+            engine: None,
+            metrics_url: None,
         }
     }
 
@@ -316,10 +365,22 @@ impl WorkerConfig {
                 "worker id {id} out of range (ids must be below {MAX_WORKERS})"
             ));
         }
-        if self.snapshot.is_none() && self.address.is_none() {
+        if self.snapshot.is_none() && self.address.is_none() && self.metrics_url.is_none() {
             return invalid(format!(
-                "worker {id} needs a snapshot path or a service address"
+                "worker {id} needs a snapshot path, a service address or a metrics-url"
             ));
+        }
+        if let Some(url) = &self.metrics_url {
+            if WorkerUrl::parse(url).is_err() {
+                return invalid(format!(
+                    "worker {id} metrics-url `{url}` is not http://host:port/path"
+                ));
+            }
+            if self.engine.is_none() {
+                return invalid(format!(
+                    "worker {id}: `metrics-url` needs `engine` (`vllm` or `sglang`) to read it"
+                ));
+            }
         }
         if self.capacity_tokens == 0 {
             return invalid(format!("worker {id} capacity-tokens must be positive"));
@@ -460,6 +521,7 @@ impl RouterConfig {
             ("max-pending-decisions", self.max_pending_decisions as u64),
         ])?;
         self.http.validate()?;
+        self.engine_signals.validate()?;
         let mut seen = HashSet::new();
         for w in &self.workers {
             if !seen.insert(w.id) {
@@ -487,7 +549,13 @@ mod tests {
     fn example_file_parses() {
         let text = include_str!("../examples/router.toml");
         let cfg = RouterConfig::from_toml_str(text).unwrap();
-        assert_eq!(cfg.workers.len(), 3);
+        assert_eq!(cfg.workers.len(), 4);
+        assert_eq!(cfg.workers[3].engine, Some(EngineKind::Vllm));
+        assert_eq!(
+            cfg.workers[3].metrics_url.as_deref(),
+            Some("http://127.0.0.1:30003/metrics")
+        );
+        assert_eq!(cfg.engine_signals, EngineSignalsConfig::default());
         assert_eq!(cfg.workers[0].role, WorkerRole::Prefill);
         assert_eq!(cfg.sessions.ttl_ms, 600_000);
         assert_eq!(cfg.policy.name(), "kvc");
@@ -680,9 +748,26 @@ mod tests {
     #[test]
     fn rejects_bad_configs() {
         let base = "[[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\n";
-        assert!(error_of(base).contains("snapshot path or a service address"));
+        assert!(error_of(base).contains("a snapshot path, a service address or a metrics-url"));
         let dup = format!("{base}snapshot = \"/x\"\n{base}snapshot = \"/y\"\n");
         assert!(error_of(&dup).contains("twice"));
+        let scraped = format!("{base}metrics-url = \"http://127.0.0.1:8001/metrics\"\n");
+        assert!(error_of(&scraped).contains("`metrics-url` needs `engine`"));
+        let garbled = format!("{base}engine = \"vllm\"\nmetrics-url = \"tcp://h:1\"\n");
+        assert!(error_of(&garbled).contains("metrics-url `tcp://h:1` is not"));
+        let unknown_engine = format!("{scraped}engine = \"trt\"\n");
+        assert!(matches!(
+            RouterConfig::from_toml_str(&unknown_engine),
+            Err(ConfigError::Parse(_))
+        ));
+        let ok = format!("{scraped}engine = \"sglang\"\n");
+        let cfg = RouterConfig::from_toml_str(&ok).unwrap();
+        assert_eq!(cfg.workers[0].engine, Some(EngineKind::Sglang));
+        assert_eq!(cfg.engine_signals, EngineSignalsConfig::default());
+        assert!(
+            error_of(&format!("[engine-signals]\nscrape-interval-ms = 0\n{ok}"))
+                .contains("engine-signals.scrape-interval-ms must be positive")
+        );
         let unknown = "bogus = 1\n";
         assert!(matches!(
             RouterConfig::from_toml_str(unknown),

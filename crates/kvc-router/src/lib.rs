@@ -7,10 +7,12 @@
 //! [`kvc_policy::RouterState`].
 //!
 //! - **Worker state** comes from each worker's shared-memory snapshot (`kvc-admission`, read
-//!   without RPC every `refresh-interval-ms`) or, for workers known only by address, from
-//!   polling `kvc.v1.Worker/State`. A worker whose state is older than `stale-after-ms` is
-//!   `stale`, one that cannot be read or does not answer is `down`; either is out of rotation
-//!   until it publishes (answers) again.
+//!   without RPC every `refresh-interval-ms`), for a stock engine (`engine = "vllm" |
+//!   "sglang"`, `metrics-url`) from scraping its Prometheus `/metrics` ([`engine_load`] reads
+//!   both engines' names), or, for workers known only by address, from polling
+//!   `kvc.v1.Worker/State`. A worker whose state is older than `stale-after-ms` (for an engine,
+//!   `engine-signals.stale-after-ms`) is `stale`, one that cannot be read or does not answer
+//!   is `down`; either is out of rotation until it publishes (answers) again.
 //! - **Probe path**: when the policy plans `direct-to-d`, the router probes that decode worker's
 //!   snapshot for the decision's footprint; if it cannot admit, the reject is fed back
 //!   (`AdmissionRejected`) and the request re-routed through a prefill worker
@@ -112,6 +114,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod engine_load;
 mod error;
 pub mod grpc;
 pub mod http;
@@ -119,9 +122,10 @@ pub mod metrics;
 mod server;
 mod service;
 pub mod sessions;
+mod worker_http;
 mod workers;
 
-pub use config::{HttpConfig, RouterConfig, SessionLimits, WorkerConfig};
+pub use config::{EngineSignalsConfig, HttpConfig, RouterConfig, SessionLimits, WorkerConfig};
 pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::RouterGrpc;
 pub use server::{RunningRouter, serve, serve_service, spawn_background};

@@ -274,8 +274,9 @@ async fn finish(
 }
 
 /// Starts the background tasks of `service` until `stop` is cancelled: the snapshot refresher
-/// (every `refresh-interval-ms`, also expiring idle sessions) and, if any worker is known only
-/// by its address, the state poller (every `poll-interval-ms`).
+/// (every `refresh-interval-ms`, also expiring idle sessions), one `/metrics` scraper per
+/// engine-backed worker (every `engine-signals.scrape-interval-ms`) and, if any worker is known
+/// only by its address, the state poller (every `poll-interval-ms`).
 pub fn spawn_background(
     service: &Arc<RouterService>,
     stop: &CancellationToken,
@@ -290,6 +291,17 @@ pub fn spawn_background(
             while next_tick(&mut tick, &stop).await {
                 svc.refresh_workers();
                 svc.expire_sessions();
+            }
+        }));
+    }
+    let every = Duration::from_millis(service.config().engine_signals.scrape_interval_ms);
+    for worker in service.scraped_workers() {
+        let svc = Arc::clone(service);
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = ticker(every);
+            while next_tick(&mut tick, &stop).await {
+                svc.scrape_worker(worker).await;
             }
         }));
     }

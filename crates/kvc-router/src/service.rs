@@ -122,6 +122,8 @@ pub struct RouterService {
     local_commit: RwLock<HashMap<WorkerId, CommitSender>>,
     next_decision: AtomicU64,
     metrics: Metrics,
+    /// The client engine `/metrics` scrapes go through (its own connection pool).
+    scrape_client: crate::worker_http::WorkerClient,
 }
 
 impl std::fmt::Debug for RouterService {
@@ -143,11 +145,10 @@ impl RouterService {
     /// writers must stamp their publishes with the same clock).
     pub fn with_clock(config: RouterConfig, clock: SharedClock) -> Result<Self, ConfigError> {
         config.validate()?;
-        let timeout = Duration::from_millis(config.rpc_timeout_ms);
         let workers: Vec<WorkerEntry> = config
             .workers
             .iter()
-            .map(|w| WorkerEntry::new(w, config.stale_after_ms, timeout))
+            .map(|w| WorkerEntry::new(w, &config))
             .collect();
         let mut slots = vec![None; MAX_WORKERS];
         for (i, w) in workers.iter().enumerate() {
@@ -173,6 +174,7 @@ impl RouterService {
             local_commit: RwLock::new(HashMap::new()),
             next_decision: AtomicU64::new(1),
             metrics: Metrics::new(),
+            scrape_client: crate::worker_http::WorkerClient::new(Default::default()),
         };
         service.refresh_workers();
         Ok(service)
@@ -231,6 +233,29 @@ impl RouterService {
                 w.poll(|| clock.now_ms()).await;
             }
         }
+    }
+
+    /// Scrapes `worker`'s engine `/metrics` once, within `engine-signals.scrape-timeout-ms`
+    /// (a background task per such worker calls this every
+    /// `engine-signals.scrape-interval-ms`); nothing for a worker without `metrics-url`.
+    pub async fn scrape_worker(&self, worker: WorkerId) {
+        let Some(entry) = self.entry(worker.0) else {
+            return;
+        };
+        let timeout = Duration::from_millis(self.config.engine_signals.scrape_timeout_ms);
+        let clock = &self.clock;
+        entry
+            .scrape(&self.scrape_client, timeout, || clock.now_ms())
+            .await;
+    }
+
+    /// The workers whose state is scraped from their engine's `/metrics`.
+    pub fn scraped_workers(&self) -> Vec<WorkerId> {
+        self.workers
+            .iter()
+            .filter(|w| w.is_scraped())
+            .map(|w| w.id)
+            .collect()
     }
 
     /// Whether any worker is polled through its service.

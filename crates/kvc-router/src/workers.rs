@@ -1,17 +1,20 @@
-//! The router's view of each worker: where its state comes from (a shared-memory snapshot or a
-//! polled `kvc.v1.Worker` service), its last known state, and its health.
+//! The router's view of each worker: where its state comes from (a shared-memory snapshot, a
+//! polled `kvc.v1.Worker` service, or a stock engine's own `/metrics`), its last known state,
+//! and its health.
 //!
 //! Health is judged at the time of use from the age of the last good state:
-//! - never seen, snapshot unreadable, or the last poll failed: `down`;
+//! - never seen, snapshot unreadable, or the last poll or scrape failed: `down`;
 //! - last good state older than `stale-after-ms`: `stale`;
 //! - otherwise `healthy` (or the health a polled worker reports about itself).
 //!
 //! So a worker leaves rotation as soon as its state is too old, without waiting for a refresh,
 //! and comes back at the first refresh that sees it publish (or answer) again.
 
-use crate::config::WorkerConfig;
+use crate::config::{RouterConfig, WorkerConfig, WorkerUrl};
+use crate::engine_load::{EngineLoad, parse_engine_load};
+use crate::worker_http::WorkerClient as HttpClient;
 use kvc_admission::{CommitReply, CommitRequest, ReadError, SnapshotReader};
-use kvc_core::{Health, StateSource, WorkerId, WorkerRole, WorkerState};
+use kvc_core::{EngineKind, Health, StateSource, WorkerId, WorkerRole, WorkerState};
 use kvc_policy::WorkerView;
 use kvc_proto::worker::WorkerClient;
 use parking_lot::{Mutex, RwLock};
@@ -47,16 +50,39 @@ pub(crate) struct WorkerEntry {
     live: RwLock<Live>,
     /// Out of rotation by the HTTP front's circuit breaker (overrides any other health).
     pub(crate) http_down: std::sync::atomic::AtomicBool,
+    /// The engine's `/metrics`, when the state comes from it.
+    scraped: Option<Scraped>,
     stale_after_ms: u64,
     rpc_timeout: Duration,
 }
 
+/// A stock engine's Prometheus endpoint.
+#[derive(Debug)]
+struct Scraped {
+    kind: EngineKind,
+    url: WorkerUrl,
+    /// The engine's pool differs from `capacity-tokens` (said once).
+    capacity_warned: std::sync::atomic::AtomicBool,
+}
+
 impl WorkerEntry {
-    pub(crate) fn new(cfg: &WorkerConfig, stale_after_ms: u64, rpc_timeout: Duration) -> Self {
-        let source = if cfg.snapshot.is_some() {
-            StateSource::Snapshot
+    /// The entry of `cfg` in a router configured by `router` (which sets its deadlines and
+    /// how old a state may get).
+    pub(crate) fn new(cfg: &WorkerConfig, router: &RouterConfig) -> Self {
+        let scraped = match (&cfg.metrics_url, cfg.engine) {
+            (Some(url), Some(kind)) => WorkerUrl::parse(url).ok().map(|url| Scraped {
+                kind,
+                url,
+                capacity_warned: std::sync::atomic::AtomicBool::new(false),
+            }),
+            _ => None,
+        };
+        let (source, stale_after_ms) = if cfg.snapshot.is_some() {
+            (StateSource::Snapshot, router.stale_after_ms)
+        } else if scraped.is_some() {
+            (StateSource::Events, router.engine_signals.stale_after_ms)
         } else {
-            StateSource::Service
+            (StateSource::Service, router.stale_after_ms)
         };
         let mut state = WorkerState::empty(cfg.capacity_tokens);
         state.health = Health::Down;
@@ -78,8 +104,9 @@ impl WorkerEntry {
                 reported: Health::Healthy,
             }),
             http_down: std::sync::atomic::AtomicBool::new(false),
+            scraped,
             stale_after_ms,
-            rpc_timeout,
+            rpc_timeout: Duration::from_millis(router.rpc_timeout_ms),
         }
     }
 
@@ -248,6 +275,86 @@ impl WorkerEntry {
                 live.failing = true;
             }
         }
+    }
+
+    /// Scrapes the engine's `/metrics` (within `timeout`) and records its load as the worker's
+    /// state, or the failure (out of rotation until a scrape succeeds again).
+    pub(crate) async fn scrape(
+        &self,
+        client: &HttpClient,
+        timeout: Duration,
+        now_ms: impl Fn() -> u64,
+    ) {
+        let Some(scraped) = &self.scraped else {
+            return;
+        };
+        let answer = client.get(&scraped.url, "", timeout).await;
+        let now = now_ms();
+        let load = match answer {
+            Ok(a) if a.status == 200 => std::str::from_utf8(&a.body)
+                .map_err(|e| format!("not UTF-8 text: {e}"))
+                .and_then(|text| parse_engine_load(scraped.kind, text).map_err(|e| e.to_string())),
+            Ok(a) => Err(format!("HTTP status {}", a.status)),
+            Err(e) => Err(e.to_string()),
+        };
+        let mut live = self.live.write();
+        match load {
+            Ok(load) => {
+                let was_down = live.failing || live.last_ok_ms.is_none();
+                live.state = self.engine_state(scraped, &load);
+                live.reported = Health::Healthy;
+                live.last_ok_ms = Some(now);
+                live.failing = false;
+                if was_down {
+                    tracing::info!(worker = self.id.0, url = %scraped.url.uri(""), "engine metrics read; in rotation");
+                }
+            }
+            Err(e) => {
+                if !live.failing {
+                    tracing::warn!(worker = self.id.0, url = %scraped.url.uri(""), error = %e, "engine metrics scrape failed; out of rotation");
+                }
+                live.failing = true;
+            }
+        }
+    }
+
+    /// The worker state an engine's load stands for: its pool (the engine's own size when it
+    /// reports one) used by running requests, nothing evictable counted (a stock engine's
+    /// cached blocks of finished requests are free room to it), waiting requests as the queue.
+    fn engine_state(&self, scraped: &Scraped, load: &EngineLoad) -> WorkerState {
+        let capacity = match load.pool_tokens {
+            Some(pool) if pool > 0 => {
+                if pool != self.capacity_tokens
+                    && !scraped
+                        .capacity_warned
+                        .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        worker = self.id.0,
+                        engine_pool_tokens = pool,
+                        config_capacity = self.capacity_tokens,
+                        "the engine's KV pool differs from capacity-tokens; using the engine's"
+                    );
+                }
+                pool
+            }
+            _ => self.capacity_tokens,
+        };
+        WorkerState {
+            capacity_tokens: capacity,
+            used_tokens: (load.kv_usage * capacity as f64).round() as u64,
+            evictable_tokens: 0,
+            queue_depth: load.waiting,
+            in_flight: load.running,
+            resident_sessions: 0,
+            health: Health::Healthy,
+            state_age_ms: 0,
+        }
+    }
+
+    /// Whether the state comes from the engine's `/metrics`.
+    pub(crate) fn is_scraped(&self) -> bool {
+        self.scraped.is_some()
     }
 
     /// Forwards a `CommitEvict` to the worker service (`None` when it has no address).

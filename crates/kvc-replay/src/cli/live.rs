@@ -99,6 +99,16 @@ pub(crate) struct Args {
     /// Resident-session slots in each snapshot.
     #[arg(long, default_value_t = 512)]
     pub(crate) table_slots: usize,
+    /// Where the router reads the workers' state: `snapshot` (their shared-memory snapshot
+    /// files) or `events` (each worker serves its state as a stock vLLM engine does, on
+    /// Prometheus `/metrics` with vLLM's names, and the router is configured with those
+    /// endpoints and no snapshot).
+    #[arg(long, default_value = "snapshot", value_parser = ["snapshot", "events"])]
+    pub(crate) router_state: String,
+    /// With `--router-state events`: serve worker i's engine `/metrics` on 127.0.0.1:PORT+i
+    /// (free ports otherwise, which only a router spawned here learns).
+    #[arg(long, value_name = "PORT")]
+    pub(crate) engine_base_port: Option<u16>,
     /// Seconds to wait for the router to answer before giving up.
     #[arg(long, default_value_t = 20.0)]
     pub(crate) connect_timeout_s: f64,
@@ -138,13 +148,22 @@ pub(crate) fn run(args: Args) -> Result<()> {
                     .collect()
             })
             .unwrap_or_default();
-        let rc = router_config(
+        let mut rc = router_config(
             &cfg,
             &snapshot_dir,
             args.router_listen,
             Some(args.router_metrics_listen),
             &worker_addrs,
         );
+        if args.router_state == "events" {
+            let Some(base) = args.engine_base_port else {
+                bail!("--router-state events with --write-router-config needs --engine-base-port");
+            };
+            let urls: Vec<String> = (0..n)
+                .map(|i| format!("http://127.0.0.1:{}/metrics", base.saturating_add(i as u16)))
+                .collect();
+            rc = rc.with_engine_signals(&urls);
+        }
         std::fs::write(file, rc.to_toml()?)?;
         eprintln!("wrote {}", file.display());
         return Ok(());
@@ -172,6 +191,8 @@ pub(crate) fn run(args: Args) -> Result<()> {
         table_slots: args.table_slots,
         connect_timeout: Duration::from_secs_f64(args.connect_timeout_s),
         worker_base_port: args.worker_base_port,
+        router_state: args.router_state.parse()?,
+        engine_base_port: args.engine_base_port,
     };
     let quiet = args.quiet;
     let mut last = 0;
@@ -222,6 +243,8 @@ fn run_http(
             snapshot_dir,
             table_slots: args.table_slots,
             model: cfg.profile.name.clone(),
+            router_state: args.router_state.parse()?,
+            engine_base_port: args.engine_base_port,
         },
         session_header: (!args.no_session_header).then(|| args.session_header.clone()),
         stream: !args.no_stream,

@@ -157,7 +157,12 @@ pub fn http_router_config(
         .zip(workers.bootstrap_ports())
         .map(|(addr, port)| (format!("http://{addr}"), *port))
         .collect();
-    router_config(cfg, dir, listen, metrics_listen, &[]).with_http(http_listen, &urls)
+    let rc = router_config(cfg, dir, listen, metrics_listen, &[]).with_http(http_listen, &urls);
+    if workers.engine_urls().is_empty() {
+        rc
+    } else {
+        rc.with_engine_signals(workers.engine_urls())
+    }
 }
 
 fn ready_json(workers: &HttpWorkers) -> serde_json::Value {

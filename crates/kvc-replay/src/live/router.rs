@@ -4,7 +4,7 @@
 //! ([`RouterProcess`]).
 
 use super::LiveError;
-use kvc_core::WorkerRole;
+use kvc_core::{EngineKind, WorkerRole};
 use kvc_policy::PolicyConfig;
 use serde::Serialize;
 use std::io::{BufRead, BufReader};
@@ -63,6 +63,12 @@ pub struct ConfiguredWorker {
     /// Its disaggregation bootstrap port (prefill workers of an HTTP replay).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bootstrap_port: Option<u16>,
+    /// The engine whose signals it serves (`vllm`), when the router reads them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineKind>,
+    /// Its engine `/metrics` URL, when the router reads its state from there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_url: Option<String>,
 }
 
 impl RouterConfigFile {
@@ -79,6 +85,17 @@ impl RouterConfigFile {
         for (w, (url, bootstrap_port)) in self.workers.iter_mut().zip(urls) {
             w.http_url = Some(url.clone());
             w.bootstrap_port = *bootstrap_port;
+        }
+        self
+    }
+
+    /// The same configuration with worker `i`'s state read from the vLLM-named `/metrics` at
+    /// `metrics_urls[i]` instead of its snapshot.
+    pub fn with_engine_signals(mut self, metrics_urls: &[String]) -> Self {
+        for (w, url) in self.workers.iter_mut().zip(metrics_urls) {
+            w.snapshot = None;
+            w.engine = Some(EngineKind::Vllm);
+            w.metrics_url = Some(url.clone());
         }
         self
     }

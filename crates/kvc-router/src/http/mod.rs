@@ -149,10 +149,10 @@
 //! `decision` (the calls into [`RouterService`]), `attempt` (one forwarding attempt and how
 //! answers are judged), `pairing` (P→D bootstrap fields, P's request), `direct` (direct-to-D
 //! continuation parameters), `whole` and `stream` (a whole answer; a relayed stream), `sse`
-//! (token counts in a stream, its error event), `worker_client` (the pooled client),
-//! `breaker` and `health` (circuit breakers, health checks), `app`, `options`, `endpoints`,
-//! `responses`, `error` (shared state, settings, worker endpoints, JSON errors and decision
-//! headers, setup errors).
+//! (token counts in a stream, its error event), `breaker` and `health` (circuit breakers,
+//! health checks), `app`, `options`, `endpoints`, `responses`, `error` (shared state,
+//! settings, worker endpoints, JSON errors and decision headers, setup errors). Calls to the
+//! workers go through the router's one pooled client, `crate::worker_http`.
 //!
 //! ```
 //! use kvc_core::WorkerId;
@@ -191,8 +191,8 @@ mod sse;
 mod stream;
 mod tokens;
 mod whole;
-mod worker_client;
 
+pub use crate::worker_http::{ADMISSION_HEADER, ForwardError, MAX_RESPONSE_BYTES, PoolOptions};
 pub use breaker::{BreakerOptions, BreakerState};
 pub use endpoints::{DEFAULT_BOOTSTRAP_PORT, HttpWorker, WorkerEndpoints};
 pub use error::FrontError;
@@ -202,7 +202,6 @@ pub use request::{
 };
 pub use responses::SESSION_RESPONSE_HEADER;
 pub use tokens::{Tokenizer, TokenizerError, block_hashes, fallback_tokens};
-pub use worker_client::{ADMISSION_HEADER, ForwardError, MAX_RESPONSE_BYTES, PoolOptions};
 
 use crate::RouterService;
 use std::sync::Arc;

@@ -4,8 +4,8 @@
 use super::breaker::BreakerOptions;
 use super::error::FrontError;
 use super::tokens::Tokenizer;
-use super::worker_client::PoolOptions;
 use crate::config::HttpConfig;
+use crate::worker_http::PoolOptions;
 use std::time::Duration;
 
 /// Settings of the HTTP front.

@@ -5,7 +5,7 @@
 use super::app::App;
 use super::attempt::{counts_against_breaker, is_success};
 use super::endpoints::HttpWorker;
-use super::worker_client::{ForwardError, WorkerAnswer};
+use crate::worker_http::{ForwardError, WorkerAnswer};
 use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue};
 use kvc_core::WorkerId;

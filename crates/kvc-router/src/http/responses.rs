@@ -2,8 +2,8 @@
 //! request, a routing failure, a worker that did not answer) and the decision headers.
 
 use super::decision::Decision;
-use super::worker_client::{ForwardError, WorkerAnswer};
 use crate::RequestError;
+use crate::worker_http::{ForwardError, WorkerAnswer};
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};

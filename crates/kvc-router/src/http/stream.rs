@@ -10,7 +10,7 @@ use super::decision::{self, Decision};
 use super::pairing::PrefillLeg;
 use super::responses::{error_response, forward_error_response};
 use super::sse::{CompletionScan, sse_error_event};
-use super::worker_client::{ForwardError, WorkerAnswer, WorkerStream};
+use crate::worker_http::{ForwardError, WorkerAnswer, WorkerStream};
 use axum::body::Bytes;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;

@@ -54,14 +54,14 @@ mod stream;
 pub(crate) use state::{Pacer, SharedState};
 pub use state::{Served, ServedPath};
 
-use crate::live::{LiveError, Publisher, check_pacing};
+use crate::live::{LiveError, Publisher, check_pacing, check_router_state};
 use crate::sim::SimConfig;
 use crate::sim::engine::Micros;
 use crate::trace::Trace;
 use axum::Router;
 use bootstrap::{bootstrap_app, bootstrap_client};
 use engine_thread::EngineThread;
-use kvc_core::{WorkerId, WorkerRole};
+use kvc_core::{StateSource, WorkerId, WorkerRole};
 use parking_lot::Mutex;
 use sglang::{WorkerContext, worker_app};
 use std::collections::HashMap;
@@ -91,13 +91,20 @@ pub struct WorkerOptions {
     pub table_slots: usize,
     /// Model name the workers report.
     pub model: String,
+    /// Where the router reads the workers' state: `snapshot`, or `events` (each worker also
+    /// serves vLLM-named `/metrics`, see [`crate::live::engine_signals`]).
+    pub router_state: StateSource,
+    /// With `events`: worker `i`'s `/metrics` on `127.0.0.1:<base + i>` (free ports when
+    /// `None`).
+    pub engine_base_port: Option<u16>,
 }
 
 impl WorkerOptions {
     /// Checks the settings the workers cannot run with: a positive, finite speedup and at
     /// least one snapshot slot.
     pub fn validate(&self) -> Result<(), LiveError> {
-        check_pacing(self.speedup, self.table_slots)
+        check_pacing(self.speedup, self.table_slots)?;
+        check_router_state(self.router_state)
     }
 }
 
@@ -107,6 +114,8 @@ pub struct HttpWorkers {
     addrs: Vec<SocketAddr>,
     bootstrap_ports: Vec<Option<u16>>,
     engine: Option<std::thread::JoinHandle<Result<(), LiveError>>>,
+    /// Each worker's engine `/metrics` URL, when served.
+    engine_urls: Vec<String>,
     /// Stops the servers and the engine thread; cancelled on [`HttpWorkers::stop`] and on drop.
     shutdown: CancellationToken,
 }
@@ -124,7 +133,18 @@ impl HttpWorkers {
         opts.validate()?;
         let roles = crate::sim::worker_roles(cfg.topology);
         let names = crate::sim::worker_names(&roles);
-        let publisher = Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?;
+        let shutdown = CancellationToken::new();
+        let mut publisher = Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?;
+        let engine_urls = if opts.router_state == StateSource::Events {
+            publisher.serve_engine_signals(
+                runtime,
+                opts.engine_base_port,
+                &opts.model,
+                &shutdown,
+            )?
+        } else {
+            Vec::new()
+        };
         let engine = cfg.engine(&trace);
         let (to_engine, requests) = mpsc::channel();
         let shared = Arc::new(SharedState {
@@ -151,7 +171,6 @@ impl HttpWorkers {
         );
         // Fresh snapshots before anyone reads them.
         engine_thread.publish()?;
-        let shutdown = CancellationToken::new();
         let engine_shutdown = shutdown.clone();
         let engine = std::thread::Builder::new()
             .name("kvc-sim-engine".into())
@@ -190,8 +209,15 @@ impl HttpWorkers {
             addrs,
             bootstrap_ports,
             engine: Some(engine),
+            engine_urls,
             shutdown,
         })
+    }
+
+    /// Each worker's engine `/metrics` URL, by worker id (empty unless the router reads
+    /// engine signals).
+    pub fn engine_urls(&self) -> &[String] {
+        &self.engine_urls
     }
 
     /// Each worker's HTTP address, by worker id.

@@ -1,0 +1,180 @@
+//! Workers backed by stock engines: the router scrapes each engine's Prometheus `/metrics`
+//! (vLLM and SGLang names), builds the worker's state from it, and takes a worker out of
+//! rotation while its scrape fails.
+
+mod common;
+
+use axum::http::StatusCode;
+use axum::routing::get;
+use common::{Cluster, route_req};
+use kvc_core::{EngineKind, Health, StateSource, WorkerId};
+use parking_lot::Mutex;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// What a mock engine's `/metrics` answers.
+type Answer = Arc<Mutex<(StatusCode, String)>>;
+
+async fn mock_engine(text: &str) -> (SocketAddr, Answer) {
+    let answer: Answer = Arc::new(Mutex::new((StatusCode::OK, text.to_owned())));
+    let shared = Arc::clone(&answer);
+    let app = axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let shared = Arc::clone(&shared);
+            async move { shared.lock().clone() }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, answer)
+}
+
+fn vllm_text(running: u32, waiting: u32, usage: f64, blocks: u64) -> String {
+    format!(
+        "# TYPE vllm:num_requests_running gauge\n\
+         vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {running}.0\n\
+         vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {waiting}.0\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {usage}\n\
+         vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"{blocks}\"}} 1.0\n"
+    )
+}
+
+const SGLANG_TEXT: &str = "sglang:num_running_reqs{model_name=\"m\"} 2\n\
+     sglang:num_queue_reqs{model_name=\"m\"} 1\n\
+     sglang:num_decode_transfer_queue_reqs{model_name=\"m\"} 2\n\
+     sglang:token_usage{model_name=\"m\"} 0.5\n\
+     sglang:max_total_num_tokens{model_name=\"m\"} 92000\n";
+
+/// Waits (at most 5 s) until `check` holds for the router's worker list.
+async fn wait_for(
+    cluster: &Cluster,
+    what: &str,
+    check: impl Fn(&[kvc_router::ListedWorker]) -> bool,
+) {
+    for _ in 0..500 {
+        if check(&cluster.service().list_workers()) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!(
+        "{what}: not within 5 s; workers: {:?}",
+        cluster.service().list_workers()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_metrics_are_the_state_of_workers_without_a_snapshot() {
+    let (p_addr, _p) = mock_engine(&vllm_text(1, 0, 0.1, 5_750)).await;
+    let (d1_addr, d1) = mock_engine(&vllm_text(3, 4, 0.25, 5_750)).await;
+    let (d2_addr, _d2) = mock_engine(SGLANG_TEXT).await;
+    let engines = [
+        (p_addr, EngineKind::Vllm),
+        (d1_addr, EngineKind::Vllm),
+        (d2_addr, EngineKind::Sglang),
+    ];
+    let cluster = Cluster::start(|cfg| {
+        cfg.engine_signals.scrape_interval_ms = 20;
+        for (w, (addr, kind)) in cfg.workers.iter_mut().zip(engines) {
+            w.snapshot = None;
+            w.engine = Some(kind);
+            w.metrics_url = Some(format!("http://{addr}/metrics"));
+        }
+    })
+    .await;
+    wait_for(&cluster, "all scraped", |ws| {
+        ws.iter().all(|w| w.state.health == Health::Healthy)
+    })
+    .await;
+    let ws = cluster.service().list_workers();
+    assert!(ws.iter().all(|w| w.source == StateSource::Events));
+    // vLLM: the pool is num_gpu_blocks × block_size; use is a fraction of it.
+    let d1_state = ws[1].state;
+    assert_eq!(d1_state.capacity_tokens, 5_750 * 16);
+    assert_eq!(d1_state.used_tokens, 23_000);
+    assert_eq!((d1_state.in_flight, d1_state.queue_depth), (3, 4));
+    assert_eq!(d1_state.evictable_tokens, 0);
+    // SGLang: the disaggregation queues count as waiting.
+    let d2_state = ws[2].state;
+    assert_eq!(d2_state.capacity_tokens, 92_000);
+    assert_eq!(d2_state.used_tokens, 46_000);
+    assert_eq!((d2_state.in_flight, d2_state.queue_depth), (2, 3));
+
+    // The policy routes over the scraped state.
+    let mut client = cluster.client.clone();
+    let decision = client
+        .route(route_req(1, Some(7), Some(1), 600, &[11, 12]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(decision.mode(), kvc_proto::pb::ExecutionMode::Turn1Seed);
+    assert_eq!(decision.prefill_worker, Some(0));
+
+    // A failing scrape takes the worker out of rotation at once; garbage keeps it out; a good
+    // answer brings it back with the new figures.
+    *d1.lock() = (StatusCode::INTERNAL_SERVER_ERROR, String::new());
+    wait_for(&cluster, "d1 down after HTTP 500", |ws| {
+        ws[1].state.health == Health::Down
+    })
+    .await;
+    *d1.lock() = (
+        StatusCode::OK,
+        "vllm:num_requests_running{a=\"b} 1\n".to_owned(),
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert_eq!(
+        cluster.service().list_workers()[1].state.health,
+        Health::Down
+    );
+    let views = cluster.service().worker_views();
+    assert_eq!(views[1].state.health, Health::Down);
+    *d1.lock() = (StatusCode::OK, vllm_text(0, 0, 0.5, 5_750));
+    wait_for(&cluster, "d1 back", |ws| {
+        ws[1].state.health == Health::Healthy && ws[1].state.used_tokens == 46_000
+    })
+    .await;
+    assert_eq!(views[1].id, WorkerId(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_engine_stays_down_and_the_rest_route() {
+    let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    let (d_addr, _d) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    // A port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let engines = [p_addr, d_addr, closed];
+    let cluster = Cluster::start(|cfg| {
+        cfg.engine_signals.scrape_interval_ms = 20;
+        for (w, addr) in cfg.workers.iter_mut().zip(engines) {
+            w.snapshot = None;
+            w.engine = Some(EngineKind::Vllm);
+            w.metrics_url = Some(format!("http://{addr}/metrics"));
+        }
+    })
+    .await;
+    wait_for(&cluster, "p and d1 scraped", |ws| {
+        ws[0].state.health == Health::Healthy && ws[1].state.health == Health::Healthy
+    })
+    .await;
+    assert_eq!(
+        cluster.service().list_workers()[2].state.health,
+        Health::Down
+    );
+    let mut client = cluster.client.clone();
+    for i in 0..4 {
+        let decision = client
+            .route(route_req(i, Some(100 + i), Some(1), 600, &[i, i + 1]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            decision.decode_worker, 1,
+            "request {i} went to the down worker"
+        );
+    }
+}
