@@ -1,0 +1,241 @@
+//! The publisher: what an engine's `ZmqEventPublisher` does, for simulated workers and tests.
+//!
+//! A PUB socket sends `[topic, seq, payload]` for every published batch (`seq` from 0); an
+//! optional ROUTER socket answers replay requests from a ring buffer of the last
+//! `buffer_steps` batches (default 10,000, vLLM's default), with the framing of
+//! [`crate::frames`]. Payloads are vLLM's map shape ([`crate::encode`]).
+//!
+//! For tests, [`PublisherConfig::drop_seqs`] names sequence numbers that are numbered and
+//! buffered but never sent on the PUB socket — the gaps a slow subscriber would see.
+
+use crate::encode::encode_batch;
+use crate::event::EventBatch;
+use crate::frames::{END_SEQ, parse_seq, seq_frame};
+use bytes::Bytes;
+use std::collections::{BTreeSet, VecDeque};
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// Where a publisher binds and what it keeps.
+#[derive(Debug, Clone)]
+pub struct PublisherConfig {
+    /// The PUB endpoint to bind, e.g. `tcp://127.0.0.1:5557` (port 0: any free port).
+    pub endpoint: String,
+    /// The replay ROUTER endpoint to bind, if any.
+    pub replay_endpoint: Option<String>,
+    /// The topic frame of every message.
+    pub topic: String,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// For tests: sequence numbers buffered for replay but not sent live.
+    pub drop_seqs: BTreeSet<u64>,
+}
+
+impl PublisherConfig {
+    /// A publisher on `endpoint`: no replay socket, empty topic, a 10,000-batch buffer.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        PublisherConfig {
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            buffer_steps: 10_000,
+            drop_seqs: BTreeSet::new(),
+        }
+    }
+}
+
+/// Why publishing failed.
+#[derive(Debug, Error)]
+pub enum PublishError {
+    /// A socket could not bind.
+    #[error("cannot bind {endpoint}: {error}")]
+    Bind {
+        /// The endpoint.
+        endpoint: String,
+        /// The ZeroMQ error.
+        error: String,
+    },
+    /// The publisher task has stopped (cancelled).
+    #[error("the publisher has stopped")]
+    Closed,
+}
+
+struct Publish {
+    payload: Bytes,
+    seq: oneshot::Sender<u64>,
+}
+
+/// A running publisher (its task owns the sockets).
+#[derive(Debug)]
+pub struct Publisher {
+    tx: mpsc::Sender<Publish>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    task: JoinHandle<()>,
+}
+
+impl Publisher {
+    /// Binds the sockets and starts the task; it stops when `cancel` fires or the publisher
+    /// is dropped.
+    pub async fn bind(
+        cfg: PublisherConfig,
+        cancel: CancellationToken,
+    ) -> Result<Self, PublishError> {
+        let bind_err = |endpoint: &str, e: zeromq::ZmqError| PublishError::Bind {
+            endpoint: endpoint.to_string(),
+            error: e.to_string(),
+        };
+        let mut publisher = PubSocket::new();
+        let endpoint = publisher
+            .bind(&cfg.endpoint)
+            .await
+            .map_err(|e| bind_err(&cfg.endpoint, e))?
+            .to_string();
+        let (router, replay_endpoint) = match &cfg.replay_endpoint {
+            Some(ep) => {
+                let mut r = RouterSocket::new();
+                let bound = r.bind(ep).await.map_err(|e| bind_err(ep, e))?;
+                (Some(r), Some(bound.to_string()))
+            }
+            None => (None, None),
+        };
+        let (tx, rx) = mpsc::channel(1024);
+        let task = tokio::spawn(serve(cfg, publisher, router, rx, cancel));
+        Ok(Publisher {
+            tx,
+            endpoint,
+            replay_endpoint,
+            task,
+        })
+    }
+
+    /// The bound PUB endpoint (the port resolved).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The bound replay endpoint, if any.
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
+    }
+
+    /// Publishes a batch in vLLM's map shape; returns its sequence number.
+    pub async fn publish(&self, batch: &EventBatch) -> Result<u64, PublishError> {
+        self.publish_payload(Bytes::from(encode_batch(batch))).await
+    }
+
+    /// Publishes raw payload bytes (any bytes: tests send malformed ones); returns the
+    /// sequence number.
+    pub async fn publish_payload(&self, payload: Bytes) -> Result<u64, PublishError> {
+        let (seq, rx) = oneshot::channel();
+        self.tx
+            .send(Publish { payload, seq })
+            .await
+            .map_err(|_| PublishError::Closed)?;
+        rx.await.map_err(|_| PublishError::Closed)
+    }
+
+    /// Stops the task and waits for it (the sockets are closed).
+    pub async fn shutdown(self) {
+        drop(self.tx);
+        let _ = self.task.await;
+    }
+}
+
+async fn recv_request(router: &mut Option<RouterSocket>) -> zeromq::ZmqResult<ZmqMessage> {
+    match router {
+        Some(r) => r.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn serve(
+    cfg: PublisherConfig,
+    mut publisher: PubSocket,
+    mut router: Option<RouterSocket>,
+    mut rx: mpsc::Receiver<Publish>,
+    cancel: CancellationToken,
+) {
+    let topic = Bytes::from(cfg.topic.clone().into_bytes());
+    let mut buffer: VecDeque<(u64, Bytes)> = VecDeque::new();
+    let mut next = 0u64;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            cmd = rx.recv() => {
+                let Some(Publish { payload, seq }) = cmd else { break };
+                if !cfg.drop_seqs.contains(&next) {
+                    let frames = vec![topic.clone(), seq_frame(next), payload.clone()];
+                    if let Ok(msg) = ZmqMessage::try_from(frames)
+                        && let Err(e) = publisher.send(msg).await
+                    {
+                        tracing::debug!("kv-events publisher: send failed: {e}");
+                    }
+                }
+                if cfg.buffer_steps > 0 {
+                    if buffer.len() == cfg.buffer_steps {
+                        buffer.pop_front();
+                    }
+                    buffer.push_back((next, payload));
+                }
+                let _ = seq.send(next);
+                next += 1;
+            }
+            req = recv_request(&mut router) => {
+                match req {
+                    Ok(req) => {
+                        if let Some(r) = router.as_mut() {
+                            answer_replay(r, req, &buffer).await;
+                        }
+                    }
+                    Err(e) => tracing::debug!("kv-events publisher: replay socket: {e}"),
+                }
+            }
+        }
+    }
+}
+
+/// Answers one replay request `[identity, "", start_seq]` (the delimiter optional) with every
+/// buffered batch from `start_seq` on, then the end marker.
+async fn answer_replay(
+    router: &mut RouterSocket,
+    req: ZmqMessage,
+    buffer: &VecDeque<(u64, Bytes)>,
+) {
+    let frames = req.into_vec();
+    let (id, delim, start) = match frames.as_slice() {
+        [id, d, s] if d.is_empty() => (id.clone(), true, parse_seq(s)),
+        [id, s] => (id.clone(), false, parse_seq(s)),
+        _ => (Bytes::new(), false, None),
+    };
+    let Some(start) = start else {
+        tracing::debug!("kv-events publisher: malformed replay request ignored");
+        return;
+    };
+    let reply = |seq: Bytes, payload: Bytes| {
+        let mut f = vec![id.clone()];
+        if delim {
+            f.push(Bytes::new());
+        }
+        f.push(seq);
+        f.push(payload);
+        ZmqMessage::try_from(f)
+    };
+    for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start) {
+        let Ok(msg) = reply(seq_frame(*seq), payload.clone()) else {
+            return;
+        };
+        if let Err(e) = router.send(msg).await {
+            tracing::debug!("kv-events publisher: replay reply failed: {e}");
+            return;
+        }
+    }
+    if let Ok(msg) = reply(Bytes::copy_from_slice(&END_SEQ), Bytes::new())
+        && let Err(e) = router.send(msg).await
+    {
+        tracing::debug!("kv-events publisher: replay end marker failed: {e}");
+    }
+}

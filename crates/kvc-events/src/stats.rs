@@ -1,0 +1,120 @@
+//! Per-worker counters of a subscriber, readable at any time without a lock (for the router's
+//! `ListWorkers` and `/metrics`).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+
+/// Counters of one worker's event stream. Every field only grows, except the gauges
+/// `indexed_blocks`, `last_seq` and `connected`.
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    pub(crate) indexed_blocks: AtomicU64,
+    /// `u64::MAX`: nothing applied yet.
+    pub(crate) last_seq: AtomicU64,
+    pub(crate) connected: AtomicBool,
+    pub(crate) batches: AtomicU64,
+    pub(crate) blocks_stored: AtomicU64,
+    pub(crate) blocks_removed: AtomicU64,
+    pub(crate) cleared: AtomicU64,
+    pub(crate) gaps: AtomicU64,
+    pub(crate) replays: AtomicU64,
+    pub(crate) replay_failures: AtomicU64,
+    pub(crate) restarts: AtomicU64,
+    pub(crate) resets: AtomicU64,
+    pub(crate) duplicates: AtomicU64,
+    pub(crate) malformed: AtomicU64,
+    pub(crate) undecodable: AtomicU64,
+    pub(crate) unknown: AtomicU64,
+    pub(crate) skipped: AtomicU64,
+    pub(crate) invalid: AtomicU64,
+    pub(crate) dropped: AtomicU64,
+    pub(crate) connect_failures: AtomicU64,
+}
+
+/// A copy of [`WorkerStats`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// Blocks the index holds for the worker.
+    pub indexed_blocks: u64,
+    /// Last sequence number applied; `None` before the first.
+    pub last_seq: Option<u64>,
+    /// Whether the SUB socket is connected.
+    pub connected: bool,
+    /// Batches applied.
+    pub batches: u64,
+    /// Blocks stored (indexed or refreshed).
+    pub blocks_stored: u64,
+    /// Blocks removed.
+    pub blocks_removed: u64,
+    /// `AllBlocksCleared` events applied.
+    pub cleared: u64,
+    /// Gaps seen on the live stream.
+    pub gaps: u64,
+    /// Replay requests sent.
+    pub replays: u64,
+    /// Replays that did not finish (unreachable, timed out, malformed replies).
+    pub replay_failures: u64,
+    /// Publisher restarts seen (the sequence number went back).
+    pub restarts: u64,
+    /// Times the worker's index was reset because its history was lost.
+    pub resets: u64,
+    /// Live messages received twice (ignored).
+    pub duplicates: u64,
+    /// Messages whose frames were not `[topic, 8-byte seq, payload]` (dropped).
+    pub malformed: u64,
+    /// Payloads that did not decode (dropped).
+    pub undecodable: u64,
+    /// Blocks events named that the worker was not known to hold (unknown parents and
+    /// unknown removals).
+    pub unknown: u64,
+    /// Blocks not indexed: another medium than GPU, or a LoRA adapter.
+    pub skipped: u64,
+    /// Blocks of malformed stores (wrong block size or token count).
+    pub invalid: u64,
+    /// Entries dropped to keep the worker within its pool size.
+    pub dropped: u64,
+    /// Failed connection attempts to the event endpoint.
+    pub connect_failures: u64,
+}
+
+impl WorkerStats {
+    /// Fresh counters (nothing applied yet).
+    pub fn new() -> Self {
+        WorkerStats {
+            last_seq: AtomicU64::new(u64::MAX),
+            ..Self::default()
+        }
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let last = self.last_seq.load(Relaxed);
+        StatsSnapshot {
+            indexed_blocks: self.indexed_blocks.load(Relaxed),
+            last_seq: (last != u64::MAX).then_some(last),
+            connected: self.connected.load(Relaxed),
+            batches: self.batches.load(Relaxed),
+            blocks_stored: self.blocks_stored.load(Relaxed),
+            blocks_removed: self.blocks_removed.load(Relaxed),
+            cleared: self.cleared.load(Relaxed),
+            gaps: self.gaps.load(Relaxed),
+            replays: self.replays.load(Relaxed),
+            replay_failures: self.replay_failures.load(Relaxed),
+            restarts: self.restarts.load(Relaxed),
+            resets: self.resets.load(Relaxed),
+            duplicates: self.duplicates.load(Relaxed),
+            malformed: self.malformed.load(Relaxed),
+            undecodable: self.undecodable.load(Relaxed),
+            unknown: self.unknown.load(Relaxed),
+            skipped: self.skipped.load(Relaxed),
+            invalid: self.invalid.load(Relaxed),
+            dropped: self.dropped.load(Relaxed),
+            connect_failures: self.connect_failures.load(Relaxed),
+        }
+    }
+
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        if n > 0 {
+            counter.fetch_add(n, Relaxed);
+        }
+    }
+}

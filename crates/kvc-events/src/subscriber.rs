@@ -1,0 +1,427 @@
+//! The subscriber: one tokio task per worker that keeps the worker's part of the index in step
+//! with its engine's event stream.
+//!
+//! A ZeroMQ SUB socket connects to the worker's `kv-events` endpoint with the configured topic
+//! and reads `[topic, seq, payload]` messages ([`crate::frames`]). Each message goes through
+//! the worker's [`SeqTracker`]: the next one is decoded and applied to the shared index; a gap
+//! (or a first message above 0) sends `["", start_seq]` on a DEALER to the `kv-events-replay`
+//! endpoint and applies the replies up to the end marker while live messages are held; a lost
+//! history (no replay endpoint, a replay that starts too late, fails or times out, a publisher
+//! restart) resets the worker's index first.
+//!
+//! Nothing stops the task but its [`CancellationToken`]: an unreachable endpoint or a dropped
+//! connection is retried with bounded exponential backoff; malformed frames, undecodable
+//! payloads and unknown blocks are counted in [`WorkerStats`] and logged (one warning per
+//! kind per second, the rest at debug level).
+
+use crate::decode::decode_batch;
+use crate::event::Event;
+use crate::frames::{split_live, split_reply};
+use crate::index::{ApplyOutcome, KvIndex, WorkerSpec};
+use crate::seq::{LiveAction, ReplayAction, SeqTracker};
+use crate::stats::WorkerStats;
+use bytes::Bytes;
+use kvc_core::WorkerId;
+use parking_lot::RwLock;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+/// The index every subscriber writes and the router reads.
+pub type SharedIndex = Arc<RwLock<KvIndex>>;
+
+/// Where and how one worker's events are read.
+#[derive(Debug, Clone)]
+pub struct SubscriberConfig {
+    /// The worker the events describe.
+    pub worker: WorkerId,
+    /// Its engine's block size and pool size (the worker is added to the index with it if
+    /// absent).
+    pub spec: WorkerSpec,
+    /// The engine's PUB endpoint, `tcp://HOST:PORT`.
+    pub endpoint: String,
+    /// The engine's replay ROUTER endpoint, if it has one.
+    pub replay_endpoint: Option<String>,
+    /// The topic to subscribe to (`""`: every message); a non-empty topic must match exactly.
+    pub topic: String,
+    /// Longest wait for one connection (SUB or replay DEALER).
+    pub connect_timeout: Duration,
+    /// Longest wait for a whole replay, request to end marker.
+    pub replay_timeout: Duration,
+    /// First wait before reconnecting; doubles after each failure up to `backoff_max`.
+    pub backoff_min: Duration,
+    /// Longest wait before reconnecting.
+    pub backoff_max: Duration,
+    /// Live messages held while a replay runs; more are dropped (and show up as a gap).
+    pub max_held: usize,
+}
+
+impl SubscriberConfig {
+    /// Defaults: no replay endpoint, empty topic, 2 s connect timeout, 5 s replay timeout,
+    /// backoff from 100 ms to 5 s, 100,000 held messages.
+    pub fn new(worker: WorkerId, spec: WorkerSpec, endpoint: impl Into<String>) -> Self {
+        SubscriberConfig {
+            worker,
+            spec,
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            connect_timeout: Duration::from_secs(2),
+            replay_timeout: Duration::from_secs(5),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            max_held: 100_000,
+        }
+    }
+}
+
+/// A running subscriber: its counters and its task.
+#[derive(Debug)]
+pub struct Subscriber {
+    /// The worker's counters (shared with the task).
+    pub stats: Arc<WorkerStats>,
+    /// The task; it ends when the cancellation token fires.
+    pub task: JoinHandle<()>,
+}
+
+/// Starts the subscriber task of one worker (adds the worker to `index` if absent). Must be
+/// called inside a tokio runtime.
+pub fn spawn_subscriber(
+    cfg: SubscriberConfig,
+    index: SharedIndex,
+    cancel: CancellationToken,
+) -> Subscriber {
+    {
+        let mut idx = index.write();
+        if idx.workers().all(|(w, _)| w != cfg.worker) {
+            // The worker is absent and the spec was checked by `add_worker`'s only other
+            // failure (a zero capacity), which is logged.
+            if let Err(e) = idx.add_worker(cfg.worker, cfg.spec) {
+                tracing::error!(worker = %cfg.worker, "kv-events: {e}");
+            }
+        }
+    }
+    let stats = Arc::new(WorkerStats::new());
+    let run = Run {
+        cfg,
+        index,
+        stats: stats.clone(),
+        tracker: SeqTracker::new(),
+        limits: Limits::default(),
+    };
+    let task = tokio::spawn(run.run(cancel));
+    Subscriber { stats, task }
+}
+
+/// One warning per kind per second; the rest at debug level.
+#[derive(Debug, Default)]
+struct Limits {
+    connect: Option<Instant>,
+    malformed: Option<Instant>,
+    undecodable: Option<Instant>,
+    unknown: Option<Instant>,
+    replay: Option<Instant>,
+}
+
+fn allow(last: &mut Option<Instant>) -> bool {
+    let now = Instant::now();
+    if last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
+        return false;
+    }
+    *last = Some(now);
+    true
+}
+
+macro_rules! limited {
+    ($slot:expr, $($arg:tt)+) => {
+        if allow(&mut $slot) {
+            tracing::warn!($($arg)+);
+        } else {
+            tracing::debug!($($arg)+);
+        }
+    };
+}
+
+/// How a replay ended.
+enum ReplayEnd {
+    /// The end marker arrived.
+    Done,
+    /// Cancelled.
+    Stopped,
+}
+
+struct Run {
+    cfg: SubscriberConfig,
+    index: SharedIndex,
+    stats: Arc<WorkerStats>,
+    tracker: SeqTracker,
+    limits: Limits,
+}
+
+impl Run {
+    async fn run(mut self, cancel: CancellationToken) {
+        let mut backoff = self.cfg.backoff_min;
+        loop {
+            let connected = tokio::select! {
+                _ = cancel.cancelled() => break,
+                r = self.connect() => r,
+            };
+            match connected {
+                Ok(mut sub) => {
+                    backoff = self.cfg.backoff_min;
+                    self.stats.connected.store(true, Relaxed);
+                    tracing::debug!(worker = %self.cfg.worker, endpoint = %self.cfg.endpoint, "kv-events: connected");
+                    let stopped = self.pump(&mut sub, &cancel).await;
+                    self.stats.connected.store(false, Relaxed);
+                    if stopped {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    WorkerStats::add(&self.stats.connect_failures, 1);
+                    limited!(self.limits.connect, worker = %self.cfg.worker, endpoint = %self.cfg.endpoint, "kv-events: cannot connect: {e}");
+                }
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(self.cfg.backoff_max);
+        }
+    }
+
+    async fn connect(&self) -> Result<SubSocket, zeromq::ZmqError> {
+        let mut opts = SocketOptions::default();
+        opts.connect_timeout(self.cfg.connect_timeout);
+        let mut sub = SubSocket::with_options(opts);
+        sub.subscribe(&self.cfg.topic).await?;
+        sub.connect(&self.cfg.endpoint).await?;
+        Ok(sub)
+    }
+
+    /// Reads the live stream until it fails (false: reconnect) or the task is cancelled
+    /// (true).
+    async fn pump(&mut self, sub: &mut SubSocket, cancel: &CancellationToken) -> bool {
+        loop {
+            let msg = tokio::select! {
+                _ = cancel.cancelled() => return true,
+                m = sub.recv() => m,
+            };
+            let msg = match msg {
+                Ok(m) => m,
+                Err(e) => {
+                    limited!(self.limits.connect, worker = %self.cfg.worker, "kv-events: connection lost: {e}");
+                    return false;
+                }
+            };
+            let Some((seq, payload)) = self.live_frames(msg) else {
+                continue;
+            };
+            let can_replay = self.cfg.replay_endpoint.is_some();
+            match self.tracker.on_live(seq, can_replay) {
+                LiveAction::Apply => self.apply(seq, &payload),
+                LiveAction::Ignore => WorkerStats::add(&self.stats.duplicates, 1),
+                LiveAction::ResetThenApply { restart } => {
+                    let counter = if restart {
+                        &self.stats.restarts
+                    } else {
+                        &self.stats.gaps
+                    };
+                    WorkerStats::add(counter, 1);
+                    self.reset(if restart {
+                        "publisher restarted"
+                    } else {
+                        "gap and no replay endpoint"
+                    });
+                    self.apply(seq, &payload);
+                }
+                LiveAction::Replay { from, reset } => {
+                    if reset {
+                        WorkerStats::add(&self.stats.restarts, 1);
+                        self.reset("publisher restarted");
+                    } else if from > 0 {
+                        WorkerStats::add(&self.stats.gaps, 1);
+                    }
+                    let mut held = VecDeque::from([(seq, payload)]);
+                    if self.replay(from, sub, &mut held, cancel).await {
+                        return true;
+                    }
+                    for (seq, payload) in held {
+                        match self.tracker.on_live(seq, false) {
+                            LiveAction::Apply => self.apply(seq, &payload),
+                            LiveAction::Ignore => {}
+                            LiveAction::ResetThenApply { restart } => {
+                                let counter = if restart {
+                                    &self.stats.restarts
+                                } else {
+                                    &self.stats.gaps
+                                };
+                                WorkerStats::add(counter, 1);
+                                self.reset("gap the replay did not close");
+                                self.apply(seq, &payload);
+                            }
+                            // `on_live` never asks for a replay when told it cannot.
+                            LiveAction::Replay { .. } => {}
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// (seq, payload) of a live message with the configured topic; counts malformed ones.
+    fn live_frames(&mut self, msg: ZmqMessage) -> Option<(u64, Bytes)> {
+        let frames = msg.into_vec();
+        match split_live(&frames) {
+            Some((topic, seq, payload)) => {
+                if !self.cfg.topic.is_empty() && topic.as_ref() != self.cfg.topic.as_bytes() {
+                    tracing::debug!(worker = %self.cfg.worker, "kv-events: other topic ignored");
+                    return None;
+                }
+                Some((seq, payload.clone()))
+            }
+            None => {
+                WorkerStats::add(&self.stats.malformed, 1);
+                limited!(self.limits.malformed, worker = %self.cfg.worker, frames = frames.len(), "kv-events: malformed message dropped (want [topic, 8-byte seq, payload])");
+                None
+            }
+        }
+    }
+
+    /// Asks for every message from `from` on and applies the replies; live messages arriving
+    /// meanwhile go to `held`. A failed replay resets the worker. True when cancelled.
+    async fn replay(
+        &mut self,
+        from: u64,
+        sub: &mut SubSocket,
+        held: &mut VecDeque<(u64, Bytes)>,
+        cancel: &CancellationToken,
+    ) -> bool {
+        WorkerStats::add(&self.stats.replays, 1);
+        let timeout = self.cfg.replay_timeout;
+        let outcome =
+            tokio::time::timeout(timeout, self.replay_inner(from, sub, held, cancel)).await;
+        let err = match outcome {
+            Ok(Ok(ReplayEnd::Done)) => return false,
+            Ok(Ok(ReplayEnd::Stopped)) => return true,
+            Ok(Err(e)) => e,
+            Err(_) => format!("no end marker within {timeout:?}"),
+        };
+        WorkerStats::add(&self.stats.replay_failures, 1);
+        limited!(self.limits.replay, worker = %self.cfg.worker, from, "kv-events: replay failed: {err}");
+        self.reset("replay failed");
+        false
+    }
+
+    async fn replay_inner(
+        &mut self,
+        from: u64,
+        sub: &mut SubSocket,
+        held: &mut VecDeque<(u64, Bytes)>,
+        cancel: &CancellationToken,
+    ) -> Result<ReplayEnd, String> {
+        let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
+            return Err("no replay endpoint".into());
+        };
+        let mut opts = SocketOptions::default();
+        opts.connect_timeout(self.cfg.connect_timeout);
+        let mut dealer = DealerSocket::with_options(opts);
+        dealer
+            .connect(&endpoint)
+            .await
+            .map_err(|e| format!("cannot connect to {endpoint}: {e}"))?;
+        let request = ZmqMessage::try_from(vec![Bytes::new(), crate::frames::seq_frame(from)])
+            .map_err(|e| e.to_string())?;
+        dealer.send(request).await.map_err(|e| e.to_string())?;
+        let mut sub_alive = true;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return Ok(ReplayEnd::Stopped),
+                reply = dealer.recv() => {
+                    let frames = reply.map_err(|e| e.to_string())?.into_vec();
+                    match split_reply(&frames) {
+                        None => {
+                            WorkerStats::add(&self.stats.malformed, 1);
+                            return Err(format!("malformed reply of {} frames", frames.len()));
+                        }
+                        Some(None) => return Ok(ReplayEnd::Done),
+                        Some(Some((seq, payload))) => match self.tracker.on_replayed(seq) {
+                            ReplayAction::Skip => {}
+                            ReplayAction::Apply => self.apply(seq, payload),
+                            ReplayAction::ResetThenApply => {
+                                self.reset("history older than the replay buffer");
+                                self.apply(seq, payload);
+                            }
+                        },
+                    }
+                }
+                live = sub.recv(), if sub_alive => match live {
+                    Ok(msg) => {
+                        if let Some(m) = self.live_frames(msg)
+                            && held.len() < self.cfg.max_held
+                        {
+                            held.push_back(m);
+                        }
+                    }
+                    // The pump notices on its next read; finish the replay first.
+                    Err(_) => sub_alive = false,
+                },
+            }
+        }
+    }
+
+    /// Resets the worker's index and sequence history.
+    fn reset(&mut self, why: &str) {
+        WorkerStats::add(&self.stats.resets, 1);
+        tracing::info!(worker = %self.cfg.worker, "kv-events: index reset: {why}");
+        let mut idx = self.index.write();
+        let _ = idx.clear(self.cfg.worker);
+        self.stats.indexed_blocks.store(0, Relaxed);
+        drop(idx);
+        self.tracker.reset();
+        self.stats.last_seq.store(u64::MAX, Relaxed);
+    }
+
+    /// Decodes and applies message `seq`; it counts as consumed even when undecodable.
+    fn apply(&mut self, seq: u64, payload: &[u8]) {
+        self.tracker.applied(seq);
+        self.stats.last_seq.store(seq, Relaxed);
+        let batch = match decode_batch(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                WorkerStats::add(&self.stats.undecodable, 1);
+                limited!(self.limits.undecodable, worker = %self.cfg.worker, seq, "kv-events: undecodable payload dropped: {e}");
+                return;
+            }
+        };
+        let mut total = ApplyOutcome::default();
+        let mut cleared = 0;
+        let indexed = {
+            let mut idx = self.index.write();
+            for e in &batch.events {
+                if let Ok(o) = idx.apply(self.cfg.worker, e) {
+                    total += o;
+                }
+                cleared += u64::from(matches!(e, Event::AllCleared));
+            }
+            idx.indexed_blocks(self.cfg.worker)
+        };
+        let s = &self.stats;
+        s.indexed_blocks.store(indexed as u64, Relaxed);
+        WorkerStats::add(&s.batches, 1);
+        WorkerStats::add(&s.blocks_stored, total.stored);
+        WorkerStats::add(&s.blocks_removed, total.removed);
+        WorkerStats::add(&s.cleared, cleared);
+        WorkerStats::add(&s.unknown, total.unknown());
+        WorkerStats::add(&s.skipped, total.skipped);
+        WorkerStats::add(&s.invalid, total.invalid);
+        WorkerStats::add(&s.dropped, total.dropped);
+        if total.unknown() > 0 || total.invalid > 0 {
+            limited!(self.limits.unknown, worker = %self.cfg.worker, seq, unknown_parent = total.unknown_parent, unknown_removal = total.unknown_removal, invalid = total.invalid, "kv-events: events name blocks the index does not hold");
+        }
+    }
+}
