@@ -13,6 +13,7 @@
 //! it only through `kvc-proto`.
 
 pub mod engine_signals;
+pub mod kv_events;
 pub mod router;
 
 use crate::sim::engine::{Engine, Micros};
@@ -167,6 +168,10 @@ pub fn router_config(
                 bootstrap_port: None,
                 engine: None,
                 metrics_url: None,
+                kv_events: None,
+                kv_events_replay: None,
+                kv_events_topic: None,
+                block_size: None,
             })
             .collect(),
     }
@@ -212,24 +217,27 @@ impl Publisher {
         })
     }
 
-    /// Also serves every worker's engine signals (vLLM-named `/metrics`) on `rt`, worker `i`
-    /// on `127.0.0.1:<base + i>` (free ports when `None`), until `stop`; returns their URLs.
+    /// Also serves every worker's engine signals on `rt` until `stop`: vLLM-named `/metrics`
+    /// (worker `i` on `127.0.0.1:<base + i>`, free ports when `None`) and KV-cache events;
+    /// `trace_block` is the trace's tokens per block. Returns where a router finds them.
     pub(crate) fn serve_engine_signals(
         &mut self,
         rt: &tokio::runtime::Handle,
         base: Option<u16>,
         model: &str,
+        trace_block: u64,
         stop: &CancellationToken,
-    ) -> Result<Vec<String>, LiveError> {
+    ) -> Result<Vec<engine_signals::EngineEndpoints>, LiveError> {
         let states = self
             .writers
             .iter()
             .map(|w| kvc_core::WorkerState::empty(w.capacity_tokens()))
             .collect();
-        let signals = engine_signals::EngineSignals::serve(rt, states, base, model, stop)?;
-        let urls = signals.urls();
+        let signals =
+            engine_signals::EngineSignals::serve(rt, states, base, model, trace_block, stop)?;
+        let endpoints = signals.endpoints();
         self.signals = Some(signals);
-        Ok(urls)
+        Ok(endpoints)
     }
 
     /// Publishes the engine's state of every worker, stamped with the wall clock.
@@ -274,8 +282,8 @@ impl Publisher {
                 message: e.to_string(),
             })?;
         }
-        if let Some(signals) = &self.signals {
-            signals.update(engine);
+        if let Some(signals) = &mut self.signals {
+            signals.update(engine, now as f64 / 1e3);
         }
         Ok(())
     }
@@ -350,6 +358,10 @@ struct RemoteDecider {
     names: Vec<String>,
     failures: usize,
     last_error: Option<String>,
+    /// Name sessions to the router by the key their engines label them with
+    /// (`SessionId::from_key` of [`kv_events::session_label`]), as engine events name them;
+    /// otherwise by the trace's session ids, as the snapshots do.
+    keyed_sessions: bool,
 }
 
 impl RemoteDecider {
@@ -370,7 +382,12 @@ impl RemoteDecider {
 
 impl Decider for RemoteDecider {
     fn route(&mut self, _cluster: &ClusterView<'_>, req: &RouteRequest<'_>) -> Option<Routed> {
-        let msg = pb::RouteRequest::from(req);
+        let mut msg = pb::RouteRequest::from(req);
+        if self.keyed_sessions {
+            msg.session_id = req
+                .session
+                .map(|s| kvc_core::SessionId::from_key(&kv_events::session_label(s)).0);
+        }
         let mut client = self.client.clone();
         let d = self.call(async move { client.route(msg).await })?;
         let mode = ExecutionMode::from_proto(d.mode).ok()?;
@@ -463,6 +480,7 @@ pub fn live(
             rt.handle(),
             opts.engine_base_port,
             engine_signals::MODEL_NAME,
+            u64::from(cfg.policy.block_size().tokens()),
             &stop,
         )?,
         _ => Vec::new(),
@@ -547,12 +565,42 @@ pub fn live(
             }
         }
     };
+    // A router reading engine signals learns each worker's state at its first scrape: wait
+    // until it lists every worker healthy (bounded by the same deadline).
+    if opts.router_state == StateSource::Events {
+        loop {
+            let mut c = client.clone();
+            let listed = rt
+                .block_on(async move { c.list_workers(pb::ListWorkersRequest {}).await })
+                .map(|r| r.into_inner().workers);
+            let ready = listed.as_ref().is_ok_and(|ws| {
+                ws.len() == roles.len()
+                    && ws.iter().all(|w| {
+                        w.state
+                            .as_ref()
+                            .is_some_and(|s| s.health == pb::Health::Healthy as i32)
+                    })
+            });
+            if ready {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(LiveError::Router(format!(
+                    "the router at {uri} never listed every worker healthy: {:?}",
+                    listed.map_err(|e| e.to_string())
+                )));
+            }
+            publisher.publish(&engine_for_first, start_wall_ms, opts.speedup)?;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
     let mut decider = RemoteDecider {
         rt,
         client,
         names: crate::sim::worker_names(&roles),
         failures: 0,
         last_error: None,
+        keyed_sessions: opts.router_state == StateSource::Events,
     };
     let mut hooks = LiveHooks {
         commits,
@@ -564,6 +612,23 @@ pub fn live(
         max_lag: 0,
     };
     let out = run(trace, cfg, &mut decider, &mut hooks, progress)?;
+    if opts.router_state == StateSource::Events {
+        // What the router made of the engines' events, for the operator.
+        let mut c = decider.client.clone();
+        if let Ok(r) = decider
+            .rt
+            .block_on(async move { c.list_workers(pb::ListWorkersRequest {}).await })
+        {
+            for w in r.into_inner().workers {
+                eprintln!(
+                    "kvc-replay live: router view of {} from engine events: {} blocks indexed, last event {}",
+                    w.name,
+                    w.indexed_blocks.map_or("none".into(), |b| b.to_string()),
+                    w.last_event_seq.map_or("none".into(), |s| s.to_string()),
+                );
+            }
+        }
+    }
     stop.cancel();
     for w in workers {
         let _ = decider.rt.block_on(w.stop());

@@ -314,6 +314,22 @@ pub struct WorkerConfig {
     /// worker's load and pool use are scraped from it (state source `events`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_url: Option<String>,
+    /// The engine's KV-cache event publisher (ZeroMQ PUB), `tcp://host:port`: the router
+    /// indexes the blocks the engine stores and removes (which sessions are resident where).
+    /// Needs `engine`, and `metrics-url` when there is no snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    /// The engine's event replay socket (ZeroMQ ROUTER), `tcp://host:port`: missed events are
+    /// asked for again there; without it a gap resets the worker's index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay: Option<String>,
+    /// The topic the engine publishes its events under (default: every topic).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_topic: Option<String>,
+    /// The engine's KV block (page) size in tokens, for its events. Default: what its
+    /// `/metrics` reports (vLLM's `cache_config_info`); required for SGLang.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
 }
 
 fn yes() -> bool {
@@ -340,6 +356,10 @@ impl WorkerConfig {
             append_prefill: true,
             engine: None,
             metrics_url: None,
+            kv_events: None,
+            kv_events_replay: None,
+            kv_events_topic: None,
+            block_size: None,
         }
     }
 
@@ -382,6 +402,7 @@ impl WorkerConfig {
                 ));
             }
         }
+        self.validate_kv_events()?;
         if self.capacity_tokens == 0 {
             return invalid(format!("worker {id} capacity-tokens must be positive"));
         }
@@ -409,6 +430,59 @@ impl WorkerConfig {
         }
         Ok(())
     }
+
+    /// The `kv-events*` and `block-size` keys: endpoints `tcp://host:port`, the replay
+    /// endpoint and topic only with `kv-events`, which needs `engine`, a source of load
+    /// (`metrics-url` or a snapshot) and a block size (set, or read from vLLM's `/metrics`).
+    fn validate_kv_events(&self) -> Result<(), ConfigError> {
+        let id = self.id;
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        for (key, value) in [
+            ("kv-events", &self.kv_events),
+            ("kv-events-replay", &self.kv_events_replay),
+        ] {
+            if let Some(v) = value
+                && !is_tcp_endpoint(v)
+            {
+                return invalid(format!("worker {id} {key} `{v}` is not tcp://host:port"));
+            }
+        }
+        if self.block_size == Some(0) {
+            return invalid(format!("worker {id} block-size must be positive"));
+        }
+        if self.kv_events.is_none() {
+            if self.kv_events_replay.is_some() || self.kv_events_topic.is_some() {
+                return invalid(format!(
+                    "worker {id}: `kv-events-replay` and `kv-events-topic` need `kv-events`"
+                ));
+            }
+            return Ok(());
+        }
+        let Some(engine) = self.engine else {
+            return invalid(format!(
+                "worker {id}: `kv-events` needs `engine` (`vllm` or `sglang`)"
+            ));
+        };
+        if self.metrics_url.is_none() && self.snapshot.is_none() {
+            return invalid(format!(
+                "worker {id}: `kv-events` needs `metrics-url` (or a snapshot) for the worker's load"
+            ));
+        }
+        if self.block_size.is_none() && (engine == EngineKind::Sglang || self.metrics_url.is_none())
+        {
+            return invalid(format!(
+                "worker {id}: `kv-events` needs `block-size` (only vLLM's /metrics reports it)"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `s` is `tcp://host:port` with a non-empty host and a port.
+fn is_tcp_endpoint(s: &str) -> bool {
+    s.strip_prefix("tcp://")
+        .and_then(|rest| rest.rsplit_once(':'))
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
 }
 
 /// A worker's parsed HTTP base URL, `http://host[:port][/prefix]` (`https` is not supported).
@@ -556,6 +630,11 @@ mod tests {
             Some("http://127.0.0.1:30003/metrics")
         );
         assert_eq!(cfg.engine_signals, EngineSignalsConfig::default());
+        assert_eq!(
+            cfg.workers[3].kv_events.as_deref(),
+            Some("tcp://127.0.0.1:5557")
+        );
+        assert_eq!(cfg.workers[3].block_size, None);
         assert_eq!(cfg.workers[0].role, WorkerRole::Prefill);
         assert_eq!(cfg.sessions.ttl_ms, 600_000);
         assert_eq!(cfg.policy.name(), "kvc");
@@ -760,6 +839,32 @@ mod tests {
             RouterConfig::from_toml_str(&unknown_engine),
             Err(ConfigError::Parse(_))
         ));
+        let events = format!(
+            "{base}address = \"http://h:2\"\nengine = \"sglang\"\nkv-events = \"tcp://h:5557\"\n"
+        );
+        assert!(error_of(&events).contains("needs `metrics-url`"));
+        let events = format!("{events}metrics-url = \"http://h:1/metrics\"\n");
+        assert!(error_of(&events).contains("needs `block-size`"));
+        let ok_events = format!("{events}block-size = 32\nkv-events-replay = \"tcp://h:5558\"\n");
+        assert_eq!(
+            RouterConfig::from_toml_str(&ok_events).unwrap().workers[0].block_size,
+            Some(32)
+        );
+        let topic = format!("{ok_events}kv-events-topic = \"kv@pod@m\"\n");
+        assert_eq!(
+            RouterConfig::from_toml_str(&topic).unwrap().workers[0]
+                .kv_events_topic
+                .as_deref(),
+            Some("kv@pod@m")
+        );
+        let bad_endpoint = ok_events.replace("tcp://h:5557", "udp://h:5557");
+        assert!(
+            error_of(&bad_endpoint).contains("kv-events `udp://h:5557` is not tcp://host:port")
+        );
+        let orphan = format!("{scraped}engine = \"vllm\"\nkv-events-replay = \"tcp://h:1\"\n");
+        assert!(error_of(&orphan).contains("need `kv-events`"));
+        let vllm = format!("{scraped}engine = \"vllm\"\nkv-events = \"tcp://h:1\"\n");
+        assert!(RouterConfig::from_toml_str(&vllm).is_ok());
         let ok = format!("{scraped}engine = \"sglang\"\n");
         let cfg = RouterConfig::from_toml_str(&ok).unwrap();
         assert_eq!(cfg.workers[0].engine, Some(EngineKind::Sglang));

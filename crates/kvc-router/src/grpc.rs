@@ -139,6 +139,8 @@ fn worker_to_pb(w: ListedWorker) -> pb::WorkerInfo {
         role: w.role.to_proto(),
         state: Some(w.state.into()),
         source: w.source.as_str().to_owned(),
+        indexed_blocks: w.events.as_ref().map(|e| e.indexed_blocks),
+        last_event_seq: w.events.and_then(|e| e.last_seq),
     }
 }
 

@@ -13,6 +13,12 @@
 //!   `kvc.v1.Worker/State`. A worker whose state is older than `stale-after-ms` (for an engine,
 //!   `engine-signals.stale-after-ms`) is `stale`, one that cannot be read or does not answer
 //!   is `down`; either is out of rotation until it publishes (answers) again.
+//! - **Engine KV-cache events**: a worker with `kv-events` (and `engine`) has a ZeroMQ
+//!   subscriber (`kvc-events`) that indexes the blocks its engine stores and removes, with the
+//!   session that stored them (`session_id`, mapped with [`kvc_core::SessionId::from_key`]).
+//!   A direct-to-D plan onto a worker whose events show none of the session's blocks is an
+//!   eviction the policy learns before it decides again. `ListWorkers` and `/metrics` report
+//!   each subscriber's indexed blocks, last sequence number, gaps, replays and resets.
 //! - **Probe path**: when the policy plans `direct-to-d`, the router probes that decode worker's
 //!   snapshot for the decision's footprint; if it cannot admit, the reject is fed back
 //!   (`AdmissionRejected`) and the request re-routed through a prefill worker

@@ -11,6 +11,7 @@
 //! | `kvc_router_decision_latency_quantile_seconds` | gauge | `quantile` (0.5, 0.99, 0.999) |
 //! | `kvc_router_probes_total` | counter | `result` (`admit`, `reject`, `stale`, `contended`, `state`) |
 //! | `kvc_router_probe_reroutes_total` | counter | — |
+//! | `kvc_router_event_evictions_total` | counter | — (direct-to-D plans dropped because the D's KV-cache events showed none of the session's blocks) |
 //! | `kvc_router_commit_evicts_total` | counter | `result` (`admitted`, `rejected`, `busy`, `error`) |
 //! | `kvc_router_outcomes_total` | counter | `outcome` |
 //! | `kvc_router_sessions_tracked` | gauge | — |
@@ -24,6 +25,7 @@
 //! | `kvc_router_worker_in_flight` | gauge | `worker`, `name`, `role` |
 //! | `kvc_router_worker_state_age_seconds` | gauge | `worker`, `name`, `role` (staleness) |
 //! | `kvc_router_worker_health` | gauge | `worker`, `name`, `role`, `health` (1 for the current health) |
+//! | `kvc_router_worker_kv_events` | gauge | `worker`, `name`, `kind` (`indexed-blocks`, `last-seq`, and since start `batches`, `gaps`, `replays`, `replay-failures`, `resets`, `malformed`, `unknown-blocks`, `dropped-blocks`, `connect-failures`), for workers with `kv-events` |
 //! | `kvc_router_http_breaker_state` | gauge | `worker`, `state` (`closed`, `open`, `half-open`; 1 for the current state of each worker the HTTP front forwarded to or checked) |
 //! | `kvc_router_http_breaker_transitions_total` | counter | `to` (the state entered) |
 //! | `kvc_router_http_retries_total` | counter | — (requests forwarded again after a failure before any byte reached the client) |
@@ -172,6 +174,7 @@ pub struct Metrics {
     latency_hist: Mutex<hdrhistogram::Histogram<u64>>,
     probes: [Counter; ProbeKind::ALL.len()],
     reroutes: Counter,
+    event_evictions: Counter,
     commits: [Counter; CommitKind::ALL.len()],
     outcomes: [Counter; Outcome::ALL.len()],
     forgotten: [Counter; Forgotten::ALL.len()],
@@ -241,6 +244,11 @@ impl Metrics {
             r,
             "kvc_router_probe_reroutes",
             "Requests re-routed through a prefill worker after a probe could not admit them",
+        );
+        let event_evictions = counter(
+            r,
+            "kvc_router_event_evictions",
+            "Direct-to-D plans dropped because the decode worker's KV-cache events showed none of the session's blocks",
         );
         let commits = counter_family(
             r,
@@ -320,6 +328,7 @@ impl Metrics {
             latency_hist: Mutex::new(hist),
             probes,
             reroutes,
+            event_evictions,
             commits,
             outcomes,
             forgotten,
@@ -385,6 +394,11 @@ impl Metrics {
     /// Counts a re-route after a probe reject.
     pub fn record_reroute(&self) {
         self.reroutes.inc();
+    }
+
+    /// Counts a direct-to-D plan dropped because the engine's events showed the session gone.
+    pub fn record_event_eviction(&self) {
+        self.event_evictions.inc();
     }
 
     /// Counts a `CommitEvict`.

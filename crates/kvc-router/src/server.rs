@@ -295,6 +295,15 @@ pub fn spawn_background(
         }));
     }
     let every = Duration::from_millis(service.config().engine_signals.scrape_interval_ms);
+    for worker in service.event_workers() {
+        // The subscriber starts once the engine's block size is known (its first scrape).
+        let svc = Arc::clone(service);
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = ticker(every);
+            while !svc.start_event_subscriber(worker, &stop) && next_tick(&mut tick, &stop).await {}
+        }));
+    }
     for worker in service.scraped_workers() {
         let svc = Arc::clone(service);
         let stop = stop.clone();

@@ -107,6 +107,9 @@ pub struct ListedWorker {
     pub state: WorkerState,
     /// Where that state comes from.
     pub source: StateSource,
+    /// The counters of its KV-event subscriber (indexed blocks, last sequence number, gaps …),
+    /// once one runs.
+    pub events: Option<kvc_events::StatsSnapshot>,
 }
 
 /// The router: worker views, the policy, its [`RouterState`], the session table and metrics.
@@ -124,6 +127,8 @@ pub struct RouterService {
     metrics: Metrics,
     /// The client engine `/metrics` scrapes go through (its own connection pool).
     scrape_client: crate::worker_http::WorkerClient,
+    /// What the engines' KV-cache events say each worker holds (written by the subscribers).
+    kv_index: kvc_events::SharedIndex,
 }
 
 impl std::fmt::Debug for RouterService {
@@ -175,6 +180,7 @@ impl RouterService {
             next_decision: AtomicU64::new(1),
             metrics: Metrics::new(),
             scrape_client: crate::worker_http::WorkerClient::new(Default::default()),
+            kv_index: Arc::new(RwLock::new(kvc_events::KvIndex::new())),
         };
         service.refresh_workers();
         Ok(service)
@@ -247,6 +253,84 @@ impl RouterService {
         entry
             .scrape(&self.scrape_client, timeout, || clock.now_ms())
             .await;
+    }
+
+    /// The workers with a `kv-events` endpoint.
+    pub fn event_workers(&self) -> Vec<WorkerId> {
+        self.workers
+            .iter()
+            .filter(|w| w.kv_events.is_some())
+            .map(|w| w.id)
+            .collect()
+    }
+
+    /// Starts `worker`'s KV-event subscriber (until `stop`) once the engine's block size is
+    /// known (configured, or reported by its `/metrics`); the index keeps at most the worker's
+    /// pool in blocks. Returns `false` while the block size is unknown (call again later),
+    /// `true` once started or when there is nothing to start.
+    pub fn start_event_subscriber(
+        &self,
+        worker: WorkerId,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> bool {
+        let Some(entry) = self.entry(worker.0) else {
+            return true;
+        };
+        let Some(source) = &entry.kv_events else {
+            return true;
+        };
+        if entry.event_stats.get().is_some() {
+            return true;
+        }
+        let Some(block_size) = entry.event_block_size() else {
+            return false;
+        };
+        let Some(block_size) = kvc_core::BlockSize::new(block_size) else {
+            tracing::error!(
+                worker = worker.0,
+                block_size,
+                "kv-events: unusable block size"
+            );
+            return true;
+        };
+        let capacity = entry.state_at(self.now_ms()).capacity_tokens;
+        let capacity_blocks =
+            (capacity / u64::from(block_size.tokens())).clamp(1, u64::from(u32::MAX));
+        let spec = kvc_events::WorkerSpec {
+            block_size,
+            capacity_blocks: capacity_blocks as u32,
+        };
+        let mut cfg = kvc_events::SubscriberConfig::new(worker, spec, source.endpoint.clone());
+        cfg.replay_endpoint = source.replay.clone();
+        cfg.topic = source.topic.clone();
+        let subscriber =
+            kvc_events::spawn_subscriber(cfg, Arc::clone(&self.kv_index), stop.child_token());
+        tracing::info!(
+            worker = worker.0,
+            endpoint = %source.endpoint,
+            block_size = block_size.tokens(),
+            capacity_blocks,
+            "kv-events: subscribed"
+        );
+        let _ = entry.event_stats.set(subscriber.stats);
+        true
+    }
+
+    /// Whether `worker`'s engine events say it holds none of `session`'s blocks (only once its
+    /// subscriber has applied events; `false` for a worker without events).
+    pub(crate) fn events_say_not_resident(&self, worker: WorkerId, session: SessionId) -> bool {
+        let Some(stats) = self.entry(worker.0).and_then(|e| e.event_stats.get()) else {
+            return false;
+        };
+        if stats.snapshot().last_seq.is_none() {
+            return false;
+        }
+        !self
+            .kv_index
+            .read()
+            .session_residency(session)
+            .iter()
+            .any(|(w, n)| *w == worker && *n > 0)
     }
 
     /// The workers whose state is scraped from their engine's `/metrics`.
@@ -351,6 +435,7 @@ impl RouterService {
                     name: w.name.clone(),
                     role: w.role,
                     state: w.state_at(now),
+                    events: w.event_stats(),
                 })
                 .collect(),
             sessions_tracked,
@@ -374,6 +459,7 @@ impl RouterService {
                 role: w.role,
                 state: w.state_at(now),
                 source: w.source,
+                events: w.event_stats(),
             })
             .collect()
     }

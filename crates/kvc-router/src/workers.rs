@@ -52,8 +52,24 @@ pub(crate) struct WorkerEntry {
     pub(crate) http_down: std::sync::atomic::AtomicBool,
     /// The engine's `/metrics`, when the state comes from it.
     scraped: Option<Scraped>,
+    /// The engine's KV-cache events, when the router indexes them.
+    pub(crate) kv_events: Option<KvEventsSource>,
+    /// The counters of the running event subscriber (set once it starts).
+    pub(crate) event_stats: OnceLock<Arc<kvc_events::WorkerStats>>,
+    /// The engine's block size as its `/metrics` last reported it (0: not reported).
+    engine_block_size: std::sync::atomic::AtomicU32,
     stale_after_ms: u64,
     rpc_timeout: Duration,
+}
+
+/// Where a stock engine publishes its KV-cache events.
+#[derive(Debug, Clone)]
+pub(crate) struct KvEventsSource {
+    pub(crate) endpoint: String,
+    pub(crate) replay: Option<String>,
+    pub(crate) topic: String,
+    /// Configured block size (else the one `/metrics` reports).
+    pub(crate) block_size: Option<u32>,
 }
 
 /// A stock engine's Prometheus endpoint.
@@ -105,6 +121,14 @@ impl WorkerEntry {
             }),
             http_down: std::sync::atomic::AtomicBool::new(false),
             scraped,
+            kv_events: cfg.kv_events.as_ref().map(|endpoint| KvEventsSource {
+                endpoint: endpoint.clone(),
+                replay: cfg.kv_events_replay.clone(),
+                topic: cfg.kv_events_topic.clone().unwrap_or_default(),
+                block_size: cfg.block_size,
+            }),
+            event_stats: OnceLock::new(),
+            engine_block_size: std::sync::atomic::AtomicU32::new(0),
             stale_after_ms,
             rpc_timeout: Duration::from_millis(router.rpc_timeout_ms),
         }
@@ -300,6 +324,10 @@ impl WorkerEntry {
         let mut live = self.live.write();
         match load {
             Ok(load) => {
+                if let Some(bs) = load.block_size {
+                    self.engine_block_size
+                        .store(bs, std::sync::atomic::Ordering::Relaxed);
+                }
                 let was_down = live.failing || live.last_ok_ms.is_none();
                 live.state = self.engine_state(scraped, &load);
                 live.reported = Health::Healthy;
@@ -350,6 +378,26 @@ impl WorkerEntry {
             health: Health::Healthy,
             state_age_ms: 0,
         }
+    }
+
+    /// The block size the engine's events use: configured, else reported by its `/metrics`
+    /// (`None` until a scrape has reported one).
+    pub(crate) fn event_block_size(&self) -> Option<u32> {
+        let source = self.kv_events.as_ref()?;
+        source.block_size.or_else(|| {
+            match self
+                .engine_block_size
+                .load(std::sync::atomic::Ordering::Relaxed)
+            {
+                0 => None,
+                bs => Some(bs),
+            }
+        })
+    }
+
+    /// The event subscriber's counters, once it runs.
+    pub(crate) fn event_stats(&self) -> Option<kvc_events::StatsSnapshot> {
+        self.event_stats.get().map(|s| s.snapshot())
     }
 
     /// Whether the state comes from the engine's `/metrics`.

@@ -5,6 +5,7 @@ use super::TraceArgs;
 use super::sim::RunArgs;
 use anyhow::{Result, bail};
 use kvc_replay::http::{HttpLiveOptions, HttpRouter, WorkerOptions, live_http};
+use kvc_replay::live::engine_signals::EngineEndpoints;
 use kvc_replay::live::{LiveOptions, RouterTarget, live, router_config};
 use kvc_replay::output::{summary_table, write_run};
 use std::path::PathBuf;
@@ -100,9 +101,10 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 512)]
     pub(crate) table_slots: usize,
     /// Where the router reads the workers' state: `snapshot` (their shared-memory snapshot
-    /// files) or `events` (each worker serves its state as a stock vLLM engine does, on
-    /// Prometheus `/metrics` with vLLM's names, and the router is configured with those
-    /// endpoints and no snapshot).
+    /// files) or `events` (each worker shows its state as a stock vLLM engine does: Prometheus
+    /// `/metrics` with vLLM's names and KV-cache events over ZeroMQ, and the router is
+    /// configured with those and no snapshot; with --write-router-config only the /metrics
+    /// endpoints can be written, the event sockets taking free ports at run time).
     #[arg(long, default_value = "snapshot", value_parser = ["snapshot", "events"])]
     pub(crate) router_state: String,
     /// With `--router-state events`: serve worker i's engine `/metrics` on 127.0.0.1:PORT+i
@@ -159,10 +161,20 @@ pub(crate) fn run(args: Args) -> Result<()> {
             let Some(base) = args.engine_base_port else {
                 bail!("--router-state events with --write-router-config needs --engine-base-port");
             };
-            let urls: Vec<String> = (0..n)
-                .map(|i| format!("http://127.0.0.1:{}/metrics", base.saturating_add(i as u16)))
+            // The engines' event sockets take free ports at run time: a config written ahead
+            // names their /metrics only.
+            let engines: Vec<EngineEndpoints> = (0..n)
+                .map(|i| EngineEndpoints {
+                    metrics_url: format!(
+                        "http://127.0.0.1:{}/metrics",
+                        base.saturating_add(i as u16)
+                    ),
+                    kv_events: String::new(),
+                    kv_events_replay: String::new(),
+                    kv_events_topic: String::new(),
+                })
                 .collect();
-            rc = rc.with_engine_signals(&urls);
+            rc = rc.with_engine_signals(&engines);
         }
         std::fs::write(file, rc.to_toml()?)?;
         eprintln!("wrote {}", file.display());

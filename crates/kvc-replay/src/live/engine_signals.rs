@@ -1,7 +1,8 @@
 //! The simulated workers as a stock vLLM engine shows itself to a router: each worker serves
-//! Prometheus `/metrics` with vLLM's metric names on its own loopback port, so a router can
-//! run with its state read from the engines (`engine = "vllm"`, `metrics-url`) and no
-//! snapshot.
+//! Prometheus `/metrics` with vLLM's metric names on its own loopback port and publishes its
+//! KV-cache events over ZeroMQ (PUB plus a replay ROUTER, vLLM's framing and map-shaped
+//! events with `session_id`, from [`super::kv_events`]), so a router can run with its state
+//! read from the engines (`engine = "vllm"`, `metrics-url`, `kv-events`) and no snapshot.
 //!
 //! | series | value |
 //! |---|---|
@@ -10,6 +11,7 @@
 //! | `vllm:kv_cache_usage_perc` | pool share held by requests (used − evictable; a session's idle KV is free room to vLLM's prefix cache) |
 //! | `vllm:cache_config_info` | labels `block_size` ([`ENGINE_BLOCK_TOKENS`]) and `num_gpu_blocks` (the pool in such blocks) |
 
+use super::kv_events::EventSource;
 use crate::live::LiveError;
 use crate::sim::engine::Engine;
 use axum::routing::get;
@@ -26,22 +28,42 @@ pub const ENGINE_BLOCK_TOKENS: u64 = 16;
 /// The `model_name` label of the simulated engines.
 pub const MODEL_NAME: &str = "kvc-sim";
 
-/// The `/metrics` servers of every worker and the states they report.
+/// Where a router finds one simulated engine's signals.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineEndpoints {
+    /// Its `/metrics` URL.
+    pub metrics_url: String,
+    /// Its event PUB endpoint, `tcp://127.0.0.1:PORT`.
+    pub kv_events: String,
+    /// Its event replay ROUTER endpoint.
+    pub kv_events_replay: String,
+    /// The topic of its events.
+    pub kv_events_topic: String,
+}
+
+/// The `/metrics` servers and event publishers of every worker.
 #[derive(Debug)]
 pub(crate) struct EngineSignals {
     board: Arc<Mutex<Vec<WorkerState>>>,
     addrs: Vec<SocketAddr>,
+    events: EventSource,
+    publishers: Vec<kvc_events::Publisher>,
+    rt: tokio::runtime::Handle,
+    /// Publishing failed once (said once; the replay goes on without events).
+    publish_failed: bool,
 }
 
 impl EngineSignals {
     /// Serves `/metrics` for `states.len()` workers (worker `i` on `127.0.0.1:<base + i>`, or a
-    /// free port when `base` is `None`) on `rt` until `stop` is cancelled; `model` is the
-    /// `model_name` label.
+    /// free port when `base` is `None`) and binds each worker's event publisher (free ports),
+    /// on `rt` until `stop` is cancelled; `model` is the `model_name` label, `trace_block` the
+    /// trace's tokens per block.
     pub(crate) fn serve(
         rt: &tokio::runtime::Handle,
         states: Vec<WorkerState>,
         base: Option<u16>,
         model: &str,
+        trace_block: u64,
         stop: &CancellationToken,
     ) -> Result<Self, LiveError> {
         let board = Arc::new(Mutex::new(states));
@@ -76,24 +98,70 @@ impl EngineSignals {
                     .await;
             });
         }
-        Ok(EngineSignals { board, addrs })
+        let mut publishers = Vec::with_capacity(n);
+        for i in 0..n {
+            let cfg = kvc_events::PublisherConfig {
+                replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+                topic: topic(i),
+                ..kvc_events::PublisherConfig::new("tcp://127.0.0.1:0")
+            };
+            let publisher = rt
+                .block_on(kvc_events::Publisher::bind(cfg, stop.child_token()))
+                .map_err(|e| LiveError::Router(format!("worker {i}'s KV events: {e}")))?;
+            publishers.push(publisher);
+        }
+        Ok(EngineSignals {
+            board,
+            addrs,
+            events: EventSource::new(n, trace_block),
+            publishers,
+            rt: rt.clone(),
+            publish_failed: false,
+        })
     }
 
-    /// Takes every worker's state from `engine`.
-    pub(crate) fn update(&self, engine: &Engine) {
-        let mut board = self.board.lock();
-        for (i, s) in board.iter_mut().enumerate() {
-            *s = engine.state(WorkerId(i as u32));
+    /// Takes every worker's state from `engine` and publishes what its cache gained and lost
+    /// since the last call (`now_s`: wall time, seconds since the epoch).
+    pub(crate) fn update(&mut self, engine: &Engine, now_s: f64) {
+        {
+            let mut board = self.board.lock();
+            for (i, s) in board.iter_mut().enumerate() {
+                *s = engine.state(WorkerId(i as u32));
+            }
+        }
+        let batches = self.events.diff(engine, now_s);
+        for (publisher, batch) in self.publishers.iter().zip(batches) {
+            if batch.events.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.rt.block_on(publisher.publish(&batch))
+                && !self.publish_failed
+            {
+                self.publish_failed = true;
+                eprintln!("kvc-replay live: KV events not published: {e}");
+            }
         }
     }
 
-    /// `http://127.0.0.1:<port>/metrics` of every worker, by id.
-    pub(crate) fn urls(&self) -> Vec<String> {
+    /// Every worker's endpoints, by id.
+    pub(crate) fn endpoints(&self) -> Vec<EngineEndpoints> {
         self.addrs
             .iter()
-            .map(|a| format!("http://{a}/metrics"))
+            .zip(&self.publishers)
+            .enumerate()
+            .map(|(i, (a, p))| EngineEndpoints {
+                metrics_url: format!("http://{a}/metrics"),
+                kv_events: p.endpoint().to_owned(),
+                kv_events_replay: p.replay_endpoint().unwrap_or_default().to_owned(),
+                kv_events_topic: topic(i),
+            })
             .collect()
     }
+}
+
+/// The event topic of worker `i` (vLLM's `kv@<pod>@<model>` convention).
+fn topic(i: usize) -> String {
+    format!("kv@w{i}@{MODEL_NAME}")
 }
 
 /// The vLLM-named exposition of one worker's state.

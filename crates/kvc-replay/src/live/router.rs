@@ -4,6 +4,7 @@
 //! ([`RouterProcess`]).
 
 use super::LiveError;
+use super::engine_signals::{ENGINE_BLOCK_TOKENS, EngineEndpoints};
 use kvc_core::{EngineKind, WorkerRole};
 use kvc_policy::PolicyConfig;
 use serde::Serialize;
@@ -69,6 +70,18 @@ pub struct ConfiguredWorker {
     /// Its engine `/metrics` URL, when the router reads its state from there.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_url: Option<String>,
+    /// Its engine's KV-cache event PUB endpoint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    /// Its engine's event replay endpoint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay: Option<String>,
+    /// The topic of its engine's events.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events_topic: Option<String>,
+    /// Its engine's block size (the events' blocks).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
 }
 
 impl RouterConfigFile {
@@ -89,13 +102,20 @@ impl RouterConfigFile {
         self
     }
 
-    /// The same configuration with worker `i`'s state read from the vLLM-named `/metrics` at
-    /// `metrics_urls[i]` instead of its snapshot.
-    pub fn with_engine_signals(mut self, metrics_urls: &[String]) -> Self {
-        for (w, url) in self.workers.iter_mut().zip(metrics_urls) {
+    /// The same configuration with worker `i`'s state read from its simulated vLLM engine's
+    /// signals at `engines[i]` (`/metrics` and, when given, KV-cache events) instead of its
+    /// snapshot.
+    pub fn with_engine_signals(mut self, engines: &[EngineEndpoints]) -> Self {
+        for (w, e) in self.workers.iter_mut().zip(engines) {
             w.snapshot = None;
             w.engine = Some(EngineKind::Vllm);
-            w.metrics_url = Some(url.clone());
+            w.metrics_url = Some(e.metrics_url.clone());
+            if !e.kv_events.is_empty() {
+                w.kv_events = Some(e.kv_events.clone());
+                w.kv_events_replay = Some(e.kv_events_replay.clone()).filter(|r| !r.is_empty());
+                w.kv_events_topic = Some(e.kv_events_topic.clone());
+                w.block_size = Some(ENGINE_BLOCK_TOKENS as u32);
+            }
         }
         self
     }

@@ -336,6 +336,16 @@ impl Engine {
             .collect()
     }
 
+    /// Sessions resident on worker `w` with their tokens and the block ids of the prompt whose
+    /// KV they hold, by session id.
+    pub fn resident_blocks(&self, w: WorkerId) -> Vec<(SessionId, u64, HashIds)> {
+        self.workers[w.0 as usize]
+            .residents
+            .iter()
+            .map(|(s, r)| (*s, r.tokens, r.hashes.clone()))
+            .collect()
+    }
+
     /// Number of workers.
     pub fn worker_count(&self) -> usize {
         self.workers.len()

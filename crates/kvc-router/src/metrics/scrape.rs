@@ -22,6 +22,8 @@ pub struct WorkerSample {
     pub role: WorkerRole,
     /// Its last known state (health included), as the router judges it at scrape time.
     pub state: WorkerState,
+    /// Its KV-event subscriber's counters, when one runs.
+    pub events: Option<kvc_events::StatsSnapshot>,
 }
 
 /// The live state a scrape reports, read by the service just before rendering.
@@ -124,7 +126,53 @@ pub(super) fn registry(metrics: &Metrics, gauges: &Gauges) -> Registry {
     );
 
     worker_gauges(&mut r, &gauges.workers);
+    event_gauges(&mut r, &gauges.workers);
     r
+}
+
+/// The labels of a worker's KV-event counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    worker: u32,
+    name: String,
+    kind: &'static str,
+}
+
+/// The KV-event subscribers' counters, one family with a `kind` label per counter.
+fn event_gauges(r: &mut Registry, workers: &[WorkerSample]) {
+    let family = Family::<EventLabels, Gauge>::default();
+    for w in workers {
+        let Some(e) = &w.events else {
+            continue;
+        };
+        let kinds = [
+            ("indexed-blocks", e.indexed_blocks),
+            ("last-seq", e.last_seq.unwrap_or(0)),
+            ("batches", e.batches),
+            ("gaps", e.gaps),
+            ("replays", e.replays),
+            ("replay-failures", e.replay_failures),
+            ("resets", e.resets),
+            ("malformed", e.malformed + e.undecodable),
+            ("unknown-blocks", e.unknown),
+            ("dropped-blocks", e.dropped),
+            ("connect-failures", e.connect_failures),
+        ];
+        for (kind, v) in kinds {
+            family
+                .get_or_create(&EventLabels {
+                    worker: w.id.0,
+                    name: w.name.clone(),
+                    kind,
+                })
+                .set(count(v));
+        }
+    }
+    r.register(
+        "kvc_router_worker_kv_events",
+        "KV-cache event subscriber of each engine-backed worker: blocks indexed, last sequence number applied, and counts since start (batches, gaps, replays, replay failures, index resets, malformed messages, events naming unknown blocks, blocks dropped to the pool bound, failed connections), by kind",
+        family,
+    );
 }
 
 /// A count read from a worker's published state.
@@ -232,6 +280,7 @@ mod tests {
             name: name.to_owned(),
             role: WorkerRole::Decode,
             state,
+            events: None,
         }
     }
 

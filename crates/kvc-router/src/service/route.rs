@@ -117,6 +117,19 @@ impl RouterService {
         self.forget(core);
 
         let mut decision = kvc_policy::route(policy, &core.state, &cluster, req)?;
+        // The engine's own events say the session's KV is gone from the D it would go to:
+        // the policy learns the eviction and decides again (reseed or fallback).
+        if decision.is_direct()
+            && let Some(s) = session
+            && self.events_say_not_resident(decision.decode, s)
+        {
+            core.state.observe(&Observation::Evicted {
+                session: s,
+                worker: decision.decode,
+            });
+            self.metrics.record_event_eviction();
+            decision = kvc_policy::route(policy, &core.state, &cluster, req)?;
+        }
         let mut probe_rejected_by = None;
         if decision.is_direct() {
             let d = decision.decode;

@@ -114,8 +114,8 @@ pub struct HttpWorkers {
     addrs: Vec<SocketAddr>,
     bootstrap_ports: Vec<Option<u16>>,
     engine: Option<std::thread::JoinHandle<Result<(), LiveError>>>,
-    /// Each worker's engine `/metrics` URL, when served.
-    engine_urls: Vec<String>,
+    /// Each worker's engine signals, when served.
+    engine_urls: Vec<crate::live::engine_signals::EngineEndpoints>,
     /// Stops the servers and the engine thread; cancelled on [`HttpWorkers::stop`] and on drop.
     shutdown: CancellationToken,
 }
@@ -140,6 +140,7 @@ impl HttpWorkers {
                 runtime,
                 opts.engine_base_port,
                 &opts.model,
+                u64::from(cfg.policy.block_size().tokens()),
                 &shutdown,
             )?
         } else {
@@ -214,9 +215,8 @@ impl HttpWorkers {
         })
     }
 
-    /// Each worker's engine `/metrics` URL, by worker id (empty unless the router reads
-    /// engine signals).
-    pub fn engine_urls(&self) -> &[String] {
+    /// Each worker's engine signals, by worker id (empty unless the router reads them).
+    pub fn engine_urls(&self) -> &[crate::live::engine_signals::EngineEndpoints] {
         &self.engine_urls
     }
 

@@ -178,3 +178,173 @@ async fn an_unreachable_engine_stays_down_and_the_rest_route() {
         );
     }
 }
+
+/// A `BlockStored` of `blocks` 16-token blocks for `session`, hashes from `first`.
+fn stored(first: u64, blocks: u64, parent: Option<u64>, session: &str) -> kvc_events::Event {
+    kvc_events::Event::Stored(kvc_events::BlockStored {
+        block_hashes: (first..first + blocks)
+            .map(kvc_events::EngineHash)
+            .collect(),
+        parent: parent.map(kvc_events::EngineHash),
+        token_ids: (0..blocks * 16)
+            .map(|t| (first * 1_000 + t) as u32)
+            .collect(),
+        block_size: 16,
+        session_id: Some(session.to_owned()),
+        ..Default::default()
+    })
+}
+
+async fn publish(p: &kvc_events::Publisher, events: Vec<kvc_events::Event>) {
+    p.publish(&kvc_events::EventBatch {
+        ts: 0.0,
+        events,
+        dp_rank: None,
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
+    use kvc_core::{Outcome, SessionId};
+    use kvc_proto::convert::ProtoEnum;
+    use kvc_proto::pb;
+
+    let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    let (d1_addr, _d1) = mock_engine(&vllm_text(0, 0, 0.1, 5_750)).await;
+    let (d2_addr, d2) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    // d2 is out of rotation, so the session lands on d1.
+    *d2.lock() = (StatusCode::SERVICE_UNAVAILABLE, String::new());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut pub_cfg = kvc_events::PublisherConfig::new("tcp://127.0.0.1:0");
+    pub_cfg.replay_endpoint = Some("tcp://127.0.0.1:0".into());
+    pub_cfg.topic = "kv@d1@m".into();
+    let publisher = kvc_events::Publisher::bind(pub_cfg, stop.clone())
+        .await
+        .unwrap();
+    let (events, replay) = (
+        publisher.endpoint().to_owned(),
+        publisher.replay_endpoint().unwrap().to_owned(),
+    );
+    let addrs = [p_addr, d1_addr, d2_addr];
+    let cluster = Cluster::start(|cfg| {
+        cfg.engine_signals.scrape_interval_ms = 20;
+        for (w, addr) in cfg.workers.iter_mut().zip(addrs) {
+            w.snapshot = None;
+            w.engine = Some(EngineKind::Vllm);
+            w.metrics_url = Some(format!("http://{addr}/metrics"));
+        }
+        // The block size comes from d1's /metrics (cache_config_info).
+        cfg.workers[1].kv_events = Some(events.clone());
+        cfg.workers[1].kv_events_replay = Some(replay.clone());
+        cfg.workers[1].kv_events_topic = Some("kv@d1@m".into());
+    })
+    .await;
+    // The router's background tasks (scrapes, the subscriber) run with the served router.
+    wait_for(&cluster, "p and d1 scraped, subscriber up", |ws| {
+        ws[0].state.health == Health::Healthy
+            && ws[1].state.health == Health::Healthy
+            && ws[1].events.is_some()
+    })
+    .await;
+
+    let key = "agent-7";
+    let session = SessionId::from_key(key).0;
+    let mut client = cluster.client.clone();
+    let t1 = client
+        .route(route_req(1, Some(session), Some(1), 2_000, &[1, 2, 3]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(t1.decode_worker, 1);
+    client
+        .report_outcome(pb::OutcomeReport {
+            decision_id: t1.decision_id,
+            request_id: 1,
+            outcome: Outcome::Ok.to_proto(),
+            resident_tokens: 2_040,
+        })
+        .await
+        .unwrap();
+    // d1's engine says what it stored.
+    publish(&publisher, vec![stored(100, 64, None, key)]).await;
+    publish(&publisher, vec![stored(164, 63, Some(163), key)]).await;
+    publish(&publisher, vec![stored(227, 1, Some(226), "other")]).await;
+    wait_for(&cluster, "d1's blocks indexed", |ws| {
+        ws[1]
+            .events
+            .as_ref()
+            .is_some_and(|e| e.indexed_blocks == 128 && e.last_seq == Some(2))
+    })
+    .await;
+    let listed = client
+        .list_workers(pb::ListWorkersRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    assert_eq!(listed[1].indexed_blocks, Some(128));
+    assert_eq!(listed[1].last_event_seq, Some(2));
+    assert_eq!(listed[1].source, "events");
+    assert_eq!(listed[0].indexed_blocks, None);
+
+    // Turn 2: resident by the events, so direct to d1.
+    let t2 = client
+        .route(route_req(2, Some(session), Some(2), 2_200, &[1, 2, 3, 4]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(t2.mode(), pb::ExecutionMode::DirectToD);
+    assert_eq!(t2.decode_worker, 1);
+    client
+        .report_outcome(pb::OutcomeReport {
+            decision_id: t2.decision_id,
+            request_id: 2,
+            outcome: Outcome::Ok.to_proto(),
+            resident_tokens: 2_240,
+        })
+        .await
+        .unwrap();
+
+    // The engine evicts the session's blocks: the next turn is not planned direct-to-D.
+    publish(
+        &publisher,
+        vec![kvc_events::Event::Removed(kvc_events::BlockRemoved {
+            block_hashes: (100..227).map(kvc_events::EngineHash).collect(),
+            medium: None,
+        })],
+    )
+    .await;
+    wait_for(&cluster, "the eviction indexed", |ws| {
+        ws[1].events.as_ref().is_some_and(|e| e.indexed_blocks == 1)
+    })
+    .await;
+    let t3 = client
+        .route(route_req(
+            3,
+            Some(session),
+            Some(3),
+            2_400,
+            &[1, 2, 3, 4, 5],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(t3.mode(), pb::ExecutionMode::DirectToD);
+    assert_eq!(t3.prefill_worker, Some(0));
+    let metrics = cluster.metrics().await;
+    assert_eq!(
+        common::value(&metrics, "kvc_router_event_evictions_total", &[]),
+        1.0
+    );
+    assert_eq!(
+        common::value(
+            &metrics,
+            "kvc_router_worker_kv_events",
+            &[("worker", "1"), ("name", "d1"), ("kind", "batches")]
+        ),
+        4.0
+    );
+    stop.cancel();
+}
