@@ -81,8 +81,8 @@ impl SeqTracker {
                 from: 0,
                 reset: false,
             },
-            Some(last) if seq == last.saturating_add(1) => LiveAction::Apply,
             Some(last) if seq == last => LiveAction::Ignore,
+            Some(last) if seq == last.saturating_add(1) => LiveAction::Apply,
             Some(last) if seq > last => {
                 if can_replay {
                     LiveAction::Replay {

@@ -251,6 +251,10 @@ impl Run {
                         return true;
                     }
                     for (seq, payload) in held {
+                        // Held messages the replay already delivered are not a restart.
+                        if self.tracker.last().is_some_and(|l| seq <= l) {
+                            continue;
+                        }
                         match self.tracker.on_live(seq, false) {
                             LiveAction::Apply => self.apply(seq, &payload),
                             LiveAction::Ignore => {}
