@@ -75,8 +75,8 @@ async fn dropped_messages_are_replayed_and_the_index_matches_a_lossless_run() {
     assert_eq!(last, batches.len() as u64 - 1);
     wait_until("all applied", &sub.stats, |s| s.last_seq == Some(last)).await;
     let s = sub.stats.snapshot();
-    assert_eq!(s.gaps - before.gaps, 2);
-    assert_eq!(s.replays - before.replays, 2);
+    assert_eq!(s.gaps - before.gaps, 2, "{before:?} {s:?}");
+    assert_eq!(s.replays - before.replays, 2, "{before:?} {s:?}");
     assert_eq!((s.resets, s.restarts), (0, 0));
     assert_eq!(s.replay_failures, 0);
     assert_eq!((s.malformed, s.undecodable, s.unknown), (0, 0, 0));
