@@ -150,6 +150,49 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
         "admission.commit_evict_us".into(),
         criterion_median(ctx, "commit_evict/round_trip")? / 1e3,
     );
+    events_index(ctx, figures)
+}
+
+/// Blocks each `events_apply/store_remove_4096` iteration applies (4,096 stored + 4,096
+/// removed).
+const EVENTS_APPLY_BLOCKS: f64 = 8_192.0;
+
+/// kvc-events' block index: criterion speeds, and its bytes per block from `KVC_BENCH_OUT`.
+fn events_index(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
+    let extra = ctx.out.join("events.json");
+    let _ = std::fs::remove_file(&extra);
+    let mut cmd = ctx.cargo();
+    cmd.args([
+        "bench",
+        "--locked",
+        "-p",
+        "kvc-events",
+        "--bench",
+        "index",
+        "--",
+    ]);
+    if ctx.quick {
+        cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1.5"]);
+    }
+    cmd.env("KVC_BENCH_OUT", &extra);
+    run("criterion kvc-events/index", &mut cmd)?;
+    let apply_ns = criterion_median(ctx, "events_apply/store_remove_4096")?;
+    figures.insert(
+        "events.apply_blocks_per_s".into(),
+        EVENTS_APPLY_BLOCKS / (apply_ns / 1e9),
+    );
+    figures.insert(
+        "events.overlap_4096_tokens_8_workers_ns".into(),
+        criterion_median(ctx, "events_overlap/4096_tokens_8_workers")?,
+    );
+    figures.insert(
+        "events.overlap_hashed_4096_tokens_8_workers_ns".into(),
+        criterion_median(ctx, "events_overlap/4096_tokens_8_workers_hashed")?,
+    );
+    let bytes = read_json(&extra)?["bytes_per_block"]
+        .as_f64()
+        .ok_or_else(|| format!("{}: no bytes_per_block", extra.display()))?;
+    figures.insert("events.bytes_per_block".into(), bytes);
     Ok(())
 }
 

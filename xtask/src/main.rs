@@ -21,11 +21,14 @@ COMMANDS:
     test       Run the whole test suite: `cargo test --workspace --locked`, then the loom
                model checks of kvc-admission (built with `--cfg loom` into target/loom),
                then scripts/python-client/check.sh (a Python client generated from proto/
-               by grpcio-tools calls a running kvc-router; needs python3 and PyPI).
+               by grpcio-tools calls a running kvc-router; needs python3 and PyPI), then
+               crates/kvc-events/scripts/check.sh (KV-cache event fixtures regenerated
+               byte for byte by msgspec, and a pyzmq publisher feeding the Rust
+               subscriber; needs python3 and PyPI).
 
     bench      Measure everything and write target/bench/summary.json (one flat JSON object
                of numbers) and target/bench/report.md (tables and plots):
-               the criterion benches of kvc-policy, kvc-admission and kvc-router, the simulator's speed
+               the criterion benches of kvc-policy, kvc-admission, kvc-router and kvc-events, the simulator's speed
                (default run and a ~100,000-request run), and the policy matrix (topologies
                1p3d, 4dp, 2p6d, 8dp x policies cache-aware, kv-aware-v0, kvc-v2, kvc x
                time-scales 1 and 10 on the generated SWE trace, seed 7).
@@ -41,6 +44,19 @@ COMMANDS:
                      and probes per second per reader thread (1e9 / probe_ns)
                  admission.commit_evict_us
                      median commit_evict round trip through the queue, µs
+                 events.apply_blocks_per_s
+                     blocks applied per second to kvc-events' index on one core: chained
+                     stores of 16 blocks (block size 16, tokens hashed, with a session)
+                     then removals of the same blocks, one worker holding 20,000 more
+                 events.overlap_4096_tokens_8_workers_ns
+                     median ns to find how many leading blocks of a 4,096-token request
+                     (256 blocks of 16, keys given) each of 8 workers holds, every worker
+                     holding 20,000 other blocks and a prefix of the request
+                 events.overlap_hashed_4096_tokens_8_workers_ns
+                     the same, hashing the request's tokens into its chained keys first
+                 events.bytes_per_block
+                     bytes the index has allocated per indexed block, 8 workers filled to a
+                     10,000-block pool with distinct blocks
                  router.route_rps, router.noop_rps, router.route_vs_noop
                      Route and no-op (Ping) requests/s on loopback at 32 concurrent
                      streams against the same server, in one fixed run, and their ratio
@@ -151,6 +167,20 @@ fn test() -> ExitCode {
             }
         } else {
             eprintln!("xtask test: python3 not found; the Python gRPC client check is skipped");
+        }
+    }
+    let events = root.join("crates/kvc-events/scripts/check.sh");
+    if events.exists() {
+        if has_python {
+            let py = run(
+                "Python KV-cache event check",
+                Command::new("bash").arg(&events),
+            );
+            if let Err(code) = py {
+                return code;
+            }
+        } else {
+            eprintln!("xtask test: python3 not found; the Python KV-cache event check is skipped");
         }
     }
     ExitCode::SUCCESS

@@ -11,6 +11,12 @@
 //! full blocks. A key therefore names a block *and* everything before it: two sequences share
 //! key `i` only if they share their first `(i + 1) × block_size` tokens (up to 64-bit
 //! collisions). A request is chained the same way ([`chain_keys`]) to look it up.
+//!
+//! Cost: one xxh3 call per block, each waiting for the key before it, so hashing a request is
+//! bound by latency, not bandwidth — several times the cost of the index lookup for small
+//! blocks (`cargo xtask bench` reports both: `events.overlap_4096_tokens_8_workers_ns` with
+//! the keys given, `events.overlap_hashed_4096_tokens_8_workers_ns` hashing first). A router
+//! computes a request's keys once and reuses them for every worker of that block size.
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -33,13 +39,10 @@ impl KeyHasher {
     /// The key of the block holding `tokens`, chained to `parent` (`None` for a first block).
     pub fn key(&mut self, parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
         let len = 8 + 4 * tokens.len();
-        self.buf.resize(len, 0);
-        let (head, body) = self.buf.split_at_mut(8);
-        head.copy_from_slice(&parent.map_or(0, |p| p.0).to_le_bytes());
-        for (dst, t) in body.chunks_exact_mut(4).zip(tokens) {
-            dst.copy_from_slice(&t.to_le_bytes());
+        if self.buf.len() != len {
+            self.buf.resize(len, 0);
         }
-        BlockKey(xxh3_64(&self.buf))
+        hash_into(&mut self.buf, parent, tokens)
     }
 
     /// Appends the keys of the full blocks of `tokens` (chained from `parent`) to `out`.
@@ -53,14 +56,29 @@ impl KeyHasher {
         if block_size == 0 {
             return;
         }
+        let len = 8 + 4 * block_size;
+        if self.buf.len() != len {
+            self.buf.resize(len, 0);
+        }
         let mut parent = parent;
         out.reserve(tokens.len() / block_size);
         for block in tokens.chunks_exact(block_size) {
-            let k = self.key(parent, block);
+            let k = hash_into(&mut self.buf, parent, block);
             out.push(k);
             parent = Some(k);
         }
     }
+}
+
+/// The key of one block, `buf` being exactly `8 + 4 × tokens.len()` bytes of scratch.
+#[inline]
+fn hash_into(buf: &mut [u8], parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
+    let (head, body) = buf.split_at_mut(8);
+    head.copy_from_slice(&parent.map_or(0, |p| p.0).to_le_bytes());
+    for (dst, t) in body.chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
+    }
+    BlockKey(xxh3_64(buf))
 }
 
 /// The keys of the full blocks of a request's `tokens` in blocks of `block_size` tokens (a

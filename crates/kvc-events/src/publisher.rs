@@ -5,14 +5,14 @@
 //! `buffer_steps` batches (default 10,000, vLLM's default), with the framing of
 //! [`crate::frames`]. Payloads are vLLM's map shape ([`crate::encode`]).
 //!
-//! For tests, [`PublisherConfig::drop_seqs`] names sequence numbers that are numbered and
-//! buffered but never sent on the PUB socket — the gaps a slow subscriber would see.
+//! For tests, [`Publisher::publish_unsent`] numbers and buffers a batch without sending it
+//! on the PUB socket — the gap a slow subscriber would see.
 
 use crate::encode::encode_batch;
 use crate::event::EventBatch;
 use crate::frames::{END_SEQ, parse_seq, seq_frame};
 use bytes::Bytes;
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -30,8 +30,6 @@ pub struct PublisherConfig {
     pub topic: String,
     /// Batches kept for replay.
     pub buffer_steps: usize,
-    /// For tests: sequence numbers buffered for replay but not sent live.
-    pub drop_seqs: BTreeSet<u64>,
 }
 
 impl PublisherConfig {
@@ -42,7 +40,6 @@ impl PublisherConfig {
             replay_endpoint: None,
             topic: String::new(),
             buffer_steps: 10_000,
-            drop_seqs: BTreeSet::new(),
         }
     }
 }
@@ -65,6 +62,8 @@ pub enum PublishError {
 
 struct Publish {
     payload: Bytes,
+    /// False: numbered and buffered, not sent live.
+    live: bool,
     seq: oneshot::Sender<u64>,
 }
 
@@ -127,12 +126,22 @@ impl Publisher {
         self.publish_payload(Bytes::from(encode_batch(batch))).await
     }
 
+    /// For tests: numbers and buffers a batch like [`Publisher::publish`] but does not send
+    /// it live, so subscribers see a gap they can only close by replay.
+    pub async fn publish_unsent(&self, batch: &EventBatch) -> Result<u64, PublishError> {
+        self.send(Bytes::from(encode_batch(batch)), false).await
+    }
+
     /// Publishes raw payload bytes (any bytes: tests send malformed ones); returns the
     /// sequence number.
     pub async fn publish_payload(&self, payload: Bytes) -> Result<u64, PublishError> {
+        self.send(payload, true).await
+    }
+
+    async fn send(&self, payload: Bytes, live: bool) -> Result<u64, PublishError> {
         let (seq, rx) = oneshot::channel();
         self.tx
-            .send(Publish { payload, seq })
+            .send(Publish { payload, live, seq })
             .await
             .map_err(|_| PublishError::Closed)?;
         rx.await.map_err(|_| PublishError::Closed)
@@ -166,8 +175,8 @@ async fn serve(
         tokio::select! {
             _ = cancel.cancelled() => break,
             cmd = rx.recv() => {
-                let Some(Publish { payload, seq }) = cmd else { break };
-                if !cfg.drop_seqs.contains(&next) {
+                let Some(Publish { payload, live, seq }) = cmd else { break };
+                if live {
                     let frames = vec![topic.clone(), seq_frame(next), payload.clone()];
                     if let Ok(msg) = ZmqMessage::try_from(frames)
                         && let Err(e) = publisher.send(msg).await

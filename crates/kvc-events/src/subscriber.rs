@@ -251,21 +251,14 @@ impl Run {
                         return true;
                     }
                     for (seq, payload) in held {
-                        match self.tracker.on_live(seq, false) {
+                        match self.tracker.on_held(seq) {
                             LiveAction::Apply => self.apply(seq, &payload),
-                            LiveAction::Ignore => {}
-                            LiveAction::ResetThenApply { restart } => {
-                                let counter = if restart {
-                                    &self.stats.restarts
-                                } else {
-                                    &self.stats.gaps
-                                };
-                                WorkerStats::add(counter, 1);
+                            LiveAction::ResetThenApply { .. } => {
+                                WorkerStats::add(&self.stats.gaps, 1);
                                 self.reset("gap the replay did not close");
                                 self.apply(seq, &payload);
                             }
-                            // `on_live` never asks for a replay when told it cannot.
-                            LiveAction::Replay { .. } => {}
+                            LiveAction::Ignore | LiveAction::Replay { .. } => {}
                         }
                     }
                 }
@@ -364,6 +357,7 @@ impl Run {
                         if let Some(m) = self.live_frames(msg)
                             && held.len() < self.cfg.max_held
                         {
+                            self.tracker.hold(m.0);
                             held.push_back(m);
                         }
                     }

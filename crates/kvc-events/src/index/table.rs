@@ -1,6 +1,6 @@
 //! A flat open-addressing map from `u64` keys to small `Copy` values, sized by the caller.
 //!
-//! Linear probing over two arrays (keys, values), key `0` meaning "empty" (a real key `0`
+//! Linear probing over one array of (key, value) slots, key `0` meaning "empty" (a real key `0`
 //! lives in a side slot), deletion by backward shift (no tombstones), load factor at most
 //! 4/5. The table grows by doubling but never past the slots needed for its `limit` entries,
 //! so a table filled to its limit costs `(8 + size_of::<V>()) × 5/4` bytes per entry (plus
@@ -13,8 +13,8 @@ pub(crate) fn slots_for(n: usize) -> usize {
 
 #[derive(Debug, Clone)]
 pub(crate) struct FlatMap<V> {
-    keys: Vec<u64>,
-    vals: Vec<V>,
+    /// (key, value); key 0: empty. One cache line per probe, key and value together.
+    slots: Vec<(u64, V)>,
     len: usize,
     zero: Option<V>,
     limit: usize,
@@ -24,8 +24,7 @@ impl<V: Copy + Default> FlatMap<V> {
     /// An empty map that grows to at most the slots for `limit` entries (0: unlimited).
     pub(crate) fn new(limit: usize) -> Self {
         FlatMap {
-            keys: Vec::new(),
-            vals: Vec::new(),
+            slots: Vec::new(),
             len: 0,
             zero: None,
             limit,
@@ -41,9 +40,9 @@ impl<V: Copy + Default> FlatMap<V> {
         self.len + usize::from(self.zero.is_some())
     }
 
-    /// Bytes allocated for entries (capacity of both arrays).
+    /// Bytes allocated for entries (capacity of the slot array).
     pub(crate) fn bytes(&self) -> usize {
-        self.keys.capacity() * 8 + self.vals.capacity() * std::mem::size_of::<V>()
+        self.slots.capacity() * std::mem::size_of::<(u64, V)>()
     }
 
     #[inline]
@@ -54,13 +53,13 @@ impl<V: Copy + Default> FlatMap<V> {
 
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
-        let n = self.keys.len();
+        let n = self.slots.len();
         if n == 0 {
             return None;
         }
         let mut i = Self::home(key, n);
         loop {
-            let k = self.keys[i];
+            let k = self.slots[i].0;
             if k == key {
                 return Some(i);
             }
@@ -79,14 +78,14 @@ impl<V: Copy + Default> FlatMap<V> {
         if key == 0 {
             return self.zero.as_ref();
         }
-        self.find(key).map(|i| &self.vals[i])
+        self.find(key).map(|i| &self.slots[i].1)
     }
 
     pub(crate) fn get_mut(&mut self, key: u64) -> Option<&mut V> {
         if key == 0 {
             return self.zero.as_mut();
         }
-        self.find(key).map(|i| &mut self.vals[i])
+        self.find(key).map(|i| &mut self.slots[i].1)
     }
 
     /// Inserts or replaces; returns the previous value.
@@ -95,47 +94,40 @@ impl<V: Copy + Default> FlatMap<V> {
             return self.zero.replace(val);
         }
         if let Some(i) = self.find(key) {
-            return Some(std::mem::replace(&mut self.vals[i], val));
+            return Some(std::mem::replace(&mut self.slots[i].1, val));
         }
-        if (self.len + 1) * 5 > self.keys.len() * 4 {
+        if (self.len + 1) * 5 > self.slots.len() * 4 {
             self.grow();
         }
-        let n = self.keys.len();
+        self.place(key, val);
+        self.len += 1;
+        None
+    }
+
+    /// Puts a key known to be absent into the first free slot of its probe sequence.
+    fn place(&mut self, key: u64, val: V) {
+        let n = self.slots.len();
         let mut i = Self::home(key, n);
-        while self.keys[i] != 0 {
+        while self.slots[i].0 != 0 {
             i += 1;
             if i == n {
                 i = 0;
             }
         }
-        self.keys[i] = key;
-        self.vals[i] = val;
-        self.len += 1;
-        None
+        self.slots[i] = (key, val);
     }
 
     fn grow(&mut self) {
         let needed = slots_for(self.len + 1);
-        let mut slots = (self.keys.len() * 2).max(8);
+        let mut slots = (self.slots.len() * 2).max(8);
         if self.limit > 0 {
             slots = slots.min(slots_for(self.limit));
         }
         let slots = slots.max(needed);
-        let keys = std::mem::replace(&mut self.keys, vec![0; slots]);
-        let vals = std::mem::replace(&mut self.vals, vec![V::default(); slots]);
-        self.len = 0;
-        for (k, v) in keys.into_iter().zip(vals) {
+        let old = std::mem::replace(&mut self.slots, vec![(0, V::default()); slots]);
+        for (k, v) in old {
             if k != 0 {
-                let mut i = Self::home(k, slots);
-                while self.keys[i] != 0 {
-                    i += 1;
-                    if i == slots {
-                        i = 0;
-                    }
-                }
-                self.keys[i] = k;
-                self.vals[i] = v;
-                self.len += 1;
+                self.place(k, v);
             }
         }
     }
@@ -146,15 +138,15 @@ impl<V: Copy + Default> FlatMap<V> {
             return self.zero.take();
         }
         let mut i = self.find(key)?;
-        let old = self.vals[i];
-        let n = self.keys.len();
+        let old = self.slots[i].1;
+        let n = self.slots.len();
         let mut j = i;
         loop {
             j += 1;
             if j == n {
                 j = 0;
             }
-            let k = self.keys[j];
+            let k = self.slots[j].0;
             if k == 0 {
                 break;
             }
@@ -166,12 +158,11 @@ impl<V: Copy + Default> FlatMap<V> {
                 i < h || h <= j
             };
             if !stays {
-                self.keys[i] = k;
-                self.vals[i] = self.vals[j];
+                self.slots[i] = self.slots[j];
                 i = j;
             }
         }
-        self.keys[i] = 0;
+        self.slots[i].0 = 0;
         self.len -= 1;
         Some(old)
     }
@@ -179,18 +170,16 @@ impl<V: Copy + Default> FlatMap<V> {
     /// Every entry, in slot order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &V)> + '_ {
         self.zero.iter().map(|v| (0, v)).chain(
-            self.keys
+            self.slots
                 .iter()
-                .zip(&self.vals)
-                .filter(|(k, _)| **k != 0)
+                .filter(|(k, _)| *k != 0)
                 .map(|(k, v)| (*k, v)),
         )
     }
 
     /// Drops every entry and frees the arrays.
     pub(crate) fn clear(&mut self) {
-        self.keys = Vec::new();
-        self.vals = Vec::new();
+        self.slots = Vec::new();
         self.len = 0;
         self.zero = None;
     }
