@@ -69,6 +69,12 @@ fn a_router_fed_only_by_engine_signals_routes_like_one_fed_by_snapshots() {
     // blocks from their events.
     let config = std::fs::read_to_string(dir.join("snap-events/kvc-router.toml")).unwrap();
     assert!(!config.contains("snapshot ="), "{config}");
+    // No snapshot file was written at all.
+    let files: Vec<String> = std::fs::read_dir(dir.join("snap-events"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(files, ["kvc-router.toml"]);
     assert!(config.contains("metrics-url") && config.contains("kv-events-replay"));
     for d in ["d0", "d1", "d2"] {
         let line = stderr

@@ -177,9 +177,11 @@ pub fn router_config(
     }
 }
 
-/// Publishes every worker's state into its snapshot file.
+/// Publishes every worker's state: into its snapshot file, and/or as its engine signals.
 pub(crate) struct Publisher {
     writers: Vec<SnapshotWriter>,
+    /// Each worker's pool, tokens (by worker id).
+    capacities: Vec<u64>,
     data: SnapshotData,
     /// The workers' engine signals, updated at every publish when served.
     signals: Option<engine_signals::EngineSignals>,
@@ -193,6 +195,7 @@ impl Publisher {
         dir: &Path,
         table_slots: usize,
     ) -> Result<Self, LiveError> {
+        let mut p = Self::without_snapshots(cfg);
         std::fs::create_dir_all(dir).map_err(|e| LiveError::Snapshot {
             path: dir.display().to_string(),
             message: e.to_string(),
@@ -210,11 +213,20 @@ impl Publisher {
             })?;
             writers.push(w);
         }
-        Ok(Publisher {
+        p.writers = writers;
+        Ok(p)
+    }
+
+    /// A publisher that writes no snapshot file (the workers' state goes out only as engine
+    /// signals, once served).
+    pub(crate) fn without_snapshots(cfg: &SimConfig) -> Self {
+        let capacity = cfg.profile.hardware.kv_pool_tokens;
+        Publisher {
             data: SnapshotData::empty(WorkerId(0), capacity),
-            writers,
+            writers: Vec::new(),
+            capacities: vec![capacity; worker_roles(cfg.topology).len()],
             signals: None,
-        })
+        }
     }
 
     /// Also serves every worker's engine signals on `rt` until `stop`: vLLM-named `/metrics`
@@ -229,9 +241,9 @@ impl Publisher {
         stop: &CancellationToken,
     ) -> Result<Vec<engine_signals::EngineEndpoints>, LiveError> {
         let states = self
-            .writers
+            .capacities
             .iter()
-            .map(|w| kvc_core::WorkerState::empty(w.capacity_tokens()))
+            .map(|c| kvc_core::WorkerState::empty(*c))
             .collect();
         let signals =
             engine_signals::EngineSignals::serve(rt, states, base, model, trace_block, stop)?;
@@ -456,7 +468,19 @@ pub fn live(
 ) -> Result<SimOutput, LiveError> {
     opts.validate()?;
     let roles = worker_roles(cfg.topology);
-    let mut publisher = Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?;
+    // A router reading engine signals gets no snapshot file, and no worker service (which
+    // answers from one).
+    let events = opts.router_state == StateSource::Events;
+    let mut publisher = if events {
+        // The directory still holds the spawned router's configuration.
+        std::fs::create_dir_all(&opts.snapshot_dir).map_err(|e| LiveError::Snapshot {
+            path: opts.snapshot_dir.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Publisher::without_snapshots(cfg)
+    } else {
+        Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?
+    };
     let rt = runtime()?;
     let start_wall_ms = SystemClock.now_ms();
     // Publish once so the router finds fresh snapshots from its first read.
@@ -491,7 +515,7 @@ pub fn live(
     let mut worker_addrs = Vec::new();
     let mut workers = Vec::new();
     let spawn = matches!(opts.router, RouterTarget::Spawn { .. });
-    let serve_workers = opts.worker_base_port.is_some() || spawn;
+    let serve_workers = !events && (opts.worker_base_port.is_some() || spawn);
     if serve_workers {
         for i in 0..roles.len() {
             let id = WorkerId(i as u32);
