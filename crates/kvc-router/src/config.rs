@@ -150,6 +150,29 @@ pub struct HttpConfig {
     /// session's latest prompt (ending exactly at that prompt's last full block) to continue
     /// it; 0 turns session inference off. Default 4.
     pub infer_min_blocks: u32,
+    /// Longest session id the front accepts (the `x-session-id` header or
+    /// `session_params.id`), in bytes; a longer one gets 400. Default 256.
+    pub max_session_id_bytes: usize,
+    /// Largest request body accepted, in bytes; a larger one gets 413. Default 16 MiB.
+    pub max_body_bytes: usize,
+    /// Largest request head (request line and headers), in bytes; a larger one gets 431 and
+    /// the connection is closed. Default 64 KiB.
+    pub max_header_bytes: usize,
+    /// A request's head must be complete within this time of its first byte. Default
+    /// 10,000 ms.
+    pub header_read_timeout_ms: u64,
+    /// A request's body must be complete within this time of its head; otherwise 408 and the
+    /// connection is closed. Default 30,000 ms.
+    pub body_read_timeout_ms: u64,
+    /// A client connection with no request in progress (new, or kept alive after an answer)
+    /// is closed when no byte of a new request arrives within this time. Default 60,000 ms.
+    pub idle_timeout_ms: u64,
+    /// Client connections served at once; further ones go to the overflow. Default 1,024.
+    pub max_connections: usize,
+    /// Connections past `max-connections` answered once each — `/health`, `/livez` and
+    /// `/readyz` served, anything else 503 — then closed; past these too, a connection is
+    /// closed without an answer. Default 32.
+    pub overflow_connections: usize,
 }
 
 impl Default for HttpConfig {
@@ -168,6 +191,14 @@ impl Default for HttpConfig {
             health_check_timeout_ms: 1_000,
             tokenizer: None,
             infer_min_blocks: 4,
+            max_session_id_bytes: 256,
+            max_body_bytes: 16 << 20,
+            max_header_bytes: 64 << 10,
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            idle_timeout_ms: 60_000,
+            max_connections: 1_024,
+            overflow_connections: 32,
         }
     }
 }
@@ -176,16 +207,35 @@ impl HttpConfig {
     /// Largest `max-retries` accepted.
     pub const MAX_RETRIES: u32 = 10;
 
-    /// Checks the `[http]` table: positive deadlines, `max-retries` in range, the breaker's
-    /// longest cool-down at least its first. (The tokenizer file is loaded, and checked, when
-    /// the HTTP front starts.)
+    /// Smallest `max-header-bytes` accepted.
+    pub const MIN_HEADER_BYTES: usize = 1_024;
+
+    /// Checks the `[http]` table: positive deadlines and limits, `max-retries` in range, the
+    /// breaker's longest cool-down at least its first, `max-header-bytes` at least
+    /// [`HttpConfig::MIN_HEADER_BYTES`]. (The tokenizer file is loaded, and checked, when the
+    /// HTTP front starts.)
     pub fn validate(&self) -> Result<(), ConfigError> {
         all_positive([
             ("http.request-timeout-ms", self.request_timeout_ms),
             ("http.connect-timeout-ms", self.connect_timeout_ms),
             ("http.pool-idle-timeout-ms", self.pool_idle_timeout_ms),
             ("http.health-check-timeout-ms", self.health_check_timeout_ms),
+            ("http.header-read-timeout-ms", self.header_read_timeout_ms),
+            ("http.body-read-timeout-ms", self.body_read_timeout_ms),
+            ("http.idle-timeout-ms", self.idle_timeout_ms),
+            (
+                "http.max-session-id-bytes",
+                self.max_session_id_bytes as u64,
+            ),
+            ("http.max-body-bytes", self.max_body_bytes as u64),
+            ("http.max-connections", self.max_connections as u64),
         ])?;
+        if self.max_header_bytes < Self::MIN_HEADER_BYTES {
+            return Err(ConfigError::Invalid(format!(
+                "http.max-header-bytes must be at least {}",
+                Self::MIN_HEADER_BYTES
+            )));
+        }
         if self.max_retries > Self::MAX_RETRIES {
             return Err(ConfigError::Invalid(format!(
                 "http.max-retries must be at most {}",

@@ -190,6 +190,7 @@ mod session;
 mod sse;
 mod stream;
 mod tokens;
+mod trust;
 mod whole;
 mod worker_client;
 
