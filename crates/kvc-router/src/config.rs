@@ -400,6 +400,15 @@ impl WorkerConfig {
     }
 }
 
+/// SGLang's default disaggregation bootstrap port: a prefill worker's when its
+/// `bootstrap-port` is absent.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// A worker as error messages name it: its id and display name.
+fn worker_label(w: &WorkerConfig) -> String {
+    format!("{} (`{}`)", w.id, w.display_name())
+}
+
 /// A worker's parsed HTTP base URL, `http://host[:port][/prefix]` (`https` is not supported).
 ///
 /// ```
@@ -493,7 +502,9 @@ impl RouterConfig {
     }
 
     /// Checks every value: the policy's knobs, positive limits and intervals, the `[http]`
-    /// and `[sessions]` tables, each worker entry, and worker ids unique.
+    /// and `[sessions]` tables, each worker entry, worker ids unique, no two workers with
+    /// the same name, service address, snapshot file, `http-url` or bootstrap server, and
+    /// roles that can route (all colocated, or prefill and decode workers).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.policy
             .validate()
@@ -520,7 +531,102 @@ impl RouterConfig {
             }
             w.validate()?;
         }
+        self.validate_unique_addresses()?;
+        self.validate_topology()
+    }
+
+    /// No two workers share a name, a service `address`, a `snapshot` file, an `http-url`, or
+    /// (prefill workers) a bootstrap server (host and `bootstrap-port`): each would be one
+    /// worker counted twice, or two workers fighting over one file or port.
+    fn validate_unique_addresses(&self) -> Result<(), ConfigError> {
+        let keys: [(&str, fn(&WorkerConfig) -> Option<String>); 5] = [
+            ("name", |w| Some(w.display_name())),
+            ("address", |w| {
+                w.address
+                    .as_ref()
+                    .map(|a| a.trim_end_matches('/').to_ascii_lowercase())
+            }),
+            ("snapshot", |w| {
+                w.snapshot
+                    .as_ref()
+                    .map(|p| p.components().collect::<PathBuf>().display().to_string())
+            }),
+            ("http-url", |w| {
+                let url = WorkerUrl::parse(w.http_url.as_deref()?).ok()?;
+                Some(format!(
+                    "http://{}{}",
+                    url.authority().to_ascii_lowercase(),
+                    url.prefix
+                ))
+            }),
+            ("bootstrap server", |w| {
+                if w.role != WorkerRole::Prefill {
+                    return None;
+                }
+                let url = WorkerUrl::parse(w.http_url.as_deref()?).ok()?;
+                let port = w.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
+                Some(format!("{}:{port}", url.host.to_ascii_lowercase()))
+            }),
+        ];
+        for (what, key) in keys {
+            let mut seen: std::collections::HashMap<String, &WorkerConfig> =
+                std::collections::HashMap::new();
+            for w in &self.workers {
+                let Some(k) = key(w) else { continue };
+                if let Some(first) = seen.insert(k.clone(), w) {
+                    return Err(ConfigError::Invalid(format!(
+                        "workers {} and {} have the same {what} `{k}`",
+                        worker_label(first),
+                        worker_label(w)
+                    )));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The workers' roles describe a cluster the policies can route on — the rule of
+    /// [`kvc_policy::ClusterView::topology`]: all colocated, or at least one prefill and one
+    /// decode worker and no colocated one. (No worker at all is accepted: such a router
+    /// answers every request as unavailable, and its readiness probe says so.)
+    fn validate_topology(&self) -> Result<(), ConfigError> {
+        if self.workers.is_empty() {
+            return Ok(());
+        }
+        let views: Vec<kvc_policy::WorkerView> = self
+            .workers
+            .iter()
+            .map(|w| {
+                kvc_policy::WorkerView::new(
+                    w.worker_id(),
+                    w.role,
+                    kvc_core::WorkerState::empty(w.capacity_tokens),
+                )
+            })
+            .collect();
+        kvc_policy::ClusterView::new(0, &views)
+            .topology()
+            .map(|_| ())
+            .map_err(|e| {
+                let by_role = |role: WorkerRole| {
+                    let listed: Vec<String> = self
+                        .workers
+                        .iter()
+                        .filter(|w| w.role == role)
+                        .map(worker_label)
+                        .collect();
+                    match listed.is_empty() {
+                        true => format!("{role}: none"),
+                        false => format!("{role}: {}", listed.join(", ")),
+                    }
+                };
+                ConfigError::Invalid(format!(
+                    "the workers cannot route: {e} ({}; {}; {})",
+                    by_role(WorkerRole::Prefill),
+                    by_role(WorkerRole::Decode),
+                    by_role(WorkerRole::Colocated)
+                ))
+            })
     }
 
     /// The configured worker `id`.
@@ -570,8 +676,8 @@ mod tests {
 
     #[test]
     fn http_keys_are_validated() {
-        let worker =
-            "[[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/x\"\n";
+        let worker = "[[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 10\nsnapshot = \"/p\"\n\
+                      [[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/x\"\n";
         let cfg = RouterConfig::from_toml_str(worker).unwrap();
         assert_eq!(cfg.http_listen, None);
         assert!(cfg.workers.iter().all(|w| w.http_url.is_none()));

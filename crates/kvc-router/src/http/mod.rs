@@ -180,6 +180,7 @@ mod endpoints;
 mod error;
 mod health;
 mod infer;
+mod listener;
 mod options;
 mod pairing;
 mod request;
@@ -197,6 +198,7 @@ mod worker_client;
 pub use breaker::{BreakerOptions, BreakerState};
 pub use endpoints::{DEFAULT_BOOTSTRAP_PORT, HttpWorker, WorkerEndpoints};
 pub use error::FrontError;
+pub use listener::{ListenerOptions, serve_front};
 pub use options::HttpOptions;
 pub use request::{
     DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS, chat_prompt,
