@@ -404,6 +404,9 @@ impl WorkerConfig {
 /// `bootstrap-port` is absent.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
+/// One kind of address of a worker, normalised (`None`: the worker has none).
+type WorkerKey = fn(&WorkerConfig) -> Option<String>;
+
 /// A worker as error messages name it: its id and display name.
 fn worker_label(w: &WorkerConfig) -> String {
     format!("{} (`{}`)", w.id, w.display_name())
@@ -539,7 +542,7 @@ impl RouterConfig {
     /// (prefill workers) a bootstrap server (host and `bootstrap-port`): each would be one
     /// worker counted twice, or two workers fighting over one file or port.
     fn validate_unique_addresses(&self) -> Result<(), ConfigError> {
-        let keys: [(&str, fn(&WorkerConfig) -> Option<String>); 5] = [
+        let keys: [(&str, WorkerKey); 5] = [
             ("name", |w| Some(w.display_name())),
             ("address", |w| {
                 w.address
