@@ -189,6 +189,29 @@ pub struct HttpConfig {
     /// session's latest prompt (ending exactly at that prompt's last full block) to continue
     /// it; 0 turns session inference off. Default 4.
     pub infer_min_blocks: u32,
+    /// Longest session id the front accepts (the `x-session-id` header or
+    /// `session_params.id`), in bytes; a longer one gets 400. Default 256.
+    pub max_session_id_bytes: usize,
+    /// Largest request body accepted, in bytes; a larger one gets 413. Default 16 MiB.
+    pub max_body_bytes: usize,
+    /// Largest request head (request line and headers), in bytes; a larger one gets 431 and
+    /// the connection is closed. Default 64 KiB.
+    pub max_header_bytes: usize,
+    /// A request's head must be complete within this time of its first byte. Default
+    /// 10,000 ms.
+    pub header_read_timeout_ms: u64,
+    /// A request's body must be complete within this time of its head; otherwise 408 and the
+    /// connection is closed. Default 30,000 ms.
+    pub body_read_timeout_ms: u64,
+    /// A client connection with no request in progress (new, or kept alive after an answer)
+    /// is closed when no byte of a new request arrives within this time. Default 60,000 ms.
+    pub idle_timeout_ms: u64,
+    /// Client connections served at once; further ones go to the overflow. Default 1,024.
+    pub max_connections: usize,
+    /// Connections past `max-connections` answered once each — `/health`, `/livez` and
+    /// `/readyz` served, anything else 503 — then closed; past these too, a connection is
+    /// closed without an answer. Default 32.
+    pub overflow_connections: usize,
 }
 
 impl Default for HttpConfig {
@@ -207,6 +230,14 @@ impl Default for HttpConfig {
             health_check_timeout_ms: 1_000,
             tokenizer: None,
             infer_min_blocks: 4,
+            max_session_id_bytes: 256,
+            max_body_bytes: 16 << 20,
+            max_header_bytes: 64 << 10,
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            idle_timeout_ms: 60_000,
+            max_connections: 1_024,
+            overflow_connections: 32,
         }
     }
 }
@@ -215,16 +246,35 @@ impl HttpConfig {
     /// Largest `max-retries` accepted.
     pub const MAX_RETRIES: u32 = 10;
 
-    /// Checks the `[http]` table: positive deadlines, `max-retries` in range, the breaker's
-    /// longest cool-down at least its first. (The tokenizer file is loaded, and checked, when
-    /// the HTTP front starts.)
+    /// Smallest `max-header-bytes` accepted.
+    pub const MIN_HEADER_BYTES: usize = 1_024;
+
+    /// Checks the `[http]` table: positive deadlines and limits, `max-retries` in range, the
+    /// breaker's longest cool-down at least its first, `max-header-bytes` at least
+    /// [`HttpConfig::MIN_HEADER_BYTES`]. (The tokenizer file is loaded, and checked, when the
+    /// HTTP front starts.)
     pub fn validate(&self) -> Result<(), ConfigError> {
         all_positive([
             ("http.request-timeout-ms", self.request_timeout_ms),
             ("http.connect-timeout-ms", self.connect_timeout_ms),
             ("http.pool-idle-timeout-ms", self.pool_idle_timeout_ms),
             ("http.health-check-timeout-ms", self.health_check_timeout_ms),
+            ("http.header-read-timeout-ms", self.header_read_timeout_ms),
+            ("http.body-read-timeout-ms", self.body_read_timeout_ms),
+            ("http.idle-timeout-ms", self.idle_timeout_ms),
+            (
+                "http.max-session-id-bytes",
+                self.max_session_id_bytes as u64,
+            ),
+            ("http.max-body-bytes", self.max_body_bytes as u64),
+            ("http.max-connections", self.max_connections as u64),
         ])?;
+        if self.max_header_bytes < Self::MIN_HEADER_BYTES {
+            return Err(ConfigError::Invalid(format!(
+                "http.max-header-bytes must be at least {}",
+                Self::MIN_HEADER_BYTES
+            )));
+        }
         if self.max_retries > Self::MAX_RETRIES {
             return Err(ConfigError::Invalid(format!(
                 "http.max-retries must be at most {}",
@@ -485,6 +535,18 @@ fn is_tcp_endpoint(s: &str) -> bool {
         .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
 }
 
+/// SGLang's default disaggregation bootstrap port: a prefill worker's when its
+/// `bootstrap-port` is absent.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// One kind of address of a worker, normalised (`None`: the worker has none).
+type WorkerKey = fn(&WorkerConfig) -> Option<String>;
+
+/// A worker as error messages name it: its id and display name.
+fn worker_label(w: &WorkerConfig) -> String {
+    format!("{} (`{}`)", w.id, w.display_name())
+}
+
 /// A worker's parsed HTTP base URL, `http://host[:port][/prefix]` (`https` is not supported).
 ///
 /// ```
@@ -578,7 +640,9 @@ impl RouterConfig {
     }
 
     /// Checks every value: the policy's knobs, positive limits and intervals, the `[http]`
-    /// and `[sessions]` tables, each worker entry, and worker ids unique.
+    /// and `[sessions]` tables, each worker entry, worker ids unique, no two workers with
+    /// the same name, service address, snapshot file, `http-url` or bootstrap server, and
+    /// roles that can route (all colocated, or prefill and decode workers).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.policy
             .validate()
@@ -606,7 +670,114 @@ impl RouterConfig {
             }
             w.validate()?;
         }
+        self.validate_unique_addresses()?;
+        self.validate_topology()
+    }
+
+    /// No two workers share a name, a service `address`, a `snapshot` file, an `http-url`, a
+    /// `metrics-url`, a `kv-events` or `kv-events-replay` endpoint, or (prefill workers) a
+    /// bootstrap server (host and `bootstrap-port`): each would be one worker counted twice,
+    /// or two workers fighting over one file or port.
+    fn validate_unique_addresses(&self) -> Result<(), ConfigError> {
+        let keys: [(&str, WorkerKey); 8] = [
+            ("name", |w| Some(w.display_name())),
+            ("address", |w| {
+                w.address
+                    .as_ref()
+                    .map(|a| a.trim_end_matches('/').to_ascii_lowercase())
+            }),
+            ("snapshot", |w| {
+                w.snapshot
+                    .as_ref()
+                    .map(|p| p.components().collect::<PathBuf>().display().to_string())
+            }),
+            ("http-url", |w| {
+                let url = WorkerUrl::parse(w.http_url.as_deref()?).ok()?;
+                Some(format!(
+                    "http://{}{}",
+                    url.authority().to_ascii_lowercase(),
+                    url.prefix
+                ))
+            }),
+            ("metrics-url", |w| {
+                w.metrics_url
+                    .as_ref()
+                    .map(|a| a.trim_end_matches('/').to_ascii_lowercase())
+            }),
+            ("kv-events endpoint", |w| {
+                w.kv_events.as_ref().map(|a| a.to_ascii_lowercase())
+            }),
+            ("kv-events-replay endpoint", |w| {
+                w.kv_events_replay.as_ref().map(|a| a.to_ascii_lowercase())
+            }),
+            ("bootstrap server", |w| {
+                if w.role != WorkerRole::Prefill {
+                    return None;
+                }
+                let url = WorkerUrl::parse(w.http_url.as_deref()?).ok()?;
+                let port = w.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
+                Some(format!("{}:{port}", url.host.to_ascii_lowercase()))
+            }),
+        ];
+        for (what, key) in keys {
+            let mut seen: std::collections::HashMap<String, &WorkerConfig> =
+                std::collections::HashMap::new();
+            for w in &self.workers {
+                let Some(k) = key(w) else { continue };
+                if let Some(first) = seen.insert(k.clone(), w) {
+                    return Err(ConfigError::Invalid(format!(
+                        "workers {} and {} have the same {what} `{k}`",
+                        worker_label(first),
+                        worker_label(w)
+                    )));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The workers' roles describe a cluster the policies can route on — the rule of
+    /// [`kvc_policy::ClusterView::topology`]: all colocated, or at least one prefill and one
+    /// decode worker and no colocated one. (No worker at all is accepted: such a router
+    /// answers every request as unavailable, and its readiness probe says so.)
+    fn validate_topology(&self) -> Result<(), ConfigError> {
+        if self.workers.is_empty() {
+            return Ok(());
+        }
+        let views: Vec<kvc_policy::WorkerView> = self
+            .workers
+            .iter()
+            .map(|w| {
+                kvc_policy::WorkerView::new(
+                    w.worker_id(),
+                    w.role,
+                    kvc_core::WorkerState::empty(w.capacity_tokens),
+                )
+            })
+            .collect();
+        kvc_policy::ClusterView::new(0, &views)
+            .topology()
+            .map(|_| ())
+            .map_err(|e| {
+                let by_role = |role: WorkerRole| {
+                    let listed: Vec<String> = self
+                        .workers
+                        .iter()
+                        .filter(|w| w.role == role)
+                        .map(worker_label)
+                        .collect();
+                    match listed.is_empty() {
+                        true => format!("{role}: none"),
+                        false => format!("{role}: {}", listed.join(", ")),
+                    }
+                };
+                ConfigError::Invalid(format!(
+                    "the workers cannot route: {e} ({}; {}; {})",
+                    by_role(WorkerRole::Prefill),
+                    by_role(WorkerRole::Decode),
+                    by_role(WorkerRole::Colocated)
+                ))
+            })
     }
 
     /// The configured worker `id`.
@@ -667,8 +838,8 @@ mod tests {
 
     #[test]
     fn http_keys_are_validated() {
-        let worker =
-            "[[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/x\"\n";
+        let worker = "[[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 10\nsnapshot = \"/p\"\n\
+                      [[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/x\"\n";
         let cfg = RouterConfig::from_toml_str(worker).unwrap();
         assert_eq!(cfg.http_listen, None);
         assert!(cfg.workers.iter().all(|w| w.http_url.is_none()));
@@ -827,6 +998,8 @@ mod tests {
     #[test]
     fn rejects_bad_configs() {
         let base = "[[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\n";
+        // The same worker alone in a cluster that can route.
+        let colocated = |toml: &str| toml.replace("\"decode\"", "\"colocated\"");
         assert!(error_of(base).contains("a snapshot path, a service address or a metrics-url"));
         let dup = format!("{base}snapshot = \"/x\"\n{base}snapshot = \"/y\"\n");
         assert!(error_of(&dup).contains("twice"));
@@ -847,12 +1020,17 @@ mod tests {
         assert!(error_of(&events).contains("needs `block-size`"));
         let ok_events = format!("{events}block-size = 32\nkv-events-replay = \"tcp://h:5558\"\n");
         assert_eq!(
-            RouterConfig::from_toml_str(&ok_events).unwrap().workers[0].block_size,
+            RouterConfig::from_toml_str(&colocated(&ok_events))
+                .unwrap()
+                .workers[0]
+                .block_size,
             Some(32)
         );
         let topic = format!("{ok_events}kv-events-topic = \"kv@pod@m\"\n");
         assert_eq!(
-            RouterConfig::from_toml_str(&topic).unwrap().workers[0]
+            RouterConfig::from_toml_str(&colocated(&topic))
+                .unwrap()
+                .workers[0]
                 .kv_events_topic
                 .as_deref(),
             Some("kv@pod@m")
@@ -864,9 +1042,9 @@ mod tests {
         let orphan = format!("{scraped}engine = \"vllm\"\nkv-events-replay = \"tcp://h:1\"\n");
         assert!(error_of(&orphan).contains("need `kv-events`"));
         let vllm = format!("{scraped}engine = \"vllm\"\nkv-events = \"tcp://h:1\"\n");
-        assert!(RouterConfig::from_toml_str(&vllm).is_ok());
+        assert!(RouterConfig::from_toml_str(&colocated(&vllm)).is_ok());
         let ok = format!("{scraped}engine = \"sglang\"\n");
-        let cfg = RouterConfig::from_toml_str(&ok).unwrap();
+        let cfg = RouterConfig::from_toml_str(&colocated(&ok)).unwrap();
         assert_eq!(cfg.workers[0].engine, Some(EngineKind::Sglang));
         assert_eq!(cfg.engine_signals, EngineSignalsConfig::default());
         assert!(

@@ -184,15 +184,12 @@ pub async fn serve_service(
 
     let http = http.map(|(listener, _, app)| {
         let stop = stop.clone();
-        // Streamed events go out as they come: no Nagle delay behind the client's delayed ACK.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
+        // Bounded connections and deadlines (the `[http]` listener keys); `TCP_NODELAY`, so
+        // streamed events go out as they come.
+        let options = crate::http::ListenerOptions::from_config(&service.config().http);
         tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await
-                .map_err(ServeError::Http)
+            crate::http::serve_front(listener, app, options, stop).await;
+            Ok(())
         })
     });
 

@@ -45,6 +45,8 @@ pub(crate) struct WorkerEntry {
     snapshot_path: Option<PathBuf>,
     reader: RwLock<Option<Arc<SnapshotReader>>>,
     last_open_attempt_ms: Mutex<Option<u64>>,
+    /// Why the snapshot file could not be used at the last attempt (logged when it changes).
+    open_failure: Mutex<Option<String>>,
     address: Option<String>,
     client: OnceLock<WorkerClient>,
     live: RwLock<Live>,
@@ -111,6 +113,7 @@ impl WorkerEntry {
             snapshot_path: cfg.snapshot.clone(),
             reader: RwLock::new(None),
             last_open_attempt_ms: Mutex::new(None),
+            open_failure: Mutex::new(None),
             address: cfg.address.clone(),
             client: OnceLock::new(),
             live: RwLock::new(Live {
@@ -185,26 +188,51 @@ impl WorkerEntry {
         match SnapshotReader::open(path) {
             Ok(r) => {
                 if r.worker_id() != self.id || r.capacity_tokens() != self.capacity_tokens {
-                    tracing::warn!(
-                        worker = self.id.0,
-                        path = %path.display(),
-                        file_worker = r.worker_id().0,
-                        file_capacity = r.capacity_tokens(),
-                        config_capacity = self.capacity_tokens,
-                        "snapshot header does not match the configured worker; ignoring it"
+                    self.open_failed(
+                        path,
+                        format!(
+                            "its header says worker {} with {} tokens, the configuration \
+                             worker {} with {} tokens",
+                            r.worker_id().0,
+                            r.capacity_tokens(),
+                            self.id.0,
+                            self.capacity_tokens
+                        ),
                     );
                     self.live.write().failing = true;
                     return None;
+                }
+                if self.open_failure.lock().take().is_some() {
+                    tracing::info!(worker = self.id.0, path = %path.display(), "snapshot file opened");
                 }
                 let r = Arc::new(r.with_stale_after_ms(self.stale_after_ms));
                 *self.reader.write() = Some(Arc::clone(&r));
                 Some(r)
             }
             Err(e) => {
-                tracing::debug!(worker = self.id.0, error = %e, "cannot open snapshot");
+                self.open_failed(path, e.to_string());
                 None
             }
         }
+    }
+
+    /// Logs why the snapshot file at `path` cannot be used: a warning with the path and the
+    /// reason the first time and whenever the reason changes (from the first refresh, i.e. at
+    /// startup), at debug level while it stays the same. The file is tried again at the next
+    /// refresh (at most twice per `stale-after-ms`).
+    fn open_failed(&self, path: &std::path::Path, reason: String) {
+        let mut last = self.open_failure.lock();
+        if last.as_deref() == Some(reason.as_str()) {
+            tracing::debug!(worker = self.id.0, path = %path.display(), %reason, "snapshot file still unusable");
+            return;
+        }
+        tracing::warn!(
+            worker = self.id.0,
+            path = %path.display(),
+            %reason,
+            "cannot use the snapshot file; the worker is out of rotation until it can (retrying)"
+        );
+        *last = Some(reason);
     }
 
     /// Re-reads the snapshot (opening or reopening the file when needed).
@@ -421,5 +449,87 @@ impl WorkerEntry {
                 self.rpc_timeout.as_millis()
             ))),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// What a tracing subscriber writes, shared with the test.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// The warnings logged while `f` runs.
+    fn warnings(f: impl FnOnce()) -> Vec<String> {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(out.0.lock().clone()).unwrap();
+        text.lines().map(str::to_owned).collect()
+    }
+
+    fn entry(path: &std::path::Path) -> WorkerEntry {
+        let mut cfg = WorkerConfig::new(3, WorkerRole::Decode, 1_000);
+        cfg.snapshot = Some(path.to_owned());
+        let router = crate::RouterConfig {
+            stale_after_ms: 1_000,
+            rpc_timeout_ms: 100,
+            ..crate::RouterConfig::default()
+        };
+        WorkerEntry::new(&cfg, &router)
+    }
+
+    #[test]
+    fn unusable_snapshot_files_are_logged_with_path_and_reason_once_and_retried() {
+        let dir = std::env::temp_dir().join(format!("kvc-workers-log-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let missing = dir.join("missing.snap");
+        let garbage = dir.join("garbage.snap");
+        std::fs::write(&garbage, b"not a snapshot at all").unwrap();
+        for path in [&missing, &garbage] {
+            let w = entry(path);
+            let logged = warnings(|| {
+                // At startup, then at later refreshes (each a retry: 500 ms apart).
+                for now in [0, 600, 1_200] {
+                    w.refresh_snapshot(now);
+                }
+            });
+            assert_eq!(
+                logged.len(),
+                1,
+                "logged once while the reason stays: {logged:?}"
+            );
+            let line = &logged[0];
+            assert!(line.contains(&path.display().to_string()), "{line}");
+            assert!(line.contains("reason="), "{line}");
+            assert!(line.contains("worker=3"), "{line}");
+            assert_eq!(w.state_at(1_200).health, Health::Down);
+            assert_eq!(*w.last_open_attempt_ms.lock(), Some(1_200), "retried");
+        }
+        let missing_reason = warnings(|| entry(&missing).refresh_snapshot(0)).concat();
+        let garbage_reason = warnings(|| entry(&garbage).refresh_snapshot(0)).concat();
+        assert_ne!(
+            missing_reason.split("reason=").nth(1),
+            garbage_reason.split("reason=").nth(1),
+            "the reasons differ"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -5,13 +5,13 @@
 use super::app::App;
 use super::decision::{self, Decision};
 use super::endpoints::HttpWorker;
-use super::pairing::{PrefillLeg, PrefillResult};
+use super::pairing::{PrefillLeg, PrefillResult, partner_timed_out};
 use super::request::Api;
-use super::responses::{answer_or_error, no_address, worker_answer};
+use super::responses::{answer_or_error, error_response, no_address, worker_answer};
 use crate::config::WorkerUrl;
 use crate::worker_http::{ForwardError, WorkerAnswer};
 use axum::body::Bytes;
-use axum::http::{HeaderName, HeaderValue};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use kvc_core::{ExecutionMode, Outcome, WorkerId};
 use serde_json::{Map, Value};
@@ -148,14 +148,37 @@ impl<'a> Attempt<'a> {
         AttemptResult::RetryElsewhere { response, failed }
     }
 
-    /// P failed before D answered anything: D's request is dropped (not D's failure), the
-    /// decision reported `worker-failed`, and the request tried again without P when P's
-    /// failure is worth it; otherwise P's answer goes to the client.
+    /// P failed before D answered anything. When P says its decode partner never came
+    /// (`504`, [`partner_timed_out`]), the failure is D's: D's breaker hears it and the
+    /// request is tried again without D (through the same P if it is chosen again).
+    /// Otherwise D's request is dropped (not D's failure), the decision reported
+    /// `worker-failed`, and the request tried again without P when P's failure is worth it;
+    /// otherwise P's answer goes to the client.
     pub(super) fn prefill_failed_first(
         &self,
         prefill: WorkerId,
         answer: PrefillResult,
     ) -> AttemptResult {
+        if partner_timed_out(&answer) {
+            let decode = self.decode();
+            self.app.feed_breaker(decode, true);
+            tracing::warn!(
+                request = self.request.request_id,
+                prefill = prefill.0,
+                decode = decode.0,
+                "the decode worker never joined the prefill worker's KV transfer"
+            );
+            let response = error_response(
+                StatusCode::GATEWAY_TIMEOUT,
+                "worker_error",
+                &format!(
+                    "decode worker {} never joined the KV transfer of prefill worker {} \
+                     (the prefill worker timed out waiting for it)",
+                    decode.0, prefill.0
+                ),
+            );
+            return self.retry(response, vec![decode]);
+        }
         self.app
             .breakers
             .on_abandoned(&self.app.service, self.decode());

@@ -252,9 +252,9 @@ mod tests {
 
     fn service() -> RouterService {
         let mut config = RouterConfig::default();
-        for id in 0..2 {
-            let mut w = WorkerConfig::new(id, WorkerRole::Decode, 100);
-            w.address = Some("http://127.0.0.1:1".into());
+        for (id, role) in [(0, WorkerRole::Prefill), (1, WorkerRole::Decode)] {
+            let mut w = WorkerConfig::new(id, role, 100);
+            w.address = Some(format!("http://127.0.0.1:{}", id + 1));
             config.workers.push(w);
         }
         RouterService::with_clock(config, Arc::new(ManualClock::new(0))).unwrap()

@@ -6,9 +6,7 @@ use crate::config::{RouterConfig, WorkerUrl};
 use kvc_core::WorkerId;
 use std::collections::HashMap;
 
-/// SGLang's default disaggregation bootstrap port, used for a prefill worker registered
-/// without one.
-pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+pub use crate::config::DEFAULT_BOOTSTRAP_PORT;
 
 /// Every worker the HTTP front forwards to, by id.
 #[derive(Debug, Clone, Default)]

@@ -11,11 +11,70 @@
 //! | `POST /generate` | SGLang: `text` or `input_ids`, `sampling_params.max_new_tokens`, optional `session_params.id`, optional `stream` |
 //! | `POST /v1/completions` | OpenAI: `prompt` (text or token ids), `max_tokens`, optional `stream` |
 //! | `POST /v1/chat/completions` | OpenAI: `messages` (`[{role, content}]`), `max_completion_tokens` or `max_tokens`, optional `stream` |
-//! | `GET /health` | 200 while at least one worker is routable, else 503 |
+//! | `GET /health`, `GET /readyz` | readiness: 200 while a new request can be routed, else 503 saying why |
+//! | `GET /livez` | liveness: 200 whenever the process answers |
 //! | `GET /v1/models` | the configured model name, OpenAI list shape |
 //!
-//! A malformed body gets 400 with `{"error": {"message": "...", "type": "invalid_request_error"}}`;
-//! one over [`HttpOptions::max_body_bytes`] gets 413 with the same shape.
+//! Every error the front answers itself has a JSON body, `{"error": {"message": "...",
+//! "type": "...", "code": <status>}}`: a malformed body or an over-long session id 400, an
+//! unknown path 404, a method a path does not take 405, a body not arriving in time 408, a
+//! body over [`HttpOptions::max_body_bytes`] 413, a malformed request head 400, a too long URI
+//! 414, a head over `http.max-header-bytes` 431 (these three are hyper's own answers, given a
+//! JSON body by the listener), no route 503, a connection past the limit 503, a worker that
+//! did not answer 502/504. A worker's own non-2xx answer is passed through as it is.
+//!
+//! **Readiness and liveness.** `/health` is readiness, the same as `/readyz`: a colocated
+//! cluster needs one routable colocated worker, a prefill/decode cluster one routable prefill
+//! and one routable decode worker (a first turn goes through P). A worker is routable when
+//! its state is fresh and healthy, its circuit breaker is not open and it has an `http-url`.
+//! The 200 body is `{"status": "ok", "healthy_workers", "workers", "routable": {"prefill",
+//! "decode", "colocated"}}`; the 503 body adds the JSON error naming what is missing (e.g.
+//! `no routable prefill worker (0 of 1): a first turn cannot be routed`). `/livez` answers
+//! 200 `{"status": "ok"}` whatever the workers' state: restart the process only when it
+//! fails.
+//!
+//! **Client connections.** [`serve_front`] serves the front (the router binary uses it; see
+//! [`ListenerOptions`], from the `[http]` table): hyper's HTTP/1.1 connection with keep-alive
+//! and `TCP_NODELAY`, and these bounds —
+//!
+//! | key | default | what happens past it |
+//! |---|---|---|
+//! | `header-read-timeout-ms` | 10,000 | a request head not complete this long after its first byte: the connection is closed |
+//! | `idle-timeout-ms` | 60,000 | no byte of a new request this long after the accept or the previous answer's last write: closed |
+//! | `body-read-timeout-ms` | 30,000 | a body not complete this long after its head: 408, then closed |
+//! | `max-header-bytes` | 65,536 | 431 (JSON), then closed |
+//! | `max-body-bytes` | 16 MiB | 413 |
+//! | `max-connections` | 1,024 | further connections go to the overflow |
+//! | `overflow-connections` | 32 | past both, a new connection is closed at once, unanswered |
+//!
+//! A connection in the overflow has its one request answered — `GET /health`, `/readyz` and
+//! `/livez` as usual, anything else 503 `the router is serving its maximum of N connections
+//! (http.max-connections)` — and is then closed: health checkers keep getting answers while
+//! the front is full, and no client holds an overflow place longer than the head deadline.
+//! An accept that fails (e.g. no file descriptor left) pauses accepting for 100 ms. A request
+//! in progress has no deadline of its own here: the worker calls have theirs
+//! ([`HttpOptions::request_timeout`]). Per connection the front holds a task, hyper's state
+//! and its read buffer (8 KiB, growing up to `max-header-bytes` + 8 KiB): measured with
+//! 2,000 connections to the router binary, about 10.5 KB each while idle and 23 KB each
+//! with a head arriving, so 1,024 connections cost 11–24 MB. A request in progress also
+//! holds its body
+//! while it is routed, several times over (the bytes, the parsed JSON, the payload sent to
+//! the workers): budget `max-connections` × 4 × `max-body-bytes` for the worst case (64 GiB
+//! at the defaults, reached only by 1,024 concurrent 16 MiB bodies; lower `max-body-bytes`
+//! to fit the machine). The process's file-descriptor limit must exceed `max-connections` +
+//! `overflow-connections` plus the connections to the workers (up to
+//! `pool-max-idle-per-worker` idle per worker, one per call in flight).
+//!
+//! **What the front does not take from a client.** Fields only the router sets are removed
+//! from every client body before it is routed, on every path and API: SGLang's pairing fields
+//! (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`, `bootstrap_pair_key`,
+//! `disagg_prefill_dp_rank`) and vLLM's `kv_transfer_params` (a decode worker given a
+//! client's bootstrap host would call it). No client header is forwarded: a worker request
+//! carries only `Content-Type` and the session header the front sets, so no `x-kvc-*`
+//! header of a client reaches a worker. A session id (the session header or
+//! `session_params.id`) longer than [`HttpOptions::max_session_id_bytes`]
+//! (`http.max-session-id-bytes`, default 256) gets 400 naming the limit before anything is
+//! stored, echoed or forwarded.
 //!
 //! **Tokens and block hashes.** From `input_ids` (or a token-id `prompt`) with
 //! [`block_hashes`] over the policy's block size. Text goes through the [`Tokenizer`] of
@@ -73,7 +132,12 @@
 //! breaker. If P fails *before* D has answered anything, D is not waited for (it would only
 //! wait for KV that never comes): D's request is dropped (not counted against D), the decision
 //! reported `worker-failed`, and the request is retried without P when P's failure is
-//! retryable (see *Retries*); otherwise P's answer goes to the client. A worker that answered
+//! retryable (see *Retries*); otherwise P's answer goes to the client. The exception is P
+//! answering **504**: P is up and says it gave up waiting for its decode partner (the only
+//! party a prefill worker waits for is the decode worker joining its bootstrap room), so the
+//! failure is D's — D's circuit breaker counts it, the retry avoids D (and may go through the
+//! same P), P's breaker is left as it was, and with no retry left the client gets a 504
+//! naming D. A worker that answered
 //! non-2xx has its status and body passed through; one that did not answer gives 502 (504 on
 //! a timeout). Responses carry `x-kvc-mode`, `x-kvc-decode-worker`, on a P→D path
 //! `x-kvc-prefill-worker`, for a fall-through `x-kvc-reason` (e.g. `session-cap-rejected`),
@@ -146,13 +210,16 @@
 //! **Where it is.** `routes` (axum routes and handlers), `retry` (a request from its body to
 //! its answer: the route-and-forward loop), `session` and `infer` (session keys, turns,
 //! inferred sessions), `request` and `tokens` (request bodies; token ids and block hashes),
-//! `decision` (the calls into [`RouterService`]), `attempt` (one forwarding attempt and how
-//! answers are judged), `pairing` (P→D bootstrap fields, P's request), `direct` (direct-to-D
+//! `trust` (fields removed from client bodies, the session-id limit), `decision` (the calls
+//! into [`RouterService`]), `attempt` (one forwarding attempt and how answers are judged,
+//! including whose fault a P→D failure is), `pairing` (P→D bootstrap fields, P's request),
+//! `direct` (direct-to-D
 //! continuation parameters), `whole` and `stream` (a whole answer; a relayed stream), `sse`
 //! (token counts in a stream, its error event), `breaker` and `health` (circuit breakers,
-//! health checks), `app`, `options`, `endpoints`, `responses`, `error` (shared state,
-//! settings, worker endpoints, JSON errors and decision headers, setup errors). Calls to the
-//! workers go through the router's one pooled client, `crate::worker_http`.
+//! health checks), `listener` (client connections: deadlines, limits, JSON on hyper's own
+//! answers), `app`, `options`, `endpoints`, `responses`, `error` (shared state, settings,
+//! worker endpoints, JSON errors and decision headers, setup errors). Calls to the workers go
+//! through the router's one pooled client, `crate::worker_http`.
 //!
 //! ```
 //! use kvc_core::WorkerId;
@@ -166,7 +233,8 @@
 //! workers.insert(WorkerId(1), "http://10.0.0.2:30000", None)?;
 //! assert_eq!(workers.len(), 2);
 //! let app: axum::Router = http_app(service, workers);
-//! // axum::serve(tokio::net::TcpListener::bind("0.0.0.0:8000").await?, app).await?;
+//! // kvc_router::http::serve_front(tokio::net::TcpListener::bind("0.0.0.0:8000").await?, app,
+//! //     kvc_router::http::ListenerOptions::default(), stop_token).await;
 //! # drop(app);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -180,6 +248,7 @@ mod endpoints;
 mod error;
 mod health;
 mod infer;
+mod listener;
 mod options;
 mod pairing;
 mod request;
@@ -190,12 +259,14 @@ mod session;
 mod sse;
 mod stream;
 mod tokens;
+mod trust;
 mod whole;
 
 pub use crate::worker_http::{ADMISSION_HEADER, ForwardError, MAX_RESPONSE_BYTES, PoolOptions};
 pub use breaker::{BreakerOptions, BreakerState};
 pub use endpoints::{DEFAULT_BOOTSTRAP_PORT, HttpWorker, WorkerEndpoints};
 pub use error::FrontError;
+pub use listener::{ListenerOptions, serve_front};
 pub use options::HttpOptions;
 pub use request::{
     DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS, chat_prompt,

@@ -41,6 +41,12 @@ pub struct HttpOptions {
     /// share with a known session's latest prompt to continue it (see the module docs); 0
     /// turns inference off. Default 4.
     pub infer_min_blocks: u32,
+    /// Longest session id accepted (header or `session_params.id`), in bytes; a longer one
+    /// gets 400. Default 256.
+    pub max_session_id_bytes: usize,
+    /// A request body must be complete within this time of the request's head; otherwise
+    /// 408 and the connection is closed. Default 30 s.
+    pub body_read_timeout: Duration,
 }
 
 impl Default for HttpOptions {
@@ -58,6 +64,8 @@ impl Default for HttpOptions {
             health_check_timeout: Duration::from_secs(1),
             tokenizer: Tokenizer::fallback(),
             infer_min_blocks: 4,
+            max_session_id_bytes: 256,
+            body_read_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -90,6 +98,9 @@ impl HttpOptions {
             health_check_timeout: ms(config.health_check_timeout_ms),
             tokenizer,
             infer_min_blocks: config.infer_min_blocks,
+            max_session_id_bytes: config.max_session_id_bytes,
+            max_body_bytes: config.max_body_bytes,
+            body_read_timeout: ms(config.body_read_timeout_ms),
             ..HttpOptions::default()
         })
     }

@@ -48,6 +48,13 @@ impl BootstrapRooms {
 /// P's answer (or its absence), as its task ends.
 pub(super) type PrefillResult = Result<WorkerAnswer, ForwardError>;
 
+/// Whether P's answer says it gave up waiting for its decode partner: a `504 Gateway
+/// Timeout` from the prefill worker itself (it answered, so it is up; the only party it
+/// waits for is the decode worker that should join its bootstrap room).
+pub(super) fn partner_timed_out(r: &PrefillResult) -> bool {
+    matches!(r, Ok(a) if a.status == 504)
+}
+
 /// The request to the prefill worker of a P→D path, running on its own task (it feeds P's
 /// breaker itself, so it may outlive the client's answer).
 pub(super) struct PrefillLeg {
@@ -81,7 +88,13 @@ impl PrefillLeg {
                 .client
                 .post_whole(&p.url, path, &headers, payload, timeout)
                 .await;
-            app.feed_breaker(id, counts_against_breaker(r.as_ref().map(|a| a.status)));
+            if partner_timed_out(&r) {
+                // P is up and says its decode partner never came: that is the partner's
+                // failure, judged where the partner is known (`Attempt::prefill_failed_first`).
+                app.breakers.on_abandoned(&app.service, id);
+            } else {
+                app.feed_breaker(id, counts_against_breaker(r.as_ref().map(|a| a.status)));
+            }
             if !is_success(&r) {
                 let detail = match &r {
                     Ok(a) => format!("status {}", a.status),
@@ -125,15 +138,16 @@ impl PrefillLeg {
         }
     }
 
-    /// Whether P has already failed (its task ended without success).
+    /// Whether P has already failed on its own account (its task ended without success,
+    /// other than by waiting in vain for its decode partner).
     pub(super) async fn failed(&mut self) -> bool {
         if self.done.is_none() && self.task.is_finished() {
             let r = (&mut self.task).await.unwrap_or_else(|e| lost(&e));
-            let failed = !is_success(&r);
             self.done = Some(r);
-            return failed;
         }
-        self.done.as_ref().is_some_and(|r| !is_success(r))
+        self.done
+            .as_ref()
+            .is_some_and(|r| !is_success(r) && !partner_timed_out(r))
     }
 
     /// Stops P's request if it is still running: D will take no KV from it. Its breaker is

@@ -12,6 +12,7 @@ use super::responses::{error_response, route_error_response, with_decision_heade
 use super::session::header_key;
 use super::stream::forward_stream;
 use super::tokens::block_hashes;
+use super::trust::{check_session_id, strip_router_fields};
 use super::whole::forward_whole;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -28,7 +29,7 @@ pub(super) async fn serve_request(
 ) -> Response {
     let bad_request =
         |message: &str| error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message);
-    let req = match request::parse(api, bytes) {
+    let mut req = match request::parse(api, bytes) {
         Ok(r) => r,
         Err(m) => return bad_request(&m),
     };
@@ -36,6 +37,17 @@ pub(super) async fn serve_request(
         Ok(k) => k,
         Err(m) => return bad_request(&m),
     };
+    // Every session id the client sent (both are forwarded: the header as the session key,
+    // the body as it is) is bounded before anything is kept or forwarded.
+    let limit = app.options.max_session_id_bytes;
+    for key in [&header_key, &req.session_key].into_iter().flatten() {
+        if let Err(m) = check_session_id(key, limit) {
+            return bad_request(&m);
+        }
+    }
+    if strip_router_fields(&mut req.body) > 0 {
+        tracing::debug!("router-only fields removed from a client request");
+    }
     let tokens = match &req.prompt {
         Prompt::Tokens(t) => t.clone(),
         Prompt::Text(text) => app.options.tokenizer.encode_off_thread(text).await,

@@ -1,5 +1,6 @@
-//! The axum routes of the front and their handlers: the three POST APIs (body read, or refused
-//! as a JSON error), `GET /health` and `GET /v1/models`.
+//! The axum routes of the front and their handlers: the three POST APIs (body read within its
+//! deadline, or refused as a JSON error), readiness (`GET /health`, `GET /readyz`), liveness
+//! (`GET /livez`), `GET /v1/models`, and JSON answers for unknown paths and methods.
 
 use super::app::App;
 use super::request::Api;
@@ -7,13 +8,18 @@ use super::responses::{body_error_response, error_response, json_response};
 use super::retry::serve_request;
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::Response;
 use axum::routing::{MethodRouter, get, post};
+use kvc_core::WorkerRole;
 use serde_json::json;
 use std::sync::Arc;
+use std::time::Duration;
+
+/// The paths answered on a connection past the connection limit (see `listener`): what
+/// health checkers and orchestrators call.
+pub(super) const PROBE_PATHS: [&str; 3] = ["/health", "/livez", "/readyz"];
 
 /// The front's routes over `app`.
 pub(super) fn router(app: Arc<App>) -> Router {
@@ -22,43 +28,106 @@ pub(super) fn router(app: Arc<App>) -> Router {
         .route("/generate", post_endpoint(Api::Generate))
         .route("/v1/completions", post_endpoint(Api::Completions))
         .route("/v1/chat/completions", post_endpoint(Api::ChatCompletions))
-        .route("/health", get(health))
+        .route("/health", get(readiness))
+        .route("/readyz", get(readiness))
+        .route("/livez", get(liveness))
         .route("/v1/models", get(models))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(body_limit)
         .with_state(app)
 }
 
-/// The axum handler of the POST endpoint for `api`: the body read (or refused by axum),
-/// served as `api`.
+/// The axum handler of the POST endpoint for `api`: the body read within
+/// [`super::HttpOptions::body_read_timeout`] (or refused by axum, e.g. too large), served as
+/// `api`.
 fn post_endpoint(api: Api) -> MethodRouter<Arc<App>> {
     post(
-        move |State(app): State<Arc<App>>,
-              headers: HeaderMap,
-              body: Result<Bytes, BytesRejection>| async move {
-            match body {
-                Ok(body) => serve_request(&app, api, &headers, &body).await,
-                Err(e) => body_error_response(&e),
+        move |State(app): State<Arc<App>>, request: Request| async move {
+            let headers = request.headers().clone();
+            let deadline = app.options.body_read_timeout;
+            match tokio::time::timeout(deadline, Bytes::from_request(request, &app)).await {
+                Ok(Ok(body)) => serve_request(&app, api, &headers, &body).await,
+                Ok(Err(e)) => body_error_response(&e),
+                Err(_) => body_timeout(deadline),
             }
         },
     )
 }
 
-/// 200 while at least one worker is routable, else 503.
-async fn health(State(app): State<Arc<App>>) -> Response {
+/// 408 for a body that did not arrive in time; the connection is closed after it.
+fn body_timeout(deadline: Duration) -> Response {
+    let mut r = error_response(
+        StatusCode::REQUEST_TIMEOUT,
+        "timeout",
+        &format!(
+            "the request body did not arrive within {} ms (http.body-read-timeout-ms)",
+            deadline.as_millis()
+        ),
+    );
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+/// Readiness: 200 while a new request can be routed, else 503 saying why. A colocated
+/// cluster needs one routable colocated worker; a prefill/decode cluster one routable prefill
+/// and one routable decode worker (a first turn goes through P). A worker is routable when
+/// its state is fresh and healthy, its circuit breaker is not open, and it has an HTTP
+/// address.
+async fn readiness(State(app): State<Arc<App>>) -> Response {
     let views = app.service.worker_views();
+    let routable = |role: WorkerRole| {
+        views
+            .iter()
+            .filter(|v| v.role == role && v.is_routable() && app.workers.get(v.id).is_some())
+            .count()
+    };
+    let total = |role: WorkerRole| views.iter().filter(|v| v.role == role).count();
+    let (p, d, c) = (
+        routable(WorkerRole::Prefill),
+        routable(WorkerRole::Decode),
+        routable(WorkerRole::Colocated),
+    );
     let healthy = views.iter().filter(|v| v.is_routable()).count();
-    if healthy > 0 {
-        json_response(
-            StatusCode::OK,
-            &json!({ "status": "ok", "healthy_workers": healthy, "workers": views.len() }),
-        )
+    let missing = if p + d + c == 0 {
+        Some("no routable worker".to_owned())
+    } else if total(WorkerRole::Colocated) > 0 {
+        (c == 0).then(|| "no routable colocated worker".to_owned())
+    } else if p == 0 {
+        Some(format!(
+            "no routable prefill worker (0 of {}): a first turn cannot be routed",
+            total(WorkerRole::Prefill)
+        ))
+    } else if d == 0 {
+        Some(format!(
+            "no routable decode worker (0 of {})",
+            total(WorkerRole::Decode)
+        ))
     } else {
-        error_response(
+        None
+    };
+    let routable = json!({ "prefill": p, "decode": d, "colocated": c });
+    match missing {
+        None => json_response(
+            StatusCode::OK,
+            &json!({ "status": "ok", "healthy_workers": healthy, "workers": views.len(),
+                     "routable": routable }),
+        ),
+        Some(message) => json_response(
             StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            "no routable worker",
-        )
+            &json!({
+                "error": { "message": message, "type": "unavailable", "code": 503 },
+                "status": "unavailable", "healthy_workers": healthy, "workers": views.len(),
+                "routable": routable,
+            }),
+        ),
     }
+}
+
+/// Liveness: 200 whenever the process answers at all (whatever the workers' state).
+async fn liveness() -> Response {
+    json_response(StatusCode::OK, &json!({ "status": "ok" }))
 }
 
 /// The configured model name, in OpenAI's list shape.
@@ -69,5 +138,23 @@ async fn models(State(app): State<Arc<App>>) -> Response {
             "object": "list",
             "data": [{ "id": app.options.model, "object": "model", "owned_by": "kvc" }],
         }),
+    )
+}
+
+/// 404 for a path the front does not serve.
+async fn not_found(uri: Uri) -> Response {
+    error_response(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        &format!("no route for {}", uri.path()),
+    )
+}
+
+/// 405 for a method a served path does not take.
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        &format!("{method} is not allowed on {}", uri.path()),
     )
 }
