@@ -111,6 +111,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod config;
 mod error;
 pub mod grpc;
@@ -119,6 +120,7 @@ pub mod metrics;
 mod server;
 mod service;
 pub mod sessions;
+pub mod tls;
 mod workers;
 
 pub use config::{HttpConfig, RouterConfig, SessionLimits, WorkerConfig};
