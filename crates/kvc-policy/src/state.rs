@@ -379,6 +379,15 @@ pub struct RouterState {
     no_direct: WorkerSet,
 }
 
+/// The most entries [`RouterState::reserve_sessions`] (and the pending table, for
+/// [`StateBounds::max_pending`]) reserves up front.
+pub const MAX_RESERVED: usize = 1 << 22;
+
+/// Entries reserved for a table kept at `bound`: twice the bound, at most [`MAX_RESERVED`].
+pub fn reserved(bound: usize) -> usize {
+    bound.saturating_mul(2).min(MAX_RESERVED)
+}
+
 fn role_index(role: WorkerRole) -> usize {
     match role {
         WorkerRole::Prefill => 0,
@@ -428,7 +437,12 @@ impl RouterState {
             index,
             activity: Activity::new(window_ms),
             counters: vec![WorkerCounters::default(); slots],
-            pending: Map::default(),
+            // Room for twice the bound: a table kept full by its bound then rehashes in place
+            // as entries come and go, instead of growing once more (see `reserve_sessions`).
+            pending: Map::with_capacity_and_hasher(
+                reserved(bounds.max_pending as usize),
+                Default::default(),
+            ),
             pending_order: VecDeque::new(),
             next_seq: 0,
             dropped_pending: 0,
@@ -437,6 +451,18 @@ impl RouterState {
             cursors: [None; 3],
             no_direct: WorkerSet::EMPTY,
         }
+    }
+
+    /// Makes room for `sessions` sessions, the bound the caller keeps the session table at,
+    /// with as much again to spare: a hash table full to its bound, whose entries keep being
+    /// replaced, rehashes in place only while at most half full, and otherwise grows once
+    /// more, late and at a time that depends on the churn. Reserving up front moves that
+    /// growth to the start; the memory is touched as sessions arrive.
+    /// (At most [`MAX_RESERVED`] entries are reserved; a larger table grows as it fills.)
+    pub fn reserve_sessions(&mut self, sessions: usize) {
+        let want = reserved(sessions);
+        self.sessions
+            .reserve(want.saturating_sub(self.sessions.len()));
     }
 
     /// The bounds the state was created with.

@@ -156,6 +156,7 @@ impl RouterService {
         let views: Vec<WorkerView> = workers.iter().map(|w| w.view_at(0)).collect();
         let bounds = config.limits.state_bounds(config.max_pending_decisions);
         let mut state = RouterState::with_bounds(&config.policy, &views, bounds);
+        state.reserve_sessions(config.sessions.max_sessions);
         for w in &config.workers {
             // Each worker's block bound from its configured pool, whatever its state says now.
             state.set_worker_blocks(w.worker_id(), w.capacity_tokens);
@@ -167,7 +168,8 @@ impl RouterService {
             core: Mutex::new(Core {
                 state,
                 sessions: SessionTable::new(config.sessions.max_sessions, config.sessions.ttl_ms),
-                pending: HashMap::new(),
+                // Twice the bound, as for the session tables (`RouterState::reserve_sessions`).
+                pending: HashMap::with_capacity(kvc_policy::reserved(config.max_pending_decisions)),
                 pending_order: VecDeque::new(),
                 forgotten: Vec::new(),
             }),
