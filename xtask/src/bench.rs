@@ -131,7 +131,15 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
         run("criterion kvc-router/route", &mut cmd)?;
     }
     let r = read_json(&extra)?;
-    for key in ["route_rps", "noop_rps", "route_vs_noop", "decision_p99_us"] {
+    for key in [
+        "route_rps",
+        "noop_rps",
+        "route_vs_noop",
+        "decision_p99_us",
+        "route_rps_1k_sessions",
+        "route_rps_100k_sessions",
+        "route_100k_vs_1k_sessions",
+    ] {
         let v = r[key]
             .as_f64()
             .ok_or_else(|| format!("{}: no {key}", extra.display()))?;

@@ -58,8 +58,14 @@ COMMANDS:
                      bytes the index has allocated per indexed block, 8 workers filled to a
                      10,000-block pool with distinct blocks
                  router.route_rps, router.noop_rps, router.route_vs_noop
-                     Route and no-op (Ping) requests/s on loopback at 32 concurrent
-                     streams against the same server, in one fixed run, and their ratio
+                     Route (policy kvc, 4,096 sessions) and no-op (Ping) requests/s on
+                     loopback at 32 concurrent streams against the same server, in one
+                     fixed run, and their ratio (target >= 0.7)
+                 router.route_rps_1k_sessions, router.route_rps_100k_sessions,
+                 router.route_100k_vs_1k_sessions
+                     Route requests/s (kvc, 32 streams) on a router tracking 1,000 and one
+                     tracking 100,000 sessions (medians of alternating fixed runs), and
+                     their ratio (target >= 0.8: decisions cost the same at any scale)
                  router.decision_p99_us
                      99th percentile of the router's own decision time (policy + probe), µs
                  sim.default.wall_s, sim.default.requests_per_sec

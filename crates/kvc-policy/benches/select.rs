@@ -17,8 +17,8 @@ use kvc_core::{
     BlockHash, Outcome, RequestId, SessionId, TurnId, WorkerId, WorkerRole, WorkerState,
 };
 use kvc_policy::{
-    ClusterView, Observation, PolicyConfig, RouteRequest, RouterState, StateChange, WorkerView,
-    route,
+    ClusterView, Observation, PolicyConfig, RouteRequest, RouterState, StateBounds, StateChange,
+    WorkerView, route,
 };
 use std::hint::black_box;
 
@@ -51,9 +51,14 @@ fn cluster(d: u32) -> Vec<WorkerView> {
         .collect()
 }
 
-/// A state where every D holds `SESSIONS_PER_D` resident sessions.
+/// A state where every D holds `SESSIONS_PER_D` resident sessions (with a block bound that
+/// keeps them all: 1,172 blocks per D are more than the default bound of four 180-block pools).
 fn populated(config: &PolicyConfig, workers: &[WorkerView], d: u32) -> RouterState {
-    let mut state = RouterState::new(config, workers);
+    let bounds = StateBounds {
+        blocks_per_worker: Some(4_096),
+        ..StateBounds::default()
+    };
+    let mut state = RouterState::with_bounds(config, workers, bounds);
     let mut request = 0;
     for k in 0..u64::from(d) * SESSIONS_PER_D {
         let decode = WorkerId(PREFILL + (k % u64::from(d)) as u32);

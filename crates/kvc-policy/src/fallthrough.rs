@@ -103,8 +103,11 @@ pub(crate) fn classify_with(
         Residency::NotResident => return fall(FallThroughReason::SessionNotResident),
         Residency::Resident => {}
     }
-    let cached =
-        kvc_core::prefix::reusable_from(&s.blocks, req.hash_ids, req.input_length, block_size);
+    let cached = kvc_core::prefix::reusable_tokens(
+        s.shared_prefix(req.hash_ids),
+        req.input_length,
+        block_size,
+    );
     if kvc_core::prefix::uncached_tokens(req.input_length, cached) > direct_limit_tokens {
         return fall(FallThroughReason::RealLargeAppend);
     }

@@ -118,5 +118,7 @@ pub use kvc_core::PrefillPolicy;
 pub use kvc_v2::KvcV2Config;
 pub use round_robin::RoundRobinConfig;
 pub use route::route;
-pub use state::{Observation, Residency, RouterState, SessionRoute, StateBounds};
+pub use state::{
+    MAX_RESERVED, Observation, Residency, RouterState, SessionRoute, StateBounds, reserved,
+};
 pub use view::{ClusterView, MAX_WORKERS, RouteRequest, WorkerView};

@@ -32,8 +32,13 @@ pub struct SessionRoute {
     pub d_changes: u32,
     /// Tokens of the session resident on `current_d`, as last reported by a completion.
     pub resident_tokens: u64,
-    /// Block ids of the session's last request: what `current_d` holds when resident.
+    /// Leading block ids of the session's last request (at most
+    /// [`StateBounds::max_session_blocks`] of them): what `current_d` holds when resident.
     pub blocks: Vec<BlockHash>,
+    /// Blocks of the session's last request, `blocks` and those past the cap together.
+    block_count: usize,
+    /// The last block id of the session's last request, kept when the cap cut it off.
+    last_block: Option<BlockHash>,
     /// Caller time of the last decision applied for the session.
     pub last_routed_ms: u64,
     rejects: Vec<(WorkerId, u32)>,
@@ -51,11 +56,31 @@ impl SessionRoute {
             d_changes: 0,
             resident_tokens: 0,
             blocks: Vec::new(),
+            block_count: 0,
+            last_block: None,
             last_routed_ms: 0,
             rejects: Vec::new(),
             observed_reject: None,
             live_on: None,
         }
+    }
+
+    /// Blocks of the session's last request, including any past
+    /// [`StateBounds::max_session_blocks`] that [`SessionRoute::blocks`] does not keep.
+    pub fn block_count(&self) -> usize {
+        self.block_count
+    }
+
+    /// Leading blocks of `request` the session's last request shares with it. Exact when the
+    /// last request's list was kept whole, or when `request` extends all of it (block ids are
+    /// chained: sharing the last block means sharing every block before it); otherwise at most
+    /// the kept blocks.
+    pub fn shared_prefix(&self, request: &[BlockHash]) -> usize {
+        let n = self.block_count;
+        if n > self.blocks.len() && request.len() >= n && Some(request[n - 1]) == self.last_block {
+            return n;
+        }
+        kvc_core::prefix::shared_prefix_blocks(&self.blocks, request)
     }
 
     /// Admission rejects of the session on `worker` since the counter was last reset (by a
@@ -163,6 +188,7 @@ struct Pending {
 /// | `pool-multiple` | 4 |
 /// | `fallback-blocks-per-worker` | 4,096 |
 /// | `max-pending` | 65,536 |
+/// | `max-session-blocks` | 256 |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct StateBounds {
@@ -180,6 +206,12 @@ pub struct StateBounds {
     /// Decisions applied and not yet completed that the state tracks; past it the oldest is
     /// released as if it had completed (its in-flight counts drop, its session is untouched).
     pub max_pending: u32,
+    /// Leading blocks of a session's last request the state keeps (in [`SessionRoute::blocks`]
+    /// and in the live block view); the rest are counted
+    /// ([`RouterState::dropped_session_blocks`]) and not kept. A turn that extends the whole
+    /// last request is still recognised as such (its reuse is exact); a turn that diverges
+    /// past the kept blocks is credited with the kept blocks only.
+    pub max_session_blocks: u32,
 }
 
 impl Default for StateBounds {
@@ -189,6 +221,7 @@ impl Default for StateBounds {
             pool_multiple: 4,
             fallback_blocks_per_worker: 4_096,
             max_pending: 65_536,
+            max_session_blocks: 256,
         }
     }
 }
@@ -309,7 +342,7 @@ impl Activity {
 ///
 /// | table | bound | bytes per entry (about, 64-bit) |
 /// |---|---|---|
-/// | sessions | the caller's, through [`RouterState::forget_session`] (the router's session table) | 120–240, plus 8 per block of its last request, plus 8 per D with a reject count |
+/// | sessions | the caller's, through [`RouterState::forget_session`] (the router's session table) | 150–260, plus 8 per kept block of its last request (at most [`StateBounds::max_session_blocks`], default 256), plus 8 per D with a reject count |
 /// | active-session aggregate | one entry per session resident on its D and routed within two `active-window-ms` of the latest decision | 30 |
 /// | block view: distinct blocks | at most the memberships below | 95–115 |
 /// | block view: (block, worker, view) memberships | [`StateBounds::blocks_per_worker`] per worker and view (default 4 × the worker's pool in blocks) | 40–60 |
@@ -338,11 +371,21 @@ pub struct RouterState {
     pending_order: VecDeque<(u64, RequestId)>,
     next_seq: u64,
     dropped_pending: u64,
+    dropped_session_blocks: u64,
     pairs: Map<(WorkerId, WorkerId), u32>,
     /// Last chosen worker per role (prefill, decode, colocated).
     cursors: [Option<WorkerId>; 3],
     /// Decode workers that take no direct-to-D turn (no decode-side append-prefill).
     no_direct: WorkerSet,
+}
+
+/// The most entries [`RouterState::reserve_sessions`] (and the pending table, for
+/// [`StateBounds::max_pending`]) reserves up front.
+pub const MAX_RESERVED: usize = 1 << 22;
+
+/// Entries reserved for a table kept at `bound`: twice the bound, at most [`MAX_RESERVED`].
+pub fn reserved(bound: usize) -> usize {
+    bound.saturating_mul(2).min(MAX_RESERVED)
 }
 
 fn role_index(role: WorkerRole) -> usize {
@@ -394,14 +437,32 @@ impl RouterState {
             index,
             activity: Activity::new(window_ms),
             counters: vec![WorkerCounters::default(); slots],
-            pending: Map::default(),
+            // Room for twice the bound: a table kept full by its bound then rehashes in place
+            // as entries come and go, instead of growing once more (see `reserve_sessions`).
+            pending: Map::with_capacity_and_hasher(
+                reserved(bounds.max_pending as usize),
+                Default::default(),
+            ),
             pending_order: VecDeque::new(),
             next_seq: 0,
             dropped_pending: 0,
+            dropped_session_blocks: 0,
             pairs: Map::default(),
             cursors: [None; 3],
             no_direct: WorkerSet::EMPTY,
         }
+    }
+
+    /// Makes room for `sessions` sessions, the bound the caller keeps the session table at,
+    /// with as much again to spare: a hash table full to its bound, whose entries keep being
+    /// replaced, rehashes in place only while at most half full, and otherwise grows once
+    /// more, late and at a time that depends on the churn. Reserving up front moves that
+    /// growth to the start; the memory is touched as sessions arrive.
+    /// (At most [`MAX_RESERVED`] entries are reserved; a larger table grows as it fills.)
+    pub fn reserve_sessions(&mut self, sessions: usize) {
+        let want = reserved(sessions);
+        self.sessions
+            .reserve(want.saturating_sub(self.sessions.len()));
     }
 
     /// The bounds the state was created with.
@@ -449,6 +510,12 @@ impl RouterState {
     /// Pending decisions released by [`StateBounds::max_pending`] so far.
     pub fn dropped_pending(&self) -> u64 {
         self.dropped_pending
+    }
+
+    /// Blocks of applied requests that [`StateBounds::max_session_blocks`] kept out of their
+    /// session's list (and of the live view) so far.
+    pub fn dropped_session_blocks(&self) -> u64 {
+        self.dropped_session_blocks
     }
 
     /// Declares whether decode worker `worker` takes direct-to-D turns (every worker does
@@ -547,24 +614,32 @@ impl RouterState {
         // A new attempt starts: an observed reject not re-routed stays counted, but a later
         // `rejected_by` refers to a new reject.
         route.observed_reject = None;
+        // The leading blocks the session keeps.
+        let cap = (self.bounds.max_session_blocks as usize).min(change.blocks.len());
+        let kept = &change.blocks[..cap];
+        self.dropped_session_blocks += (change.blocks.len() - cap) as u64;
         // Move the session's live blocks to the new list on the chosen worker.
         let d = change.decode.0 as usize;
         match route.live_on {
             Some(w) if w == change.decode => {
-                let k = kvc_core::prefix::shared_prefix_blocks(&route.blocks, &change.blocks);
+                let k = kvc_core::prefix::shared_prefix_blocks(&route.blocks, kept);
                 self.index.remove_live(d, &route.blocks[k..]);
-                self.index.add_live(d, &change.blocks[k..]);
+                self.index.add_live(d, &kept[k..]);
             }
             other => {
                 if let Some(w) = other {
                     self.index.remove_live(w.0 as usize, &route.blocks);
                 }
-                self.index.add_live(d, &change.blocks);
+                self.index.add_live(d, kept);
             }
         }
         route.live_on = Some(change.decode);
         route.blocks.clear();
-        route.blocks.extend_from_slice(&change.blocks);
+        route.blocks.extend_from_slice(kept);
+        route.block_count = change.blocks.len();
+        route.last_block = (cap < change.blocks.len())
+            .then(|| change.blocks.last().copied())
+            .flatten();
         // A session's list holds its last request only: give back what a longer one left.
         if route.blocks.capacity() > 2 * route.blocks.len() + 16 {
             route.blocks.shrink_to_fit();
@@ -1029,6 +1104,12 @@ mod tests {
                 Ok(())
             })?;
         }
+    }
+
+    #[test]
+    fn a_session_route_is_120_bytes() {
+        // The figure `docs/kvc-policy.md` uses for the session table's cost per entry.
+        assert_eq!(std::mem::size_of::<SessionRoute>(), 120);
     }
 
     #[test]

@@ -78,3 +78,55 @@ fn entry_counts_stay_within_bounds() {
         .sum();
     assert_eq!(in_flight, 9_999);
 }
+
+/// A session keeps at most `max-session-blocks` leading blocks of its last request; a turn that
+/// extends the whole request still reuses all of it, a turn that diverges past the kept blocks
+/// is credited with the kept ones only.
+#[test]
+fn session_block_lists_are_capped() {
+    let ws = pd(1, 2);
+    let config = PolicyConfig::from_name("kvc").unwrap();
+    let bounds = StateBounds {
+        max_session_blocks: 8,
+        ..StateBounds::default()
+    };
+    let mut r = Router {
+        state: RouterState::with_bounds(&config, &ws, bounds),
+        config,
+        next_request: 1,
+    };
+    let t1 = ctx_blocks(7, 0, 36);
+    let first = r.serve(&ws, Some((7, 1)), &t1);
+    let s = r.state.session(SessionId(7)).unwrap();
+    assert_eq!((s.blocks.len(), s.block_count()), (8, 40));
+    assert_eq!(s.blocks[..], t1[..8]);
+    assert_eq!(r.state.dropped_session_blocks(), 32);
+    assert_eq!(r.state.live_blocks(first.decode), 8);
+
+    // Extends all 40 blocks by 2: direct-to-D with all 40 reused.
+    let t2 = ctx_blocks(7, 0, 38);
+    let req = r.request(7, 2, &t2);
+    let d = r.decide(&ws, &req).unwrap();
+    assert!(d.is_direct(), "{d:?}");
+    assert_eq!(d.decode, first.decode);
+    assert_eq!(d.cached_tokens, 40 * BS);
+
+    // Shares 30 blocks and diverges: only the 8 kept blocks count, 34 blocks are new, more
+    // than the 16-block direct limit.
+    let mut t3 = t1[..30].to_vec();
+    t3.extend((0..12).map(|k| BlockHash(99_000_000 + k)));
+    let req = r.request(7, 2, &t3);
+    let d = r.decide(&ws, &req).unwrap();
+    assert!(!d.is_direct(), "{d:?}");
+    assert_eq!(d.reason, Some(kvc_core::FallThroughReason::RealLargeAppend));
+
+    // The lists and counts follow the latest request; a short one is kept whole.
+    r.serve(&ws, Some((7, 2)), &t2);
+    assert_eq!(r.state.dropped_session_blocks(), 32 + 34);
+    let short = ctx_blocks(8, 0, 2);
+    r.serve(&ws, Some((8, 1)), &short);
+    let s = r.state.session(SessionId(8)).unwrap();
+    assert_eq!((s.blocks.len(), s.block_count()), (6, 6));
+    assert_eq!(s.shared_prefix(&ctx_blocks(8, 0, 3)), 6);
+    assert_eq!(r.state.dropped_session_blocks(), 32 + 34);
+}

@@ -6,9 +6,12 @@
 //!     --warm-up-time 0.5 --measurement-time 2
 //! ```
 //!
-//! Bench ids: `router/route_rps`, `router/noop_rps` (throughput in requests per second). After
-//! them it prints the Route/Ping throughput ratio from a fixed run of each and the decision
-//! latency quantiles recorded by the router's histogram.
+//! Bench ids: `router/route_rps`, `router/noop_rps` (throughput in requests per second, 4,096
+//! sessions, the default policy `kvc`). After them it prints the Route/Ping throughput ratio
+//! (medians of five alternating fixed runs of each) and the decision latency quantiles recorded by the router's
+//! histogram; then Route's throughput on two more routers, one tracking 1,000 sessions and one
+//! 100,000 (every session routed once before the timed runs), in five alternating fixed runs
+//! each, and the ratio of their medians: a decision must not cost more with more sessions.
 #![forbid(unsafe_code)]
 #![allow(missing_docs)]
 
@@ -24,8 +27,11 @@ use tonic::transport::Channel;
 
 const STREAMS: u64 = 32;
 const SESSIONS: u64 = 4_096;
+/// Calls of each fixed run.
+const CALLS: u64 = 20_000;
 
 struct Fixture {
+    sessions: u64,
     rt: tokio::runtime::Runtime,
     router: RunningRouter,
     client: RouterClient<Channel>,
@@ -35,7 +41,9 @@ struct Fixture {
 }
 
 impl Fixture {
-    fn new() -> Fixture {
+    /// A router over one prefill and two decode workers whose Route calls cycle over
+    /// `sessions` sessions.
+    fn new(sessions: u64) -> Fixture {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -84,6 +92,7 @@ impl Fixture {
             (router, client)
         });
         Fixture {
+            sessions,
             rt,
             router,
             client,
@@ -102,11 +111,12 @@ impl Fixture {
                 let n = total / STREAMS + u64::from(s < total % STREAMS);
                 let mut client = self.client.clone();
                 let next = Arc::clone(&self.next);
+                let sessions = self.sessions;
                 tasks.push(tokio::spawn(async move {
                     for _ in 0..n {
                         if route {
                             let r = next.fetch_add(1, Ordering::Relaxed);
-                            let session = r % SESSIONS;
+                            let session = r % sessions;
                             let base = session * 64;
                             let req = pb::RouteRequest {
                                 request_id: r,
@@ -132,9 +142,64 @@ impl Fixture {
     }
 }
 
+/// The median of `runs`.
+fn median(mut runs: Vec<f64>) -> f64 {
+    runs.sort_by(f64::total_cmp);
+    runs[runs.len() / 2]
+}
+
+/// Route's throughput with 1,000 and with 100,000 tracked sessions: the median of five
+/// alternating fixed runs on each, after every session was routed once (alternating and the
+/// median keep a busy machine's swings out of the ratio).
+fn sessions_scaling() -> (f64, f64) {
+    let small = Fixture::new(1_000);
+    let large = Fixture::new(100_000);
+    for f in [&small, &large] {
+        f.run(f.sessions, true);
+        assert_eq!(f.router.service().session_count() as u64, f.sessions);
+    }
+    let rps = |f: &Fixture| CALLS as f64 / f.run(CALLS, true).as_secs_f64();
+    let (mut s, mut l) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        s.push(rps(&small));
+        l.push(rps(&large));
+    }
+    let (s, l) = (median(s), median(l));
+    for (f, n) in [(&small, "1,000"), (&large, "100,000")] {
+        let m = f.router.service().metrics();
+        println!(
+            "router: {n} sessions: decision p50 {:?}, p99 {:?}",
+            m.decision_latency(0.5),
+            m.decision_latency(0.99)
+        );
+    }
+    println!(
+        "router: Route with 1,000 sessions {s:.0} req/s, with 100,000 sessions {l:.0} req/s, ratio {:.3}",
+        l / s
+    );
+    for f in [small, large] {
+        f.stop();
+    }
+    (s, l)
+}
+
+impl Fixture {
+    /// Stops the router and removes its snapshot files.
+    fn stop(self) {
+        self.router.shutdown();
+        let Fixture {
+            rt, router, _dir, ..
+        } = self;
+        rt.block_on(async {
+            let _ = tokio::time::timeout(Duration::from_secs(10), router.wait()).await;
+        });
+        let _ = std::fs::remove_dir_all(&_dir);
+    }
+}
+
 fn main() {
     let mut c = Criterion::default().sample_size(10).configure_from_args();
-    let f = Fixture::new();
+    let f = Fixture::new(SESSIONS);
     {
         let mut g = c.benchmark_group("router");
         g.throughput(Throughput::Elements(1));
@@ -143,17 +208,18 @@ fn main() {
         g.finish();
     }
 
-    // A fixed, bounded run of each for the ratio.
-    const CALLS: u64 = 20_000;
-    let ping = f.run(CALLS, false);
-    let route = f.run(CALLS, true);
+    // Five alternating fixed, bounded runs of each; the ratio of the medians.
     let rps = |d: Duration| CALLS as f64 / d.as_secs_f64();
+    let (mut pings, mut routes) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        pings.push(rps(f.run(CALLS, false)));
+        routes.push(rps(f.run(CALLS, true)));
+    }
+    let (ping, route) = (median(pings), median(routes));
     let m = f.router.service().metrics();
     println!(
-        "router: {CALLS} calls x {STREAMS} streams: route {:.0} req/s, ping {:.0} req/s, route/ping throughput ratio {:.3}",
-        rps(route),
-        rps(ping),
-        rps(route) / rps(ping)
+        "router: {CALLS} calls x {STREAMS} streams, median of 5: route {route:.0} req/s, ping {ping:.0} req/s, route/ping throughput ratio {:.3}",
+        route / ping
     );
     println!(
         "router: decision latency over {} decisions: p50 {:?}, p99 {:?}, p99.9 {:?}",
@@ -162,25 +228,17 @@ fn main() {
         m.decision_latency(0.99),
         m.decision_latency(0.999)
     );
+    let p99_us = m.decision_latency(0.99).as_secs_f64() * 1e6;
+    f.stop();
+    let (small, large) = sessions_scaling();
     // `cargo xtask bench` reads these figures from the file named by KVC_BENCH_OUT.
     if let Some(path) = std::env::var_os("KVC_BENCH_OUT") {
-        let p99_us = m.decision_latency(0.99).as_secs_f64() * 1e6;
         let json = format!(
-            "{{\"route_rps\": {:.1}, \"noop_rps\": {:.1}, \"route_vs_noop\": {:.4}, \"decision_p99_us\": {:.3}}}\n",
-            rps(route),
-            rps(ping),
-            rps(route) / rps(ping),
-            p99_us
+            "{{\"route_rps\": {route:.1}, \"noop_rps\": {ping:.1}, \"route_vs_noop\": {:.4}, \"decision_p99_us\": {p99_us:.3}, \"route_rps_1k_sessions\": {small:.1}, \"route_rps_100k_sessions\": {large:.1}, \"route_100k_vs_1k_sessions\": {:.4}}}\n",
+            route / ping,
+            large / small,
         );
         std::fs::write(&path, json).expect("write KVC_BENCH_OUT");
     }
-    f.router.shutdown();
-    let Fixture {
-        rt, router, _dir, ..
-    } = f;
-    rt.block_on(async {
-        let _ = tokio::time::timeout(Duration::from_secs(10), router.wait()).await;
-    });
-    let _ = std::fs::remove_dir_all(&_dir);
     c.final_summary();
 }

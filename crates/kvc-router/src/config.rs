@@ -75,6 +75,12 @@ pub struct RouterConfig {
     /// How stock engines' own signals are read (the `[engine-signals]` table): `/metrics`
     /// scrape interval, deadline and staleness.
     pub engine_signals: EngineSignalsConfig,
+    /// Bounds of the routing state and of a request's size (the `[limits]` table).
+    pub limits: Limits,
+    /// Bearer tokens of the listeners (the `[auth.http]` and `[auth.grpc]` tables).
+    pub auth: crate::auth::AuthConfig,
+    /// TLS of the listeners (the `[tls.http]` and `[tls.grpc]` tables).
+    pub tls: crate::tls::TlsConfig,
     /// The workers (`[[workers]]`).
     pub workers: Vec<WorkerConfig>,
 }
@@ -96,6 +102,9 @@ impl Default for RouterConfig {
             shutdown_grace_ms: 5_000,
             http: HttpConfig::default(),
             engine_signals: EngineSignalsConfig::default(),
+            limits: Limits::default(),
+            auth: crate::auth::AuthConfig::default(),
+            tls: crate::tls::TlsConfig::default(),
             workers: Vec::new(),
         }
     }
@@ -317,6 +326,72 @@ impl SessionLimits {
             ("sessions.ttl-ms", self.ttl_ms),
             ("sessions.max", self.max_sessions as u64),
         ])
+    }
+}
+
+/// Bounds of the routing state and of a request (the `[limits]` table). The policy state's
+/// tables and their cost per entry are in `docs/kvc-policy.md` ("Memory and cost"); the
+/// decisions awaiting an outcome are bounded by `max-pending-decisions`, the sessions by
+/// `[sessions]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct Limits {
+    /// Blocks the policy's block view keeps per worker and view (40–60 bytes each); absent
+    /// (the default): `pool-multiple` times the worker's `capacity-tokens` in blocks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blocks_per_worker: Option<u32>,
+    /// How many pools' worth of blocks the block view keeps per worker. Default 4.
+    pub pool_multiple: u32,
+    /// Leading blocks of a session's last request the router keeps (8 bytes each, per
+    /// session); the rest are counted in `kvc_router_session_blocks_dropped_total`. Default
+    /// 256 (131,072 tokens at the default 512-token block).
+    pub max_session_blocks: u32,
+    /// Largest `input_length` of a request, in tokens; larger ones are `INVALID_ARGUMENT`.
+    /// Default 16,777,216.
+    pub max_input_tokens: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        let policy = kvc_policy::StateBounds::default();
+        Limits {
+            blocks_per_worker: None,
+            pool_multiple: policy.pool_multiple,
+            max_session_blocks: policy.max_session_blocks,
+            max_input_tokens: Limits::DEFAULT_MAX_INPUT_TOKENS,
+        }
+    }
+}
+
+impl Limits {
+    /// The default `max-input-tokens`: 16 Mi tokens.
+    pub const DEFAULT_MAX_INPUT_TOKENS: u64 = 1 << 24;
+
+    /// Checks the `[limits]` table: every bound positive.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        all_positive([
+            (
+                "limits.blocks-per-worker",
+                self.blocks_per_worker.map_or(1, u64::from),
+            ),
+            ("limits.pool-multiple", u64::from(self.pool_multiple)),
+            (
+                "limits.max-session-blocks",
+                u64::from(self.max_session_blocks),
+            ),
+            ("limits.max-input-tokens", self.max_input_tokens),
+        ])
+    }
+
+    /// The policy state's bounds: these, with `max_pending` decisions awaiting an outcome.
+    pub fn state_bounds(&self, max_pending: usize) -> kvc_policy::StateBounds {
+        kvc_policy::StateBounds {
+            blocks_per_worker: self.blocks_per_worker,
+            pool_multiple: self.pool_multiple,
+            max_pending: u32::try_from(max_pending).unwrap_or(u32::MAX),
+            max_session_blocks: self.max_session_blocks,
+            ..kvc_policy::StateBounds::default()
+        }
     }
 }
 
@@ -660,6 +735,9 @@ impl RouterConfig {
         ])?;
         self.http.validate()?;
         self.engine_signals.validate()?;
+        self.limits.validate()?;
+        self.auth.validate()?;
+        self.tls.validate()?;
         let mut seen = HashSet::new();
         for w in &self.workers {
             if !seen.insert(w.id) {

@@ -3,6 +3,19 @@
 //! to `kvc-core`/`kvc-policy` types here (with `kvc-proto`'s conversions), answered by the
 //! service, and converted back.
 //!
+//! Every answer is a gRPC status. A request that does not reach its handler because its bytes
+//! are not a message of the method's type (malformed protobuf, a truncated frame, no message
+//! at all) is `INVALID_ARGUMENT`: tonic reports those as `INTERNAL`, which would blame the
+//! router, so [`MalformedLayer`] rewrites them (only for `kvc.v1.Router` calls whose handler
+//! did not run). A message over the decoding limit (four times `max-message-bytes`) is refused
+//! by the transport with `OUT_OF_RANGE`. Limits checked by the service: `input_length` at most
+//! `limits.max-input-tokens` (16 Mi tokens by default), `hash_ids` at most one per block of
+//! the input, `resident_tokens` of `ReportOutcome` at most the decode worker's
+//! `capacity-tokens`, worker ids that exist. Session ids are 64-bit numbers here (no length to
+//! bound). With `[auth.grpc]` every call but health needs the bearer token
+//! ([`crate::auth`]); with `[tls.grpc]` the listener is TLS, optionally mutual
+//! ([`crate::tls`]).
+//!
 //! A client of a router served in this process:
 //!
 //! ```
@@ -36,10 +49,15 @@ use kvc_core::{Outcome, RequestId, SessionId, StableName, WorkerId};
 use kvc_proto::convert::ProtoEnum;
 use kvc_proto::pb;
 use prost::Message as _;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tonic::codegen::http;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
@@ -85,11 +103,14 @@ impl RouterGrpc {
 }
 
 /// Serves `kvc.v1.Router` for `service`, `grpc.health.v1.Health` and gRPC reflection on
-/// `listener` until `stop` is cancelled (health turns `NOT_SERVING` as it stops).
+/// `listener` until `stop` is cancelled (health turns `NOT_SERVING` as it stops), over TLS
+/// when `tls` is given, with every call but health checked against `token` when one is.
 pub(crate) async fn spawn_grpc(
     service: &Arc<RouterService>,
     listener: TcpListener,
     stop: &CancellationToken,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    token: Option<Arc<crate::auth::Token>>,
 ) -> Result<JoinHandle<Result<(), ServeError>>, ServeError> {
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
@@ -102,8 +123,15 @@ pub(crate) async fn spawn_grpc(
     let stop = stop.clone();
     let router = RouterGrpc::new(Arc::clone(service)).into_server();
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let mut builder = Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    let mut builder = builder
+        .layer(crate::auth::GrpcAuthLayer::new(token))
+        .layer(MalformedLayer);
     Ok(tokio::spawn(async move {
-        Server::builder()
+        builder
             .add_service(health_service)
             .add_service(reflection)
             .add_service(router)
@@ -116,6 +144,87 @@ pub(crate) async fn spawn_grpc(
             .await
             .map_err(ServeError::from)
     }))
+}
+
+/// Marks, for [`MalformedLayer`], that a `kvc.v1.Router` handler ran for this call.
+#[derive(Debug, Clone)]
+struct Reached(Arc<AtomicBool>);
+
+/// Notes in `request` that its handler runs (see [`MalformedLayer`]).
+fn reached<T>(request: &Request<T>) {
+    if let Some(r) = request.extensions().get::<Reached>() {
+        r.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The path prefix of `kvc.v1.Router` calls.
+const ROUTER_PATH: &str = "/kvc.v1.Router/";
+
+/// A tower layer of the gRPC server: a `kvc.v1.Router` call answered `INTERNAL` before its
+/// handler ran (tonic could not decode the request) is answered `INVALID_ARGUMENT` instead,
+/// with tonic's message. Errors of the handlers themselves pass unchanged.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MalformedLayer;
+
+impl<S> tower::Layer<S> for MalformedLayer {
+    type Service = Malformed<S>;
+
+    fn layer(&self, inner: S) -> Malformed<S> {
+        Malformed { inner }
+    }
+}
+
+/// The service [`MalformedLayer`] wraps around the gRPC routes.
+#[derive(Debug, Clone)]
+pub struct Malformed<S> {
+    inner: S,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, B, R> tower::Service<http::Request<B>> for Malformed<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<R>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        let flag = req
+            .uri()
+            .path()
+            .starts_with(ROUTER_PATH)
+            .then(|| Arc::new(AtomicBool::new(false)));
+        if let Some(f) = &flag {
+            req.extensions_mut().insert(Reached(Arc::clone(f)));
+        }
+        let answer = self.inner.call(req);
+        Box::pin(async move {
+            let mut response = answer.await?;
+            if let Some(f) = flag
+                && !f.load(Ordering::Relaxed)
+            {
+                let headers = response.headers_mut();
+                let internal = i32::from(tonic::Code::Internal).to_string();
+                if headers
+                    .get("grpc-status")
+                    .is_some_and(|v| v.as_bytes() == internal.as_bytes())
+                {
+                    let code = i32::from(tonic::Code::InvalidArgument).to_string();
+                    if let Ok(v) = http::HeaderValue::from_str(&code) {
+                        headers.insert("grpc-status", v);
+                    }
+                }
+            }
+            Ok(response)
+        })
+    }
 }
 
 fn decision_to_pb(d: &RouterDecision) -> pb::RouteDecision {
@@ -150,6 +259,7 @@ impl pb::router_server::Router for RouterGrpc {
         &self,
         request: Request<pb::RouteRequest>,
     ) -> Result<Response<pb::RouteDecision>, Status> {
+        reached(&request);
         let req = request.into_inner();
         let hash_ids = req.block_hashes();
         let answer = self
@@ -168,6 +278,7 @@ impl pb::router_server::Router for RouterGrpc {
         &self,
         request: Request<pb::OutcomeReport>,
     ) -> Result<Response<pb::OutcomeAck>, Status> {
+        reached(&request);
         let report = request.get_ref();
         let outcome = Outcome::from_proto(report.outcome)
             .map_err(|e| RequestError::InvalidArgument(e.to_string()))?;
@@ -184,6 +295,7 @@ impl pb::router_server::Router for RouterGrpc {
         &self,
         request: Request<pb::ProbeRequest>,
     ) -> Result<Response<pb::ProbeReply>, Status> {
+        reached(&request);
         let req = request.get_ref();
         let outcome = self.service.probe_worker(
             WorkerId(req.worker),
@@ -197,6 +309,7 @@ impl pb::router_server::Router for RouterGrpc {
         &self,
         request: Request<pb::CommitEvictRequest>,
     ) -> Result<Response<pb::CommitEvictReply>, Status> {
+        reached(&request);
         let (worker, req) = request.get_ref().to_core();
         let reply = self.service.commit_evict(worker, req).await?;
         Ok(Response::new(reply.into()))
@@ -204,8 +317,9 @@ impl pb::router_server::Router for RouterGrpc {
 
     async fn list_workers(
         &self,
-        _request: Request<pb::ListWorkersRequest>,
+        request: Request<pb::ListWorkersRequest>,
     ) -> Result<Response<pb::ListWorkersReply>, Status> {
+        reached(&request);
         Ok(Response::new(pb::ListWorkersReply {
             workers: self
                 .service
@@ -218,8 +332,9 @@ impl pb::router_server::Router for RouterGrpc {
 
     async fn ping(
         &self,
-        _request: Request<pb::PingRequest>,
+        request: Request<pb::PingRequest>,
     ) -> Result<Response<pb::PingReply>, Status> {
+        reached(&request);
         Ok(Response::new(pb::PingReply {}))
     }
 }

@@ -29,11 +29,17 @@
 //!   `CommitEvict` is forwarded to the worker's commit queue and its evictions observed.
 //! - **Bounded memory**: sessions expire after `sessions.ttl-ms` and the least recently seen
 //!   are forgotten beyond `sessions.max`; decisions awaiting an outcome are bounded by
-//!   `max-pending-decisions`.
-//! - **Validation**: malformed requests (no `hash_ids` for an input longer than one block, more
-//!   `hash_ids` than `ceil(input_length / block)`, zero input, a turn without a session, an
-//!   unknown worker, including in `rejected_by`, a message over `max-message-bytes`) get
+//!   `max-pending-decisions`; the policy state's block view and each session's block list by
+//!   the `[limits]` table ([`config::Limits`]), each worker's block bound set from its
+//!   `capacity-tokens`.
+//! - **Validation**: malformed requests (bytes that are not a protobuf message of the method's
+//!   type, no `hash_ids` for an input longer than one block, more `hash_ids` than
+//!   `ceil(input_length / block)`, zero input or more than `limits.max-input-tokens`, a turn
+//!   without a session, an unknown worker, including in `rejected_by`, a message over
+//!   `max-message-bytes`, `resident_tokens` over the decode worker's capacity) get
 //!   `INVALID_ARGUMENT`.
+//! - **Security**: a bearer token per listener ([`auth`], from a file or an environment
+//!   variable) and TLS with rustls on both listeners, mutual on gRPC as an option ([`tls`]).
 //! - **HTTP data plane**: with `http-listen` set, an SGLang/OpenAI-compatible HTTP front
 //!   forwards each request to the workers; [`http`] is its specification.
 //! - **Engines without decode-side append-prefill**: a decode worker with
@@ -119,6 +125,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod config;
 pub mod engine_load;
 mod error;
@@ -128,6 +135,7 @@ pub mod metrics;
 mod server;
 mod service;
 pub mod sessions;
+pub mod tls;
 mod worker_http;
 mod workers;
 

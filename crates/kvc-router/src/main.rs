@@ -19,7 +19,8 @@ use std::path::PathBuf;
 #[derive(Debug, Parser)]
 #[command(name = "kvc-router", version, about, long_about = None)]
 struct Cli {
-    /// TOML configuration file (listen addresses, workers, policy and knobs, session limits).
+    /// TOML configuration file (listen addresses, workers, policy and knobs, session limits,
+    /// state and request limits, bearer tokens and TLS per listener).
     /// Without it, the defaults are used: no workers, 127.0.0.1:50051 and 127.0.0.1:9464.
     #[arg(long, short = 'c', value_name = "FILE")]
     config: Option<PathBuf>,

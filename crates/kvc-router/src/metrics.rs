@@ -18,6 +18,9 @@
 //! | `kvc_router_sessions_forgotten_total` | counter | `cause` (`expired`, `evicted`) |
 //! | `kvc_router_pending_decisions` | gauge | — |
 //! | `kvc_router_pending_dropped_total` | counter | — |
+//! | `kvc_router_policy_blocks` | gauge | — (distinct blocks in the policy's block view) |
+//! | `kvc_router_policy_blocks_dropped_total` | counter | — (worker-block memberships the per-worker block bound removed) |
+//! | `kvc_router_session_blocks_dropped_total` | counter | — (blocks past `limits.max-session-blocks`, not kept) |
 //! | `kvc_router_worker_capacity_tokens` | gauge | `worker`, `name`, `role` |
 //! | `kvc_router_worker_used_tokens` | gauge | `worker`, `name`, `role` |
 //! | `kvc_router_worker_used_fraction` | gauge | `worker`, `name`, `role` |
@@ -40,7 +43,7 @@
 mod scrape;
 
 pub use kvc_core::{CommitKind, ProbeKind};
-pub use scrape::{Gauges, WorkerSample};
+pub use scrape::{BlockSizes, Gauges, WorkerSample};
 
 use kvc_core::{
     BreakerState, ExecutionMode, FallThroughReason, Forgotten, Outcome, StableName, WorkerId,

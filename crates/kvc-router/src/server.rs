@@ -79,10 +79,28 @@ pub async fn serve_service(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<RunningRouter, ServeError> {
     let config = service.config().clone();
+    // Tokens and TLS files, read before anything is bound.
+    crate::auth::warn_open_listeners(&config);
+    let tokens = crate::auth::Tokens::load(&config.auth)?;
+    let grpc_tls = config
+        .tls
+        .grpc
+        .as_ref()
+        .map(crate::tls::grpc_server_config)
+        .transpose()?;
+    let http_tls = config
+        .tls
+        .http
+        .as_ref()
+        .map(crate::tls::http_server_config)
+        .transpose()?;
     // The HTTP front (its tokenizer file loaded, its workers' URLs parsed) before anything
     // is bound.
     let http_app = match config.http_listen {
-        Some(_) => Some(crate::http::http_app_from_config(Arc::clone(&service))?),
+        Some(_) => Some(crate::auth::require_http(
+            crate::http::http_app_from_config(Arc::clone(&service))?,
+            tokens.http.clone(),
+        )),
         None => None,
     };
     let grpc_listener =
@@ -143,7 +161,8 @@ pub async fn serve_service(
 
     let stop = CancellationToken::new();
     // The gRPC front (it builds its reflection service first: nothing runs yet if that fails).
-    let grpc = crate::grpc::spawn_grpc(&service, grpc_listener, &stop).await?;
+    let grpc =
+        crate::grpc::spawn_grpc(&service, grpc_listener, &stop, grpc_tls, tokens.grpc).await?;
     {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -185,10 +204,11 @@ pub async fn serve_service(
     let http = http.map(|(listener, _, app)| {
         let stop = stop.clone();
         // Bounded connections and deadlines (the `[http]` listener keys); `TCP_NODELAY`, so
-        // streamed events go out as they come.
+        // streamed events go out as they come; TLS when configured.
         let options = crate::http::ListenerOptions::from_config(&service.config().http);
+        let tls = http_tls.map(tokio_rustls::TlsAcceptor::from);
         tokio::spawn(async move {
-            crate::http::serve_front(listener, app, options, stop).await;
+            crate::http::serve_front(listener, app, options, tls, stop).await;
             Ok(())
         })
     });

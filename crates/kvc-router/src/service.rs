@@ -10,7 +10,7 @@ mod route;
 
 use crate::config::RouterConfig;
 use crate::error::{ConfigError, RequestError};
-use crate::metrics::{Gauges, Metrics, ProbeKind, WorkerSample};
+use crate::metrics::{BlockSizes, Gauges, Metrics, ProbeKind, WorkerSample};
 use crate::sessions::{Forgotten, SessionTable};
 use crate::workers::WorkerEntry;
 use kvc_admission::{CommitSender, ProbeAnswer, SystemClock};
@@ -160,15 +160,22 @@ impl RouterService {
             slots[w.id.0 as usize] = Some(i);
         }
         let views: Vec<WorkerView> = workers.iter().map(|w| w.view_at(0)).collect();
-        let mut state = RouterState::new(&config.policy, &views);
-        for w in config.workers.iter().filter(|w| !w.append_prefill) {
-            state.set_direct_append(w.worker_id(), false);
+        let bounds = config.limits.state_bounds(config.max_pending_decisions);
+        let mut state = RouterState::with_bounds(&config.policy, &views, bounds);
+        state.reserve_sessions(config.sessions.max_sessions);
+        for w in &config.workers {
+            // Each worker's block bound from its configured pool, whatever its state says now.
+            state.set_worker_blocks(w.worker_id(), w.capacity_tokens);
+            if !w.append_prefill {
+                state.set_direct_append(w.worker_id(), false);
+            }
         }
         let service = RouterService {
             core: Mutex::new(Core {
                 state,
                 sessions: SessionTable::new(config.sessions.max_sessions, config.sessions.ttl_ms),
-                pending: HashMap::new(),
+                // Twice the bound, as for the session tables (`RouterState::reserve_sessions`).
+                pending: HashMap::with_capacity(kvc_policy::reserved(config.max_pending_decisions)),
                 pending_order: VecDeque::new(),
                 forgotten: Vec::new(),
             }),
@@ -414,6 +421,11 @@ impl RouterService {
         core.sessions.last_seen(session).is_some() || core.state.session(session).is_some()
     }
 
+    /// The most blocks the policy's block view keeps for `worker` in each view.
+    pub fn worker_block_bound(&self, worker: WorkerId) -> u32 {
+        self.core.lock().state.worker_block_bound(worker)
+    }
+
     /// Decisions awaiting `ReportOutcome`.
     pub fn pending_decisions(&self) -> usize {
         self.core.lock().pending.len()
@@ -422,9 +434,14 @@ impl RouterService {
     /// Gauges for the metrics exposition.
     pub fn gauges(&self) -> Gauges {
         let now = self.now_ms();
-        let (sessions_tracked, pending_decisions) = {
+        let (sessions_tracked, pending_decisions, blocks) = {
             let core = self.core.lock();
-            (core.sessions.len(), core.pending.len())
+            let blocks = BlockSizes {
+                known: core.state.known_blocks(),
+                dropped: core.state.dropped_blocks(),
+                session_dropped: core.state.dropped_session_blocks(),
+            };
+            (core.sessions.len(), core.pending.len(), blocks)
         };
         Gauges {
             workers: self
@@ -440,6 +457,7 @@ impl RouterService {
                 .collect(),
             sessions_tracked,
             pending_decisions,
+            blocks,
         }
     }
 

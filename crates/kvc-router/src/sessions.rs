@@ -41,7 +41,9 @@ impl SessionTable {
         SessionTable {
             max_sessions: max_sessions.max(1),
             ttl_ms,
-            last_seen: HashMap::new(),
+            // Twice the bound: a full table whose entries keep being replaced then rehashes in
+            // place instead of growing once more (`RouterState::reserve_sessions` says why).
+            last_seen: HashMap::with_capacity(kvc_policy::reserved(max_sessions.max(1))),
             by_age: BTreeSet::new(),
         }
     }

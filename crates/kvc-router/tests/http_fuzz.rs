@@ -93,7 +93,13 @@ async fn start_front() -> SocketAddr {
     };
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = tcp.local_addr().unwrap();
-    tokio::spawn(serve_front(tcp, app, listener, CancellationToken::new()));
+    tokio::spawn(serve_front(
+        tcp,
+        app,
+        listener,
+        None,
+        CancellationToken::new(),
+    ));
     addr
 }
 

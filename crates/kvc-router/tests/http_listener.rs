@@ -72,7 +72,7 @@ async fn start(listener: ListenerOptions, options: impl FnOnce(&mut HttpOptions)
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = tcp.local_addr().unwrap();
     let stop = CancellationToken::new();
-    tokio::spawn(serve_front(tcp, app, listener, stop.clone()));
+    tokio::spawn(serve_front(tcp, app, listener, None, stop.clone()));
     Front {
         _cluster: cluster,
         addr,

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
@@ -66,7 +66,8 @@ impl ListenerOptions {
     }
 }
 
-/// Serves `app` (the front, [`super::http_app_with`]) on `listener` until `stop` is
+/// Serves `app` (the front, [`super::http_app_with`]) on `listener` — over TLS after a
+/// handshake within [`crate::tls::HANDSHAKE_TIMEOUT`] when `tls` is given — until `stop` is
 /// cancelled, then stops accepting, asks every connection to finish its request in progress
 /// and returns when they have all closed (dropping the returned future closes them at once).
 ///
@@ -80,6 +81,7 @@ pub async fn serve_front(
     listener: TcpListener,
     app: axum::Router,
     options: ListenerOptions,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     stop: CancellationToken,
 ) {
     let served = Arc::new(Semaphore::new(options.max_connections));
@@ -112,9 +114,24 @@ pub async fn serve_front(
             drop(tcp);
             continue;
         };
-        let (app, stop) = (app.clone(), stop.clone());
+        let (app, stop, tls) = (app.clone(), stop.clone(), tls.clone());
         connections.spawn(async move {
-            serve_connection(tcp, app, options, lane, stop).await;
+            match tls {
+                None => serve_connection(tcp, app, options, lane, stop).await,
+                // The handshake runs in the connection's own task, bounded in time, so a
+                // stalled client holds up no one; it holds its place meanwhile.
+                Some(acceptor) => {
+                    match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
+                        .await
+                    {
+                        Ok(Ok(tls)) => serve_connection(tls, app, options, lane, stop).await,
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "http front: TLS handshake failed")
+                        }
+                        Err(_) => tracing::debug!("http front: TLS handshake timed out"),
+                    }
+                }
+            }
             drop(permit);
         });
     }
@@ -176,8 +193,8 @@ enum Lane {
 
 /// Serves one connection until it closes (or, once `stop` is cancelled, until its request in
 /// progress is answered).
-async fn serve_connection(
-    tcp: TcpStream,
+async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    tcp: S,
     app: axum::Router,
     options: ListenerOptions,
     lane: Lane,
@@ -338,8 +355,8 @@ enum Phase {
 /// connection. It also gives hyper's own answers — written when a head could not be read,
 /// before any request reached the front: malformed (400), too long (431), too long a URI
 /// (414) — a JSON body.
-struct Watched {
-    inner: TcpStream,
+struct Watched<S> {
+    inner: S,
     requests: Shared,
     header_read_timeout: Duration,
     idle_timeout: Duration,
@@ -359,8 +376,8 @@ struct Watched {
     replaced: Option<(Vec<u8>, usize)>,
 }
 
-impl Watched {
-    fn new(inner: TcpStream, requests: Shared, options: &ListenerOptions) -> Self {
+impl<S> Watched<S> {
+    fn new(inner: S, requests: Shared, options: &ListenerOptions) -> Self {
         let now = Instant::now();
         Watched {
             inner,
@@ -393,7 +410,7 @@ impl Watched {
     }
 }
 
-impl AsyncRead for Watched {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Watched<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -444,7 +461,7 @@ impl AsyncRead for Watched {
     }
 }
 
-impl AsyncWrite for Watched {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

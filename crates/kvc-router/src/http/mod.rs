@@ -234,7 +234,7 @@
 //! assert_eq!(workers.len(), 2);
 //! let app: axum::Router = http_app(service, workers);
 //! // kvc_router::http::serve_front(tokio::net::TcpListener::bind("0.0.0.0:8000").await?, app,
-//! //     kvc_router::http::ListenerOptions::default(), stop_token).await;
+//! //     kvc_router::http::ListenerOptions::default(), None /* TLS */, stop_token).await;
 //! # drop(app);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

@@ -35,6 +35,19 @@ pub struct Gauges {
     pub sessions_tracked: usize,
     /// Decisions awaiting an outcome report.
     pub pending_decisions: usize,
+    /// The policy state's block view and what its bounds removed so far.
+    pub blocks: BlockSizes,
+}
+
+/// The policy state's block view and its drop counters, for the metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockSizes {
+    /// Distinct blocks in the block view.
+    pub known: usize,
+    /// (worker, block) memberships removed by the per-worker block bound.
+    pub dropped: u64,
+    /// Blocks of requests past `limits.max-session-blocks`, not kept in their session.
+    pub session_dropped: u64,
 }
 
 /// The quantiles of `kvc_router_decision_latency_quantile_seconds`, with their label values.
@@ -101,11 +114,33 @@ pub(super) fn registry(metrics: &Metrics, gauges: &Gauges) -> Registry {
             "Decisions awaiting an outcome report",
             gauges.pending_decisions,
         ),
+        (
+            "kvc_router_policy_blocks",
+            "Distinct blocks in the policy's block view",
+            gauges.blocks.known,
+        ),
     ];
     for (name, help, n) in sizes {
         let gauge = Gauge::<i64>::default();
         gauge.set(count(n));
         r.register(name, help, gauge);
+    }
+    let drops = [
+        (
+            "kvc_router_policy_blocks_dropped",
+            "Worker-block memberships the per-worker block bound removed from the policy's block view",
+            gauges.blocks.dropped,
+        ),
+        (
+            "kvc_router_session_blocks_dropped",
+            "Blocks of requests past limits.max-session-blocks, not kept in their session's list",
+            gauges.blocks.session_dropped,
+        ),
+    ];
+    for (name, help, n) in drops {
+        let counter = prometheus_client::metrics::counter::Counter::<u64>::default();
+        counter.inc_by(n);
+        r.register(name, help, counter);
     }
 
     let breakers = Family::<BreakerLabels, Gauge>::default();
@@ -296,6 +331,11 @@ mod tests {
             workers: vec![sample(1, "d1", fresh), sample(2, "d2", lost)],
             sessions_tracked: 3,
             pending_decisions: 0,
+            blocks: BlockSizes {
+                known: 12,
+                dropped: 5,
+                session_dropped: 7,
+            },
         };
         let text = Metrics::new().render(&gauges);
         let d1 = "{worker=\"1\",name=\"d1\",role=\"decode\"}";
@@ -312,6 +352,9 @@ mod tests {
                 .to_owned(),
             "kvc_router_sessions_tracked 3\n".to_owned(),
             "kvc_router_pending_decisions 0\n".to_owned(),
+            "kvc_router_policy_blocks 12\n".to_owned(),
+            "kvc_router_policy_blocks_dropped_total 5\n".to_owned(),
+            "kvc_router_session_blocks_dropped_total 7\n".to_owned(),
         ] {
             assert!(text.contains(&line), "missing {line:?} in\n{text}");
         }

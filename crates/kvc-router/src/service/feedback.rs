@@ -20,7 +20,8 @@ impl RouterService {
     /// turn) only releases the request: the worker served nothing, so what the router believes
     /// resident there is left as it was (the caller then routes again with `rejected_by`).
     /// `NOT_FOUND` for a decision already reported or dropped; `INVALID_ARGUMENT` when the
-    /// request id is not the decision's.
+    /// request id is not the decision's, or when `resident_tokens` exceeds the decode worker's
+    /// `capacity-tokens` (the decision then stays pending).
     pub fn report_outcome(&self, report: &DecisionOutcome) -> Result<(), RequestError> {
         let outcome = report.outcome;
         let now = self.now_ms();
@@ -36,6 +37,13 @@ impl RouterService {
             return Err(RequestError::InvalidArgument(format!(
                 "decision {} was for request {}, not {}",
                 report.decision_id, p.request_id.0, report.request_id.0
+            )));
+        }
+        let capacity = self.entry(p.decode.0).map_or(0, |e| e.capacity_tokens);
+        if report.resident_tokens > capacity {
+            return Err(RequestError::InvalidArgument(format!(
+                "resident_tokens {} exceeds the capacity of worker {} ({capacity} tokens)",
+                report.resident_tokens, p.decode.0
             )));
         }
         core.pending.remove(&report.decision_id);

@@ -16,6 +16,13 @@ impl RouterService {
                 "input_length must be positive".into(),
             ));
         }
+        let max_input = self.config.limits.max_input_tokens;
+        if req.input_length > max_input {
+            return Err(RequestError::InvalidArgument(format!(
+                "input_length {} exceeds limits.max-input-tokens ({max_input})",
+                req.input_length
+            )));
+        }
         match (req.session, req.turn) {
             (None, Some(_)) => {
                 return Err(RequestError::InvalidArgument(
