@@ -93,10 +93,25 @@ fn criterion_median(ctx: &Ctx, id: &str) -> Result<f64, String> {
 }
 
 fn criterion(ctx: &Ctx, package: &str, bench: &str) -> Result<(), String> {
+    criterion_with(ctx, package, bench, None)
+}
+
+/// Runs a criterion bench; with `extra`, the bench also writes figures of its own into that
+/// file (`KVC_BENCH_OUT`).
+fn criterion_with(
+    ctx: &Ctx,
+    package: &str,
+    bench: &str,
+    extra: Option<&Path>,
+) -> Result<(), String> {
     let mut cmd = ctx.cargo();
     cmd.args(["bench", "--locked", "-p", package, "--bench", bench, "--"]);
     if ctx.quick {
         cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1.5"]);
+    }
+    if let Some(file) = extra {
+        let _ = std::fs::remove_file(file);
+        cmd.env("KVC_BENCH_OUT", file);
     }
     run(&format!("criterion {package}/{bench}"), &mut cmd)
 }
@@ -112,24 +127,7 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     }
     // The router bench also writes its same-run throughput ratio and decision p99.
     let extra = ctx.out.join("router.json");
-    let _ = std::fs::remove_file(&extra);
-    {
-        let mut cmd = ctx.cargo();
-        cmd.args([
-            "bench",
-            "--locked",
-            "-p",
-            "kvc-router",
-            "--bench",
-            "route",
-            "--",
-        ]);
-        if ctx.quick {
-            cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1.5"]);
-        }
-        cmd.env("KVC_BENCH_OUT", &extra);
-        run("criterion kvc-router/route", &mut cmd)?;
-    }
+    criterion_with(ctx, "kvc-router", "route", Some(&extra))?;
     let r = read_json(&extra)?;
     for key in [
         "route_rps",
@@ -168,22 +166,7 @@ const EVENTS_APPLY_BLOCKS: f64 = 8_192.0;
 /// kvc-events' block index: criterion speeds, and its bytes per block from `KVC_BENCH_OUT`.
 fn events_index(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let extra = ctx.out.join("events.json");
-    let _ = std::fs::remove_file(&extra);
-    let mut cmd = ctx.cargo();
-    cmd.args([
-        "bench",
-        "--locked",
-        "-p",
-        "kvc-events",
-        "--bench",
-        "index",
-        "--",
-    ]);
-    if ctx.quick {
-        cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1.5"]);
-    }
-    cmd.env("KVC_BENCH_OUT", &extra);
-    run("criterion kvc-events/index", &mut cmd)?;
+    criterion_with(ctx, "kvc-events", "index", Some(&extra))?;
     let apply_ns = criterion_median(ctx, "events_apply/store_remove_4096")?;
     figures.insert(
         "events.apply_blocks_per_s".into(),

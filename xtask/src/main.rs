@@ -157,36 +157,29 @@ fn test() -> ExitCode {
             return code;
         }
     }
-    let script = root.join("scripts/python-client/check.sh");
     let has_python = Command::new("python3")
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
-    if script.exists() {
-        if has_python {
-            let py = run(
-                "Python gRPC client check",
-                Command::new("bash").arg(&script),
-            );
-            if let Err(code) = py {
-                return code;
-            }
-        } else {
-            eprintln!("xtask test: python3 not found; the Python gRPC client check is skipped");
+    // Checks against Python peers (each installs its packages into its own venv in target/).
+    let scripts = [
+        ("Python gRPC client check", "scripts/python-client/check.sh"),
+        (
+            "Python KV-cache event check",
+            "crates/kvc-events/scripts/check.sh",
+        ),
+    ];
+    for (what, path) in scripts {
+        let script = root.join(path);
+        if !script.exists() {
+            continue;
         }
-    }
-    let events = root.join("crates/kvc-events/scripts/check.sh");
-    if events.exists() {
-        if has_python {
-            let py = run(
-                "Python KV-cache event check",
-                Command::new("bash").arg(&events),
-            );
-            if let Err(code) = py {
-                return code;
-            }
-        } else {
-            eprintln!("xtask test: python3 not found; the Python KV-cache event check is skipped");
+        if !has_python {
+            eprintln!("xtask test: python3 not found; the {what} is skipped");
+            continue;
+        }
+        if let Err(code) = run(what, Command::new("bash").arg(&script)) {
+            return code;
         }
     }
     ExitCode::SUCCESS

@@ -216,7 +216,11 @@ fn decode_event(value: &ValueRef<'_>) -> Result<Event, FieldError> {
                     "block_hashes",
                 )?,
                 parent: opt(f.parent)
-                    .map(|v| hash(v).map_err(|found| wrong(found, "parent_block_hash")))
+                    .map(|v| {
+                        hash(v).map_err(|found| {
+                            wrong("parent_block_hash", "an integer or bytes", found)
+                        })
+                    })
                     .transpose()?,
                 token_ids: tokens(f.token_ids.ok_or(FieldError::Missing("token_ids"))?)?,
                 block_size,
@@ -239,14 +243,6 @@ fn decode_event(value: &ValueRef<'_>) -> Result<Event, FieldError> {
         })),
         "AllBlocksCleared" => Ok(Event::AllCleared),
         other => Err(FieldError::UnknownType(other.chars().take(64).collect())),
-    }
-}
-
-fn wrong(found: &'static str, field: &'static str) -> FieldError {
-    FieldError::WrongType {
-        field,
-        expected: "an integer or bytes",
-        found,
     }
 }
 
@@ -278,33 +274,32 @@ fn kind(v: &ValueRef<'_>) -> &'static str {
     }
 }
 
+/// A value of the wrong type for `field`.
+fn wrong(field: &'static str, expected: &'static str, found: &'static str) -> FieldError {
+    FieldError::WrongType {
+        field,
+        expected,
+        found,
+    }
+}
+
 fn text<'v>(v: &'v ValueRef<'_>, field: &'static str) -> Result<&'v str, FieldError> {
     match v {
-        ValueRef::String(s) => s.as_str().ok_or(FieldError::WrongType {
-            field,
-            expected: "a UTF-8 string",
-            found: "invalid UTF-8",
-        }),
-        other => Err(FieldError::WrongType {
-            field,
-            expected: "a string",
-            found: kind(other),
-        }),
+        ValueRef::String(s) => s
+            .as_str()
+            .ok_or(wrong(field, "a UTF-8 string", "invalid UTF-8")),
+        other => Err(wrong(field, "a string", kind(other))),
     }
 }
 
 fn int(v: &ValueRef<'_>, field: &'static str) -> Result<i64, FieldError> {
     match v {
-        ValueRef::Integer(i) => i.as_i64().ok_or(FieldError::WrongType {
+        ValueRef::Integer(i) => i.as_i64().ok_or(wrong(
             field,
-            expected: "an integer in the i64 range",
-            found: "an integer above i64::MAX",
-        }),
-        other => Err(FieldError::WrongType {
-            field,
-            expected: "an integer",
-            found: kind(other),
-        }),
+            "an integer in the i64 range",
+            "an integer above i64::MAX",
+        )),
+        other => Err(wrong(field, "an integer", kind(other))),
     }
 }
 
@@ -312,16 +307,11 @@ fn number(v: &ValueRef<'_>, field: &'static str) -> Result<f64, FieldError> {
     match v {
         ValueRef::F64(x) => Ok(*x),
         ValueRef::F32(x) => Ok(f64::from(*x)),
-        ValueRef::Integer(i) => i.as_f64().ok_or(FieldError::WrongType {
-            field,
-            expected: "a number",
-            found: "an unrepresentable integer",
-        }),
-        other => Err(FieldError::WrongType {
-            field,
-            expected: "a number",
-            found: kind(other),
-        }),
+        ValueRef::Integer(i) => {
+            i.as_f64()
+                .ok_or(wrong(field, "a number", "an unrepresentable integer"))
+        }
+        other => Err(wrong(field, "a number", kind(other))),
     }
 }
 
@@ -340,11 +330,7 @@ fn hash(v: &ValueRef<'_>) -> Result<EngineHash, &'static str> {
 
 fn hashes(v: &ValueRef<'_>, field: &'static str) -> Result<Vec<EngineHash>, FieldError> {
     let ValueRef::Array(items) = v else {
-        return Err(FieldError::WrongType {
-            field,
-            expected: "an array of hashes",
-            found: kind(v),
-        });
+        return Err(wrong(field, "an array of hashes", kind(v)));
     };
     items
         .iter()

@@ -19,6 +19,7 @@
 //! The token is never logged: [`Token`]'s `Debug` prints its length only, and the
 //! configuration holds the file path or the variable name, not the secret.
 
+use crate::config::PerListener;
 use crate::config::RouterConfig;
 use crate::error::ConfigError;
 use axum::http::{HeaderMap, HeaderValue, Request, Response, header};
@@ -37,17 +38,9 @@ pub const OPEN_HTTP_PATH: &str = "/livez";
 /// The gRPC service whose methods answer without a token.
 pub const OPEN_GRPC_SERVICE: &str = "grpc.health.v1.Health";
 
-/// The listeners' tokens: the `[auth]` table. A listener without one serves everyone.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
-pub struct AuthConfig {
-    /// The HTTP front's token (`[auth.http]`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub http: Option<TokenSource>,
-    /// The gRPC listener's token (`[auth.grpc]`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub grpc: Option<TokenSource>,
-}
+/// The listeners' tokens: the `[auth]` table (`[auth.http]`, `[auth.grpc]`). A listener
+/// without one serves everyone.
+pub type AuthConfig = PerListener<TokenSource>;
 
 impl AuthConfig {
     /// Checks each table: exactly one of `token-file` and `token-env`.

@@ -110,6 +110,28 @@ impl Default for RouterConfig {
     }
 }
 
+/// One setting per listener, a table with an `http` sub-table (the HTTP front) and a `grpc`
+/// one (the gRPC control API), each optional: `[auth]` and `[tls]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct PerListener<T> {
+    /// The HTTP front's (`[<table>.http]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http: Option<T>,
+    /// The gRPC listener's (`[<table>.grpc]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grpc: Option<T>,
+}
+
+impl<T> Default for PerListener<T> {
+    fn default() -> Self {
+        PerListener {
+            http: None,
+            grpc: None,
+        }
+    }
+}
+
 /// Fails with "`name` must be positive" for the first zero value of `values`.
 fn all_positive<'a>(values: impl IntoIterator<Item = (&'a str, u64)>) -> Result<(), ConfigError> {
     match values.into_iter().find(|(_, v)| *v == 0) {

@@ -82,18 +82,9 @@ pub async fn serve_service(
     // Tokens and TLS files, read before anything is bound.
     crate::auth::warn_open_listeners(&config);
     let tokens = crate::auth::Tokens::load(&config.auth)?;
-    let grpc_tls = config
-        .tls
-        .grpc
-        .as_ref()
-        .map(crate::tls::grpc_server_config)
-        .transpose()?;
-    let http_tls = config
-        .tls
-        .http
-        .as_ref()
-        .map(crate::tls::http_server_config)
-        .transpose()?;
+    let grpc_tls = config.tls.grpc.as_ref().map(crate::tls::grpc_server_config);
+    let http_tls = config.tls.http.as_ref().map(crate::tls::http_server_config);
+    let (grpc_tls, http_tls) = (grpc_tls.transpose()?, http_tls.transpose()?);
     // The HTTP front (its tokenizer file loaded, its workers' URLs parsed) before anything
     // is bound.
     let http_app = match config.http_listen {

@@ -9,6 +9,7 @@
 //! places (`max-connections`), so a slow client holds up no one else. The HTTP front speaks
 //! HTTP/1.1 over TLS (ALPN `http/1.1`); the gRPC listener HTTP/2 (ALPN `h2`).
 
+use crate::config::PerListener;
 use crate::error::ConfigError;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -21,18 +22,10 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 /// The longest a client may take to complete its TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// TLS of the listeners: the `[tls]` table.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
-pub struct TlsConfig {
-    /// The HTTP front's certificate and key (`[tls.http]`); `client-ca` is not supported there.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub http: Option<ListenerTls>,
-    /// The gRPC listener's certificate and key, and optionally the CA its clients'
-    /// certificates must be signed by (`[tls.grpc]`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub grpc: Option<ListenerTls>,
-}
+/// TLS of the listeners: the `[tls]` table. `[tls.http]`: the HTTP front's certificate and
+/// key (`client-ca` is not supported there); `[tls.grpc]`: the gRPC listener's, and optionally
+/// the CA its clients' certificates must be signed by.
+pub type TlsConfig = PerListener<ListenerTls>;
 
 impl TlsConfig {
     /// Checks the tables: `client-ca` only in `[tls.grpc]`.
