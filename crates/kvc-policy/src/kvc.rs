@@ -31,6 +31,7 @@ use crate::backpressure::BackpressureConfig;
 use crate::decision::Decision;
 use crate::error::PolicyError;
 use crate::kvc_v2::{KvcV2Config, Placement, route_with};
+use crate::local::LocalPrefillConfig;
 use crate::route::Ctx;
 use kvc_core::{BlockSize, PrefillPolicy};
 use serde::{Deserialize, Serialize};
@@ -53,6 +54,7 @@ use serde::{Deserialize, Serialize};
 /// | `prefill` | `d-health-aware` |
 /// | `backpressure` | disabled |
 /// | `block-size` | 512 |
+/// | `local-prefill` | on ([`LocalPrefillConfig`]) |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct KvcConfig {
@@ -85,6 +87,9 @@ pub struct KvcConfig {
     pub backpressure: BackpressureConfig,
     /// Tokens per block of `hash_ids`.
     pub block_size: BlockSize,
+    /// Who prefills a turn that is not direct-to-D where workers can serve turns alone
+    /// (`local-prefill` turns, P→D chosen by expected cost): `crate::LocalPrefillConfig`.
+    pub local_prefill: LocalPrefillConfig,
 }
 
 impl Default for KvcConfig {
@@ -104,6 +109,7 @@ impl Default for KvcConfig {
             prefill: PrefillPolicy::DHealthAware,
             backpressure: BackpressureConfig::DISABLED,
             block_size: BlockSize::default(),
+            local_prefill: LocalPrefillConfig::default(),
         }
     }
 }
@@ -142,7 +148,7 @@ impl KvcConfig {
                 detail: "active-weight must be a finite number ≥ 0",
             });
         }
-        Ok(())
+        self.local_prefill.validate("kvc")
     }
 }
 
@@ -150,6 +156,7 @@ pub(crate) fn route(cfg: &KvcConfig, ctx: &Ctx<'_>) -> Result<Decision, PolicyEr
     let placement = Placement {
         active_weight: cfg.active_weight,
         active_window_ms: cfg.active_window_ms,
+        local: cfg.local_prefill,
     };
     route_with(&cfg.v2(), Some(placement), ctx)
 }

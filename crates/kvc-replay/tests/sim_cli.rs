@@ -151,7 +151,7 @@ fn bad_options_fail_with_a_clear_message() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     assert!(run(&["--policy", "no-such"]).contains("no-such"));
-    assert!(run(&["--topology", "3x"]).contains("invalid topology"));
+    assert!(run(&["--topology", "1x"]).contains("invalid topology"));
     assert!(
         run(&["--policy", "kvc-v2", "--knob", "no_such_knob=1"]).contains("no knob `no_such_knob`")
     );
@@ -216,7 +216,8 @@ fn demo_runs_the_reference_configurations_and_kvc() {
             "4dp+cache-aware ts1",
             "1p3d+kv-aware-v0 ts1",
             "1p3d+kvc-v2 ts1",
-            "1p3d+kvc ts1"
+            "1p3d+kvc ts1",
+            "1p3d-hybrid+kvc ts1"
         ],
         "{stdout}"
     );
