@@ -14,8 +14,16 @@
 //! - **stronger capacity and load terms** (`capacity-weight` 5, `load-weight` 0.5): place by
 //!   committed memory and queue rather than by overlap.
 //!
-//! `docs/kvc-policy.md` has the measurements behind each part (an ablation on the generated SWE
-//! traces).
+//! - **who prefills** (`local-prefill`, [`LocalPrefillConfig`]): where workers can serve a
+//!   turn alone ([`kvc_core::Capabilities::local`]), a turn that is not direct-to-D is either
+//!   prefilled by its host itself (`local-prefill`) or goes P→D, whichever has the lower
+//!   expected cost (queue ahead, prefill work, transfer, the stall of the prefilling worker's
+//!   decode batch); a session being placed also pays `ttft-weight` per second of its host's
+//!   cheapest path, and the active-session weight is `local-prefill.active-weight` then.
+//!   Without such workers (a router's default views) nothing of this applies.
+//!
+//! `docs/kvc-policy.md` has the measurements behind each part (ablations on the generated SWE
+//! traces and the public Mooncake trace).
 //!
 //! Score of a candidate D, highest wins:
 //!
@@ -25,6 +33,7 @@
 //!       − capacity_weight × committed_fraction(D)
 //!       − load_weight     × (in_flight(D) + queue_depth(D))
 //!       − active_weight   × active_sessions(D)
+//!       − ttft_weight     × cost of D's cheapest path      (local prefill; placement only)
 //! ```
 
 use crate::backpressure::BackpressureConfig;

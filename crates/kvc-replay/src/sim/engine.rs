@@ -1697,6 +1697,140 @@ mod tests {
         assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
     }
 
+    fn hosting_engine(caps: &[(WorkerRole, Capabilities)], pool: u64) -> Engine {
+        let mut profile = Profile::default();
+        profile.hardware.kv_pool_tokens = pool;
+        profile.model.max_input_tokens = pool / 2;
+        let eviction = EvictionConfig {
+            allow_cold: false,
+            allow_hot: false,
+            ..EvictionConfig::default()
+        };
+        Engine::with_layout(
+            profile,
+            EngineOptions {
+                eviction,
+                block_size: BlockSize::default(),
+            },
+            caps,
+            1,
+            0.0,
+        )
+    }
+
+    #[test]
+    fn a_local_turn_reuses_what_its_worker_holds_and_keeps_the_session() {
+        let d = Capabilities::of_role(WorkerRole::Decode).with_local();
+        let mut e = hosting_engine(&[(WorkerRole::Decode, d), (WorkerRole::Decode, d)], 8192);
+        let (w0, w1) = (WorkerId(0), WorkerId(1));
+        let mut now = 0;
+        // Session 1 is served alone on w0 from scratch.
+        let adm = e.try_local(job(1, 1, &[1, 2, 3], 1500, 4), w0, 1504, now);
+        assert_eq!(adm, LocalAdmission::Started { cached: 0 });
+        settle(&mut e, &mut now);
+        assert_eq!(e.resident_tokens(w0, SessionId(1)), Some(1504));
+        // Session 2 shares two blocks with session 1's KV on w0: they are not computed again.
+        let adm = e.try_local(job(2, 2, &[1, 2, 7, 8], 2000, 4), w0, 2004, now);
+        assert_eq!(adm, LocalAdmission::Started { cached: 1024 });
+        settle(&mut e, &mut now);
+        // Session 1 moves to w1: its KV on w0 is released when the turn is sent.
+        let adm = e.try_local(job(3, 1, &[1, 2, 3, 9], 1900, 4), w1, 1904, now);
+        assert_eq!(adm, LocalAdmission::Started { cached: 0 });
+        assert_eq!(e.resident_tokens(w0, SessionId(1)), None);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 3, .. })));
+        assert_eq!(e.resident_tokens(w1, SessionId(1)), Some(1904));
+        // A resident session's large append extends its KV in place.
+        let adm = e.try_local(job(4, 1, &[1, 2, 3, 10, 11, 12], 3000, 4), w1, 1200, now);
+        assert_eq!(adm, LocalAdmission::Started { cached: 1536 });
+    }
+
+    #[test]
+    fn a_local_turn_waits_in_order_behind_a_transfer() {
+        let d = Capabilities::of_role(WorkerRole::Decode).with_local();
+        let p = Capabilities::of_role(WorkerRole::Prefill);
+        let mut e = hosting_engine(&[(WorkerRole::Prefill, p), (WorkerRole::Decode, d)], 8192);
+        let mut now = 0;
+        // A long decode holds most of D.
+        e.start_p_to_d(
+            job(1, 1, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 5000, 400),
+            P,
+            D,
+            now,
+        );
+        loop {
+            let ev = e.take_events();
+            if ev
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+            {
+                break;
+            }
+            let mut wakes = e.take_wakes();
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            for (t2, w2) in wakes {
+                e.wakes.push((t2, w2));
+            }
+            now = t;
+            e.wake(w, now);
+        }
+        // A transfer that does not fit waits in D's queue; a local turn that would fit
+        // queues behind it rather than overtaking.
+        e.start_p_to_d(job(2, 2, &[21, 22, 23, 24, 25, 26], 3000, 10), P, D, now);
+        assert_eq!(e.state(D).queue_depth, 1);
+        // It would fit now, but it is not first in line.
+        let adm = e.try_local(job(3, 3, &[31], 400, 4), D, 404, now);
+        assert_eq!(adm, LocalAdmission::Queued);
+        assert_eq!(e.state(D).queue_depth, 2);
+        let ev = settle(&mut e, &mut now);
+        let at = |id| {
+            ev.iter()
+                .find_map(|x| match x {
+                    Event::FirstToken { id: i, at } if *i == id => Some(*at),
+                    Event::Done { id: i, at, .. } if *i == id && id == 1 => Some(*at),
+                    _ => None,
+                })
+                .expect("event")
+        };
+        // The transfer got its room when the long decode ended; the local turn after it.
+        assert!(at(3) >= at(1), "the local turn overtook the transfer");
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 3, .. })));
+        // A prompt over the pool is refused outright.
+        assert_eq!(
+            e.try_local(job(4, 4, &[41], 8000, 4), D, 8004, now),
+            LocalAdmission::Rejected
+        );
+    }
+
+    #[test]
+    fn a_worker_that_hosts_sessions_prefills_for_another_in_one_pool() {
+        let x = Capabilities::ALL;
+        let mut e = hosting_engine(&[(WorkerRole::Decode, x), (WorkerRole::Decode, x)], 8192);
+        let (x0, x1) = (WorkerId(0), WorkerId(1));
+        let mut now = 0;
+        // Session 1 lives on x0.
+        e.try_local(job(1, 1, &[1, 2, 3], 1500, 2), x0, 1502, now);
+        settle(&mut e, &mut now);
+        // x0 prefills session 2 for x1; it reuses the blocks of session 1's KV.
+        e.reseed(job(2, 2, &[1, 2, 5, 6], 2000, 3), x0, x1, now);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(
+            x,
+            Event::Done {
+                id: 2,
+                cached: 1024,
+                ..
+            }
+        )));
+        assert_eq!(e.resident_tokens(x1, SessionId(2)), Some(2003));
+        // x0's pool holds session 1 and the prefix cache of the work it did for x1.
+        let s = e.state(x0);
+        assert_eq!(s.used_tokens, 1502 + 4 * 512);
+        assert_eq!(s.evictable_tokens, s.used_tokens);
+        assert_eq!(s.resident_sessions, 1);
+    }
+
     #[test]
     fn colocated_worker_reuses_its_prefix_cache() {
         let mut e = engine(&[WorkerRole::Colocated], 8192, 32.0);
