@@ -157,6 +157,7 @@ fn bad_options_fail_with_a_clear_message() {
     );
     assert!(run(&["--knob", "oops"]).contains("KEY=VALUE"));
     assert!(run(&["--time-scale", "0"]).contains("time-scale"));
+    assert!(run(&["--local-prefill", "maybe"]).contains("expected on or off"));
     let missing = bin()
         .args(["compare", "/nonexistent-run-dir"])
         .output()
@@ -191,6 +192,29 @@ fn knobs_reach_the_policy() {
     let s: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(s["config"]["policy_config"]["direct-limit-tokens"], 1024);
+    assert_eq!(s["config"]["local_prefill"], true);
+    // Engines that cannot serve turns alone, on an all-capable shape: kvc plans no local turn.
+    let off = dir.join("off");
+    ok(bin()
+        .args([
+            "sim",
+            "--quiet",
+            "--topology",
+            "4x",
+            "--local-prefill",
+            "off",
+        ])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--out")
+        .arg(&off)
+        .output()
+        .unwrap());
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(off.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(s["config"]["local_prefill"], false);
+    assert_eq!(s["config"]["topology"], "4x");
+    assert!(s["modes"].get("local-prefill").is_none(), "{}", s["modes"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

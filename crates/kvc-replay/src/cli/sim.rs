@@ -62,7 +62,7 @@ pub(crate) struct RunArgs {
     /// any role do: on declares it for every decode worker and for the prefill workers of
     /// -hybrid shapes; off models stock SGLang decode servers, which cannot. Only `kvc` plans
     /// such turns; other policies behave the same either way.
-    #[arg(long, default_value = "on", value_name = "on|off", value_parser = on_off)]
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = on_off, action = clap::ArgAction::Set)]
     pub(crate) local_prefill: bool,
     /// Routing policy (see `kvc-replay policies`).
     #[arg(long, default_value = "kvc")]
