@@ -67,7 +67,8 @@ proto_enum!(
         DirectToD,
         Fallback,
         Reseed,
-        Colocated
+        Colocated,
+        LocalPrefill
     }
 );
 proto_enum!(

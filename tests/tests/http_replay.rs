@@ -38,10 +38,13 @@ fn trace() -> Trace {
 }
 
 fn config() -> SimConfig {
-    SimConfig::new(
+    let mut cfg = SimConfig::new(
         "1p3d".parse::<Topology>().unwrap(),
         PolicyConfig::from_name("kvc").unwrap(),
-    )
+    );
+    // The router declares no worker capabilities: its decode workers serve no turn alone.
+    cfg.local_prefill = false;
+    cfg
 }
 
 fn http_run(trace: &Trace, stream: bool, name: &str) -> HttpOutput {

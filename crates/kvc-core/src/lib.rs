@@ -52,7 +52,7 @@ pub use names::{
 };
 pub use topology::{Topology, TopologyError};
 pub use trace::TraceRecord;
-pub use worker::WorkerState;
+pub use worker::{Capabilities, WorkerState};
 
 /// Default block size in tokens: one `hash_ids` entry covers this many tokens.
 pub const DEFAULT_BLOCK_SIZE: u32 = 512;

@@ -138,6 +138,11 @@ stable_enum! {
         Reseed => "reseed",
         /// Colocated topology: one worker prefills (with its prefix cache) and decodes.
         Colocated => "colocated",
+        /// A worker that hosts sessions serves the turn alone: it prefills what it does not
+        /// hold of the prompt (more than an append: the session is not resident there, or its
+        /// append is over the direct limit), decodes, and keeps the session resident. No P,
+        /// no transfer.
+        LocalPrefill => "local-prefill",
     }
 }
 

@@ -1,6 +1,6 @@
 //! The state of a worker as a router sees it.
 
-use crate::names::Health;
+use crate::names::{Health, WorkerRole};
 use serde::{Deserialize, Serialize};
 
 /// A worker's KV pool and load, as published by the worker (or modelled by the simulator).
@@ -74,5 +74,74 @@ impl WorkerState {
         } else {
             (self.used_tokens as f64 / self.capacity_tokens as f64).min(1.0)
         }
+    }
+}
+
+/// What a worker's engine can do, whatever its role. The role says what a worker is for in a
+/// topology; the capabilities say which paths a policy may plan through it.
+///
+/// | worker | `prefill` | `decode` | `local` |
+/// |---|:-:|:-:|:-:|
+/// | prefill worker | ✓ | | |
+/// | decode worker (stock SGLang, or any engine by default) | | ✓ | |
+/// | decode worker that serves plain requests (vLLM) | | ✓ | ✓ |
+/// | prefill worker that may host sessions (vLLM) | ✓ | | ✓ |
+/// | all-capable worker | ✓ | ✓ | ✓ |
+///
+/// A worker *hosts sessions* (their KV stays resident between turns) when it can decode
+/// transferred KV or serve turns alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct Capabilities {
+    /// Prefills prompts for other workers and ships their KV (the prefill side of P→D).
+    pub prefill: bool,
+    /// Receives KV from a prefill worker and decodes it (the decode side of P→D).
+    pub decode: bool,
+    /// Serves a turn alone: prefills whatever of the prompt it does not hold, decodes, and
+    /// keeps the session resident. A vLLM instance of any role does; a stock SGLang decode
+    /// server does not (it answers 400 without a bootstrap room).
+    pub local: bool,
+}
+
+impl Capabilities {
+    /// What a worker of `role` does by default: a prefill worker prefills for others, a
+    /// decode worker decodes transferred KV, a colocated worker serves its requests alone.
+    /// Serving turns alone on a P/D worker is never assumed: it is declared.
+    pub fn of_role(role: WorkerRole) -> Self {
+        match role {
+            WorkerRole::Prefill => Capabilities {
+                prefill: true,
+                ..Capabilities::default()
+            },
+            WorkerRole::Decode => Capabilities {
+                decode: true,
+                ..Capabilities::default()
+            },
+            WorkerRole::Colocated => Capabilities {
+                local: true,
+                ..Capabilities::default()
+            },
+        }
+    }
+
+    /// Every capability: prefills for others, decodes transferred KV, serves turns alone.
+    pub const ALL: Capabilities = Capabilities {
+        prefill: true,
+        decode: true,
+        local: true,
+    };
+
+    /// The same capabilities plus serving turns alone.
+    pub fn with_local(self) -> Self {
+        Capabilities {
+            local: true,
+            ..self
+        }
+    }
+
+    /// Whether sessions can stay resident on the worker between turns: it decodes
+    /// transferred KV or serves turns alone.
+    pub fn hosts_sessions(self) -> bool {
+        self.decode || self.local
     }
 }

@@ -57,6 +57,7 @@ fn execution_modes_have_stable_names() {
         "fallback",
         "reseed",
         "colocated",
+        "local-prefill",
     ]);
 }
 

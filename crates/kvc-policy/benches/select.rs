@@ -74,6 +74,7 @@ fn populated(config: &PolicyConfig, workers: &[WorkerView], d: u32) -> RouterSta
             direct: false,
             blocks,
             reject_count: None,
+            prefill_us: 0,
         });
         state.observe(&Observation::Completed {
             request_id: RequestId(request),

@@ -157,12 +157,15 @@ pub(crate) fn route(cfg: &CacheAwareConfig, ctx: &Ctx<'_>) -> Result<Decision, P
         let cached = ctx.reusable(d_depth, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(d, cached, scores), knobs));
     }
-    if ctx.healthy_p.is_empty() {
+    // A worker never ships KV to itself (an all-capable worker is a candidate on both sides).
+    let mut prefill = ctx.healthy_p;
+    prefill.remove(d.0 as usize);
+    if prefill.is_empty() {
         return Err(PolicyError::NoHealthyWorker {
             role: WorkerRole::Prefill,
         });
     }
-    let (p, p_depth) = pick(ctx, cfg, ctx.healthy_p, WorkerRole::Prefill, &mut scores);
+    let (p, p_depth) = pick(ctx, cfg, prefill, WorkerRole::Prefill, &mut scores);
     let (mode, reason) = ctx.sessionless_path();
     let cached = ctx.reusable(p_depth, cfg.block_size);
     let plan = Plan::p_to_d((mode, reason), d, (p, cached), scores, None);

@@ -13,9 +13,11 @@ pub struct Decision {
     pub mode: ExecutionMode,
     /// The decode worker, or the colocated worker.
     pub decode: WorkerId,
-    /// The prefill worker: `Some` on every P→D path (`turn1-seed`, `fallback`, `reseed`).
+    /// The prefill worker: `Some` on every P→D path (`turn1-seed`, `fallback`, `reseed`);
+    /// `None` on `direct-to-d`, `local-prefill` and `colocated`, where `decode` prefills.
     pub prefill: Option<WorkerId>,
-    /// Why a later turn is not direct-to-D: `Some` for `fallback` and `reseed`.
+    /// Why a later turn is not direct-to-D: `Some` for `fallback` and `reseed`, and for a
+    /// `local-prefill` turn that is not a first turn.
     pub reason: Option<FallThroughReason>,
     /// Tokens reused, as the router believes: of the session's KV on D for direct-to-D; of the
     /// prefill worker's prefix cache on a P→D path; of the worker's prefix cache when colocated.
@@ -152,7 +154,8 @@ impl Serialize for ScoreEntry {
 /// as sent to `decode` (and `prefill`) in the grow-only block view; advances the round-robin
 /// cursor of each role to the chosen worker; and, for a session, makes `decode` its current D
 /// (counting a D change if it differs), marks it resident there with `blocks`, sets
-/// `reject_count` and records `now_ms` as its last routing time.
+/// `reject_count` and records `now_ms` as its last routing time; adds `prefill_us` to the
+/// prefilling worker's backlog.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct StateChange {
@@ -175,4 +178,10 @@ pub struct StateChange {
     /// New value of the session's admission-reject count on a worker (after a reject, or reset
     /// to 0 on the D a migration releases).
     pub reject_count: Option<(WorkerId, u32)>,
+    /// The policy's estimate of the request's prefill, in microseconds, on the worker that
+    /// prefills it (`prefill`, else `decode`); 0 when the policy makes none. It counts in that
+    /// worker's backlog ([`crate::RouterState::prefill_backlog_s`]) until the request reports
+    /// its first token or completes.
+    #[serde(default)]
+    pub prefill_us: u64,
 }

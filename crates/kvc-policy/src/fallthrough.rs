@@ -40,7 +40,8 @@ pub fn is_first_turn(req: &RouteRequest<'_>, session: Option<&SessionRoute>) -> 
 /// 1. first turn (see [`is_first_turn`]) → [`TurnClass::FirstTurn`];
 /// 2. `rejected_by` set → `session-cap-rejected`;
 /// 3. no record of the session or no D for it → `session-not-resident`;
-/// 4. its D missing from the view, not a decode worker, or not healthy → `decode-unhealthy`;
+/// 4. its D missing from the view, not a worker that hosts sessions, or not healthy →
+///    `decode-unhealthy`;
 /// 5. its D takes no direct-to-D turn ([`RouterState::set_direct_append`]) →
 ///    `direct-unsupported`;
 /// 6. an eviction reported → `session-evicted`; not resident otherwise → `session-not-resident`;
@@ -63,9 +64,9 @@ pub fn classify_turn(
         direct_limit_tokens,
         block_size,
         |d| {
-            cluster
-                .worker(d)
-                .is_some_and(|w| w.role == WorkerRole::Decode && w.is_routable())
+            cluster.worker(d).is_some_and(|w| {
+                w.role != WorkerRole::Colocated && w.caps.hosts_sessions() && w.is_routable()
+            })
         },
         |d| state.accepts_direct(d),
     )

@@ -14,8 +14,16 @@
 //! - **stronger capacity and load terms** (`capacity-weight` 5, `load-weight` 0.5): place by
 //!   committed memory and queue rather than by overlap.
 //!
-//! `docs/kvc-policy.md` has the measurements behind each part (an ablation on the generated SWE
-//! traces).
+//! - **who prefills** (`local-prefill`, [`LocalPrefillConfig`]): where workers can serve a
+//!   turn alone ([`kvc_core::Capabilities::local`]), a turn that is not direct-to-D is either
+//!   prefilled by its host itself (`local-prefill`) or goes P→D, whichever has the lower
+//!   expected cost (queue ahead, prefill work, transfer, the stall of the prefilling worker's
+//!   decode batch); a session being placed also pays `ttft-weight` per second of its host's
+//!   cheapest path, and the active-session weight is `local-prefill.active-weight` then.
+//!   Without such workers (a router's default views) nothing of this applies.
+//!
+//! `docs/kvc-policy.md` has the measurements behind each part (ablations on the generated SWE
+//! traces and the public Mooncake trace).
 //!
 //! Score of a candidate D, highest wins:
 //!
@@ -25,12 +33,14 @@
 //!       − capacity_weight × committed_fraction(D)
 //!       − load_weight     × (in_flight(D) + queue_depth(D))
 //!       − active_weight   × active_sessions(D)
+//!       − ttft_weight     × cost of D's cheapest path      (local prefill; placement only)
 //! ```
 
 use crate::backpressure::BackpressureConfig;
 use crate::decision::Decision;
 use crate::error::PolicyError;
 use crate::kvc_v2::{KvcV2Config, Placement, route_with};
+use crate::local::LocalPrefillConfig;
 use crate::route::Ctx;
 use kvc_core::{BlockSize, PrefillPolicy};
 use serde::{Deserialize, Serialize};
@@ -53,6 +63,7 @@ use serde::{Deserialize, Serialize};
 /// | `prefill` | `d-health-aware` |
 /// | `backpressure` | disabled |
 /// | `block-size` | 512 |
+/// | `local-prefill` | on ([`LocalPrefillConfig`]) |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct KvcConfig {
@@ -85,6 +96,9 @@ pub struct KvcConfig {
     pub backpressure: BackpressureConfig,
     /// Tokens per block of `hash_ids`.
     pub block_size: BlockSize,
+    /// Who prefills a turn that is not direct-to-D where workers can serve turns alone
+    /// (`local-prefill` turns, P→D chosen by expected cost): `crate::LocalPrefillConfig`.
+    pub local_prefill: LocalPrefillConfig,
 }
 
 impl Default for KvcConfig {
@@ -104,6 +118,7 @@ impl Default for KvcConfig {
             prefill: PrefillPolicy::DHealthAware,
             backpressure: BackpressureConfig::DISABLED,
             block_size: BlockSize::default(),
+            local_prefill: LocalPrefillConfig::default(),
         }
     }
 }
@@ -142,7 +157,7 @@ impl KvcConfig {
                 detail: "active-weight must be a finite number ≥ 0",
             });
         }
-        Ok(())
+        self.local_prefill.validate("kvc")
     }
 }
 
@@ -150,6 +165,7 @@ pub(crate) fn route(cfg: &KvcConfig, ctx: &Ctx<'_>) -> Result<Decision, PolicyEr
     let placement = Placement {
         active_weight: cfg.active_weight,
         active_window_ms: cfg.active_window_ms,
+        local: cfg.local_prefill,
     };
     route_with(&cfg.v2(), Some(placement), ctx)
 }

@@ -51,10 +51,11 @@ use crate::decision::{Decision, ScoreEntry};
 use crate::error::PolicyError;
 use crate::fallthrough::TurnClass;
 use crate::index::{BlockView, WorkerSet};
+use crate::local::LocalPrefillConfig;
 use crate::prefill;
 use crate::route::{Ctx, Knobs, Plan};
 use crate::state::{Residency, SessionRoute};
-use kvc_core::{BlockSize, ExecutionMode, FallThroughReason, PrefillPolicy, WorkerId};
+use kvc_core::{BlockSize, ExecutionMode, FallThroughReason, PrefillPolicy, WorkerId, WorkerRole};
 use serde::{Deserialize, Serialize};
 use std::cmp::{Ordering, Reverse};
 
@@ -168,12 +169,42 @@ pub(crate) struct Placement {
     pub(crate) active_weight: f64,
     /// How recent a session's last turn must be for it to count as active.
     pub(crate) active_window_ms: u64,
+    /// Who prefills a turn that is not direct (`crate::local`).
+    pub(crate) local: LocalPrefillConfig,
+}
+
+/// How a non-direct turn reaches its host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Via {
+    /// The host serves it alone.
+    Local,
+    /// A prefill worker (holding this many tokens of the prompt) ships the KV to the host.
+    Prefill(WorkerId, u64),
+}
+
+/// The cheapest path to one host.
+#[derive(Debug, Clone, Copy)]
+struct Path {
+    via: Via,
+    /// Expected cost in seconds (`crate::local`).
+    cost_s: f64,
+    /// Expected prefill seconds on the worker that prefills.
+    prefill_s: f64,
+    /// Tokens of the prompt the host holds (local) — what the decision reports as cached.
+    host_cached: u64,
+    /// Of those, the session's own KV there (what a local turn need not allocate again).
+    own: u64,
 }
 
 struct V2<'c, 'a> {
     cfg: &'c KvcV2Config,
     ctx: &'c Ctx<'a>,
     placement: Option<Placement>,
+    /// The workers sessions may be placed on: decode workers, plus the workers that serve
+    /// turns alone when `kvc` plans local prefill.
+    hosts: WorkerSet,
+    /// `kvc`'s local prefill, when it is on and some healthy worker can serve alone.
+    local: Option<LocalPrefillConfig>,
 }
 
 impl V2<'_, '_> {
@@ -191,21 +222,30 @@ impl V2<'_, '_> {
         s
     }
 
-    /// Scores every healthy D (entries for all of them), picks the best eligible one outside
-    /// `exclude`. `None` if every healthy D is excluded.
+    /// Scores every host (entries for all of them), picks the best eligible one outside
+    /// `exclude`. `paths`, when given, adds `−ttft_weight × cost` of each host's cheapest
+    /// path, and a host without a path is not eligible. `None` if no host is eligible.
     fn pick(
         &self,
         sticky_to: Option<WorkerId>,
         exclude: Option<WorkerId>,
+        paths: Option<&[Option<Path>]>,
         scores: &mut Vec<ScoreEntry>,
     ) -> Option<WorkerId> {
         let (ctx, cfg) = (self.ctx, self.cfg);
-        let candidates = match exclude {
-            Some(x) => Self::without(ctx.healthy_d, x),
-            None => ctx.healthy_d,
+        let mut candidates = match exclude {
+            Some(x) => Self::without(self.hosts, x),
+            None => self.hosts,
         };
+        if let Some(paths) = paths {
+            for slot in self.hosts.iter() {
+                if paths[slot].is_none() {
+                    candidates.remove(slot);
+                }
+            }
+        }
         let any_under = self.any_under(candidates);
-        let depths = ctx.depths(ctx.healthy_d, BlockView::Live);
+        let depths = ctx.depths(self.hosts, BlockView::Live);
         // Sessions active on each D: the decode batch a new session would join.
         let mut active = [0u32; crate::view::MAX_WORKERS];
         if let Some(p) = self.placement {
@@ -216,9 +256,15 @@ impl V2<'_, '_> {
                 &mut active,
             );
         }
+        let ttft_weight = self.local.map_or(0.0, |l| l.ttft_weight);
+        let active_weight = match (self.placement, self.local) {
+            (Some(_), Some(l)) => l.active_weight,
+            (Some(p), None) => p.active_weight,
+            (None, _) => 0.0,
+        };
         let cap = f64::from(cfg.overlap_cap_blocks);
         let mut best: Option<RankKey> = None;
-        for slot in ctx.healthy_d.iter() {
+        for slot in self.hosts.iter() {
             let id = WorkerId(slot as u32);
             let state = ctx.worker_state(id);
             let used = state.committed_fraction();
@@ -233,10 +279,12 @@ impl V2<'_, '_> {
             };
             let capacity_term = 0.0 - cfg.capacity_weight * used;
             let load_term = 0.0 - cfg.load_weight * load as f64;
-            let active_term = self
-                .placement
-                .map_or(0.0, |p| 0.0 - p.active_weight * f64::from(active[slot]));
-            let total = overlap_term + sticky_term + capacity_term + load_term + active_term;
+            let active_term = 0.0 - active_weight * f64::from(active[slot]);
+            let path_term = paths
+                .and_then(|p| p[slot])
+                .map_or(0.0, |p| 0.0 - ttft_weight * p.cost_s);
+            let total =
+                overlap_term + sticky_term + capacity_term + load_term + active_term + path_term;
             let eligible = candidates.contains(slot) && (!any_under || used <= cfg.hard_cap);
             if eligible {
                 let key = (
@@ -263,6 +311,9 @@ impl V2<'_, '_> {
                 .with("load_term", load_term)
                 .with("active_term", active_term)
                 .with("committed_fraction", used);
+            if paths.is_some() {
+                e = e.with("path_term", path_term);
+            }
             e.total = total;
             e.eligible = eligible;
             scores.push(e);
@@ -270,12 +321,11 @@ impl V2<'_, '_> {
         best.map(|k| k.3.0)
     }
 
-    /// The session's D if it is resident there on a healthy D.
+    /// The session's D if it is resident there on a healthy host.
     fn resident_d(&self, session: Option<&SessionRoute>) -> Option<WorkerId> {
         let s = session?;
         let d = s.current_d?;
-        (s.residency == Residency::Resident && self.ctx.healthy_d.contains(d.0 as usize))
-            .then_some(d)
+        (s.residency == Residency::Resident && self.hosts.contains(d.0 as usize)).then_some(d)
     }
 
     /// The D of a P→D path that is not a reject-driven migration: the resident D if it may be
@@ -283,19 +333,129 @@ impl V2<'_, '_> {
     fn sticky_or_best(
         &self,
         session: Option<&SessionRoute>,
+        paths: Option<&[Option<Path>]>,
         scores: &mut Vec<ScoreEntry>,
     ) -> WorkerId {
         let healthy_current = session
             .and_then(|s| s.current_d)
-            .filter(|d| self.ctx.healthy_d.contains(d.0 as usize));
-        let best = self.pick(healthy_current, None, scores);
+            .filter(|d| self.hosts.contains(d.0 as usize));
+        let best = self.pick(healthy_current, None, paths, scores);
         if let Some(d) = self.resident_d(session)
-            && (!self.over_cap(d) || !self.any_under(self.ctx.healthy_d))
+            && (!self.over_cap(d) || !self.any_under(self.hosts))
         {
             return d;
         }
-        // `healthy_d` is not empty (checked by the caller), so `pick` found a D.
+        // `hosts` is not empty (checked by the caller), so `pick` found a D.
         best.unwrap_or(WorkerId(0))
+    }
+
+    /// The cheapest path to every host (`None` where there is none), `crate::local`'s rule.
+    /// `allow_local` is false on a re-route after a refused admission (a P→D path then).
+    fn paths(&self, l: &LocalPrefillConfig, allow_local: bool) -> Vec<Option<Path>> {
+        let ctx = self.ctx;
+        let req = ctx.req;
+        let bs = self.cfg.block_size;
+        let first = ctx.first_turn();
+        let session = ctx.session();
+        let decoding = |w: WorkerId| {
+            if self.hosts.contains(w.0 as usize) {
+                ctx.load(w)
+            } else {
+                0
+            }
+        };
+        let need = |own: u64| {
+            crate::footprint::footprint_tokens(req.input_length, req.output_hint, own, first, true)
+        };
+        // What each prefill worker would cost, whatever the host (the transfer aside).
+        let transfer = l.transfer_s(req.input_length);
+        let order = crate::round_robin::order(ctx.healthy_p, ctx.state.cursor(WorkerRole::Prefill));
+        // What a worker holds of the prompt for a prefill it runs for another: a prefill
+        // worker's prefix cache (the grow-only view, as `d-health-aware` reads it); a worker
+        // that hosts sessions, what is resident there (its live view).
+        let prefillers: Vec<(WorkerId, u64, f64, f64)> = order
+            .map(|slot| {
+                let p = WorkerId(slot as u32);
+                let view = if self.hosts.contains(slot) {
+                    BlockView::Live
+                } else {
+                    BlockView::Seen
+                };
+                let cached = ctx.cached_on(p, view, bs);
+                let new = req.input_length - cached;
+                let pf = l.prefill_s(new, cached);
+                let backlog = ctx.state.prefill_backlog_s(p);
+                let room = if ctx.worker_state(p).available_tokens() >= new {
+                    0.0
+                } else {
+                    l.no_room_s
+                };
+                (
+                    p,
+                    cached,
+                    pf,
+                    l.run_cost(backlog, pf, decoding(p)) + transfer + room,
+                )
+            })
+            .collect();
+        let mut out = vec![None; crate::view::MAX_WORKERS];
+        for slot in self.hosts.iter() {
+            let h = WorkerId(slot as u32);
+            let host_cached = ctx.cached_on(h, BlockView::Live, bs);
+            // The session's own KV on the host, which a local turn extends in place.
+            let own = session
+                .filter(|s| s.current_d == Some(h) && s.residency == Residency::Resident)
+                .map_or(0, |s| {
+                    kvc_core::prefix::reusable_from(&s.blocks, req.hash_ids, req.input_length, bs)
+                });
+            let available = ctx.worker_state(h).available_tokens();
+            // A path onto a host without room for the turn waits there for it.
+            let room = |n: u64| if available >= n { 0.0 } else { l.no_room_s };
+            let backlog = ctx.state.prefill_backlog_s(h);
+            let local = (allow_local && ctx.healthy_local.contains(slot)).then(|| {
+                let pf = l.prefill_s(req.input_length - host_cached, host_cached);
+                let path = Path {
+                    via: Via::Local,
+                    cost_s: l.run_cost(backlog, pf, decoding(h)) + room(need(own)),
+                    prefill_s: pf,
+                    host_cached,
+                    own,
+                };
+                (path, backlog <= l.max_local_backlog_s)
+            });
+            // A local path the host can take now: under its backlog limit, with room.
+            let has_local = local.is_some_and(|(_, ok)| ok) && available >= need(own);
+            let mut best: Option<Path> = local.filter(|(_, ok)| *ok).map(|(p, _)| p);
+            if ctx.healthy_d.contains(slot) {
+                let room_pd = room(need(0));
+                let local_capable = ctx.healthy_local.contains(slot);
+                for &(p, cached, pf, cost) in &prefillers {
+                    // A worker that hosts sessions prefills for a host that cannot serve
+                    // alone only: its queue and pool are its sessions' too, and the transfer
+                    // needs room on both sides. A prefill worker is used by a turn with a
+                    // local path only while it has headroom.
+                    let hosting = self.hosts.contains(p.0 as usize) && local_capable;
+                    let busy = has_local && ctx.state.prefill_backlog_s(p) > l.p_headroom_s;
+                    if p == h || hosting || busy {
+                        continue;
+                    }
+                    let cost = cost + room_pd;
+                    // Strictly cheaper wins: ties keep local, then round-robin order.
+                    if best.is_none_or(|b| cost < b.cost_s) {
+                        best = Some(Path {
+                            via: Via::Prefill(p, cached),
+                            cost_s: cost,
+                            prefill_s: pf,
+                            host_cached,
+                            own,
+                        });
+                    }
+                }
+            }
+            // No other path: the host serves alone whatever its backlog says.
+            out[slot] = best.or(local.map(|(p, _)| p));
+        }
+        out
     }
 }
 
@@ -303,7 +463,7 @@ pub(crate) fn route(cfg: &KvcV2Config, ctx: &Ctx<'_>) -> Result<Decision, Policy
     route_with(cfg, None, ctx)
 }
 
-/// The v2 decision procedure, with `kvc`'s placement terms when given.
+/// The v2 decision procedure, with `kvc`'s placement terms and local prefill when given.
 pub(crate) fn route_with(
     cfg: &KvcV2Config,
     placement: Option<Placement>,
@@ -311,10 +471,22 @@ pub(crate) fn route_with(
 ) -> Result<Decision, PolicyError> {
     ctx.require_d()?;
     let knobs = Knobs::new(cfg.incremental_footprint, cfg.backpressure);
+    let local = placement
+        .map(|p| p.local)
+        .filter(|l| l.enabled && !ctx.colocated && !ctx.healthy_local.is_empty());
+    let rejected = ctx.req.rejected_by.is_some();
+    // After a refused admission the path is P→D, so only workers that decode transferred KV
+    // may host it.
+    let hosts = match local {
+        Some(_) if !rejected => ctx.hosts(),
+        _ => ctx.healthy_d,
+    };
     let v2 = V2 {
         cfg,
         ctx,
         placement,
+        hosts,
+        local,
     };
     let session = ctx.session();
     let mut scores = ctx.score_list();
@@ -323,11 +495,15 @@ pub(crate) fn route_with(
         let current = session
             .and_then(|s| s.current_d)
             .filter(|d| ctx.healthy_d.contains(d.0 as usize));
-        let w = v2.pick(current, None, &mut scores).unwrap_or(WorkerId(0));
+        let w = v2
+            .pick(current, None, None, &mut scores)
+            .unwrap_or(WorkerId(0));
         let cached = ctx.cached_on(w, BlockView::Live, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(w, cached, scores), knobs));
     }
 
+    let paths = local.map(|l| v2.paths(&l, !rejected));
+    let paths = paths.as_deref();
     let migrated = (ExecutionMode::Reseed, Some(FallThroughReason::Migrated));
     let mut reject_count = None;
     let (mode, reason, d) = match (
@@ -335,7 +511,9 @@ pub(crate) fn route_with(
         ctx.req.rejected_by,
     ) {
         (TurnClass::FirstTurn, _) => {
-            let d = v2.pick(None, None, &mut scores).unwrap_or(WorkerId(0));
+            let d = v2
+                .pick(None, None, paths, &mut scores)
+                .unwrap_or(WorkerId(0));
             (ExecutionMode::Turn1Seed, None, d)
         }
         (
@@ -345,32 +523,38 @@ pub(crate) fn route_with(
             },
             _,
         ) => {
-            let others = V2::without(ctx.healthy_d, decode);
+            let others = V2::without(v2.hosts, decode);
             if v2.over_cap(decode) && v2.any_under(others) {
                 let d = v2
-                    .pick(None, Some(decode), &mut scores)
+                    .pick(None, Some(decode), paths, &mut scores)
                     .unwrap_or(WorkerId(0));
                 (migrated.0, migrated.1, d)
             } else {
                 // Entries for debugging; the choice is the session's D.
-                v2.pick(Some(decode), None, &mut scores);
-                let plan = Plan::direct(decode, cached_tokens, scores, None);
+                v2.pick(Some(decode), None, None, &mut scores);
+                let mut plan = Plan::direct(decode, cached_tokens, scores, None);
+                if let Some(l) = local {
+                    let new = ctx.req.input_length - cached_tokens;
+                    plan = plan.with_prefill_s(l.prefill_s(new, cached_tokens));
+                }
                 return Ok(ctx.finish(plan, knobs));
             }
         }
         (TurnClass::FallThrough { reason, .. }, Some(r)) if ctx.req.session.is_some() => {
             let n = session.map_or(1, |s| s.rejects_after(r));
-            let others = V2::without(ctx.healthy_d, r);
-            let r_unusable = !ctx.healthy_d.contains(r.0 as usize) || v2.over_cap(r);
+            let others = V2::without(v2.hosts, r);
+            let r_unusable = !v2.hosts.contains(r.0 as usize) || v2.over_cap(r);
             let can_migrate = n >= cfg.migrate_after_rejects
                 && !others.is_empty()
                 && (v2.any_under(others) || r_unusable);
             if can_migrate {
                 reject_count = Some((r, 0));
-                let d = v2.pick(None, Some(r), &mut scores).unwrap_or(WorkerId(0));
+                let d = v2
+                    .pick(None, Some(r), paths, &mut scores)
+                    .unwrap_or(WorkerId(0));
                 (migrated.0, migrated.1, d)
             } else {
-                let d = v2.sticky_or_best(session, &mut scores);
+                let d = v2.sticky_or_best(session, paths, &mut scores);
                 if v2.resident_d(session).is_some_and(|cur| cur != d) {
                     // Moved off a D over the hard cap: a migration, which releases `r`.
                     reject_count = Some((r, 0));
@@ -382,7 +566,7 @@ pub(crate) fn route_with(
             }
         }
         (TurnClass::FallThrough { reason, .. }, _) => {
-            let d = v2.sticky_or_best(session, &mut scores);
+            let d = v2.sticky_or_best(session, paths, &mut scores);
             if v2.resident_d(session).is_some_and(|cur| cur != d) {
                 (migrated.0, migrated.1, d)
             } else {
@@ -390,7 +574,35 @@ pub(crate) fn route_with(
             }
         }
     };
-    let chosen_p = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
-    let plan = Plan::p_to_d((mode, reason), d, chosen_p, scores, reject_count);
-    Ok(ctx.finish(plan, knobs))
+    let Some(path) = paths.and_then(|p| p[d.0 as usize]) else {
+        let chosen_p = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
+        let plan = Plan::p_to_d((mode, reason), d, chosen_p, scores, reject_count);
+        return Ok(ctx.finish(plan, knobs));
+    };
+    let plan = match path.via {
+        Via::Local => Plan::local(
+            d,
+            reason,
+            (path.host_cached, path.own),
+            scores,
+            reject_count,
+        ),
+        Via::Prefill(p, cached) => {
+            prefill_entries(ctx, &mut scores);
+            Plan::p_to_d((mode, reason), d, (p, cached), scores, reject_count)
+        }
+    };
+    Ok(ctx.finish(plan.with_prefill_s(path.prefill_s), knobs))
+}
+
+/// Score entries of the prefill workers when `kvc`'s local prefill chose P by cost: their
+/// backlog, for debugging (`total` is its negative).
+fn prefill_entries(ctx: &Ctx<'_>, scores: &mut Vec<ScoreEntry>) {
+    for slot in ctx.healthy_p.iter() {
+        let id = WorkerId(slot as u32);
+        let backlog = ctx.state.prefill_backlog_s(id);
+        let mut e = ScoreEntry::new(id, WorkerRole::Prefill).with("backlog_s", backlog);
+        e.total = 0.0 - backlog;
+        scores.push(e);
+    }
 }

@@ -26,6 +26,14 @@
 //! tokens) is declared once with [`RouterState::set_direct_append`]; no policy then plans a
 //! direct-to-D turn there (those turns go P→D with the reason `direct-unsupported`).
 //!
+//! What a worker's engine can do is declared in its view ([`WorkerView::with_caps`],
+//! [`kvc_core::Capabilities`]; [`WorkerView::new`] assumes only what its role does). Where
+//! workers can serve a turn alone, `kvc` chooses per turn between direct-to-D, P→D and
+//! `local-prefill` (the worker prefills the turn itself and keeps the session), by expected
+//! cost ([`LocalPrefillConfig`]); the router's prefill backlog per worker comes from the
+//! decisions it applied and [`Observation::PrefillDone`]. Other policies only plan P→D (from a
+//! prefill-capable worker to another, decode-capable one) and direct-to-D.
+//!
 //! ## Policies (stable names)
 //!
 //! | name | what it does |
@@ -34,7 +42,7 @@
 //! | `cache-aware` | SGLang router's baseline: imbalance check, longest prefix match above a threshold, else least loaded; P and D chosen independently; every P/D turn goes P→D |
 //! | `kv-aware-v0` | the reference study's baseline: `(overlap + sticky bonus, sticky, −in-flight, −assignments)`, grow-only block view, 2,048-token direct limit, no capacity term, no migration: sessions stay pinned to their first D |
 //! | `kvc-v2` | the study's fix: capacity term and 85% hard cap, capped overlap, migration after 3 rejects (counter reset by each successful direct-to-D turn), 8,192-token direct limit, incremental footprint, D-health-aware choice of P, backpressure hint |
-//! | `kvc` | the default ([`PolicyConfig::default`]): `kvc-v2`'s procedure with placement that charges each D for its active sessions, weak stickiness for sessions that lost their KV, and stronger capacity and load terms (`docs/kvc-policy.md`) |
+//! | `kvc` | the default ([`PolicyConfig::default`]): `kvc-v2`'s procedure with placement that charges each D for its active sessions, weak stickiness for sessions that lost their KV, stronger capacity and load terms, and, where workers can serve turns alone, local prefill chosen by expected cost (`docs/kvc-policy.md`) |
 //!
 //! [`PolicyConfig::all_names`] lists the same names in this order.
 //!
@@ -99,6 +107,7 @@ mod index;
 mod kv_aware_v0;
 mod kvc;
 mod kvc_v2;
+mod local;
 mod prefill;
 mod round_robin;
 mod route;
@@ -116,6 +125,7 @@ pub use kv_aware_v0::KvAwareV0Config;
 pub use kvc::KvcConfig;
 pub use kvc_core::PrefillPolicy;
 pub use kvc_v2::KvcV2Config;
+pub use local::LocalPrefillConfig;
 pub use round_robin::RoundRobinConfig;
 pub use route::route;
 pub use state::{

@@ -17,12 +17,13 @@
 
 use crate::decision::ScoreEntry;
 use crate::error::PolicyError;
-use crate::index::BlockView;
+use crate::index::{BlockView, WorkerSet};
 use crate::round_robin;
 use crate::route::Ctx;
 use kvc_core::{BlockSize, PrefillPolicy, WorkerId, WorkerRole};
 
-/// Chooses the prefill worker for a P→D path to `decode`; appends the prefill score entries.
+/// Chooses the prefill worker for a P→D path to `decode` among the healthy workers that
+/// prefill for others, `decode` itself excepted; appends the prefill score entries.
 /// Returns the worker and the tokens of the request its prefix cache holds, as the router
 /// believes (grow-only view).
 pub(crate) fn choose(
@@ -32,26 +33,34 @@ pub(crate) fn choose(
     block_size: BlockSize,
     scores: &mut Vec<ScoreEntry>,
 ) -> Result<(WorkerId, u64), PolicyError> {
-    if ctx.healthy_p.is_empty() {
+    // A worker never ships KV to itself (an all-capable worker is a candidate on both sides).
+    let mut candidates = ctx.healthy_p;
+    candidates.remove(decode.0 as usize);
+    if candidates.is_empty() {
         return Err(PolicyError::NoHealthyWorker {
             role: WorkerRole::Prefill,
         });
     }
     let p = match policy {
         PrefillPolicy::RoundRobin => {
-            round_robin::pick(ctx, ctx.healthy_p, WorkerRole::Prefill, scores)
+            round_robin::pick(ctx, candidates, WorkerRole::Prefill, scores)
         }
-        PrefillPolicy::DHealthAware => d_health_aware(ctx, decode, scores),
+        PrefillPolicy::DHealthAware => d_health_aware(ctx, candidates, decode, scores),
     };
     Ok((p, ctx.cached_on(p, BlockView::Seen, block_size)))
 }
 
-fn d_health_aware(ctx: &Ctx<'_>, decode: WorkerId, scores: &mut Vec<ScoreEntry>) -> WorkerId {
+fn d_health_aware(
+    ctx: &Ctx<'_>,
+    candidates: WorkerSet,
+    decode: WorkerId,
+    scores: &mut Vec<ScoreEntry>,
+) -> WorkerId {
     let d_queue = u64::from(ctx.worker_state(decode).queue_depth);
     let first = scores.len();
     let mut best: Option<(u64, WorkerId)> = None;
     for (order, slot) in
-        round_robin::order(ctx.healthy_p, ctx.state.cursor(WorkerRole::Prefill)).enumerate()
+        round_robin::order(candidates, ctx.state.cursor(WorkerRole::Prefill)).enumerate()
     {
         let id = WorkerId(slot as u32);
         let p_load = u64::from(ctx.load(id)) + u64::from(ctx.worker_state(id).queue_depth);

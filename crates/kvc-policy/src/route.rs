@@ -22,8 +22,11 @@ use kvc_core::{
 ///
 /// The topology comes from the roles in `cluster`: all colocated gives mode `colocated` and no
 /// prefill worker; otherwise P/D, where each policy chooses between `direct-to-d` and a P→D path
-/// (`turn1-seed`, `fallback` with a reason, `reseed`). Unhealthy workers and workers of the
-/// wrong role are never chosen.
+/// (`turn1-seed`, `fallback` with a reason, `reseed`), and `kvc` also between those and a turn
+/// served alone (`local-prefill`) by a worker declared able to ([`kvc_core::Capabilities`]).
+/// Unhealthy workers and workers without the capability a path needs are never chosen: P→D
+/// goes from a `prefill` worker to another, `decode`, worker; sessions live on workers that
+/// host them.
 ///
 /// Errors: an invalid `config` ([`PolicyError::InvalidConfig`]); a view that is not a topology
 /// ([`PolicyError::WrongTopology`], [`PolicyError::WorkerIdOutOfRange`],
@@ -56,10 +59,13 @@ pub(crate) struct Ctx<'a> {
     pos: [u16; MAX_WORKERS],
     /// All colocated workers.
     pub(crate) colocated: bool,
-    /// Healthy decode workers (or healthy colocated workers).
+    /// Healthy workers that decode transferred KV (or healthy colocated workers): the targets
+    /// of P→D paths.
     pub(crate) healthy_d: WorkerSet,
-    /// Healthy prefill workers.
+    /// Healthy workers that prefill for others.
     pub(crate) healthy_p: WorkerSet,
+    /// Healthy workers of a P/D cluster that serve turns alone and take direct turns.
+    pub(crate) healthy_local: WorkerSet,
 }
 
 impl<'a> Ctx<'a> {
@@ -71,14 +77,21 @@ impl<'a> Ctx<'a> {
         let colocated = matches!(cluster.topology()?, Topology::Colocated { .. });
         let mut pos = [0u16; MAX_WORKERS];
         let (mut healthy_d, mut healthy_p) = (WorkerSet::EMPTY, WorkerSet::EMPTY);
+        let mut healthy_local = WorkerSet::EMPTY;
         for (i, w) in cluster.workers.iter().enumerate() {
             let slot = w.id.0 as usize;
             pos[slot] = (i + 1) as u16;
-            if w.is_routable() {
-                match w.role {
-                    WorkerRole::Prefill => healthy_p.insert(slot),
-                    WorkerRole::Decode | WorkerRole::Colocated => healthy_d.insert(slot),
-                }
+            if !w.is_routable() {
+                continue;
+            }
+            if colocated || w.caps.decode {
+                healthy_d.insert(slot);
+            }
+            if !colocated && w.caps.prefill {
+                healthy_p.insert(slot);
+            }
+            if !colocated && w.caps.local && state.accepts_direct(w.id) {
+                healthy_local.insert(slot);
             }
         }
         Ok(Ctx {
@@ -90,7 +103,18 @@ impl<'a> Ctx<'a> {
             colocated,
             healthy_d,
             healthy_p,
+            healthy_local,
         })
+    }
+
+    /// Healthy workers that host sessions: those that decode transferred KV and those that
+    /// serve turns alone.
+    pub(crate) fn hosts(&self) -> WorkerSet {
+        let mut set = self.healthy_d;
+        for slot in self.healthy_local.iter() {
+            set.insert(slot);
+        }
+        set
     }
 
     /// The role of the worker that decodes: `decode`, or `colocated`.
@@ -182,7 +206,7 @@ impl<'a> Ctx<'a> {
             self.session(),
             direct_limit_tokens,
             block_size,
-            |d| self.healthy_d.contains(d.0 as usize),
+            |d| self.healthy_d.contains(d.0 as usize) || self.healthy_local.contains(d.0 as usize),
             |d| self.state.accepts_direct(d),
         )
     }
@@ -235,6 +259,7 @@ impl<'a> Ctx<'a> {
                 direct: plan.mode == ExecutionMode::DirectToD,
                 blocks: req.hash_ids.to_vec(),
                 reject_count: plan.reject_count,
+                prefill_us: plan.prefill_us,
             },
         }
     }
@@ -252,6 +277,8 @@ pub(crate) struct Plan {
     pub(crate) cached_on_d: u64,
     pub(crate) scores: Vec<ScoreEntry>,
     pub(crate) reject_count: Option<(WorkerId, u32)>,
+    /// The policy's prefill estimate (µs) on the worker that prefills; 0 for none.
+    pub(crate) prefill_us: u64,
 }
 
 impl Plan {
@@ -272,6 +299,31 @@ impl Plan {
             cached_on_d: 0,
             scores,
             reject_count,
+            prefill_us: 0,
+        }
+    }
+
+    /// A turn served alone by `host`, which holds `cached` tokens of the input, `own` of them
+    /// the session's own KV (the rest, shared prefixes of other sessions, is computed once
+    /// more in the footprint: the prompt is allocated for this session); `reason` is why a
+    /// later turn is not direct (`None` for a first turn).
+    pub(crate) fn local(
+        host: WorkerId,
+        reason: Option<FallThroughReason>,
+        (cached, own): (u64, u64),
+        scores: Vec<ScoreEntry>,
+        reject_count: Option<(WorkerId, u32)>,
+    ) -> Plan {
+        Plan {
+            mode: ExecutionMode::LocalPrefill,
+            decode: host,
+            prefill: None,
+            reason,
+            cached_tokens: cached,
+            cached_on_d: own,
+            scores,
+            reject_count,
+            prefill_us: 0,
         }
     }
 
@@ -291,6 +343,7 @@ impl Plan {
             cached_on_d: cached,
             scores,
             reject_count,
+            prefill_us: 0,
         }
     }
 
@@ -305,6 +358,15 @@ impl Plan {
             cached_on_d: cached,
             scores,
             reject_count: None,
+            prefill_us: 0,
+        }
+    }
+
+    /// The same plan with a prefill estimate of `seconds` on the worker that prefills.
+    pub(crate) fn with_prefill_s(self, seconds: f64) -> Plan {
+        Plan {
+            prefill_us: (seconds.max(0.0) * 1e6).round() as u64,
+            ..self
         }
     }
 }

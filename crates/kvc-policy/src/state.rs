@@ -153,6 +153,13 @@ pub enum Observation {
         /// The D that refused.
         worker: WorkerId,
     },
+    /// The request's prefill is over: its first token is out. Its prefill estimate
+    /// ([`crate::StateChange::prefill_us`]) stops counting in its worker's backlog (without
+    /// this, it counts until the request completes).
+    PrefillDone {
+        /// The request.
+        request_id: RequestId,
+    },
     /// D evicted the session's KV.
     Evicted {
         /// The session.
@@ -166,6 +173,9 @@ pub enum Observation {
 struct WorkerCounters {
     in_flight: u32,
     assignments: u64,
+    /// Estimated prefill microseconds of the pending decisions that prefill on the worker and
+    /// have not reported their first token.
+    prefill_us: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -174,6 +184,9 @@ struct Pending {
     prefill: Option<WorkerId>,
     /// Order of application, to find the oldest pending decision.
     seq: u64,
+    /// Its prefill estimate still counted on the worker that prefills it (`prefill`, else
+    /// `decode`); 0 once its first token is reported.
+    prefill_us: u64,
 }
 
 /// How much a [`RouterState`] may hold besides its sessions (which the caller bounds, with
@@ -573,6 +586,7 @@ impl RouterState {
             decode: change.decode,
             prefill: change.prefill,
             seq: self.next_seq,
+            prefill_us: change.prefill_us,
         };
         self.pending_order
             .push_back((self.next_seq, change.request_id));
@@ -583,6 +597,7 @@ impl RouterState {
                 c.assignments = c.assignments.saturating_add(1);
             }
         }
+        self.add_backlog(&pending, true);
         if let Some(p) = change.prefill {
             *self.pairs.entry((p, change.decode)).or_insert(0) += 1;
             self.index.record_seen(p.0 as usize, &change.blocks);
@@ -673,7 +688,19 @@ impl RouterState {
         }
     }
 
+    /// Adds (or takes back) a pending decision's prefill estimate on its prefilling worker.
+    fn add_backlog(&mut self, p: &Pending, add: bool) {
+        if let Some(c) = self.counters_mut(p.prefill.unwrap_or(p.decode)) {
+            c.prefill_us = if add {
+                c.prefill_us.saturating_add(p.prefill_us)
+            } else {
+                c.prefill_us.saturating_sub(p.prefill_us)
+            };
+        }
+    }
+
     fn release(&mut self, p: Pending) {
+        self.add_backlog(&p, false);
         for id in std::iter::once(p.decode).chain(p.prefill) {
             if let Some(c) = self.counters_mut(id) {
                 c.in_flight = c.in_flight.saturating_sub(1);
@@ -757,6 +784,13 @@ impl RouterState {
                 route.set_rejects(worker, n);
                 route.observed_reject = Some(worker);
             }
+            Observation::PrefillDone { request_id } => {
+                if let Some(mut p) = self.pending.get(&request_id).copied() {
+                    self.add_backlog(&p, false);
+                    p.prefill_us = 0;
+                    self.pending.insert(request_id, p);
+                }
+            }
             Observation::Evicted { session, worker } => {
                 let Some(route) = self.sessions.get_mut(&session) else {
                     return;
@@ -801,6 +835,15 @@ impl RouterState {
         self.counters
             .get(worker.0 as usize)
             .map_or(0, |c| c.in_flight)
+    }
+
+    /// Estimated seconds of prefill the router has sent `worker` that have not reported their
+    /// first token ([`Observation::PrefillDone`]) or completed: the queue ahead of a new
+    /// prefill there, as far as the router knows.
+    pub fn prefill_backlog_s(&self, worker: WorkerId) -> f64 {
+        self.counters
+            .get(worker.0 as usize)
+            .map_or(0.0, |c| c.prefill_us as f64 / 1e6)
     }
 
     /// Requests ever assigned to `worker`.
@@ -1010,6 +1053,7 @@ mod tests {
                         direct: false,
                         blocks: blocks.iter().map(|b| BlockHash(*b)).collect(),
                         reject_count: None,
+                        prefill_us: 0,
                     });
                     applied.push((id, session, WorkerId(*decode)));
                 }

@@ -2,7 +2,8 @@
 
 use crate::error::PolicyError;
 use kvc_core::{
-    BlockHash, RequestId, SessionId, Topology, TurnId, WorkerId, WorkerRole, WorkerState,
+    BlockHash, Capabilities, RequestId, SessionId, Topology, TurnId, WorkerId, WorkerRole,
+    WorkerState,
 };
 use serde::{Deserialize, Serialize};
 
@@ -20,12 +21,28 @@ pub struct WorkerView {
     pub role: WorkerRole,
     /// Its KV pool, load and health.
     pub state: WorkerState,
+    /// What its engine can do ([`WorkerView::new`]: what its role does by default, see
+    /// [`Capabilities::of_role`]). Policies plan a path through a worker only if it can take
+    /// it: P→D from a `prefill` worker to a `decode` one, a turn served alone (`local-prefill`,
+    /// and only by `kvc`) on a `local` one; sessions are placed on workers that host them.
+    pub caps: Capabilities,
 }
 
 impl WorkerView {
-    /// A worker view.
+    /// A worker view with the capabilities of its role ([`Capabilities::of_role`]): a
+    /// decode worker is not assumed to serve turns alone.
     pub fn new(id: WorkerId, role: WorkerRole, state: WorkerState) -> Self {
-        WorkerView { id, role, state }
+        WorkerView {
+            id,
+            role,
+            state,
+            caps: Capabilities::of_role(role),
+        }
+    }
+
+    /// The same worker with the capabilities its engine declares.
+    pub fn with_caps(self, caps: Capabilities) -> Self {
+        WorkerView { caps, ..self }
     }
 
     /// Whether a policy may send work to it (healthy).
@@ -55,14 +72,19 @@ impl<'a> ClusterView<'a> {
         self.workers.iter().find(|w| w.id == id)
     }
 
-    /// The topology the roles describe: all `colocated` is a colocated cluster; otherwise
-    /// prefill and decode workers (at least one of each). Counts include unhealthy workers.
+    /// The topology the roles and capabilities describe: all `colocated` is a colocated
+    /// cluster; otherwise prefill and decode workers: all-capable ([`Topology::AllCapable`])
+    /// when every worker can prefill for the others and decode transferred KV, hybrid
+    /// when a prefill-role worker may host sessions (serve turns alone), disaggregated
+    /// otherwise. Counts include unhealthy workers.
     ///
     /// Errors: [`PolicyError::WrongTopology`] for an empty view, a mix of colocated and
-    /// prefill/decode workers, or a P/D view lacking one of the two roles;
+    /// prefill/decode workers, or a P/D view without a worker that prefills for others or
+    /// without one that decodes transferred KV;
     /// [`PolicyError::WorkerIdOutOfRange`] and [`PolicyError::DuplicateWorker`] for bad ids.
     pub fn topology(&self) -> Result<Topology, PolicyError> {
         let (mut p, mut d, mut c) = (0u32, 0u32, 0u32);
+        let (mut can_p, mut can_d, mut all, mut hosting_p) = (false, false, true, false);
         let mut ids = crate::index::WorkerSet::EMPTY;
         for w in self.workers {
             let slot = w.id.0 as usize;
@@ -73,6 +95,10 @@ impl<'a> ClusterView<'a> {
                 return Err(PolicyError::DuplicateWorker(w.id));
             }
             ids.insert(slot);
+            can_p |= w.caps.prefill;
+            can_d |= w.caps.decode;
+            all &= w.caps.prefill && w.caps.decode;
+            hosting_p |= w.role == WorkerRole::Prefill && w.caps.hosts_sessions();
             match w.role {
                 WorkerRole::Prefill => p += 1,
                 WorkerRole::Decode => d += 1,
@@ -87,12 +113,14 @@ impl<'a> ClusterView<'a> {
             (_, _, 1..) => Err(PolicyError::WrongTopology {
                 detail: "colocated workers mixed with prefill/decode workers",
             }),
-            (0, _, 0) => Err(PolicyError::WrongTopology {
+            _ if !can_p => Err(PolicyError::WrongTopology {
                 detail: "decode workers but no prefill worker",
             }),
-            (_, 0, 0) => Err(PolicyError::WrongTopology {
+            _ if !can_d => Err(PolicyError::WrongTopology {
                 detail: "prefill workers but no decode worker",
             }),
+            (0, workers, 0) if all && workers >= 2 => Ok(Topology::AllCapable { workers }),
+            (prefill, decode, 0) if hosting_p => Ok(Topology::Hybrid { prefill, decode }),
             (prefill, decode, 0) => Ok(Topology::Disaggregated { prefill, decode }),
         }
     }

@@ -438,6 +438,7 @@ fn change(request: u64, p: u32, d: u32) -> StateChange {
         direct: false,
         blocks: vec![],
         reject_count: None,
+        prefill_us: 0,
     }
 }
 

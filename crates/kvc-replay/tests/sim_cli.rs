@@ -151,12 +151,13 @@ fn bad_options_fail_with_a_clear_message() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     assert!(run(&["--policy", "no-such"]).contains("no-such"));
-    assert!(run(&["--topology", "3x"]).contains("invalid topology"));
+    assert!(run(&["--topology", "1x"]).contains("invalid topology"));
     assert!(
         run(&["--policy", "kvc-v2", "--knob", "no_such_knob=1"]).contains("no knob `no_such_knob`")
     );
     assert!(run(&["--knob", "oops"]).contains("KEY=VALUE"));
     assert!(run(&["--time-scale", "0"]).contains("time-scale"));
+    assert!(run(&["--local-prefill", "maybe"]).contains("expected on or off"));
     let missing = bin()
         .args(["compare", "/nonexistent-run-dir"])
         .output()
@@ -191,6 +192,29 @@ fn knobs_reach_the_policy() {
     let s: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(s["config"]["policy_config"]["direct-limit-tokens"], 1024);
+    assert_eq!(s["config"]["local_prefill"], true);
+    // Engines that cannot serve turns alone, on an all-capable shape: kvc plans no local turn.
+    let off = dir.join("off");
+    ok(bin()
+        .args([
+            "sim",
+            "--quiet",
+            "--topology",
+            "4x",
+            "--local-prefill",
+            "off",
+        ])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--out")
+        .arg(&off)
+        .output()
+        .unwrap());
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(off.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(s["config"]["local_prefill"], false);
+    assert_eq!(s["config"]["topology"], "4x");
+    assert!(s["modes"].get("local-prefill").is_none(), "{}", s["modes"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -216,7 +240,8 @@ fn demo_runs_the_reference_configurations_and_kvc() {
             "4dp+cache-aware ts1",
             "1p3d+kv-aware-v0 ts1",
             "1p3d+kvc-v2 ts1",
-            "1p3d+kvc ts1"
+            "1p3d+kvc ts1",
+            "1p3d-hybrid+kvc ts1"
         ],
         "{stdout}"
     );

@@ -134,6 +134,16 @@ fn default_snapshot_dir() -> PathBuf {
 /// Runs `kvc-replay live`.
 pub(crate) fn run(args: Args) -> Result<()> {
     let cfg = args.run.config()?;
+    if matches!(
+        cfg.topology,
+        kvc_core::Topology::Hybrid { .. } | kvc_core::Topology::AllCapable { .. }
+    ) {
+        bail!(
+            "live replays run NpMd and Ndp shapes: the router's configuration does not declare \
+             worker capabilities, so {} has no live form (simulate it with `kvc-replay sim`)",
+            cfg.topology
+        );
+    }
     let snapshot_dir = args
         .snapshot_dir
         .clone()

@@ -52,9 +52,18 @@ keys are those `kvc-replay policies` prints for the policy. Example:
 /// Cluster, policy and replay settings shared by `sim` and `live`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct RunArgs {
-    /// Cluster shape: NpMd (prefill + decode workers, e.g. 1p3d) or Ndp (colocated, e.g. 4dp).
+    /// Cluster shape: NpMd (prefill + decode workers, e.g. 1p3d), NpMd-hybrid (the same, with
+    /// prefill workers that may also host sessions, e.g. 2p6d-hybrid), Ndp (colocated, e.g.
+    /// 4dp) or Nx (all-capable: every worker prefills for others, decodes and serves turns
+    /// alone, e.g. 4x).
     #[arg(long, default_value = "1p3d")]
     pub(crate) topology: Topology,
+    /// Whether the engines serve turns alone (local prefill), on or off, as vLLM instances of
+    /// any role do: on declares it for every decode worker and for the prefill workers of
+    /// -hybrid shapes; off models stock SGLang decode servers, which cannot. Only `kvc` plans
+    /// such turns; other policies behave the same either way.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub(crate) local_prefill: bool,
     /// Routing policy (see `kvc-replay policies`).
     #[arg(long, default_value = "kvc")]
     pub(crate) policy: String,
@@ -106,6 +115,7 @@ impl RunArgs {
         cfg.concurrency = self.concurrency;
         cfg.seed = self.seed;
         cfg.backpressure = self.backpressure == "on";
+        cfg.local_prefill = self.local_prefill;
         cfg.eviction = match self.eviction.as_str() {
             "tiered" => EvictionMode::Tiered,
             _ => EvictionMode::IdleLru,
@@ -179,4 +189,13 @@ pub(crate) fn label(cfg: &SimConfig) -> String {
         cfg.policy.name(),
         cfg.time_scale
     )
+}
+
+/// Parses `on` or `off`.
+fn on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("expected on or off, not `{other}`")),
+    }
 }

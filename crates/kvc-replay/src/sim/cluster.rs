@@ -1,39 +1,46 @@
-//! The workers of a topology: their roles, names and the empty view a router starts from.
+//! The workers of a topology: their roles, capabilities, names and the empty view a router
+//! starts from.
 
 use super::SimConfig;
-use kvc_core::{Topology, WorkerId, WorkerRole, WorkerState};
+use kvc_core::{Capabilities, Topology, WorkerId, WorkerRole, WorkerState};
 use kvc_policy::WorkerView;
 
 /// Roles of the workers of a topology, in worker-id order (prefill first).
 pub fn worker_roles(t: Topology) -> Vec<WorkerRole> {
-    match t {
-        Topology::Disaggregated { prefill, decode } => {
-            let mut v = vec![WorkerRole::Prefill; prefill as usize];
-            v.extend(std::iter::repeat_n(WorkerRole::Decode, decode as usize));
-            v
-        }
-        Topology::Colocated { workers } => vec![WorkerRole::Colocated; workers as usize],
-    }
+    t.layout(false).into_iter().map(|(role, _)| role).collect()
+}
+
+/// Roles and declared capabilities of the workers a run simulates, in worker-id order: the
+/// topology's layout, with local prefill where the configuration's engines serve turns alone
+/// ([`SimConfig::local_prefill`]).
+pub fn worker_layout(cfg: &SimConfig) -> Vec<(WorkerRole, Capabilities)> {
+    cfg.topology.layout(cfg.local_prefill)
 }
 
 /// Names of workers: `p0, p1, …, d0, d1, …` or `dp0, dp1, …`.
 pub fn worker_names(roles: &[WorkerRole]) -> Vec<String> {
-    let (mut p, mut d, mut c) = (0, 0, 0);
-    roles
+    let layout: Vec<(WorkerRole, Capabilities)> = roles
         .iter()
-        .map(|r| match r {
-            WorkerRole::Prefill => {
-                p += 1;
-                format!("p{}", p - 1)
-            }
-            WorkerRole::Decode => {
-                d += 1;
-                format!("d{}", d - 1)
-            }
-            WorkerRole::Colocated => {
-                c += 1;
-                format!("dp{}", c - 1)
-            }
+        .map(|r| (*r, Capabilities::of_role(*r)))
+        .collect();
+    layout_names(&layout)
+}
+
+/// Names of workers by role and capabilities: `p0, …` (prefill), `d0, …` (decode), `dp0, …`
+/// (colocated), `x0, …` (decode workers that also prefill for others: all-capable).
+pub fn layout_names(layout: &[(WorkerRole, Capabilities)]) -> Vec<String> {
+    let (mut p, mut d, mut c, mut x) = (0, 0, 0, 0);
+    let next = |n: &mut usize, prefix: &str| {
+        *n += 1;
+        format!("{prefix}{}", *n - 1)
+    };
+    layout
+        .iter()
+        .map(|(r, caps)| match r {
+            WorkerRole::Prefill => next(&mut p, "p"),
+            WorkerRole::Decode if caps.prefill => next(&mut x, "x"),
+            WorkerRole::Decode => next(&mut d, "d"),
+            WorkerRole::Colocated => next(&mut c, "dp"),
         })
         .collect()
 }
@@ -49,15 +56,29 @@ pub(crate) fn decode_worker_names(roles: &[WorkerRole], names: &[String]) -> Vec
         .collect()
 }
 
-/// The initial view of a cluster: every worker empty and healthy.
+/// Names of the workers a summary reports on: those that host sessions (decode workers,
+/// prefill workers that serve turns alone) or serve colocated, in worker-id order.
+pub(crate) fn host_names(layout: &[(WorkerRole, Capabilities)], names: &[String]) -> Vec<String> {
+    layout
+        .iter()
+        .zip(names)
+        .filter(|((r, caps), _)| *r != WorkerRole::Prefill || caps.hosts_sessions())
+        .map(|(_, n)| n.clone())
+        .collect()
+}
+
+/// The initial view of a cluster: every worker empty and healthy, with its capabilities.
 pub fn initial_views(cfg: &SimConfig) -> Vec<WorkerView> {
-    worker_roles(cfg.topology)
+    worker_layout(cfg)
         .iter()
         .enumerate()
-        .map(|(i, r)| WorkerView {
-            id: WorkerId(i as u32),
-            role: *r,
-            state: WorkerState::empty(cfg.profile.hardware.kv_pool_tokens),
+        .map(|(i, (role, caps))| {
+            WorkerView::new(
+                WorkerId(i as u32),
+                *role,
+                WorkerState::empty(cfg.profile.hardware.kv_pool_tokens),
+            )
+            .with_caps(*caps)
         })
         .collect()
 }

@@ -2,7 +2,7 @@
 //! checks, and the `config` block of the summary it yields.
 
 use super::SimError;
-use super::cluster::worker_roles;
+use super::cluster::worker_layout;
 use super::engine::{Engine, EngineOptions};
 use super::metrics::RunConfig;
 use super::profile::Profile;
@@ -33,25 +33,31 @@ pub struct SimConfig {
     pub profile: Profile,
     /// Relative jitter of iteration times (deterministic from `seed`).
     pub jitter: f64,
+    /// Whether the engines serve turns alone (local prefill), as vLLM instances of any role
+    /// do: then decode workers, and the prefill workers of `NpMd-hybrid` shapes, declare it
+    /// ([`kvc_core::Topology::layout`]). Off models stock SGLang decode servers, which
+    /// cannot. Only policies that plan `local-prefill` turns (`kvc`) use it.
+    pub local_prefill: bool,
 }
 
 impl SimConfig {
     /// The simulated workers this configuration runs, in the trace's block size: the one
     /// constructor the simulator and the live workers share.
     pub fn engine(&self, trace: &Trace) -> Engine {
-        Engine::new(
+        Engine::with_layout(
             self.profile.clone(),
             EngineOptions {
                 eviction: self.eviction.into(),
                 block_size: trace.block_size(),
             },
-            &worker_roles(self.topology),
+            &worker_layout(self),
             self.seed,
             self.jitter,
         )
     }
 
-    /// The reference setup: `1p3d`, time-scale 1, concurrency 32, seed 0, the default profile.
+    /// The reference setup: time-scale 1, concurrency 32, seed 0, the default profile, engines
+    /// that serve turns alone (vLLM).
     pub fn new(topology: Topology, policy: PolicyConfig) -> Self {
         SimConfig {
             topology,
@@ -63,6 +69,7 @@ impl SimConfig {
             eviction: EvictionMode::IdleLru,
             profile: Profile::default(),
             jitter: 0.02,
+            local_prefill: true,
         }
     }
 
@@ -104,7 +111,7 @@ pub fn run_config(cfg: &SimConfig) -> RunConfig {
         prefill_policy: cfg
             .policy
             .prefill_policy()
-            .filter(|_| matches!(cfg.topology, Topology::Disaggregated { .. }))
+            .filter(|_| !cfg.topology.is_colocated())
             .map(|p| p.as_str().to_owned()),
         time_scale: cfg.time_scale,
         concurrency: cfg.concurrency,
@@ -112,6 +119,7 @@ pub fn run_config(cfg: &SimConfig) -> RunConfig {
         backpressure: cfg.backpressure,
         eviction: cfg.eviction.as_str().to_owned(),
         profile: cfg.profile.name.clone(),
+        local_prefill: cfg.local_prefill,
         policy_config: serde_json::to_value(&cfg.policy).unwrap_or(serde_json::Value::Null),
     }
 }

@@ -10,7 +10,7 @@ use super::cache::PrefixCache;
 use super::profile::Profile;
 use crate::trace::HashIds;
 use kvc_admission::{EvictionConfig, Resident, ResidentState, plan_eviction};
-use kvc_core::{BlockSize, Health, SessionId, WorkerId, WorkerRole, WorkerState};
+use kvc_core::{BlockSize, Capabilities, Health, SessionId, WorkerId, WorkerRole, WorkerState};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, VecDeque};
 
@@ -142,6 +142,9 @@ enum Stage {
     Decode,
     /// Retracted from a decode worker for want of room: waits there to recompute its context.
     Retracted,
+    /// A turn its worker serves alone, waiting in that worker's queue for room (behind the
+    /// transfers and turns that came first).
+    WaitingLocal,
 }
 
 #[derive(Debug, Clone)]
@@ -181,7 +184,10 @@ struct Iteration {
 
 #[derive(Debug)]
 struct Worker {
-    role: WorkerRole,
+    /// Sessions stay resident here between turns (a decode worker, or a worker that serves
+    /// turns alone); its pool holds them beside the prefix cache of the prefills it runs for
+    /// other workers.
+    hosts: bool,
     capacity: u64,
     cache: PrefixCache,
     cache_extra: u64,
@@ -233,8 +239,24 @@ pub enum DirectAdmission {
     Rejected,
 }
 
+/// Admission answer for a turn a worker serves alone ([`Engine::try_local`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalAdmission {
+    /// Admitted: the job prefills the prompt but `cached` tokens.
+    Started {
+        /// Tokens reused from KV the worker holds.
+        cached: u64,
+    },
+    /// Queued in the worker's queue, in order, until the worker has room for it.
+    Queued,
+    /// Refused: the session is resident there and its append is refused as a direct-to-D
+    /// one is, or the prompt does not fit the pool at all.
+    Rejected,
+}
+
 impl Engine {
-    /// A cluster of `roles.len()` workers (ids are indices), each with the profile's KV pool.
+    /// A cluster of `roles.len()` workers (ids are indices), each with the profile's KV pool
+    /// and the capabilities of its role ([`Capabilities::of_role`]).
     /// `jitter` (fraction, e.g. 0.03) perturbs iteration times deterministically from `seed`.
     pub fn new(
         profile: Profile,
@@ -243,11 +265,30 @@ impl Engine {
         seed: u64,
         jitter: f64,
     ) -> Self {
-        let capacity = profile.hardware.kv_pool_tokens;
-        let workers = roles
+        let layout: Vec<(WorkerRole, Capabilities)> = roles
             .iter()
-            .map(|role| Worker {
-                role: *role,
+            .map(|r| (*r, Capabilities::of_role(*r)))
+            .collect();
+        Self::with_layout(profile, opts, &layout, seed, jitter)
+    }
+
+    /// A cluster of workers with declared capabilities (ids are indices; see
+    /// [`kvc_core::Topology::layout`]). A worker that hosts sessions
+    /// ([`Capabilities::hosts_sessions`], colocated workers aside) keeps them resident as a
+    /// decode worker does; one that also prefills for others keeps the prefix cache of that
+    /// work in the same pool.
+    pub fn with_layout(
+        profile: Profile,
+        opts: EngineOptions,
+        layout: &[(WorkerRole, Capabilities)],
+        seed: u64,
+        jitter: f64,
+    ) -> Self {
+        let capacity = profile.hardware.kv_pool_tokens;
+        let workers = layout
+            .iter()
+            .map(|(role, caps)| Worker {
+                hosts: *role != WorkerRole::Colocated && caps.hosts_sessions(),
                 capacity,
                 cache: PrefixCache::default(),
                 cache_extra: 0,
@@ -298,13 +339,10 @@ impl Engine {
     pub fn state(&self, w: WorkerId) -> WorkerState {
         let wk = &self.workers[w.0 as usize];
         let block = self.block_tokens();
-        let (used, evictable) = match wk.role {
-            WorkerRole::Decode => (wk.resident_tokens, wk.idle_tokens),
-            _ => (
-                wk.cache.len() as u64 * block + wk.cache_extra,
-                wk.cache.evictable() as u64 * block,
-            ),
-        };
+        // One pool: resident sessions (workers that host them) and the prefix cache of the
+        // prefills a worker runs (for others, or for itself when colocated).
+        let used = wk.resident_tokens + wk.cache.len() as u64 * block + wk.cache_extra;
+        let evictable = wk.idle_tokens + wk.cache.evictable() as u64 * block;
         WorkerState {
             capacity_tokens: wk.capacity,
             used_tokens: used,
@@ -404,11 +442,22 @@ impl Engine {
     ) -> bool {
         let mut eviction = self.opts.eviction;
         eviction.allow_hot &= hot;
-        let wk = &self.workers[w.0 as usize];
-        let free = wk.capacity.saturating_sub(wk.resident_tokens);
+        let mut free = self.pool_free(w);
         if free >= need {
             return true;
         }
+        // On a worker that also prefills for others, the prefix cache of that work goes
+        // first: it is only a cache (pinned blocks, in use, stay).
+        let block = self.block_tokens();
+        let cache = &mut self.workers[w.0 as usize].cache;
+        if cache.evictable() > 0 {
+            cache.evict((need - free).div_ceil(block) as usize);
+            free = self.pool_free(w);
+            if free >= need {
+                return true;
+            }
+        }
+        let wk = &self.workers[w.0 as usize];
         let residents: Vec<Resident> = wk
             .residents
             .iter()
@@ -440,8 +489,15 @@ impl Engine {
         for v in plan.victims {
             self.evict(w, v.session, now);
         }
+        self.pool_free(w) >= need
+    }
+
+    /// Tokens of worker `w`'s pool that nothing occupies: not its resident sessions, not its
+    /// prefix cache, not the extra room its prefills reserved.
+    fn pool_free(&self, w: WorkerId) -> u64 {
         let wk = &self.workers[w.0 as usize];
-        wk.capacity.saturating_sub(wk.resident_tokens) >= need
+        let cache = wk.cache.len() as u64 * self.block_tokens() + wk.cache_extra;
+        wk.capacity.saturating_sub(wk.resident_tokens + cache)
     }
 
     /// Evicts `session`'s KV from decode worker `w`; a job holding it there is retracted.
@@ -604,7 +660,7 @@ impl Engine {
         requester: Option<SessionId>,
         now: Micros,
     ) -> (bool, u64, Vec<SessionId>) {
-        if self.workers[w.0 as usize].role != WorkerRole::Decode {
+        if !self.workers[w.0 as usize].hosts {
             return (false, 0, Vec::new());
         }
         let before: Vec<SessionId> = self.workers[w.0 as usize]
@@ -639,7 +695,9 @@ impl Engine {
     }
 
     /// Reserves pool room on a prefill/colocated worker for a job's blocks (+ `extra` tokens,
-    /// cut to what the pool can hold). Returns `Some((matched blocks, extra reserved))`.
+    /// cut to what the pool can hold). Returns `Some((reused blocks, extra reserved))`: the
+    /// leading blocks held in the prefix cache or, on a worker that hosts sessions, in a
+    /// resident session's KV.
     fn reserve_cache(
         &mut self,
         w: WorkerId,
@@ -648,15 +706,25 @@ impl Engine {
         now: Micros,
     ) -> Option<(usize, u64)> {
         let block = self.block_tokens();
+        let free = self.pool_free(w);
         let wk = &mut self.workers[w.0 as usize];
         let matched = wk.cache.match_len(hashes);
         let new_blocks = (hashes.len() - matched) as u64;
         // Output past the pool is cut (the context limit); blocks of an accepted input always fit.
         let extra = extra.min(wk.capacity.saturating_sub(hashes.len() as u64 * block));
         let need = new_blocks * block + extra;
-        let used = wk.cache.len() as u64 * block + wk.cache_extra;
-        let free = wk.capacity.saturating_sub(used);
-        if free < need {
+        if free < need && wk.hosts {
+            // A worker that hosts sessions prefills for another: its cache goes first, then
+            // its sessions by the eviction mode (never hot ones: this work is not theirs).
+            wk.cache.pin(&hashes[..matched], now);
+            let room = self.make_room_tiers(w, need, None, now, false);
+            self.workers[w.0 as usize]
+                .cache
+                .unpin(&hashes[..matched], now);
+            if !room {
+                return None;
+            }
+        } else if free < need {
             // Pin the matched prefix first so eviction cannot take it, then evict.
             let short = need - free;
             let evictable = wk.cache.evictable() as u64 * block;
@@ -669,9 +737,17 @@ impl Engine {
             wk.cache.evict(short.div_ceil(block) as usize);
             wk.cache.unpin(&hashes[..matched], now);
         }
+        let wk = &mut self.workers[w.0 as usize];
         wk.cache.pin(hashes, now);
         wk.cache_extra += extra;
-        Some((matched, extra))
+        // A worker that hosts sessions also reuses their KV (one prefix cache in the engine);
+        // the blocks it pins for this prefill are counted besides them.
+        let reused = wk
+            .residents
+            .values()
+            .map(|r| kvc_core::prefix::shared_prefix_blocks(&r.hashes, hashes))
+            .fold(matched, usize::max);
+        Some((reused, extra))
     }
 
     // ----- admission of jobs ---------------------------------------------------------------
@@ -723,7 +799,7 @@ impl Engine {
     pub fn reseed(&mut self, job: Job, p: WorkerId, d: WorkerId, now: Micros) {
         for w in 0..self.workers.len() {
             let w = WorkerId(w as u32);
-            if w != d && self.workers[w.0 as usize].role == WorkerRole::Decode {
+            if w != d && self.workers[w.0 as usize].hosts {
                 self.release_session(w, job.session, now);
             }
         }
@@ -750,8 +826,9 @@ impl Engine {
             return DirectAdmission::NotResident;
         };
         debug_assert!(!res.running, "a session's turns run one at a time");
-        let free = wk.capacity.saturating_sub(wk.resident_tokens);
-        let evictable_others = wk.idle_tokens.saturating_sub(res.tokens);
+        let free = self.pool_free(d);
+        let evictable_others = wk.idle_tokens.saturating_sub(res.tokens)
+            + wk.cache.evictable() as u64 * self.block_tokens();
         if need_estimate > free + evictable_others {
             return DirectAdmission::Rejected;
         }
@@ -798,12 +875,123 @@ impl Engine {
         DirectAdmission::Admitted { cached }
     }
 
+    /// Tries to admit a turn that worker `w` serves alone (`local-prefill`) with a
+    /// router-side need estimate of `need_estimate` tokens: `w` prefills whatever of the
+    /// prompt it does not hold, decodes, and keeps the session resident, as a vLLM instance
+    /// serves a plain request. If the session is resident on `w`, this is an append of any
+    /// size ([`Engine::try_direct`]). Otherwise the turn takes its place in `w`'s queue,
+    /// behind the transfers and turns already waiting there for room (vLLM's scheduler is
+    /// first come, first served), and is admitted when `w` has room for its prompt as an
+    /// append has (the decode reserve for itself only): it reuses the longest prefix `w`
+    /// holds — of another resident session's KV or of its prefix cache (vLLM's prefix caching
+    /// shares blocks across requests; the model counts a shared block once per session
+    /// holding it). Sent, it releases the session on every other worker that hosts it (as
+    /// [`Engine::reseed`] does). Admitted,
+    /// it prefills on `w` beside `w`'s own appends and the prefills `w` runs for others.
+    pub fn try_local(
+        &mut self,
+        job: Job,
+        w: WorkerId,
+        need_estimate: u64,
+        now: Micros,
+    ) -> LocalAdmission {
+        let wk = &self.workers[w.0 as usize];
+        debug_assert!(wk.hosts, "a local turn on a worker that hosts no sessions");
+        if wk.residents.contains_key(&job.session) {
+            return match self.try_direct(job, w, need_estimate, now) {
+                DirectAdmission::Admitted { cached } => LocalAdmission::Started { cached },
+                DirectAdmission::NotResident | DirectAdmission::Rejected => {
+                    LocalAdmission::Rejected
+                }
+            };
+        }
+        // The prompt must fit the pool at all (the model's input limit sees to it); room that
+        // is not there now is waited for, in order.
+        if job.input + self.profile.fit.pressure.decode_reserve_tokens > wk.capacity {
+            return LocalAdmission::Rejected;
+        }
+        // The session lives on one worker: as a reseed does, the turn releases it on every
+        // other worker that hosts it when it is sent.
+        for o in 0..self.workers.len() {
+            let o = WorkerId(o as u32);
+            if o != w && self.workers[o.0 as usize].hosts {
+                self.release_session(o, job.session, now);
+            }
+        }
+        let id = job.id;
+        self.jobs.insert(
+            id,
+            Active {
+                job,
+                prefill_on: w,
+                decode_on: w,
+                stage: Stage::WaitingLocal,
+                remaining: 0,
+                done_ctx: 0,
+                generated: 0,
+                pinned: 0,
+                extra: 0,
+                cached: 0,
+                deadline: 0,
+                transfer_end: 0,
+                retractions: 0,
+                epoch: 0,
+            },
+        );
+        if self.workers[w.0 as usize].waiting.is_empty() && self.admit_local(id, w, now) {
+            return LocalAdmission::Started {
+                cached: self.jobs[&id].cached,
+            };
+        }
+        self.workers[w.0 as usize].waiting.push_back(id);
+        LocalAdmission::Queued
+    }
+
+    /// Admits local turn `id` on `w` if `w` has room for its prompt (see
+    /// [`Engine::try_local`]).
+    fn admit_local(&mut self, id: usize, w: WorkerId, now: Micros) -> bool {
+        let (session, input) = (self.jobs[&id].job.session, self.jobs[&id].job.input);
+        if !self.make_room_admit(w, input, (session, false), now, true) {
+            return false;
+        }
+        let hashes = self.jobs[&id].job.hashes.clone();
+        let wk = &mut self.workers[w.0 as usize];
+        let held = wk
+            .residents
+            .values()
+            .map(|r| kvc_core::prefix::shared_prefix_blocks(&r.hashes, &hashes))
+            .chain(std::iter::once(wk.cache.match_len(&hashes)))
+            .max()
+            .unwrap_or(0);
+        let cached = kvc_core::prefix::reusable_tokens(held, input, self.opts.block_size);
+        wk.resident_tokens += input;
+        wk.residents.insert(
+            session,
+            ResidentEntry {
+                tokens: input,
+                hashes,
+                last_access: now,
+                running: true,
+                pending: false,
+                prealloc: false,
+            },
+        );
+        wk.prefill_q.push_back(id);
+        let a = self.jobs.get_mut(&id).expect("job");
+        a.stage = Stage::Prefill;
+        a.remaining = input - cached;
+        a.done_ctx = cached;
+        a.cached = cached;
+        self.start_iteration_if_idle(w, now);
+        true
+    }
+
     /// Admits waiting jobs of worker `w` while there is room: in order, without overtaking,
     /// on prefill and colocated workers; on a decode worker a transfer (or retracted job) that
     /// fits is not held behind one that does not, so a session whose own KV is pinned there
     /// can always take its turn.
     fn retry_waiting(&mut self, w: WorkerId, now: Micros) {
-        let decode = self.workers[w.0 as usize].role == WorkerRole::Decode;
+        let decode = self.workers[w.0 as usize].hosts;
         let mut blocked = false;
         let mut i = 0;
         while let Some(&id) = self.workers[w.0 as usize].waiting.get(i) {
@@ -818,10 +1006,13 @@ impl Engine {
                 i += 1;
                 continue;
             }
+            // A job another (nested) admission already moved on — to its prefill worker's
+            // queue, say, while an outer loop over this queue still holds it — leaves.
             let ok = match a.stage {
-                Stage::WaitingPool => self.admit_prefill(id, w, now),
-                Stage::WaitingD => self.admit_transfer(id, now),
-                Stage::Retracted => self.admit_retracted(id, now),
+                Stage::WaitingPool if a.prefill_on == w => self.admit_prefill(id, w, now),
+                Stage::WaitingD if a.decode_on == w => self.admit_transfer(id, now),
+                Stage::Retracted if a.decode_on == w => self.admit_retracted(id, now),
+                Stage::WaitingLocal if a.decode_on == w => self.admit_local(id, w, now),
                 _ => true,
             };
             if ok {
@@ -898,7 +1089,15 @@ impl Engine {
                 prealloc: true,
             },
         );
-        // The room is D's; now P may prefill.
+        // The room is D's; now P may prefill. A worker that also hosts sessions may have no
+        // room for the prefill (its pool can hold rooms it preallocated for transfers from
+        // the very workers waiting on it): the request gives up after the transfer timeout
+        // there, as it would waiting for D.
+        if self.workers[p.0 as usize].hosts {
+            let deadline = now + micros(self.profile.fit.transfer_timeout_s);
+            self.jobs.get_mut(&id).expect("job").deadline = deadline;
+            self.wakes.push((deadline, Wake::TransferTimeout(id)));
+        }
         self.workers[p.0 as usize].waiting.push_back(id);
         self.retry_waiting(p, now);
         true
@@ -1045,7 +1244,7 @@ impl Engine {
         else {
             return;
         };
-        let role = self.workers[w.0 as usize].role;
+        let hosts = self.workers[w.0 as usize].hosts;
         self.workers[w.0 as usize].settling = true;
         for (id, take, epoch) in pieces {
             // A job retracted (or failed) since the iteration started lost this work.
@@ -1055,8 +1254,10 @@ impl Engine {
             a.remaining -= take;
             a.done_ctx += take;
             if a.remaining == 0 {
+                // Prefilled here for another worker: the KV ships.
+                let ships = a.decode_on != w;
                 self.workers[w.0 as usize].prefill_q.retain(|x| *x != id);
-                if role == WorkerRole::Prefill {
+                if ships {
                     self.start_transfer(id, now);
                 } else if self.jobs[&id].generated > 0 {
                     // A retracted job recomputed its context: decoding resumes.
@@ -1075,7 +1276,7 @@ impl Engine {
             {
                 continue;
             }
-            if role == WorkerRole::Decode && !self.grow(w, id, now) {
+            if hosts && !self.grow(w, id, now) {
                 continue;
             }
             let a = self.jobs.get_mut(&id).expect("job");
@@ -1130,10 +1331,20 @@ impl Engine {
             self.retry_waiting(d, now);
             return;
         }
+        let (p, d, session) = (a.prefill_on, a.decode_on, a.job.session);
+        if a.stage == Stage::WaitingPool && p != d && self.workers[p.0 as usize].hosts {
+            // Waiting for prefill room on a worker that hosts sessions: D's room goes back.
+            self.workers[p.0 as usize].waiting.retain(|x| *x != id);
+            self.drop_resident(d, session);
+            self.jobs.remove(&id);
+            self.events.push(Event::TransferTimedOut { id, at: now });
+            self.retry_waiting(p, now);
+            self.retry_waiting(d, now);
+            return;
+        }
         if a.stage != Stage::WaitingD {
             return;
         }
-        let (p, d, session) = (a.prefill_on, a.decode_on, a.job.session);
         self.workers[d.0 as usize].waiting.retain(|x| *x != id);
         self.release_prefill(id, now);
         // The session's old KV on D (if any) is no longer trusted.
@@ -1152,10 +1363,8 @@ impl Engine {
         a.pinned = 0;
         a.extra = 0;
         let wk = &mut self.workers[w.0 as usize];
-        if wk.role != WorkerRole::Decode {
-            wk.cache.unpin(&hashes[..n], now);
-            wk.cache_extra -= extra;
-        }
+        wk.cache.unpin(&hashes[..n], now);
+        wk.cache_extra -= extra;
     }
 
     fn finish(&mut self, id: usize, now: Micros) {
@@ -1164,21 +1373,18 @@ impl Engine {
         let cached = a.cached;
         self.workers[w.0 as usize].running.retain(|x| *x != id);
         let mut resident_tokens = 0;
-        match self.workers[w.0 as usize].role {
-            WorkerRole::Decode => {
-                let wk = &mut self.workers[w.0 as usize];
-                if let Some(r) = wk.residents.get_mut(&a.job.session) {
-                    r.running = false;
-                    r.last_access = now;
-                    wk.idle_tokens += r.tokens;
-                    resident_tokens = r.tokens;
-                }
+        if self.workers[w.0 as usize].hosts {
+            let wk = &mut self.workers[w.0 as usize];
+            if let Some(r) = wk.residents.get_mut(&a.job.session) {
+                r.running = false;
+                r.last_access = now;
+                wk.idle_tokens += r.tokens;
+                resident_tokens = r.tokens;
             }
-            _ => {
-                self.jobs.insert(id, a);
-                self.release_prefill(id, now);
-                self.jobs.remove(&id);
-            }
+        } else {
+            self.jobs.insert(id, a);
+            self.release_prefill(id, now);
+            self.jobs.remove(&id);
         }
         self.events.push(Event::Done {
             id,
@@ -1499,6 +1705,140 @@ mod tests {
         );
         assert!(!ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
         assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
+    }
+
+    fn hosting_engine(caps: &[(WorkerRole, Capabilities)], pool: u64) -> Engine {
+        let mut profile = Profile::default();
+        profile.hardware.kv_pool_tokens = pool;
+        profile.model.max_input_tokens = pool / 2;
+        let eviction = EvictionConfig {
+            allow_cold: false,
+            allow_hot: false,
+            ..EvictionConfig::default()
+        };
+        Engine::with_layout(
+            profile,
+            EngineOptions {
+                eviction,
+                block_size: BlockSize::default(),
+            },
+            caps,
+            1,
+            0.0,
+        )
+    }
+
+    #[test]
+    fn a_local_turn_reuses_what_its_worker_holds_and_keeps_the_session() {
+        let d = Capabilities::of_role(WorkerRole::Decode).with_local();
+        let mut e = hosting_engine(&[(WorkerRole::Decode, d), (WorkerRole::Decode, d)], 8192);
+        let (w0, w1) = (WorkerId(0), WorkerId(1));
+        let mut now = 0;
+        // Session 1 is served alone on w0 from scratch.
+        let adm = e.try_local(job(1, 1, &[1, 2, 3], 1500, 4), w0, 1504, now);
+        assert_eq!(adm, LocalAdmission::Started { cached: 0 });
+        settle(&mut e, &mut now);
+        assert_eq!(e.resident_tokens(w0, SessionId(1)), Some(1504));
+        // Session 2 shares two blocks with session 1's KV on w0: they are not computed again.
+        let adm = e.try_local(job(2, 2, &[1, 2, 7, 8], 2000, 4), w0, 2004, now);
+        assert_eq!(adm, LocalAdmission::Started { cached: 1024 });
+        settle(&mut e, &mut now);
+        // Session 1 moves to w1: its KV on w0 is released when the turn is sent.
+        let adm = e.try_local(job(3, 1, &[1, 2, 3, 9], 1900, 4), w1, 1904, now);
+        assert_eq!(adm, LocalAdmission::Started { cached: 0 });
+        assert_eq!(e.resident_tokens(w0, SessionId(1)), None);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 3, .. })));
+        assert_eq!(e.resident_tokens(w1, SessionId(1)), Some(1904));
+        // A resident session's large append extends its KV in place.
+        let adm = e.try_local(job(4, 1, &[1, 2, 3, 10, 11, 12], 3000, 4), w1, 1200, now);
+        assert_eq!(adm, LocalAdmission::Started { cached: 1536 });
+    }
+
+    #[test]
+    fn a_local_turn_waits_in_order_behind_a_transfer() {
+        let d = Capabilities::of_role(WorkerRole::Decode).with_local();
+        let p = Capabilities::of_role(WorkerRole::Prefill);
+        let mut e = hosting_engine(&[(WorkerRole::Prefill, p), (WorkerRole::Decode, d)], 8192);
+        let mut now = 0;
+        // A long decode holds most of D.
+        e.start_p_to_d(
+            job(1, 1, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 5000, 400),
+            P,
+            D,
+            now,
+        );
+        loop {
+            let ev = e.take_events();
+            if ev
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+            {
+                break;
+            }
+            let mut wakes = e.take_wakes();
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            for (t2, w2) in wakes {
+                e.wakes.push((t2, w2));
+            }
+            now = t;
+            e.wake(w, now);
+        }
+        // A transfer that does not fit waits in D's queue; a local turn that would fit
+        // queues behind it rather than overtaking.
+        e.start_p_to_d(job(2, 2, &[21, 22, 23, 24, 25, 26], 3000, 10), P, D, now);
+        assert_eq!(e.state(D).queue_depth, 1);
+        // It would fit now, but it is not first in line.
+        let adm = e.try_local(job(3, 3, &[31], 400, 4), D, 404, now);
+        assert_eq!(adm, LocalAdmission::Queued);
+        assert_eq!(e.state(D).queue_depth, 2);
+        let ev = settle(&mut e, &mut now);
+        let at = |id| {
+            ev.iter()
+                .find_map(|x| match x {
+                    Event::FirstToken { id: i, at } if *i == id => Some(*at),
+                    Event::Done { id: i, at, .. } if *i == id && id == 1 => Some(*at),
+                    _ => None,
+                })
+                .expect("event")
+        };
+        // The transfer got its room when the long decode ended; the local turn after it.
+        assert!(at(3) >= at(1), "the local turn overtook the transfer");
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 3, .. })));
+        // A prompt over the pool is refused outright.
+        assert_eq!(
+            e.try_local(job(4, 4, &[41], 8000, 4), D, 8004, now),
+            LocalAdmission::Rejected
+        );
+    }
+
+    #[test]
+    fn a_worker_that_hosts_sessions_prefills_for_another_in_one_pool() {
+        let x = Capabilities::ALL;
+        let mut e = hosting_engine(&[(WorkerRole::Decode, x), (WorkerRole::Decode, x)], 8192);
+        let (x0, x1) = (WorkerId(0), WorkerId(1));
+        let mut now = 0;
+        // Session 1 lives on x0.
+        e.try_local(job(1, 1, &[1, 2, 3], 1500, 2), x0, 1502, now);
+        settle(&mut e, &mut now);
+        // x0 prefills session 2 for x1; it reuses the blocks of session 1's KV.
+        e.reseed(job(2, 2, &[1, 2, 5, 6], 2000, 3), x0, x1, now);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(
+            x,
+            Event::Done {
+                id: 2,
+                cached: 1024,
+                ..
+            }
+        )));
+        assert_eq!(e.resident_tokens(x1, SessionId(2)), Some(2003));
+        // x0's pool holds session 1 and the prefix cache of the work it did for x1.
+        let s = e.state(x0);
+        assert_eq!(s.used_tokens, 1502 + 4 * 512);
+        assert_eq!(s.evictable_tokens, s.used_tokens);
+        assert_eq!(s.resident_sessions, 1);
     }
 
     #[test]

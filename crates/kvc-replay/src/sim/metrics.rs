@@ -147,6 +147,10 @@ pub struct RunConfig {
     pub eviction: String,
     /// Engine profile name.
     pub profile: String,
+    /// Whether the engines serve turns alone (local prefill; see `SimConfig::local_prefill`);
+    /// absent from summaries written before it existed, whose engines did not.
+    #[serde(default)]
+    pub local_prefill: bool,
     /// The policy's full configuration.
     pub policy_config: serde_json::Value,
 }

@@ -6,7 +6,7 @@
 //! | [`replay`] | the replay loop: pacing, routing, carrying decisions out, one record per request ([`simulate`], [`run`]) |
 //! | [`decider`] | the loop's seams: [`Decider`] (decisions; [`LocalPolicy`] in process) and [`Hooks`] (the clock; [`Virtual`]) |
 //! | [`config`] | run configuration ([`SimConfig`], [`EvictionMode`]), its checks, the summary's `config` block |
-//! | [`cluster`] | a topology's workers: roles, names, the initial view |
+//! | [`cluster`] | a topology's workers: roles, capabilities, names, the initial view |
 //! | [`engine`] | the clock-agnostic worker model |
 //! | [`profile`] | engine profiles and the timing physics (fitted in `docs/calibration.md`) |
 //! | [`metrics`] | per-request records and the run summary |

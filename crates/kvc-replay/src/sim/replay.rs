@@ -6,13 +6,13 @@
 //! ready order. TTFT and latency are measured from the ready time. Events are ordered by
 //! (time in µs, sequence number).
 
-use super::cluster::{decode_worker_names, initial_views, worker_names, worker_roles};
+use super::cluster::{host_names, initial_views, layout_names, worker_layout};
 use super::decider::{Decider, Hooks, LocalPolicy, Routed, Virtual};
-use super::engine::{DirectAdmission, Engine, Event, Job, Micros, Wake, micros};
+use super::engine::{DirectAdmission, Engine, Event, Job, LocalAdmission, Micros, Wake, micros};
 use super::metrics::{RequestRecord, Summary};
 use super::{Occupancy, SimConfig, SimError, SimOutput, run_config};
 use crate::trace::{Trace, TraceRequest};
-use kvc_core::{ExecutionMode, Outcome, RequestId, SessionId, WorkerId, WorkerRole};
+use kvc_core::{Capabilities, ExecutionMode, Outcome, RequestId, SessionId, WorkerId, WorkerRole};
 use kvc_policy::{ClusterView, Observation, RouteRequest, WorkerView};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -51,7 +51,7 @@ struct Replay<'a> {
     cfg: &'a SimConfig,
     trace: &'a Trace,
     engine: Engine,
-    roles: Vec<WorkerRole>,
+    layout: Vec<(WorkerRole, Capabilities)>,
     names: Vec<String>,
     decider: &'a mut dyn Decider,
     queue: BinaryHeap<Reverse<(Micros, u64, Scheduled)>>,
@@ -91,8 +91,8 @@ pub fn run(
     cfg.validate()?;
     cfg.check_block_size(trace)?;
     let wall = std::time::Instant::now();
-    let roles = worker_roles(cfg.topology);
-    let names = worker_names(&roles);
+    let layout = worker_layout(cfg);
+    let names = layout_names(&layout);
     let engine = cfg.engine(trace);
     let n = trace.requests.len();
     // Link each request to its session's next turn (trace order is timestamp order; turns of
@@ -115,7 +115,7 @@ pub fn run(
         trace,
         engine,
         decider,
-        roles,
+        layout,
         names,
         queue: BinaryHeap::new(),
         seq: 0,
@@ -187,7 +187,7 @@ pub fn run(
     let records: Vec<RequestRecord> = sim.records.into_iter().flatten().collect();
     let summary = Summary::build(
         &records,
-        &decode_worker_names(&sim.roles, &sim.names),
+        &host_names(&sim.layout, &sim.names),
         run_config(cfg),
         wall.elapsed().as_secs_f64(),
     );
@@ -222,13 +222,12 @@ impl Replay<'_> {
     }
 
     fn cluster_views(&self) -> Vec<WorkerView> {
-        self.roles
+        self.layout
             .iter()
             .enumerate()
-            .map(|(i, r)| WorkerView {
-                id: WorkerId(i as u32),
-                role: *r,
-                state: self.engine.state(WorkerId(i as u32)),
+            .map(|(i, (role, caps))| {
+                let id = WorkerId(i as u32);
+                WorkerView::new(id, *role, self.engine.state(id)).with_caps(*caps)
             })
             .collect()
     }
@@ -289,13 +288,26 @@ impl Replay<'_> {
     fn start(&mut self, i: usize) {
         self.requests[i].started = self.now;
         let mut decision = self.requests[i].decision.take().expect("decision");
-        if decision.mode == ExecutionMode::DirectToD {
+        // A worker serves the turn alone (direct-to-D, local prefill) if it admits it; if it
+        // does not, the policy routes again with `rejected_by` and gives a P→D path.
+        if matches!(
+            decision.mode,
+            ExecutionMode::DirectToD | ExecutionMode::LocalPrefill
+        ) {
             let job = self.job(i);
             let session = job.session;
-            match self
-                .engine
-                .try_direct(job, decision.decode, decision.need_tokens, self.now)
-            {
+            let (d, need) = (decision.decode, decision.need_tokens);
+            let admission = if decision.mode == ExecutionMode::DirectToD {
+                self.engine.try_direct(job, d, need, self.now)
+            } else {
+                match self.engine.try_local(job, d, need, self.now) {
+                    LocalAdmission::Started { cached } => DirectAdmission::Admitted { cached },
+                    // Counted when it is admitted.
+                    LocalAdmission::Queued => DirectAdmission::Admitted { cached: 0 },
+                    LocalAdmission::Rejected => DirectAdmission::Rejected,
+                }
+            };
+            match admission {
                 DirectAdmission::Admitted { cached } => {
                     self.decider.carried_out(&decision);
                     self.requests[i].cached = cached;
@@ -344,7 +356,13 @@ impl Replay<'_> {
         }
         for event in self.engine.take_events() {
             match event {
-                Event::FirstToken { id, at } => self.requests[id].first = Some(at),
+                Event::FirstToken { id, at } => {
+                    self.requests[id].first = Some(at);
+                    let done = Observation::PrefillDone {
+                        request_id: RequestId(id as u64),
+                    };
+                    self.decider.observe(&done, None);
+                }
                 Event::Done {
                     id,
                     at,

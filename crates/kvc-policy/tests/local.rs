@@ -1,0 +1,343 @@
+//! Capabilities and `kvc`'s local prefill: which workers may prefill a turn, how the cost
+//! picks between local prefill and P→D, and the router's prefill backlog.
+
+mod common;
+
+use common::*;
+use kvc_core::{
+    Capabilities, ExecutionMode, FallThroughReason, Outcome, RequestId, SessionId, Topology,
+    WorkerId, WorkerRole,
+};
+use kvc_policy::{
+    ClusterView, LocalPrefillConfig, Observation, PolicyConfig, PolicyError, RouteRequest,
+    WorkerView,
+};
+
+/// `p` prefill and `d` decode workers whose decode workers serve turns alone (vLLM).
+fn pd_local(p: u32, d: u32) -> Vec<WorkerView> {
+    pd(p, d)
+        .into_iter()
+        .map(|w| match w.role {
+            WorkerRole::Decode => {
+                w.with_caps(Capabilities::of_role(WorkerRole::Decode).with_local())
+            }
+            _ => w,
+        })
+        .collect()
+}
+
+/// `n` all-capable workers.
+fn all_capable(n: u32) -> Vec<WorkerView> {
+    (0..n)
+        .map(|i| worker(i, WorkerRole::Decode).with_caps(Capabilities::ALL))
+        .collect()
+}
+
+fn kvc() -> PolicyConfig {
+    PolicyConfig::from_name("kvc").unwrap()
+}
+
+/// Makes P0's prefill backlog at least `seconds` long: pending turns through it, each with a
+/// one-second prefill estimate (applied, not completed), as a router that sent them would hold.
+fn load_backlog(r: &mut Router, ws: &[WorkerView], seconds: f64) {
+    for _ in 0..100 {
+        if r.state.prefill_backlog_s(WorkerId(0)) >= seconds {
+            return;
+        }
+        let session = 900 + r.next_request;
+        let blocks = ctx_blocks(session, 0, 80);
+        let req = r.request(session, 1, &blocks);
+        let mut d = r.decide(ws, &req).unwrap();
+        d.change.prefill = Some(WorkerId(0));
+        d.change.prefill_us = 1_000_000;
+        r.state.apply(&d.change);
+    }
+    panic!("the backlog does not grow");
+}
+
+#[test]
+fn views_name_the_topology_their_capabilities_make() {
+    let view = |ws: &[WorkerView]| ClusterView::new(0, ws).topology();
+    assert_eq!(
+        view(&pd_local(1, 3)).unwrap(),
+        Topology::Disaggregated {
+            prefill: 1,
+            decode: 3
+        }
+    );
+    let mut hybrid = pd_local(2, 6);
+    for w in hybrid.iter_mut().take(2) {
+        *w = w.with_caps(Capabilities::of_role(WorkerRole::Prefill).with_local());
+    }
+    assert_eq!(
+        view(&hybrid).unwrap(),
+        Topology::Hybrid {
+            prefill: 2,
+            decode: 6
+        }
+    );
+    assert_eq!(
+        view(&all_capable(4)).unwrap(),
+        Topology::AllCapable { workers: 4 }
+    );
+    // Decode workers that cannot prefill for others still need a prefill worker.
+    let only_d: Vec<WorkerView> = (0..3)
+        .map(|i| worker(i, WorkerRole::Decode).with_caps(Capabilities::ALL.with_local()))
+        .map(|w| {
+            w.with_caps(Capabilities {
+                prefill: false,
+                ..w.caps
+            })
+        })
+        .collect();
+    assert!(matches!(
+        view(&only_d),
+        Err(PolicyError::WrongTopology { .. })
+    ));
+    // The role's capabilities are the default: no local prefill unless declared.
+    assert!(!worker(1, WorkerRole::Decode).caps.local);
+}
+
+#[test]
+fn first_turn_goes_through_an_idle_prefill_worker_and_local_when_p_is_backed_up() {
+    let ws = pd_local(1, 3);
+    let mut r = Router::new(kvc(), &ws);
+    // Every D has requests decoding: a prefill there holds them up, P is idle.
+    let mut busy = ws.clone();
+    for id in 1..4 {
+        set_load(&mut busy, id, 8, 0);
+    }
+    let blocks = ctx_blocks(1, 0, 20);
+    let d = r.decide(&busy, &r_req(1, &blocks)).unwrap();
+    assert_eq!(d.mode, ExecutionMode::Turn1Seed);
+    assert_eq!(d.prefill, Some(WorkerId(0)));
+    assert!(d.change.prefill_us > 0);
+    // P has seconds of prefill queued: the turn is served alone on a D.
+    load_backlog(&mut r, &ws, 3.0);
+    let d = r.decide(&busy, &r_req(2, &blocks)).unwrap();
+    assert_eq!(d.mode, ExecutionMode::LocalPrefill);
+    assert_eq!(d.prefill, None);
+    assert_eq!(d.reason, None, "a first turn has no fall-through reason");
+    assert_ne!(d.decode, WorkerId(0));
+    // The whole prompt is allocated for the session on that D.
+    assert_eq!(d.need_tokens, blocks.len() as u64 * BS + 10);
+    // Off, kvc sends it through P whatever P's backlog.
+    let mut off = kvc();
+    if let PolicyConfig::Kvc(c) = &mut off {
+        c.local_prefill = LocalPrefillConfig::OFF;
+    }
+    let d = kvc_policy::route(
+        &off,
+        &r.state,
+        &ClusterView::new(0, &busy),
+        &r_req(3, &blocks),
+    )
+    .unwrap();
+    assert_eq!(d.mode, ExecutionMode::Turn1Seed);
+}
+
+fn r_req(session: u64, blocks: &[kvc_core::BlockHash]) -> RouteRequest<'_> {
+    RouteRequest::new(
+        RequestId(10_000 + session),
+        blocks.len() as u64 * BS,
+        10,
+        blocks,
+    )
+    .in_session(SessionId(session), kvc_core::TurnId(1))
+}
+
+#[test]
+fn engines_declared_unable_never_get_local_turns() {
+    // Decode workers without the capability (stock SGLang), or declared without
+    // append-prefill: every turn that is not direct goes through P, however long P's queue.
+    for declare in [false, true] {
+        let ws = if declare { pd_local(1, 2) } else { pd(1, 2) };
+        let mut r = Router::new(kvc(), &ws);
+        if declare {
+            r.state.set_direct_append(WorkerId(1), false);
+            r.state.set_direct_append(WorkerId(2), false);
+        }
+        load_backlog(&mut r, &ws, 5.0);
+        let blocks = ctx_blocks(3, 0, 20);
+        let d = r.decide(&ws, &r_req(3, &blocks)).unwrap();
+        assert_eq!(d.mode, ExecutionMode::Turn1Seed, "declared {declare}");
+    }
+    // Other policies never plan local prefill.
+    let ws = pd_local(1, 2);
+    for name in ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2"] {
+        let mut r = Router::named(name, &ws);
+        load_backlog(&mut r, &ws, 5.0);
+        let blocks = ctx_blocks(4, 0, 20);
+        let d = r.decide(&ws, &r_req(4, &blocks)).unwrap();
+        assert_ne!(d.mode, ExecutionMode::LocalPrefill, "{name}");
+    }
+}
+
+#[test]
+fn a_large_append_is_prefilled_on_the_sessions_own_worker_and_a_reject_goes_through_p() {
+    let ws = pd_local(1, 2);
+    let mut r = Router::new(kvc(), &ws);
+    let t1 = ctx_blocks(5, 0, 10);
+    let seed = r.serve(&ws, Some((5, 1)), &t1);
+    let home = seed.decode;
+    // 30 new blocks (15,360 tokens) is over the direct limit; P is backed up.
+    load_backlog(&mut r, &ws, 3.0);
+    let mut t2 = t1.clone();
+    t2.extend(ctx_blocks(5, 0, 40).into_iter().skip(14));
+    let req = r.request(5, 2, &t2);
+    let d = r.decide(&ws, &req).unwrap();
+    assert_eq!(d.mode, ExecutionMode::LocalPrefill);
+    assert_eq!(
+        d.decode, home,
+        "a resident session is prefilled where it lives"
+    );
+    assert_eq!(d.reason, Some(FallThroughReason::RealLargeAppend));
+    assert_eq!(d.cached_tokens, 14 * BS);
+    // Only what is not resident is allocated.
+    assert_eq!(d.need_tokens, (t2.len() as u64 - 14) * BS + 10);
+    // Refused there: the re-route is a P→D path, never local.
+    let again = r.decide(&ws, &req.rejected_by(home)).unwrap();
+    assert!(matches!(
+        again.mode,
+        ExecutionMode::Fallback | ExecutionMode::Reseed
+    ));
+    assert_eq!(again.prefill, Some(WorkerId(0)));
+}
+
+#[test]
+fn all_capable_workers_serve_alone_and_never_ship_to_themselves() {
+    let ws = all_capable(3);
+    let mut r = Router::new(kvc(), &ws);
+    for s in 0..6 {
+        let blocks = ctx_blocks(20 + s, 0, 12);
+        let d = r.serve(&ws, Some((20 + s, 1)), &blocks);
+        assert_eq!(d.mode, ExecutionMode::LocalPrefill);
+    }
+    // Policies that only know P→D pick a P other than the D.
+    for name in ["round-robin", "cache-aware", "kv-aware-v0", "kvc-v2"] {
+        let mut r = Router::named(name, &ws);
+        for s in 0..6 {
+            let blocks = ctx_blocks(40 + s, 0, 12);
+            let d = r.serve(&ws, Some((40 + s, 1)), &blocks);
+            assert!(d.prefill.is_some() && d.prefill != Some(d.decode), "{name}");
+        }
+    }
+    // One healthy worker: nothing to ship from, so a P→D-only policy has no P.
+    let mut one = all_capable(2);
+    set_health(&mut one, 1, kvc_core::Health::Down);
+    let r = Router::named("kvc-v2", &one);
+    let blocks = ctx_blocks(60, 0, 4);
+    assert!(matches!(
+        r.decide(&one, &r_req(60, &blocks)),
+        Err(PolicyError::NoHealthyWorker {
+            role: WorkerRole::Prefill
+        })
+    ));
+}
+
+#[test]
+fn a_prefill_worker_that_hosts_sessions_prefills_only_for_hosts_that_cannot() {
+    // 1p2d-hybrid: P hosts sessions too. D1 serves alone, D2 cannot.
+    let mut ws = pd_local(1, 2);
+    ws[0] = ws[0].with_caps(Capabilities::of_role(WorkerRole::Prefill).with_local());
+    ws[2] = ws[2].with_caps(Capabilities::of_role(WorkerRole::Decode));
+    let r = Router::new(kvc(), &ws);
+    let view = ClusterView::new(0, &ws);
+    assert_eq!(
+        view.topology().unwrap(),
+        Topology::Hybrid {
+            prefill: 1,
+            decode: 2
+        }
+    );
+    let blocks = ctx_blocks(70, 0, 16);
+    let d = r.decide(&ws, &r_req(70, &blocks)).unwrap();
+    match d.mode {
+        ExecutionMode::LocalPrefill => assert!(d.decode == WorkerId(0) || d.decode == WorkerId(1)),
+        _ => {
+            assert_eq!(
+                d.decode,
+                WorkerId(2),
+                "P→D only to the D that cannot serve alone"
+            );
+            assert_eq!(d.prefill, Some(WorkerId(0)));
+        }
+    }
+}
+
+#[test]
+fn the_backlog_counts_prefills_until_their_first_token_or_completion() {
+    let mut ws = pd_local(1, 2);
+    let mut r = Router::new(kvc(), &ws);
+    // Busy decode workers: an idle P prefills.
+    set_load(&mut ws, 1, 8, 0);
+    set_load(&mut ws, 2, 8, 0);
+    let p = WorkerId(0);
+    assert_eq!(r.state.prefill_backlog_s(p), 0.0);
+    let blocks = ctx_blocks(80, 0, 20);
+    let req = r_req(80, &blocks);
+    let d = r.decide(&ws, &req).unwrap();
+    assert_eq!(d.prefill, Some(p));
+    let us = d.change.prefill_us;
+    assert!(us > 0);
+    r.state.apply(&d.change);
+    assert!(approx(r.state.prefill_backlog_s(p), us as f64 / 1e6));
+    // Applying the same request again (a re-route) replaces it.
+    r.state.apply(&d.change);
+    assert!(approx(r.state.prefill_backlog_s(p), us as f64 / 1e6));
+    r.state.observe(&Observation::PrefillDone {
+        request_id: req.request_id,
+    });
+    assert_eq!(r.state.prefill_backlog_s(p), 0.0);
+    // Completion after the first token takes nothing more away; without one, it does.
+    r.state.observe(&Observation::Completed {
+        request_id: req.request_id,
+        session: req.session,
+        worker: d.decode,
+        outcome: Outcome::Ok,
+        resident_tokens: 100,
+        direct: false,
+    });
+    assert_eq!(r.state.prefill_backlog_s(p), 0.0);
+    let blocks2 = ctx_blocks(81, 0, 20);
+    let req2 = r_req(81, &blocks2);
+    let d2 = r.decide(&ws, &req2).unwrap();
+    r.state.apply(&d2.change);
+    assert!(
+        r.state
+            .prefill_backlog_s(d2.change.prefill.unwrap_or(d2.decode))
+            > 0.0
+    );
+    r.state.observe(&Observation::Completed {
+        request_id: req2.request_id,
+        session: req2.session,
+        worker: d2.decode,
+        outcome: Outcome::KvTransferTimeout,
+        resident_tokens: 0,
+        direct: false,
+    });
+    for w in 0..3 {
+        assert_eq!(r.state.prefill_backlog_s(WorkerId(w)), 0.0);
+    }
+}
+
+#[test]
+fn local_prefill_knobs_are_checked() {
+    for bad in [
+        r#"{"policy":"kvc","local-prefill":{"prefill-tokens-per-s":0}}"#,
+        r#"{"policy":"kvc","local-prefill":{"interference-weight":-1}}"#,
+    ] {
+        let cfg: PolicyConfig = serde_json::from_str(bad).unwrap();
+        assert!(matches!(
+            cfg.validate(),
+            Err(PolicyError::InvalidConfig { policy: "kvc", .. })
+        ));
+    }
+    assert!(
+        serde_json::from_str::<PolicyConfig>(r#"{"policy":"kvc","local-prefill":{"nope":1}}"#)
+            .is_err()
+    );
+    let ok: PolicyConfig =
+        serde_json::from_str(r#"{"policy":"kvc","local-prefill":{"enabled":false}}"#).unwrap();
+    assert!(ok.validate().is_ok());
+}
