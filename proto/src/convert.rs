@@ -91,6 +91,7 @@ proto_enum!(
         DecodeOom,
         Rejected,
         WorkerFailed,
+        DirectCacheMiss,
     }
 );
 

@@ -82,6 +82,7 @@ fn outcomes_have_stable_names() {
         "decode-oom",
         "rejected",
         "worker-failed",
+        "direct-cache-miss",
     ]);
 }
 
@@ -154,6 +155,7 @@ fn mechanism_error_rule() {
     );
     assert!(!Outcome::Ok.is_mechanism_error());
     assert!(!Outcome::InputTooLong.is_mechanism_error());
+    assert!(!Outcome::DirectCacheMiss.is_mechanism_error());
 }
 
 #[test]

@@ -161,7 +161,7 @@ impl RouterService {
         }
         let views: Vec<WorkerView> = workers.iter().map(|w| w.view_at(0)).collect();
         let mut state = RouterState::new(&config.policy, &views);
-        for w in config.workers.iter().filter(|w| !w.append_prefill) {
+        for w in config.workers.iter().filter(|w| !w.can_append_prefill()) {
             state.set_direct_append(w.worker_id(), false);
         }
         let service = RouterService {
