@@ -28,8 +28,8 @@ type Received = (String, HashMap<String, String>, Value);
 
 struct Mock {
     name: String,
-    /// A prefill worker answers 500 to a `do_remote_decode` request.
-    fail_prefill: Mutex<bool>,
+    /// A prefill worker answers this status to a `do_remote_decode` request.
+    fail_prefill: Mutex<Option<u16>>,
     /// The cached prompt tokens a plain (no `kv_transfer_params`) request reports.
     cached: Mutex<u64>,
     received: Mutex<Vec<Received>>,
@@ -73,9 +73,9 @@ async fn handler(
         .push((uri.path().to_owned(), kept.clone(), value.clone()));
     let params = &value["kv_transfer_params"];
     if params["do_remote_decode"] == true {
-        if *m.fail_prefill.lock() {
+        if let Some(status) = *m.fail_prefill.lock() {
             return (
-                StatusCode::INTERNAL_SERVER_ERROR,
+                StatusCode::from_u16(status).unwrap(),
                 [("content-type", "application/json")],
                 json!({"error": {"message": format!("{} failed", m.name)}}).to_string(),
             )
@@ -119,7 +119,7 @@ async fn handler(
 async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
     let mock = Arc::new(Mock {
         name: name.to_owned(),
-        fail_prefill: Mutex::new(false),
+        fail_prefill: Mutex::new(None),
         cached: Mutex::new(100_000),
         received: Mutex::new(Vec::new()),
     });
@@ -353,7 +353,7 @@ async fn p_and_d_get_exactly_the_nixl_fields_and_nothing_a_client_smuggled() {
 #[tokio::test]
 async fn a_failed_prefill_leaves_the_request_to_d_alone() {
     let f = Front::start().await;
-    *f.mocks[&0].fail_prefill.lock() = true;
+    *f.mocks[&0].fail_prefill.lock() = Some(500);
     for (i, stream) in [false, true].into_iter().enumerate() {
         let session = format!("s{i}");
         let r = f

@@ -6,12 +6,14 @@
 
 use super::app::App;
 use super::attempt::{AttemptResult, DecodeLeg, ForwardedRequest, counts_against_breaker};
-use super::decision::Decision;
+use super::decision::{self, Decision};
+use super::responses::worker_answer;
 use super::stream::forward_stream;
 use super::whole::forward_whole;
+use crate::worker_http::WorkerAnswer;
 use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue};
-use kvc_core::{ExecutionMode, WorkerId};
+use kvc_core::{ExecutionMode, Outcome, WorkerId};
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
 
@@ -78,6 +80,15 @@ fn transfer_params(body: &[u8]) -> Option<Value> {
         .cloned()
 }
 
+/// What became of P's call when it gave no parameters.
+enum PrefillFailure {
+    /// P failed (no answer, a 5xx, no parameters in a 2xx): D serves the request alone.
+    Failed(String),
+    /// P refused the request itself (a 4xx, e.g. a prompt over the model's limit): the
+    /// client gets P's answer.
+    Refused(WorkerAnswer),
+}
+
 /// Sends P its request and returns the `kv_transfer_params` of its answer, or why there are
 /// none. Feeds P's breaker.
 async fn prefill(
@@ -86,9 +97,12 @@ async fn prefill(
     body: &Map<String, Value>,
     p: WorkerId,
     headers: &[(HeaderName, HeaderValue)],
-) -> Result<Value, String> {
+) -> Result<Value, PrefillFailure> {
     let Some(endpoint) = app.endpoint(p) else {
-        return Err(format!("worker {} has no HTTP address", p.0));
+        return Err(PrefillFailure::Failed(format!(
+            "worker {} has no HTTP address",
+            p.0
+        )));
     };
     app.breakers
         .on_dispatch(&app.service, p, app.service.now_ms());
@@ -105,19 +119,25 @@ async fn prefill(
         .await;
     app.feed_breaker(p, counts_against_breaker(answer.as_ref().map(|a| a.status)));
     match answer {
-        Ok(a) if (200..300).contains(&a.status) => transfer_params(&a.body)
-            .ok_or_else(|| "its answer has no `kv_transfer_params` object".to_owned()),
-        Ok(a) => Err(format!("status {}", a.status)),
-        Err(e) => Err(e.to_string()),
+        Ok(a) if (200..300).contains(&a.status) => transfer_params(&a.body).ok_or_else(|| {
+            PrefillFailure::Failed("its answer has no `kv_transfer_params` object".to_owned())
+        }),
+        Ok(a) if (400..500).contains(&a.status) && !matches!(a.status, 408 | 429) => {
+            Err(PrefillFailure::Refused(a))
+        }
+        Ok(a) => Err(PrefillFailure::Failed(format!("status {}", a.status))),
+        Err(e) => Err(PrefillFailure::Failed(e.to_string())),
     }
 }
 
 /// One attempt of `decision` in the vLLM dialect.
 ///
 /// On a P→D path P is called first ([`prefill_body`]); D then gets the client's body with
-/// P's `kv_transfer_params` verbatim. When P fails (no answer, a non-2xx status, or no
-/// parameters in its answer) D gets the client's body alone and prefills itself: the answer
-/// carries [`PREFILL_FAILED_HEADER`] naming P, and P's breaker hears of the failure. Both
+/// P's `kv_transfer_params` verbatim. When P fails (no answer, a 5xx or 408/429 status, or
+/// no parameters in its answer) D gets the client's body alone and prefills itself: the
+/// answer carries [`PREFILL_FAILED_HEADER`] naming P, and P's breaker hears of the failure.
+/// P's other 4xx answers (the request's own fault, e.g. a prompt over the model's limit) go
+/// to the client, reported `worker-failed`, and D is not called. Both
 /// calls carry the same `X-Request-Id`. A direct-to-D turn sends the client's body to D as
 /// it is, judged by D's reported cached tokens. A streamed D request gets
 /// `stream_options.include_usage` (the cached tokens are in the final usage chunk), and that
@@ -142,7 +162,18 @@ pub(super) async fn forward_vllm(
             Ok(params) => {
                 d_body.insert("kv_transfer_params".into(), params);
             }
-            Err(detail) => {
+            Err(PrefillFailure::Refused(answer)) => {
+                // The request itself is at fault: D would refuse it too.
+                decision::report(
+                    &app.service,
+                    decision.id,
+                    request.request_id,
+                    Outcome::WorkerFailed,
+                    0,
+                );
+                return AttemptResult::Answered(worker_answer(answer));
+            }
+            Err(PrefillFailure::Failed(detail)) => {
                 tracing::warn!(
                     request = request.request_id,
                     prefill = p.0,
