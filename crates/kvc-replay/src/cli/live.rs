@@ -62,6 +62,15 @@ pub(crate) struct Args {
     /// HTTP front on 127.0.0.1:8000, gRPC on 127.0.0.1:50051, metrics on 127.0.0.1:9464).
     #[arg(long, value_name = "FILE")]
     pub(crate) http_router_config: Option<PathBuf>,
+    /// HTTP mode: the HTTP API the simulated workers speak. `sglang`: SGLang's /generate with
+    /// the P/D bootstrap handshake (each request a /generate call). `vllm`: vLLM's OpenAI
+    /// routes with NixlConnector P/D (a prefill worker answers `kv_transfer_params` that a
+    /// decode worker pulls the KV by; a plain request to any worker is served in full with its
+    /// prefix cache; answers report `usage.prompt_tokens_details.cached_tokens`), each request
+    /// a /v1/completions call, and the router config written sets `engine = "vllm"` on every
+    /// worker.
+    #[arg(long, default_value = "sglang", value_parser = ["sglang", "vllm"])]
+    pub(crate) engine: String,
     /// HTTP mode: header carrying each request's session key.
     #[arg(long, default_value = "x-session-id")]
     pub(crate) session_header: String,
@@ -257,6 +266,8 @@ fn run_http(
             model: cfg.profile.name.clone(),
             router_state: args.router_state.parse()?,
             engine_base_port: args.engine_base_port,
+            engine: args.engine.parse()?,
+            faults: Default::default(),
         },
         session_header: (!args.no_session_header).then(|| args.session_header.clone()),
         stream: !args.no_stream,
