@@ -160,8 +160,10 @@
 //!   `min_tokens`; then D gets the client's body with the top-level `kv_transfer_params` of
 //!   P's answer copied verbatim (opaque to the router). Both calls carry the same
 //!   `X-Request-Id` (`kvc-<request>-<decision>`) besides the session header. P's answer goes
-//!   nowhere else; D's is relayed. If P fails — no answer within the deadline, a non-2xx
-//!   status, or a 2xx answer without a `kv_transfer_params` object — the client's body goes
+//!   nowhere else; D's is relayed. A 4xx answer of P other than 408 and 429 (the request's
+//!   own fault, e.g. a prompt over the model's limit) goes to the client as it is, reported
+//!   `worker-failed`, D not called. If P fails — no answer within the deadline, a 5xx, 408 or
+//!   429 status, or a 2xx answer without a `kv_transfer_params` object — the client's body goes
 //!   to D alone and D prefills it itself: P's circuit breaker hears of the failure, the
 //!   answer carries `x-kvc-prefill-failed: <P's id>`, and the decision is reported like any
 //!   other (`ok` when D answered in full, D then holding the session). The router does not
