@@ -30,6 +30,8 @@ struct Mock {
     name: String,
     /// A prefill worker answers this status to a `do_remote_decode` request.
     fail_prefill: Mutex<Option<u16>>,
+    /// A request that is not a prefill is answered this status (JSON), when set.
+    fail_decode: Mutex<Option<u16>>,
     /// The cached prompt tokens a plain (no `kv_transfer_params`) request reports.
     cached: Mutex<u64>,
     received: Mutex<Vec<Received>>,
@@ -86,6 +88,14 @@ async fn handler(
             "usage": {"prompt_tokens": 10, "completion_tokens": 1},
             "kv_transfer_params": p_params(&id)}));
     }
+    if let Some(status) = *m.fail_decode.lock() {
+        return (
+            StatusCode::from_u16(status).unwrap(),
+            [("content-type", "application/json")],
+            json!({"error": {"message": format!("{} says {status}", m.name)}}).to_string(),
+        )
+            .into_response();
+    }
     let cached = if params.is_object() {
         0
     } else {
@@ -120,6 +130,7 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
     let mock = Arc::new(Mock {
         name: name.to_owned(),
         fail_prefill: Mutex::new(None),
+        fail_decode: Mutex::new(None),
         cached: Mutex::new(100_000),
         received: Mutex::new(Vec::new()),
     });
@@ -409,6 +420,20 @@ async fn a_direct_turn_d_served_without_its_cache_is_a_direct_cache_miss() {
         snapshot.contains("outcome=\"direct-cache-miss\"} 2"),
         "counted in /metrics"
     );
+}
+
+#[tokio::test]
+async fn a_decode_worker_s_error_on_a_stream_reaches_the_client_whole() {
+    let f = Front::start().await;
+    *f.mocks[&1].fail_decode.lock() = Some(400);
+    let r = f
+        .post("/v1/completions", "e", &completion(1_300, true))
+        .await;
+    assert_eq!(r.status, 400);
+    let v: Value = serde_json::from_str(&r.text).unwrap_or_else(|e| panic!("{e}: {}", r.text));
+    assert_eq!(v["error"]["message"], "d1 says 400");
+    f.settle().await;
+    assert_eq!(f.outcomes("worker-failed"), 1.0);
 }
 
 #[tokio::test]

@@ -118,6 +118,11 @@ pub(super) async fn forward_stream(
         .content_type
         .take()
         .unwrap_or(HeaderValue::from_static("text/event-stream"));
+    // Only an event stream is filtered: an error answer's JSON body is relayed as it is.
+    let events = content_type
+        .to_str()
+        .is_ok_and(|t| t.starts_with("text/event-stream"));
+    let strip_usage = leg.strip_usage && status.is_success() && events;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
     let relay = Relay {
         app: Arc::clone(app),
@@ -129,7 +134,7 @@ pub(super) async fn forward_stream(
         status,
         timeout,
         expected_cached: leg.expected_cached,
-        filter: leg.strip_usage.then(UsageFilter::default),
+        filter: strip_usage.then(UsageFilter::default),
     };
     tokio::spawn(relay.run(stream, first, prefill, tx));
     let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
