@@ -38,9 +38,9 @@ pub(crate) struct Args {
     #[arg(long, value_name = "PATH", requires = "spawn_router")]
     pub(crate) router_bin: Option<PathBuf>,
     /// Drive the router over HTTP: the simulated workers speak SGLang's HTTP API (P/D
-    /// bootstrap handshake included) and each request is a /generate call whose prompt text
-    /// repeats where the trace's blocks repeat. With --spawn-router, the kvc-router binary is
-    /// started with its HTTP front.
+    /// bootstrap handshake included; or vLLM's with --engine vllm) and each request is a
+    /// /generate (or /v1/completions) call whose prompt text repeats where the trace's blocks
+    /// repeat. With --spawn-router, the kvc-router binary is started with its HTTP front.
     #[arg(long)]
     pub(crate) http: bool,
     /// Drive the HTTP router at URL (e.g. http://127.0.0.1:8000; implies --http). Start it
