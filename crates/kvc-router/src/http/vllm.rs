@@ -137,11 +137,11 @@ async fn prefill(
 /// no parameters in its answer) D gets the client's body alone and prefills itself: the
 /// answer carries [`PREFILL_FAILED_HEADER`] naming P, and P's breaker hears of the failure.
 /// P's other 4xx answers (the request's own fault, e.g. a prompt over the model's limit) go
-/// to the client, reported `worker-failed`, and D is not called. Both
-/// calls carry the same `X-Request-Id`. A direct-to-D turn sends the client's body to D as
-/// it is, judged by D's reported cached tokens. A streamed D request gets
-/// `stream_options.include_usage` (the cached tokens are in the final usage chunk), and that
-/// chunk is removed from the client's stream unless the client asked for it.
+/// to the client, reported `worker-failed`, and D is not called. Both calls carry the same
+/// `X-Request-Id`. A direct-to-D turn sends the client's body to D as it is, judged by D's
+/// reported cached tokens. A streamed D request gets `stream_options.include_usage` (the
+/// cached tokens are in the final usage chunk), and that chunk is removed from the client's
+/// stream unless the client asked for it.
 pub(super) async fn forward_vllm(
     app: &Arc<App>,
     request: &ForwardedRequest,
