@@ -92,6 +92,7 @@ proto_enum!(
         DecodeOom,
         Rejected,
         WorkerFailed,
+        DirectCacheMiss,
     }
 );
 

@@ -64,6 +64,8 @@ fn http_run(trace: &Trace, stream: bool, name: &str) -> HttpOutput {
             model: "sim".into(),
             router_state: kvc_core::StateSource::Snapshot,
             engine_base_port: None,
+            engine: kvc_core::EngineKind::Sglang,
+            faults: Default::default(),
         },
         session_header: Some("x-session-id".into()),
         stream,

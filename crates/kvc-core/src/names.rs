@@ -184,14 +184,29 @@ stable_enum! {
         Rejected => "rejected",
         /// A worker failed or vanished while serving the request.
         WorkerFailed => "worker-failed",
+        /// A direct-to-D turn served in full, but the decode worker's prefix cache held far less
+        /// of the session than the decision counted on (the session had been evicted there):
+        /// the engine recomputed the prompt. The client got its answer, so it is not a
+        /// mechanism error; it is counted apart so a hidden eviction shows.
+        DirectCacheMiss => "direct-cache-miss",
     }
 }
 
 impl Outcome {
-    /// The one accounting rule: every outcome other than `ok` and `input-too-long` is a
-    /// mechanism error (something the serving system did wrong).
+    /// The one accounting rule: every outcome other than `ok`, `input-too-long` and
+    /// `direct-cache-miss` is a mechanism error (something the serving system did wrong).
     pub fn is_mechanism_error(self) -> bool {
-        !matches!(self, Outcome::Ok | Outcome::InputTooLong)
+        !matches!(
+            self,
+            Outcome::Ok | Outcome::InputTooLong | Outcome::DirectCacheMiss
+        )
+    }
+
+    /// Whether the request was served (its answer reached the client): `ok`, and a
+    /// `direct-cache-miss` (served, only slower than planned). Served requests are the ones
+    /// latency figures are taken over.
+    pub fn is_served(self) -> bool {
+        matches!(self, Outcome::Ok | Outcome::DirectCacheMiss)
     }
 }
 

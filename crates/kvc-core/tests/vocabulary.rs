@@ -83,6 +83,7 @@ fn outcomes_have_stable_names() {
         "decode-oom",
         "rejected",
         "worker-failed",
+        "direct-cache-miss",
     ]);
 }
 
@@ -155,6 +156,7 @@ fn mechanism_error_rule() {
     );
     assert!(!Outcome::Ok.is_mechanism_error());
     assert!(!Outcome::InputTooLong.is_mechanism_error());
+    assert!(!Outcome::DirectCacheMiss.is_mechanism_error());
 }
 
 #[test]

@@ -269,7 +269,7 @@ pub fn write_report(runs: &[PathBuf], out: &Path) -> Result<PathBuf> {
         let s = read_summary(dir)?;
         let name = run_name(dir, &s);
         let recs = read_records(dir)?;
-        let ok = recs.iter().filter(|r| r.outcome == Outcome::Ok);
+        let ok = recs.iter().filter(|r| r.outcome.is_served());
         let t: Vec<f64> = ok.clone().filter_map(|r| r.ttft_s).collect();
         let l: Vec<f64> = ok.map(|r| r.latency_s).collect();
         let mut ts = t.clone();
@@ -301,7 +301,7 @@ pub fn write_report(runs: &[PathBuf], out: &Path) -> Result<PathBuf> {
     write(
         "ttft_cdf.svg",
         line_chart(
-            "TTFT CDF (ok requests)",
+            "TTFT CDF (served requests)",
             "TTFT (s, log scale)",
             "fraction of requests",
             &ttft,
@@ -312,7 +312,7 @@ pub fn write_report(runs: &[PathBuf], out: &Path) -> Result<PathBuf> {
     write(
         "latency_cdf.svg",
         line_chart(
-            "Latency CDF (ok requests)",
+            "Latency CDF (served requests)",
             "latency (s, log scale)",
             "fraction of requests",
             &lat,

@@ -448,11 +448,14 @@ pub struct WorkerConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap_port: Option<u16>,
     /// Whether a decode worker's engine can append-prefill (decode-side prefill of a turn's
-    /// new tokens). Default `true`; with `false` no decision sends it a direct-to-D turn:
-    /// later turns of a session resident there go P→D with the fall-through reason
-    /// `direct-unsupported`. Only decode workers may set `false`.
-    #[serde(default = "yes", skip_serializing_if = "is_true")]
-    pub append_prefill: bool,
+    /// new tokens): `None` when the key is absent, then [`WorkerConfig::can_append_prefill`]
+    /// decides by `engine` (`false` for a stock SGLang decode server, which cannot serve a
+    /// request without a bootstrap room; `true` otherwise). With `false` no decision sends it
+    /// a direct-to-D turn: later turns of a session resident there go P→D with the
+    /// fall-through reason `direct-unsupported`. Only decode workers may set `false`;
+    /// `append-prefill = true` with `engine = "sglang"` declares a patched engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub append_prefill: Option<bool>,
     /// The stock engine serving this worker, `vllm` or `sglang`: which metric names its
     /// `/metrics` uses. Required with `metrics-url`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -479,14 +482,6 @@ pub struct WorkerConfig {
     pub block_size: Option<u32>,
 }
 
-fn yes() -> bool {
-    true
-}
-
-fn is_true(b: &bool) -> bool {
-    *b
-}
-
 impl WorkerConfig {
     /// A worker with only the required keys: no name, snapshot, address or HTTP endpoint,
     /// append-prefill on.
@@ -500,7 +495,7 @@ impl WorkerConfig {
             address: None,
             http_url: None,
             bootstrap_port: None,
-            append_prefill: true,
+            append_prefill: None,
             engine: None,
             metrics_url: None,
             kv_events: None,
@@ -513,6 +508,15 @@ impl WorkerConfig {
     /// The worker id.
     pub fn worker_id(&self) -> WorkerId {
         WorkerId(self.id)
+    }
+
+    /// Whether this worker may be sent a direct-to-D turn: `append-prefill` when set, else
+    /// `false` for `engine = "sglang"` (a stock SGLang decode server answers 400 to a request
+    /// without a bootstrap room) and `true` for anything else (vLLM serves a plain request
+    /// in full with its prefix cache; kvc's own workers append-prefill).
+    pub fn can_append_prefill(&self) -> bool {
+        self.append_prefill
+            .unwrap_or(self.engine != Some(EngineKind::Sglang))
     }
 
     /// The display name.
@@ -569,7 +573,7 @@ impl WorkerConfig {
             }
             _ => {}
         }
-        if !self.append_prefill && self.role != WorkerRole::Decode {
+        if self.append_prefill == Some(false) && self.role != WorkerRole::Decode {
             return invalid(format!(
                 "worker {id}: append-prefill applies to decode workers only (it is {})",
                 self.role
@@ -917,7 +921,7 @@ mod tests {
         assert_eq!(cfg.http.infer_min_blocks, 4);
         assert_eq!(cfg.http.tokenizer, None);
         assert_eq!(cfg.http.max_retries, 2);
-        assert!(cfg.workers.iter().all(|w| w.append_prefill));
+        assert!(cfg.workers.iter().all(|w| w.can_append_prefill()));
         assert!(cfg.workers.iter().all(|w| w.http_url.is_some()));
         assert_eq!(cfg.workers[0].bootstrap_port, Some(8998));
         assert_eq!(
@@ -1037,6 +1041,32 @@ mod tests {
     }
 
     #[test]
+    fn a_stock_sglang_decode_worker_gets_no_direct_turn_unless_declared() {
+        let mut w = WorkerConfig::new(1, WorkerRole::Decode, 10);
+        assert!(w.can_append_prefill(), "kvc's own workers append-prefill");
+        w.engine = Some(EngineKind::Vllm);
+        assert!(
+            w.can_append_prefill(),
+            "vLLM serves a plain request in full"
+        );
+        w.engine = Some(EngineKind::Sglang);
+        assert!(
+            !w.can_append_prefill(),
+            "stock SGLang cannot serve without a room"
+        );
+        w.append_prefill = Some(true);
+        assert!(w.can_append_prefill(), "a patched engine, declared");
+        w.engine = Some(EngineKind::Vllm);
+        w.append_prefill = Some(false);
+        assert!(!w.can_append_prefill());
+        // An SGLang prefill worker's default `false` is not a misplaced key.
+        let mut p = WorkerConfig::new(0, WorkerRole::Prefill, 10);
+        p.snapshot = Some("/p".into());
+        p.engine = Some(EngineKind::Sglang);
+        assert!(p.validate().is_ok());
+    }
+
+    #[test]
     fn append_prefill_is_a_decode_worker_key() {
         let text = "[[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 10\nsnapshot = \"/p\"\n\
                     [[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/d1\"\n\
@@ -1047,18 +1077,23 @@ mod tests {
         let off: Vec<u32> = cfg
             .workers
             .iter()
-            .filter(|w| !w.append_prefill)
+            .filter(|w| !w.can_append_prefill())
             .map(|w| w.id)
             .collect();
         assert_eq!(off, [1]);
-        // It survives a round trip; the default (`true`) is not written out.
+        // It survives a round trip; an absent key is not written out.
         let out = toml::to_string(&cfg).unwrap();
         assert_eq!(out.matches("append-prefill = false").count(), 1, "{out}");
-        assert!(!out.contains("append-prefill = true"), "{out}");
+        assert_eq!(out.matches("append-prefill").count(), 2, "{out}");
         assert_eq!(RouterConfig::from_toml_str(&out).unwrap(), cfg);
         // The policy state learns it.
         let svc = crate::RouterService::new(cfg).unwrap();
-        assert!(!svc.config().worker(WorkerId(1)).unwrap().append_prefill);
+        assert!(
+            !svc.config()
+                .worker(WorkerId(1))
+                .unwrap()
+                .can_append_prefill()
+        );
         let bad = text.replace(
             "snapshot = \"/p\"\n",
             "snapshot = \"/p\"\nappend-prefill = false\n",

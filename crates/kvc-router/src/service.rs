@@ -166,7 +166,7 @@ impl RouterService {
         for w in &config.workers {
             // Each worker's block bound from its configured pool, whatever its state says now.
             state.set_worker_blocks(w.worker_id(), w.capacity_tokens);
-            if !w.append_prefill {
+            if !w.can_append_prefill() {
                 state.set_direct_append(w.worker_id(), false);
             }
         }

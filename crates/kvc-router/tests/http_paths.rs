@@ -407,7 +407,7 @@ async fn a_decode_worker_without_append_prefill_gets_every_turn_through_p() {
     let f = Front::start(
         |cfg| {
             one_p_one_d(cfg);
-            cfg.workers[1].append_prefill = false;
+            cfg.workers[1].append_prefill = Some(false);
         },
         |_| {},
     )

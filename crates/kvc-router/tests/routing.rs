@@ -442,7 +442,7 @@ async fn a_refused_direct_turn_reported_rejected_leaves_the_session_resident() {
 async fn a_decode_worker_without_append_prefill_is_never_direct_over_grpc() {
     let mut c = Cluster::start(|cfg| {
         for w in &mut cfg.workers[1..=2] {
-            w.append_prefill = false;
+            w.append_prefill = Some(false);
         }
     })
     .await;

@@ -38,9 +38,9 @@ pub(crate) struct Args {
     #[arg(long, value_name = "PATH", requires = "spawn_router")]
     pub(crate) router_bin: Option<PathBuf>,
     /// Drive the router over HTTP: the simulated workers speak SGLang's HTTP API (P/D
-    /// bootstrap handshake included) and each request is a /generate call whose prompt text
-    /// repeats where the trace's blocks repeat. With --spawn-router, the kvc-router binary is
-    /// started with its HTTP front.
+    /// bootstrap handshake included; or vLLM's with --engine vllm) and each request is a
+    /// /generate (or /v1/completions) call whose prompt text repeats where the trace's blocks
+    /// repeat. With --spawn-router, the kvc-router binary is started with its HTTP front.
     #[arg(long)]
     pub(crate) http: bool,
     /// Drive the HTTP router at URL (e.g. http://127.0.0.1:8000; implies --http). Start it
@@ -62,6 +62,15 @@ pub(crate) struct Args {
     /// HTTP front on 127.0.0.1:8000, gRPC on 127.0.0.1:50051, metrics on 127.0.0.1:9464).
     #[arg(long, value_name = "FILE")]
     pub(crate) http_router_config: Option<PathBuf>,
+    /// HTTP mode: the HTTP API the simulated workers speak. `sglang`: SGLang's /generate with
+    /// the P/D bootstrap handshake (each request a /generate call). `vllm`: vLLM's OpenAI
+    /// routes with NixlConnector P/D (a prefill worker answers `kv_transfer_params` that a
+    /// decode worker pulls the KV by; a plain request to any worker is served in full with its
+    /// prefix cache; answers report `usage.prompt_tokens_details.cached_tokens`), each request
+    /// a /v1/completions call, and the router config written sets `engine = "vllm"` on every
+    /// worker.
+    #[arg(long, default_value = "sglang", value_parser = ["sglang", "vllm"])]
+    pub(crate) engine: String,
     /// HTTP mode: header carrying each request's session key.
     #[arg(long, default_value = "x-session-id")]
     pub(crate) session_header: String,
@@ -267,6 +276,8 @@ fn run_http(
             model: cfg.profile.name.clone(),
             router_state: args.router_state.parse()?,
             engine_base_port: args.engine_base_port,
+            engine: args.engine.parse()?,
+            faults: Default::default(),
         },
         session_header: (!args.no_session_header).then(|| args.session_header.clone()),
         stream: !args.no_stream,

@@ -1,5 +1,5 @@
 //! The client side of an HTTP replay: sends each trace request to an HTTP router as an SGLang
-//! `/generate` call, paced like `sim` (a session's turns in order, turn k+1 ready at the later
+//! `/generate` call (or, for vLLM workers, a `/v1/completions` call), paced like `sim` (a session's turns in order, turn k+1 ready at the later
 //! of its scaled timestamp and turn k's end, at most `concurrency` in flight, first come first
 //! served), and times the answer.
 
@@ -7,6 +7,7 @@ use super::prompt::{prompt_key, prompt_text};
 use super::workers::SharedState;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use kvc_core::EngineKind;
 use kvc_core::sse::{SseEvent, SseScanner};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -29,6 +30,9 @@ pub struct DriveOptions {
     pub time_scale: f64,
     /// Most requests in flight.
     pub concurrency: usize,
+    /// The workers' API: SGLang's `/generate`, or (`vllm`) OpenAI's `/v1/completions` with
+    /// `stream_options.include_usage` on streams.
+    pub engine: EngineKind,
 }
 
 /// What the client saw of one request.
@@ -44,6 +48,9 @@ pub(crate) struct ClientSide {
     pub(crate) mode: Option<String>,
     /// The router's `x-kvc-reason` header (why a later turn was not direct), when it sends one.
     pub(crate) reason: Option<String>,
+    /// The router's `x-kvc-prefill-failed` header was there: the decode worker served a P→D
+    /// request alone after its prefill worker failed.
+    pub(crate) prefill_failed: bool,
     /// The answer completed (2xx, and a stream that ended with `[DONE]` and no error event).
     pub(crate) complete: bool,
     /// The answer says the input is over the model's limit.
@@ -123,9 +130,29 @@ pub(crate) async fn drive(
     all
 }
 
-/// The SGLang `/generate` body of trace request `i`.
-fn body_of(shared: &SharedState, i: usize, text: &str, stream: bool) -> Vec<u8> {
+/// The body of trace request `i`: SGLang's `/generate`, or vLLM's `/v1/completions`.
+fn body_of(
+    shared: &SharedState,
+    i: usize,
+    text: &str,
+    stream: bool,
+    engine: EngineKind,
+) -> Vec<u8> {
     let r = &shared.trace.requests[i];
+    if engine == EngineKind::Vllm {
+        let mut body = json!({
+            "model": shared.model,
+            "prompt": text,
+            "max_tokens": r.output_length.max(1),
+            "ignore_eos": true,
+            "temperature": 0.0,
+            "stream": stream,
+        });
+        if stream {
+            body["stream_options"] = json!({ "include_usage": true });
+        }
+        return body.to_string().into_bytes();
+    }
     json!({
         "text": text,
         "sampling_params": {
@@ -150,7 +177,7 @@ async fn send(
     let r = &shared.trace.requests[i];
     let text = prompt_text(&r.hash_ids, r.input_length, shared.trace.block_size());
     let key = prompt_key(&text);
-    let body = body_of(shared, i, &text, opts.stream);
+    let body = body_of(shared, i, &text, opts.stream, opts.engine);
     drop(text);
     shared.register(key, i);
     let sent = Instant::now();
@@ -163,6 +190,7 @@ async fn send(
         status: 0,
         mode: None,
         reason: None,
+        prefill_failed: false,
         complete: false,
         input_too_long: false,
         error: None,
@@ -196,7 +224,11 @@ async fn exchange(
     body: Vec<u8>,
     side: &mut ClientSide,
 ) -> Result<(), String> {
-    let url = format!("{}/generate", opts.router_url.trim_end_matches('/'));
+    let path = match opts.engine {
+        EngineKind::Vllm => "/v1/completions",
+        EngineKind::Sglang => "/generate",
+    };
+    let url = format!("{}{path}", opts.router_url.trim_end_matches('/'));
     let mut req = hyper::Request::post(url.as_str()).header("content-type", "application/json");
     if let Some(h) = &opts.session_header {
         req = req.header(h.as_str(), session_key);
@@ -217,6 +249,7 @@ async fn exchange(
     };
     side.mode = header("x-kvc-mode");
     side.reason = header("x-kvc-reason");
+    side.prefill_failed = header("x-kvc-prefill-failed").is_some();
     let ok = resp.status().is_success();
     let mut body = resp.into_body();
     let mut events = StreamedAnswer::default();
@@ -252,9 +285,12 @@ async fn exchange(
     } else {
         let v: Value =
             serde_json::from_slice(&whole).map_err(|e| format!("the answer is not JSON: {e}"))?;
-        side.complete = v.pointer("/meta_info/completion_tokens").is_some();
+        side.complete = v
+            .pointer("/meta_info/completion_tokens")
+            .or_else(|| v.pointer("/usage/completion_tokens"))
+            .is_some();
         if !side.complete {
-            return Err(format!("the answer has no meta_info: {v}"));
+            return Err(format!("the answer has no meta_info or usage: {v}"));
         }
     }
     Ok(())
@@ -295,6 +331,14 @@ impl StreamedAnswer {
         if let Some(e) = v.get("error") {
             self.error = Some(e.to_string());
             return;
+        }
+        // An OpenAI chunk with generated text (vLLM reports the count in its usage chunk).
+        let text = v
+            .pointer("/choices/0/text")
+            .or_else(|| v.pointer("/choices/0/delta/content"))
+            .and_then(Value::as_str);
+        if text.is_some_and(|t| !t.is_empty()) {
+            self.first_token = true;
         }
         if let Some(n) = v
             .pointer("/meta_info/completion_tokens")

@@ -1,5 +1,6 @@
 //! HTTP replay: a trace sent through any HTTP router to simulated workers that speak SGLang's
-//! HTTP API.
+//! HTTP API (or vLLM's, with [`WorkerOptions::engine`] `vllm`: each request is then a
+//! `/v1/completions` call, see [`workers`]).
 //!
 //! [`HttpWorkers`] are the simulator's engine model on a real clock, each worker an HTTP server
 //! on loopback (see [`workers`] for the API and the P/D bootstrap handshake). The driver sends
@@ -24,7 +25,7 @@ pub mod workers;
 
 pub use driver::DriveOptions;
 pub use prompt::{prompt_key, prompt_text};
-pub use workers::{HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, WorkerOptions};
+pub use workers::{Faults, HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, WorkerOptions};
 
 use crate::live::router::{RouterConfigFile, RouterProcess, find_router_binary};
 use crate::live::{LiveError, router_config};
@@ -34,7 +35,7 @@ use crate::sim::{SimConfig, SimOutput, run_config};
 use crate::trace::Trace;
 use driver::ClientSide;
 use kvc_core::stats::{P50, P90, P99, percentile};
-use kvc_core::{ExecutionMode, FallThroughReason, Outcome};
+use kvc_core::{EngineKind, ExecutionMode, FallThroughReason, Outcome, StableName};
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -128,6 +129,13 @@ pub struct HttpReport {
     /// Requests a decode worker got more than once, besides re-routes after an admission
     /// refusal (the router retried them).
     pub retried: usize,
+    /// vLLM dialect: P→D requests whose prefill worker failed, served by the decode worker
+    /// alone (the router's `x-kvc-prefill-failed` header); their records have no prefill
+    /// worker and their decode worker's full prefill.
+    pub prefill_failed: usize,
+    /// vLLM dialect: direct-to-D turns the decode worker served in full because the session
+    /// was no longer resident there (outcome `direct-cache-miss`).
+    pub direct_cache_misses: usize,
     /// Each failed request's error, first 20.
     pub first_errors: Vec<String>,
 }
@@ -157,7 +165,10 @@ pub fn http_router_config(
         .zip(workers.bootstrap_ports())
         .map(|(addr, port)| (format!("http://{addr}"), *port))
         .collect();
-    let rc = router_config(cfg, dir, listen, metrics_listen, &[]).with_http(http_listen, &urls);
+    let mut rc = router_config(cfg, dir, listen, metrics_listen, &[]).with_http(http_listen, &urls);
+    if workers.engine() == EngineKind::Vllm {
+        rc = rc.with_engine(EngineKind::Vllm);
+    }
     if workers.engine_urls().is_empty() {
         rc
     } else {
@@ -284,6 +295,7 @@ pub fn live_http(
         request_timeout: opts.request_timeout,
         time_scale: cfg.time_scale,
         concurrency: cfg.concurrency,
+        engine: opts.workers.engine,
     };
     let wall = Instant::now();
     // Trace time 0 is now: engine time keeps running from the workers' start.
@@ -358,6 +370,8 @@ fn build_records(
     let mut first_errors = Vec::new();
     let mut retried = 0;
     let mut admission_rejects = 0u64;
+    let mut prefill_failed = 0;
+    let mut direct_cache_misses = 0;
     let mut records = Vec::with_capacity(trace.len());
     for (i, r) in trace.requests.iter().enumerate() {
         let s = &served[i];
@@ -373,8 +387,15 @@ fn build_records(
             records.push(lost_record(i, r));
             continue;
         };
+        let direct = c.mode.as_deref() == Some(ExecutionMode::DirectToD.as_str())
+            || (c.mode.is_none() && matches!(s.path, Some(ServedPath::Direct(_))));
         let outcome = if c.complete {
-            Outcome::Ok
+            if direct && matches!(s.path, Some(ServedPath::DecodeInFull(_))) {
+                direct_cache_misses += 1;
+                Outcome::DirectCacheMiss
+            } else {
+                Outcome::Ok
+            }
         } else if c.input_too_long {
             Outcome::InputTooLong
         } else if let Some(f) = s.failure {
@@ -384,7 +405,11 @@ fn build_records(
         } else {
             Outcome::WorkerFailed
         };
-        if outcome != Outcome::Ok && outcome != Outcome::InputTooLong && first_errors.len() < 20 {
+        if c.prefill_failed {
+            prefill_failed += 1;
+        }
+        let served = matches!(outcome, Outcome::Ok | Outcome::DirectCacheMiss);
+        if !served && outcome != Outcome::InputTooLong && first_errors.len() < 20 {
             first_errors.push(format!(
                 "request {i}: {}",
                 c.error.as_deref().unwrap_or("failed")
@@ -396,6 +421,10 @@ fn build_records(
             .and_then(|m| m.parse::<ExecutionMode>().ok())
             .or(match s.path {
                 Some(ServedPath::Direct(_)) => Some(ExecutionMode::DirectToD),
+                Some(ServedPath::DecodeInFull(_)) if first_of_session[i] => {
+                    Some(ExecutionMode::Turn1Seed)
+                }
+                Some(ServedPath::DecodeInFull(_)) => Some(ExecutionMode::Fallback),
                 Some(ServedPath::Colocated(_)) => Some(ExecutionMode::Colocated),
                 Some(ServedPath::PrefillDecode { .. }) if first_of_session[i] => {
                     Some(ExecutionMode::Turn1Seed)
@@ -409,17 +438,17 @@ fn build_records(
                 Some(names[prefill.0 as usize].clone()),
                 Some(names[decode.0 as usize].clone()),
             ),
-            Some(ServedPath::Direct(w) | ServedPath::Colocated(w)) => {
-                (None, Some(names[w.0 as usize].clone()))
-            }
+            Some(
+                ServedPath::Direct(w) | ServedPath::Colocated(w) | ServedPath::DecodeInFull(w),
+            ) => (None, Some(names[w.0 as usize].clone())),
             None => (None, None),
         };
-        let first = if outcome == Outcome::Ok {
+        let first = if served {
             c.first.or(s.first_sent)
         } else {
             None
         };
-        if outcome == Outcome::Ok
+        if served
             && c.first.is_some()
             && let (Some(arrived), Some(done_sent)) = (s.arrived, s.done_sent)
         {
@@ -464,6 +493,8 @@ fn build_records(
         router_added: AddedLatency::of(added),
         admission_rejects,
         retried,
+        prefill_failed,
+        direct_cache_misses,
         first_errors,
     };
     (records, report)
@@ -496,7 +527,74 @@ fn lost_record(i: usize, r: &crate::trace::TraceRequest) -> RequestRecord {
 
 #[cfg(test)]
 mod tests {
-    use super::AddedLatency;
+    use super::*;
+    use kvc_core::{BlockHash, SessionId, TraceRecord, TurnId, WorkerId};
+
+    #[test]
+    fn a_direct_turn_the_decode_worker_served_in_full_is_a_direct_cache_miss() {
+        let records: Vec<TraceRecord> = (1..=3u32)
+            .map(|t| TraceRecord {
+                timestamp: u64::from(t) * 1_000,
+                session_id: Some(SessionId(1)),
+                turn_id: Some(TurnId(t)),
+                input_length: 1_024 * u64::from(t),
+                output_length: 4,
+                hash_ids: (0..2 * u64::from(t)).map(BlockHash).collect(),
+            })
+            .collect();
+        let trace = Trace::from_records(&records, &crate::trace::LoadOptions::default())
+            .unwrap()
+            .0;
+        let now = Instant::now();
+        let side = |mode: &str, prefill_failed: bool| ClientSide {
+            ready: now,
+            dispatch: now,
+            sent: now,
+            first: Some(now),
+            done: now,
+            status: 200,
+            mode: Some(mode.to_owned()),
+            reason: None,
+            prefill_failed,
+            complete: true,
+            input_too_long: false,
+            error: None,
+        };
+        let d = WorkerId(1);
+        let served = |path| Served {
+            path: Some(path),
+            ..Served::default()
+        };
+        let sides = vec![
+            Some(side("turn1-seed", true)),
+            Some(side("direct-to-d", false)),
+            Some(side("direct-to-d", false)),
+        ];
+        let paths = vec![
+            served(ServedPath::DecodeInFull(d)),
+            served(ServedPath::DecodeInFull(d)),
+            served(ServedPath::Direct(d)),
+        ];
+        let names = vec!["p0".to_owned(), "d1".to_owned()];
+        let pacer = workers::Pacer {
+            start: now,
+            speedup: 1.0,
+        };
+        let (records, report) = build_records(&trace, &sides, &paths, &names, pacer, "x".into());
+        let outcomes: Vec<Outcome> = records.iter().map(|r| r.outcome).collect();
+        assert_eq!(
+            outcomes,
+            [Outcome::Ok, Outcome::DirectCacheMiss, Outcome::Ok],
+            "a P→D request D served alone is `ok`; a direct turn served in full is a miss"
+        );
+        assert_eq!((report.prefill_failed, report.direct_cache_misses), (1, 1));
+        assert!(
+            records
+                .iter()
+                .all(|r| r.prefill.is_none() && r.ttft_s.is_some())
+        );
+        assert!(report.first_errors.is_empty());
+    }
 
     #[test]
     fn added_latency_percentiles() {

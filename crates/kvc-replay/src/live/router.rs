@@ -102,6 +102,15 @@ impl RouterConfigFile {
         self
     }
 
+    /// The same configuration with every worker declared a stock `engine` (for the vLLM
+    /// dialect: the router forwards in NixlConnector's two calls).
+    pub fn with_engine(mut self, engine: EngineKind) -> Self {
+        for w in &mut self.workers {
+            w.engine = Some(engine);
+        }
+        self
+    }
+
     /// The same configuration with worker `i`'s state read from its simulated vLLM engine's
     /// signals at `engines[i]` (`/metrics` and, when given, KV-cache events) instead of its
     /// snapshot.

@@ -806,6 +806,45 @@ impl Engine {
         self.start_p_to_d(job, p, d, now);
     }
 
+    /// Starts a job that decode worker `d` serves alone and in full (a stock vLLM decode
+    /// instance given a plain request whose session it does not hold, or has no room to
+    /// extend): the session's KV on every decode worker is released first, then the job
+    /// waits in `d`'s queue for room for its context exactly as a retracted job does,
+    /// prefills the whole context on `d` and decodes there; past the transfer timeout
+    /// without room it fails with `decode-oom`.
+    pub fn start_full_on_decode(&mut self, job: Job, d: WorkerId, now: Micros) {
+        for w in 0..self.workers.len() {
+            let w = WorkerId(w as u32);
+            if self.workers[w.0 as usize].hosts {
+                self.release_session(w, job.session, now);
+            }
+        }
+        let id = job.id;
+        let deadline = now + micros(self.profile.fit.transfer_timeout_s);
+        self.jobs.insert(
+            id,
+            Active {
+                job,
+                prefill_on: d,
+                decode_on: d,
+                stage: Stage::Retracted,
+                remaining: 0,
+                done_ctx: 0,
+                generated: 0,
+                pinned: 0,
+                extra: 0,
+                cached: 0,
+                deadline,
+                transfer_end: 0,
+                retractions: 0,
+                epoch: 0,
+            },
+        );
+        self.workers[d.0 as usize].waiting.push_back(id);
+        self.wakes.push((deadline, Wake::TransferTimeout(id)));
+        self.retry_waiting(d, now);
+    }
+
     /// Starts a job on a colocated worker.
     pub fn start_colocated(&mut self, job: Job, w: WorkerId, now: Micros) {
         self.start_p_to_d(job, w, w, now);

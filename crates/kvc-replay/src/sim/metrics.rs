@@ -98,9 +98,9 @@ pub struct ModeSummary {
     pub requests: usize,
     /// Share of routed requests.
     pub share: f64,
-    /// Median TTFT over its `ok` requests.
+    /// Median TTFT over its served requests (`ok` and `direct-cache-miss`).
     pub ttft_p50_s: f64,
-    /// Median latency over its `ok` requests.
+    /// Median latency over its served requests.
     pub latency_p50_s: f64,
 }
 
@@ -162,13 +162,14 @@ pub struct Summary {
     pub requests: usize,
     /// Count per outcome (stable names).
     pub outcomes: BTreeMap<String, usize>,
-    /// Requests whose outcome is neither `ok` nor `input-too-long`.
+    /// Requests whose outcome is a mechanism error (neither `ok`, `input-too-long` nor
+    /// `direct-cache-miss`).
     pub mechanism_errors: usize,
-    /// TTFT over `ok` requests, s.
+    /// TTFT over served requests (`ok` and `direct-cache-miss`), s.
     pub ttft_s: Dist,
-    /// Latency over `ok` requests, s.
+    /// Latency over served requests, s.
     pub latency_s: Dist,
-    /// Wait before start (slot + pause) over `ok` requests, s.
+    /// Wait before start (slot + pause) over served requests, s.
     pub wait_s: Dist,
     /// Share of routed requests that went direct-to-D.
     pub direct_to_d_rate: f64,
@@ -231,12 +232,12 @@ impl Summary {
                 routed += 1;
                 let e = per_mode.entry(mode).or_default();
                 e.0 += 1;
-                if r.outcome == Outcome::Ok {
+                if r.outcome.is_served() {
                     e.1.push(r.ttft_s.unwrap_or(r.latency_s));
                     e.2.push(r.latency_s);
                 }
             }
-            if r.outcome == Outcome::Ok {
+            if r.outcome.is_served() {
                 ttft.push(r.ttft_s.unwrap_or(r.latency_s));
                 lat.push(r.latency_s);
                 wait.push(r.wait_s);

@@ -95,6 +95,51 @@ pub(super) fn completion_tokens(body: &[u8]) -> Option<u64> {
         .and_then(Value::as_u64)
 }
 
+/// Prompt tokens the worker's answer says it served from its prefix cache: vLLM's (OpenAI's)
+/// `usage.prompt_tokens_details.cached_tokens`, or SGLang's `meta_info.cached_tokens`.
+pub(super) fn cached_tokens(body: &[u8]) -> Option<u64> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    cached_tokens_of(&v)
+}
+
+/// [`cached_tokens`] of a parsed answer (or stream chunk).
+pub(super) fn cached_tokens_of(v: &Value) -> Option<u64> {
+    v.pointer("/usage/prompt_tokens_details/cached_tokens")
+        .or_else(|| v.pointer("/meta_info/cached_tokens"))
+        .and_then(Value::as_u64)
+}
+
+/// What a decode worker's call adds to the common forwarding (the vLLM dialect); the default
+/// adds nothing.
+#[derive(Debug, Clone, Default)]
+pub(super) struct DecodeLeg {
+    /// Headers for D besides the session header (vLLM: `X-Request-Id`, the same as P's).
+    pub(super) headers: Vec<(HeaderName, HeaderValue)>,
+    /// A direct-to-D turn on an engine without an admission contract: the prompt tokens the
+    /// decision counted on D holding, judged against D's reported cached tokens
+    /// ([`judge_cache`]).
+    pub(super) expected_cached: Option<u64>,
+    /// The router asked D for the usage chunk the client did not ask for: usage-only chunks
+    /// are removed from the client's stream.
+    pub(super) strip_usage: bool,
+}
+
+/// The outcome and resident tokens of a request D answered 2xx in full: `ok` with
+/// `resident`, unless D reported its cached prompt tokens (`cached`) and they are less than
+/// half of what the direct-to-D decision counted on (`expected`): then the session had been
+/// evicted from D and D recomputed it, `direct-cache-miss` with 0 resident tokens (the
+/// policy stops counting the session resident there; its next turn goes through P).
+pub(super) fn judge_cache(
+    expected: Option<u64>,
+    cached: Option<u64>,
+    resident: u64,
+) -> (Outcome, u64) {
+    match (expected, cached) {
+        (Some(e), Some(c)) if e > 0 && c.saturating_mul(2) < e => (Outcome::DirectCacheMiss, 0),
+        _ => (Outcome::Ok, resident),
+    }
+}
+
 /// An attempt that has its workers: D's endpoint, the payload for both workers and, on a P→D
 /// path, P's request already running.
 struct Dispatched {
@@ -357,5 +402,34 @@ mod tests {
             Some(6)
         );
         assert_eq!(completion_tokens(b"not json"), None);
+        assert_eq!(
+            cached_tokens(br#"{"usage":{"prompt_tokens_details":{"cached_tokens":32}}}"#),
+            Some(32)
+        );
+        assert_eq!(
+            cached_tokens(br#"{"meta_info":{"cached_tokens":3}}"#),
+            Some(3)
+        );
+        assert_eq!(cached_tokens(br#"{"usage":{"prompt_tokens":3}}"#), None);
+    }
+
+    #[test]
+    fn a_direct_turn_served_from_far_less_cache_than_expected_is_a_miss() {
+        // Less than half of what the decision counted on.
+        assert_eq!(
+            judge_cache(Some(100), Some(49), 300),
+            (Outcome::DirectCacheMiss, 0)
+        );
+        assert_eq!(
+            judge_cache(Some(100), Some(0), 300),
+            (Outcome::DirectCacheMiss, 0)
+        );
+        assert_eq!(judge_cache(Some(100), Some(50), 300), (Outcome::Ok, 300));
+        assert_eq!(judge_cache(Some(100), Some(160), 300), (Outcome::Ok, 300));
+        // Nothing expected, nothing reported, or not a direct turn: no judgement.
+        assert_eq!(judge_cache(Some(0), Some(0), 300), (Outcome::Ok, 300));
+        assert_eq!(judge_cache(Some(100), None, 300), (Outcome::Ok, 300));
+        assert_eq!(judge_cache(None, Some(0), 300), (Outcome::Ok, 300));
+        assert!(!Outcome::DirectCacheMiss.is_mechanism_error());
     }
 }

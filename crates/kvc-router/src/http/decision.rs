@@ -73,6 +73,8 @@ pub(super) struct Decision {
     pub(super) decode: WorkerId,
     /// Why a later turn did not go direct-to-D.
     pub(super) reason: Option<FallThroughReason>,
+    /// Prompt tokens the decision counts on D (or P) already holding.
+    pub(super) cached_tokens: u64,
 }
 
 /// The routing service's decision for `query`, the workers in `excluded` counted as down.
@@ -88,6 +90,7 @@ pub(super) fn route(
         prefill: d.prefill_worker,
         decode: d.decode_worker,
         reason: d.fall_through_reason,
+        cached_tokens: d.cached_tokens,
     })
 }
 

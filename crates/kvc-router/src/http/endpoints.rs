@@ -3,7 +3,7 @@
 
 use super::error::FrontError;
 use crate::config::{RouterConfig, WorkerUrl};
-use kvc_core::WorkerId;
+use kvc_core::{EngineKind, WorkerId};
 use std::collections::HashMap;
 
 pub use crate::config::DEFAULT_BOOTSTRAP_PORT;
@@ -21,6 +21,9 @@ pub struct HttpWorker {
     pub url: WorkerUrl,
     /// The bootstrap port of a prefill worker (ignored for others).
     pub bootstrap_port: u16,
+    /// The engine it runs (its `engine` key): `vllm` is forwarded in vLLM's NixlConnector
+    /// dialect, anything else in SGLang's bootstrap dialect.
+    pub engine: Option<EngineKind>,
 }
 
 impl WorkerEndpoints {
@@ -35,6 +38,7 @@ impl WorkerEndpoints {
         for w in &config.workers {
             if let Some(url) = &w.http_url {
                 workers.insert(w.worker_id(), url, w.bootstrap_port)?;
+                workers.set_engine(w.worker_id(), w.engine);
             }
         }
         Ok(workers)
@@ -56,9 +60,31 @@ impl WorkerEndpoints {
             HttpWorker {
                 url,
                 bootstrap_port: bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT),
+                engine: None,
             },
         );
         Ok(())
+    }
+
+    /// Declares the engine worker `id` runs (no effect for an unregistered worker).
+    pub fn set_engine(&mut self, id: WorkerId, engine: Option<EngineKind>) {
+        if let Some(w) = self.workers.get_mut(&id) {
+            w.engine = engine;
+        }
+    }
+
+    /// Whether worker `id` is a vLLM engine (forwarded in the NixlConnector dialect).
+    pub fn is_vllm(&self, id: WorkerId) -> bool {
+        self.workers
+            .get(&id)
+            .is_some_and(|w| w.engine == Some(EngineKind::Vllm))
+    }
+
+    /// Whether any worker is a vLLM engine (then SGLang's `/generate` is not served).
+    pub fn any_vllm(&self) -> bool {
+        self.workers
+            .values()
+            .any(|w| w.engine == Some(EngineKind::Vllm))
     }
 
     /// Worker `id`'s endpoint.
@@ -117,6 +143,7 @@ mod tests {
         p.bootstrap_port = Some(9000);
         let mut d = WorkerConfig::new(1, WorkerRole::Decode, 10);
         d.http_url = Some("http://10.0.0.2:30000/v".into());
+        d.engine = Some(EngineKind::Vllm);
         config.workers = vec![p, d, WorkerConfig::new(2, WorkerRole::Decode, 10)];
         let w = WorkerEndpoints::from_config(&config).unwrap();
         assert_eq!(w.len(), 2);
@@ -127,5 +154,7 @@ mod tests {
             DEFAULT_BOOTSTRAP_PORT
         );
         assert_eq!(w.get(WorkerId(2)), None);
+        assert!(w.is_vllm(WorkerId(1)) && !w.is_vllm(WorkerId(0)) && !w.is_vllm(WorkerId(2)));
+        assert!(w.any_vllm());
     }
 }

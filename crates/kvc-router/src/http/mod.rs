@@ -1,14 +1,16 @@
-//! The HTTP data plane: a front for SGLang-style prefill/decode workers.
+//! The HTTP data plane: a front for SGLang- or vLLM-style prefill/decode workers.
 //!
 //! This module doc is the front's specification. [`http_app`] builds an `axum` router that
 //! takes the client's request, asks the [`RouterService`] where it goes (the same decision
-//! path as the gRPC `Route`, without gRPC), forwards it the way SGLang's disaggregation
-//! expects, returns the decode worker's answer and feeds the outcome back (`ReportOutcome`).
+//! path as the gRPC `Route`, without gRPC), forwards it the way the workers' disaggregation
+//! expects (SGLang's bootstrap rooms, or vLLM's NixlConnector `kv_transfer_params`: see
+//! *The vLLM dialect*), returns the decode worker's answer and feeds the outcome back
+//! (`ReportOutcome`).
 //! The front sits on top of the routing service: nothing below it imports this module.
 //!
 //! | Route | Body |
 //! |---|---|
-//! | `POST /generate` | SGLang: `text` or `input_ids`, `sampling_params.max_new_tokens`, optional `session_params.id`, optional `stream` |
+//! | `POST /generate` | SGLang: `text` or `input_ids`, `sampling_params.max_new_tokens`, optional `session_params.id`, optional `stream`; 400 when any worker is `engine = "vllm"` |
 //! | `POST /v1/completions` | OpenAI: `prompt` (text or token ids), `max_tokens`, optional `stream` |
 //! | `POST /v1/chat/completions` | OpenAI: `messages` (`[{role, content}]`), `max_completion_tokens` or `max_tokens`, optional `stream` |
 //! | `GET /health`, `GET /readyz` | readiness: 200 while a new request can be routed, else 503 saying why |
@@ -70,8 +72,8 @@
 //! (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`, `bootstrap_pair_key`,
 //! `disagg_prefill_dp_rank`) and vLLM's `kv_transfer_params` (a decode worker given a
 //! client's bootstrap host would call it). No client header is forwarded: a worker request
-//! carries only `Content-Type` and the session header the front sets, so no `x-kvc-*`
-//! header of a client reaches a worker. A session id (the session header or
+//! carries only `Content-Type`, the session header the front sets and, to a vLLM worker, the
+//! router's own `X-Request-Id`, so no `x-kvc-*` header of a client reaches a worker. A session id (the session header or
 //! `session_params.id`) longer than [`HttpOptions::max_session_id_bytes`]
 //! (`http.max-session-id-bytes`, default 256) gets 400 naming the limit before anything is
 //! stored, echoed or forwarded.
@@ -126,7 +128,9 @@
 //! connection, so the worker sees the request end.
 //!
 //! The outcome is `ok` when D answered 2xx in full (the resident tokens are the input plus the
-//! answer's `meta_info.completion_tokens` or `usage.completion_tokens`), else `worker-failed`.
+//! answer's `meta_info.completion_tokens` or `usage.completion_tokens`; a vLLM direct-to-D
+//! turn may be `direct-cache-miss` instead, see *The vLLM dialect*), else `worker-failed`.
+//! On the SGLang path:
 //! A prefill worker's fate does not change that once D has answered: if P fails while (or
 //! after) D answers, D's answer goes to the client and P's failure counts against P's circuit
 //! breaker. If P fails *before* D has answered anything, D is not waited for (it would only
@@ -143,6 +147,48 @@
 //! `x-kvc-prefill-worker`, for a fall-through `x-kvc-reason` (e.g. `session-cap-rejected`),
 //! and with a session `x-kvc-session` (the key, inferred ones included).
 //!
+//! **The vLLM dialect.** A `[[workers]]` entry with `engine = "vllm"` is a stock vLLM server
+//! with NixlConnector P/D; a decision whose decode worker is one is carried out in vLLM's
+//! two plain calls (for `/v1/completions` and `/v1/chat/completions`, streaming or not; any
+//! other entry keeps the bootstrap protocol above):
+//!
+//! - *P→D* (`turn1-seed`, `fallback`, `reseed`): first P gets the client's body with
+//!   `kv_transfer_params` = `{"do_remote_decode": true, "do_remote_prefill": false,
+//!   "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
+//!   "remote_port": null}`, `"stream": false`, `"max_tokens": 1` (and
+//!   `"max_completion_tokens": 1` when the client set it), without `stream_options` and
+//!   `min_tokens`; then D gets the client's body with the top-level `kv_transfer_params` of
+//!   P's answer copied verbatim (opaque to the router). Both calls carry the same
+//!   `X-Request-Id` (`kvc-<request>-<decision>`) besides the session header. P's answer goes
+//!   nowhere else; D's is relayed. A 4xx answer of P other than 408 and 429 (the request's
+//!   own fault, e.g. a prompt over the model's limit) goes to the client as it is, reported
+//!   `worker-failed`, D not called. If P fails — no answer within the deadline, a 5xx, 408 or
+//!   429 status, or a 2xx answer without a `kv_transfer_params` object — the client's body goes
+//!   to D alone and D prefills it itself: P's circuit breaker hears of the failure, the
+//!   answer carries `x-kvc-prefill-failed: <P's id>`, and the decision is reported like any
+//!   other (`ok` when D answered in full, D then holding the session). The router does not
+//!   retry P elsewhere first: D serving the turn alone is the cheaper way out.
+//! - *Direct-to-D*: the client's body to D as it is (no continuation parameters: vLLM's
+//!   automatic prefix cache finds the blocks the session left there). vLLM has no admission
+//!   refusal, so admission is the router's own, from D's state before the decision leaves
+//!   [`RouterService::route_excluding`]: the engine events' eviction check (a D whose events
+//!   hold none of the session is not planned direct) and the probe of D's state (room for
+//!   the turn), as for every direct-to-D decision.
+//! - *Honest cache accounting*: a direct-to-D answer is judged by the prompt tokens D says
+//!   it served from its cache, `usage.prompt_tokens_details.cached_tokens` (a whole answer's,
+//!   or a stream's final usage chunk). Fewer than half of the tokens the decision counted on
+//!   D holding ([`RouterDecision::cached_tokens`](crate::RouterDecision::cached_tokens))
+//!   means the session had been evicted and D recomputed it: the decision is reported
+//!   `direct-cache-miss` (not a mechanism error; counted in `kvc_router_outcomes_total`) with
+//!   no resident tokens, so the policy stops counting the session resident on D and its next
+//!   turn goes through P. An answer without the count is not judged.
+//! - *Streams*: D's request gets `stream_options.include_usage: true` (other stream options
+//!   kept) so that its last chunk reports the cached tokens; when the client did not ask for
+//!   usage itself, that usage-only chunk (`"choices": []`) is removed from the client's
+//!   stream (the other events are relayed re-framed as `data:` lines, unchanged). A
+//!   non-streaming D request gets nothing added.
+//! - `/generate` is SGLang's API: with any vLLM worker configured it is answered 400.
+//!
 //! **Admission refusals by D (the contract for engines with decode-side admission).** A
 //! decode worker that cannot take a request — no room for a direct-to-D turn, or the session
 //! is not resident — answers **`503` with the header `x-kvc-admission: rejected`** (and a JSON
@@ -157,7 +203,9 @@
 //! gets D's 503. Counted in `kvc_router_http_admission_rejects_total`. A decode worker whose
 //! engine cannot append-prefill at all is declared with `append-prefill = false` in its
 //! `[[workers]]` entry instead: it never gets a direct-to-D turn (later turns go P→D, reason
-//! `direct-unsupported`).
+//! `direct-unsupported`). That is the default for `engine = "sglang"` (a stock SGLang decode
+//! server answers 400 to a request without a bootstrap room); `append-prefill = true`
+//! declares a patched engine that honours this contract.
 //!
 //! **Streaming.** With `"stream": true` the body is forwarded the same way, but D's answer is
 //! relayed to the client as it arrives (chunked, with D's `Content-Type`, normally
@@ -212,7 +260,9 @@
 //! inferred sessions), `request` and `tokens` (request bodies; token ids and block hashes),
 //! `trust` (fields removed from client bodies, the session-id limit), `decision` (the calls
 //! into [`RouterService`]), `attempt` (one forwarding attempt and how answers are judged,
-//! including whose fault a P→D failure is), `pairing` (P→D bootstrap fields, P's request),
+//! including whose fault a P→D failure is, and the cache judgement of a direct turn),
+//! `pairing` (P→D bootstrap fields, P's request), `vllm` (the vLLM dialect: P's body, P's
+//! parameters to D, the usage chunk),
 //! `direct` (direct-to-D
 //! continuation parameters), `whole` and `stream` (a whole answer; a relayed stream), `sse`
 //! (token counts in a stream, its error event), `breaker` and `health` (circuit breakers,
@@ -260,6 +310,7 @@ mod sse;
 mod stream;
 mod tokens;
 mod trust;
+mod vllm;
 mod whole;
 
 pub use crate::worker_http::{ADMISSION_HEADER, ForwardError, MAX_RESPONSE_BYTES, PoolOptions};
@@ -273,6 +324,7 @@ pub use request::{
 };
 pub use responses::SESSION_RESPONSE_HEADER;
 pub use tokens::{Tokenizer, TokenizerError, block_hashes, fallback_tokens};
+pub use vllm::PREFILL_FAILED_HEADER;
 
 use crate::RouterService;
 use std::sync::Arc;

@@ -178,6 +178,7 @@ mod tests {
         let p = HttpWorker {
             url: WorkerUrl::parse("http://10.0.0.1:30000").unwrap(),
             bootstrap_port: 8998,
+            engine: None,
         };
         let mut body = Map::new();
         BootstrapRooms::new().add_to(&mut body, &p);

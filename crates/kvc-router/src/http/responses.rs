@@ -126,6 +126,7 @@ mod tests {
             reason: Some(FallThroughReason::DirectUnsupported),
             prefill: Some(WorkerId(0)),
             decode: WorkerId(2),
+            cached_tokens: 0,
         };
         let r = with_decision_headers(StatusCode::OK.into_response(), &decision, Some("s-1"));
         let h = r.headers();

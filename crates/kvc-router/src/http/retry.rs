@@ -13,6 +13,7 @@ use super::session::header_key;
 use super::stream::forward_stream;
 use super::tokens::block_hashes;
 use super::trust::{check_session_id, strip_router_fields};
+use super::vllm::forward_vllm;
 use super::whole::forward_whole;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -29,6 +30,12 @@ pub(super) async fn serve_request(
 ) -> Response {
     let bad_request =
         |message: &str| error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message);
+    if api == Api::Generate && app.workers.any_vllm() {
+        return bad_request(
+            "/generate is SGLang's API and this cluster has vLLM workers (engine = \"vllm\"): \
+             send /v1/completions or /v1/chat/completions",
+        );
+    }
     let mut req = match request::parse(api, bytes) {
         Ok(r) => r,
         Err(m) => return bad_request(&m),
@@ -116,10 +123,20 @@ async fn route_and_forward(
         if decision.mode == ExecutionMode::DirectToD {
             add_continuation_params(request.api, &mut body, session_key);
         }
-        let result = if stream {
-            forward_stream(app, request, body, &decision, may_retry).await
+        let result = if request.api != Api::Generate && app.workers.is_vllm(decision.decode) {
+            forward_vllm(app, request, body, &decision, stream, may_retry).await
+        } else if stream {
+            forward_stream(
+                app,
+                request,
+                body,
+                &decision,
+                may_retry,
+                &Default::default(),
+            )
+            .await
         } else {
-            forward_whole(app, request, body, &decision).await
+            forward_whole(app, request, body, &decision, &Default::default()).await
         };
         let respond = |response| with_decision_headers(response, &decision, session_key);
         let (response, failed) = match result {

@@ -1,11 +1,12 @@
-//! Reading a relayed answer stream: the generated-token count its events report, and the SSE
-//! error event that ends a client's stream when the worker failed mid-stream.
+//! Reading a relayed answer stream: the generated-token and cached-token counts its events
+//! report, the removal of usage-only chunks the client did not ask for, and the SSE error
+//! event that ends a client's stream when the worker failed mid-stream.
 
-use super::attempt::completion_tokens;
+use super::attempt::{cached_tokens_of, completion_tokens};
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use kvc_core::sse::{self, SseEvent, SseScanner};
-use serde_json::json;
+use serde_json::{Value, json};
 
 /// Finds the generated-token count in a streamed answer: the last SSE event whose data
 /// carries `meta_info.completion_tokens` or `usage.completion_tokens`. The events are read by
@@ -14,6 +15,16 @@ use serde_json::json;
 pub(super) struct CompletionScan {
     events: SseScanner,
     tokens: Option<u64>,
+    cached: Option<u64>,
+}
+
+/// What a finished [`CompletionScan`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ScanEnd {
+    /// The last generated-token count seen.
+    pub(super) completion: Option<u64>,
+    /// The last cached-prompt-token count seen (vLLM's final usage chunk).
+    pub(super) cached: Option<u64>,
 }
 
 impl Default for CompletionScan {
@@ -21,6 +32,7 @@ impl Default for CompletionScan {
         CompletionScan {
             events: SseScanner::with_max_event_bytes(Self::MAX_EVENT),
             tokens: None,
+            cached: None,
         }
     }
 }
@@ -46,15 +58,82 @@ impl CompletionScan {
             && let Some(n) = completion_tokens(data.trim_ascii())
         {
             self.tokens = Some(n);
+            if let Ok(v) = serde_json::from_slice::<Value>(data.trim_ascii())
+                && let Some(c) = cached_tokens_of(&v)
+            {
+                self.cached = Some(c);
+            }
         }
     }
 
-    /// The last count seen, an event the stream did not close included.
-    pub(super) fn finish(mut self) -> Option<u64> {
+    /// The last counts seen, an event the stream did not close included.
+    pub(super) fn finish(mut self) -> ScanEnd {
         if let Some(event) = self.events.finish() {
             self.read(event);
         }
-        self.tokens
+        ScanEnd {
+            completion: self.tokens,
+            cached: self.cached,
+        }
+    }
+}
+
+/// Removes usage-only chunks (`"choices": []` with a `usage`, what vLLM sends last when
+/// `stream_options.include_usage` is on) from a relayed stream, re-framing every other event
+/// as `data: ...` (vLLM writes no other SSE field). Used when the router asked for the usage
+/// and the client did not.
+#[derive(Debug)]
+pub(super) struct UsageFilter {
+    events: SseScanner,
+}
+
+impl Default for UsageFilter {
+    fn default() -> Self {
+        UsageFilter {
+            events: SseScanner::with_max_event_bytes(CompletionScan::MAX_EVENT),
+        }
+    }
+}
+
+/// Whether an event's data is a usage-only chunk.
+fn usage_only(data: &[u8]) -> bool {
+    let Ok(v) = serde_json::from_slice::<Value>(data.trim_ascii()) else {
+        return false;
+    };
+    v.get("usage").is_some_and(|u| !u.is_null())
+        && v.get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(Vec::is_empty)
+}
+
+impl UsageFilter {
+    fn frame(out: &mut Vec<u8>, event: SseEvent) {
+        match event {
+            SseEvent::Done => out.extend_from_slice(sse::DONE_EVENT.as_bytes()),
+            SseEvent::Data(data) if !usage_only(&data) => {
+                out.extend_from_slice(sse::event(&String::from_utf8_lossy(&data)).as_bytes());
+            }
+            SseEvent::Data(_) => {}
+        }
+    }
+
+    /// The client's bytes for the next piece of D's stream (empty while an event is
+    /// incomplete, or when it held only a usage chunk).
+    pub(super) fn feed(&mut self, piece: &[u8]) -> Bytes {
+        let mut out = Vec::new();
+        for event in self.events.feed(piece) {
+            Self::frame(&mut out, event);
+        }
+        Bytes::from(out)
+    }
+
+    /// The client's bytes for an event D's stream ended inside of.
+    pub(super) fn finish(&mut self) -> Bytes {
+        let mut out = Vec::new();
+        if let Some(event) = self.events.finish() {
+            Self::frame(&mut out, event);
+        }
+        Bytes::from(out)
     }
 }
 
@@ -81,12 +160,12 @@ mod tests {
         scan.feed(b"data: {\"meta_info\": {\"completion_");
         scan.feed(b"tokens\": 3}}\n\ndata: {\"usage\": {\"completion_tokens\": 5}}\n");
         scan.feed(b"\ndata: {\"text\": \"no count\"}\n\ndata: [DONE]\n\n");
-        assert_eq!(scan.finish(), Some(5), "the last count seen");
+        assert_eq!(scan.finish().completion, Some(5), "the last count seen");
         let mut scan = CompletionScan::default();
         scan.feed(b"data: {\"usage\": {\"completion_tokens\": 7}}");
         assert!(scan.in_event(), "the stream stops inside an event");
         assert_eq!(
-            scan.finish(),
+            scan.finish().completion,
             Some(7),
             "a final event without its blank line"
         );
@@ -97,11 +176,41 @@ mod tests {
         scan.feed(b"\n\ndata: {\"usage\": {\"completion_tokens\": 9}}\r\n\r\n");
         assert!(!scan.in_event());
         assert_eq!(
-            scan.finish(),
+            scan.finish().completion,
             Some(9),
             "an over-long event is skipped whole, the next read"
         );
-        assert_eq!(CompletionScan::default().finish(), None);
+        assert_eq!(CompletionScan::default().finish().completion, None);
+        let mut scan = CompletionScan::default();
+        scan.feed(b"data: {\"choices\": [], \"usage\": {\"completion_tokens\": 4, ");
+        scan.feed(b"\"prompt_tokens_details\": {\"cached_tokens\": 48}}}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            scan.finish(),
+            ScanEnd {
+                completion: Some(4),
+                cached: Some(48)
+            }
+        );
+    }
+
+    #[test]
+    fn usage_only_chunks_are_removed_and_the_rest_kept() {
+        let mut f = UsageFilter::default();
+        let text = b"data: {\"choices\": [{\"text\": \"a\"}]}\n\ndata: {\"choices\": [], ";
+        assert_eq!(
+            &f.feed(text)[..],
+            b"data: {\"choices\": [{\"text\": \"a\"}]}\n\n"
+        );
+        let rest = b"\"usage\": {\"completion_tokens\": 2}}\n\ndata: [DONE]\n\n";
+        assert_eq!(&f.feed(rest)[..], b"data: [DONE]\n\n");
+        // A usage that rides on a chunk with choices is kept (the client's own request).
+        let mut f = UsageFilter::default();
+        let both = b"data: {\"choices\": [{\"text\": \"b\"}], \"usage\": null}";
+        assert!(f.feed(both).is_empty(), "the event is not closed yet");
+        assert_eq!(
+            &f.finish()[..],
+            b"data: {\"choices\": [{\"text\": \"b\"}], \"usage\": null}\n\n"
+        );
     }
 
     #[test]

@@ -4,12 +4,13 @@
 
 use super::app::App;
 use super::attempt::{
-    Attempt, AttemptResult, ForwardedRequest, counts_against_breaker, worth_retrying,
+    Attempt, AttemptResult, DecodeLeg, ForwardedRequest, counts_against_breaker, judge_cache,
+    worth_retrying,
 };
 use super::decision::{self, Decision};
 use super::pairing::PrefillLeg;
 use super::responses::{error_response, forward_error_response};
-use super::sse::{CompletionScan, sse_error_event};
+use super::sse::{CompletionScan, UsageFilter, sse_error_event};
 use crate::worker_http::{ForwardError, WorkerAnswer, WorkerStream};
 use axum::body::Bytes;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -32,8 +33,10 @@ pub(super) async fn forward_stream(
     body: Map<String, Value>,
     decision: &Decision,
     may_retry: bool,
+    leg: &DecodeLeg,
 ) -> AttemptResult {
-    let attempt = Attempt::new(app, request, decision);
+    let mut attempt = Attempt::new(app, request, decision);
+    attempt.headers.extend(leg.headers.iter().cloned());
     let d_id = attempt.decode();
     let timeout = app.options.request_timeout;
     let headers = &attempt.headers;
@@ -115,6 +118,11 @@ pub(super) async fn forward_stream(
         .content_type
         .take()
         .unwrap_or(HeaderValue::from_static("text/event-stream"));
+    // Only an event stream is filtered: an error answer's JSON body is relayed as it is.
+    let events = content_type
+        .to_str()
+        .is_ok_and(|t| t.starts_with("text/event-stream"));
+    let strip_usage = leg.strip_usage && status.is_success() && events;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
     let relay = Relay {
         app: Arc::clone(app),
@@ -125,6 +133,8 @@ pub(super) async fn forward_stream(
         head_failed,
         status,
         timeout,
+        expected_cached: leg.expected_cached,
+        filter: strip_usage.then(UsageFilter::default),
     };
     tokio::spawn(relay.run(stream, first, prefill, tx));
     let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
@@ -144,11 +154,15 @@ struct Relay {
     status: StatusCode,
     /// Longest wait for each further piece.
     timeout: Duration,
+    /// See [`DecodeLeg::expected_cached`].
+    expected_cached: Option<u64>,
+    /// Removes the usage chunk the client did not ask for ([`DecodeLeg::strip_usage`]).
+    filter: Option<UsageFilter>,
 }
 
 impl Relay {
     async fn run(
-        self,
+        mut self,
         mut stream: WorkerStream,
         first: Option<Bytes>,
         prefill: Option<PrefillLeg>,
@@ -168,10 +182,32 @@ impl Relay {
                     Err(_) => Err(format!("decode worker: nothing within {timeout:?}")),
                 },
             };
-            match next {
-                Ok(Some(piece)) => {
+            let next = match (next, self.filter.as_mut()) {
+                (Ok(Some(piece)), Some(f)) => {
+                    // The filter hands the client whole events only.
+                    scan.feed(&piece);
+                    let out = f.feed(&piece);
+                    if out.is_empty() {
+                        continue;
+                    }
+                    Ok(Some(out))
+                }
+                (Ok(None), Some(f)) => {
+                    let out = f.finish();
+                    if !out.is_empty() && tx.send(Ok(out)).await.is_err() {
+                        break false;
+                    }
+                    Ok(None)
+                }
+                (Ok(Some(piece)), None) => {
                     scan.feed(&piece);
                     ends_event = !scan.in_event();
+                    Ok(Some(piece))
+                }
+                (other, _) => other,
+            };
+            match next {
+                Ok(Some(piece)) => {
                     if tx.send(Ok(piece)).await.is_err() {
                         tracing::debug!(request = self.request_id, "client went away mid-stream");
                         break false;
@@ -194,7 +230,12 @@ impl Relay {
             p.abandon(app);
         }
         let (outcome, resident) = if relayed && self.status.is_success() {
-            (Outcome::Ok, self.input_length + scan.finish().unwrap_or(0))
+            let end = scan.finish();
+            judge_cache(
+                self.expected_cached,
+                end.cached,
+                self.input_length + end.completion.unwrap_or(0),
+            )
         } else {
             (Outcome::WorkerFailed, 0)
         };

@@ -3,8 +3,8 @@
 
 use super::app::App;
 use super::attempt::{
-    Attempt, AttemptResult, ForwardedRequest, completion_tokens, counts_against_breaker,
-    worth_retrying,
+    Attempt, AttemptResult, DecodeLeg, ForwardedRequest, cached_tokens, completion_tokens,
+    counts_against_breaker, judge_cache, worth_retrying,
 };
 use super::decision::Decision;
 use super::responses::answer_or_error;
@@ -18,14 +18,17 @@ use std::sync::Arc;
 /// On a P→D path P's request runs alongside: if P fails before D has answered, D's request is
 /// dropped and P's failure decides ([`AttemptResult::RetryElsewhere`] without P when worth
 /// it). Once D has answered, its answer goes to the client whatever P's fate (P's failure
-/// still counts against P's breaker): the outcome is `ok` when D answered 2xx in full.
+/// still counts against P's breaker): the outcome is `ok` when D answered 2xx in full (or
+/// `direct-cache-miss`, see [`judge_cache`], when `leg` expects cached tokens).
 pub(super) async fn forward_whole(
     app: &Arc<App>,
     request: &ForwardedRequest,
     body: Map<String, Value>,
     decision: &Decision,
+    leg: &DecodeLeg,
 ) -> AttemptResult {
-    let attempt = Attempt::new(app, request, decision);
+    let mut attempt = Attempt::new(app, request, decision);
+    attempt.headers.extend(leg.headers.iter().cloned());
     let headers = &attempt.headers;
     let sent = attempt.send(body, |url, payload| async move {
         let timeout = app.options.request_timeout;
@@ -49,8 +52,9 @@ pub(super) async fn forward_whole(
         return attempt.retry(answer_or_error("decode worker", answer), failed);
     }
     let (outcome, resident) = match &answer {
-        Ok(a) if (200..300).contains(&a.status) => (
-            Outcome::Ok,
+        Ok(a) if (200..300).contains(&a.status) => judge_cache(
+            leg.expected_cached,
+            cached_tokens(&a.body),
             request.input_length + completion_tokens(&a.body).unwrap_or(0),
         ),
         _ => {

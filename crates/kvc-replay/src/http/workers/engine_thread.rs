@@ -36,6 +36,23 @@ pub(super) enum RequestPart {
         /// This prefill worker.
         prefill: WorkerId,
     },
+    /// vLLM dialect: a decode worker pulled the request prefill worker `prefill` held (one
+    /// P→D job: prefill on P, transfer, decode on D).
+    Pulled {
+        /// The prefill worker that held it.
+        prefill: WorkerId,
+        /// This decode worker.
+        decode: WorkerId,
+    },
+    /// vLLM dialect: a plain request to a decode worker, served with its prefix cache — a
+    /// direct-to-D append when the session is resident and there is room, else in full.
+    Plain {
+        /// This decode worker.
+        decode: WorkerId,
+        /// Fault injection: the worker drops the session's KV first (an eviction the router
+        /// has not heard of).
+        evict_first: bool,
+    },
     /// The decode leg of a P→D request, waiting in `room` for its prefill leg.
     DecodeLeg {
         /// The bootstrap room both legs name.
@@ -232,6 +249,31 @@ impl EngineThread {
                     return;
                 }
                 (ServedPath::Direct(d), reply, None)
+            }
+            RequestPart::Plain {
+                decode: d,
+                evict_first,
+            } => {
+                if evict_first {
+                    self.engine.release_session(d, job.session, now);
+                }
+                let resident = self.engine.resident_tokens(d, job.session);
+                let need = (job.input + job.output).saturating_sub(resident.unwrap_or(0));
+                let direct = match resident {
+                    Some(_) => self.engine.try_direct(job.clone(), d, need, now),
+                    None => DirectAdmission::NotResident,
+                };
+                match direct {
+                    DirectAdmission::Admitted { .. } => (ServedPath::Direct(d), reply, None),
+                    DirectAdmission::NotResident | DirectAdmission::Rejected => {
+                        self.engine.start_full_on_decode(job, d, now);
+                        (ServedPath::DecodeInFull(d), reply, None)
+                    }
+                }
+            }
+            RequestPart::Pulled { prefill, decode } => {
+                self.engine.reseed(job, prefill, decode, now);
+                (ServedPath::PrefillDecode { prefill, decode }, reply, None)
             }
             RequestPart::PrefillLeg { room, .. } | RequestPart::DecodeLeg { room, .. } => {
                 let leg = WaitingLeg {

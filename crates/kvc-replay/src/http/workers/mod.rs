@@ -1,4 +1,6 @@
-//! Simulated workers that speak SGLang's HTTP API, on a real clock.
+//! Simulated workers that speak SGLang's HTTP API — or, with [`WorkerOptions::engine`] `vllm`,
+//! vLLM's OpenAI API with NixlConnector P/D (module `vllm`: `POST /v1/completions` and
+//! `/v1/chat/completions` instead of `/generate`, no bootstrap servers) — on a real clock.
 //!
 //! One engine model (the simulator's [`Engine`]) runs on its own thread, paced to wall time
 //! (`speedup` times faster). Each worker serves, on its own loopback port:
@@ -42,6 +44,7 @@
 //! | `sglang` | the SGLang routes, informational answers, `/generate` body and answer shapes |
 //! | `generate` | `POST /generate` |
 //! | `stream` | streamed answers as SSE events |
+//! | `vllm` | the vLLM dialect: OpenAI bodies and answers, P's holds pulled by D |
 
 mod bootstrap;
 mod engine_thread;
@@ -50,6 +53,7 @@ mod rooms;
 mod sglang;
 mod state;
 mod stream;
+mod vllm;
 
 pub(crate) use state::{Pacer, SharedState};
 pub use state::{Served, ServedPath};
@@ -61,7 +65,7 @@ use crate::trace::Trace;
 use axum::Router;
 use bootstrap::{bootstrap_app, bootstrap_client};
 use engine_thread::EngineThread;
-use kvc_core::{StateSource, WorkerId, WorkerRole};
+use kvc_core::{EngineKind, StateSource, WorkerId, WorkerRole};
 use parking_lot::Mutex;
 use sglang::{WorkerContext, worker_app};
 use std::collections::HashMap;
@@ -97,6 +101,22 @@ pub struct WorkerOptions {
     /// With `events`: worker `i`'s `/metrics` on `127.0.0.1:<base + i>` (free ports when
     /// `None`).
     pub engine_base_port: Option<u16>,
+    /// The HTTP API the workers speak: SGLang's (`/generate`, bootstrap rooms) or vLLM's
+    /// (OpenAI routes with NixlConnector `kv_transfer_params`, see `vllm`).
+    pub engine: EngineKind,
+    /// Fault injection for tests (vLLM dialect only); none by default.
+    pub faults: Faults,
+}
+
+/// Faults the simulated vLLM workers can be told to show (for tests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Every prefill worker answers 500 to a `do_remote_decode` request (the router then
+    /// sends the request to its decode worker alone).
+    pub fail_prefill: bool,
+    /// Every decode worker drops the session's KV just before serving a plain request (an
+    /// eviction the router has not heard of: a direct-to-D turn becomes a full prefill).
+    pub evict_before_plain: bool,
 }
 
 impl WorkerOptions {
@@ -104,7 +124,15 @@ impl WorkerOptions {
     /// least one snapshot slot.
     pub fn validate(&self) -> Result<(), LiveError> {
         check_pacing(self.speedup, self.table_slots)?;
-        check_router_state(self.router_state)
+        check_router_state(self.router_state)?;
+        if self.router_state == StateSource::Events && self.engine != EngineKind::Vllm {
+            return Err(LiveError::Invalid(
+                "the simulated workers show their state as vLLM engines do: reading it from \
+                 their events (--router-state events) over HTTP needs --engine vllm"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -114,6 +142,7 @@ pub struct HttpWorkers {
     addrs: Vec<SocketAddr>,
     bootstrap_ports: Vec<Option<u16>>,
     engine: Option<std::thread::JoinHandle<Result<(), LiveError>>>,
+    dialect: EngineKind,
     /// Each worker's engine signals, when served.
     engine_urls: Vec<crate::live::engine_signals::EngineEndpoints>,
     /// Stops the servers and the engine thread; cancelled on [`HttpWorkers::stop`] and on drop.
@@ -170,6 +199,7 @@ impl HttpWorkers {
                 start: Instant::now(),
                 speedup: opts.speedup,
             },
+            holds: Mutex::new(HashMap::new()),
         });
         let mut engine_thread = EngineThread::new(
             engine,
@@ -190,7 +220,7 @@ impl HttpWorkers {
         let mut bootstrap_ports = Vec::new();
         for (i, role) in roles.iter().enumerate() {
             let id = WorkerId(i as u32);
-            let bootstrap = if *role == WorkerRole::Prefill {
+            let bootstrap = if *role == WorkerRole::Prefill && opts.engine == EngineKind::Sglang {
                 let port = opts
                     .bootstrap_base_port
                     .map_or(0, |b| b.saturating_add(i as u16));
@@ -200,17 +230,22 @@ impl HttpWorkers {
             } else {
                 None
             };
+            let port = opts
+                .http_base_port
+                .map_or(0, |b| b.saturating_add(i as u16));
+            let (listener, addr) = bind(runtime, port)?;
             let ctx = Arc::new(WorkerContext {
                 id,
                 role: *role,
                 name: names[i].clone(),
                 shared: shared.clone(),
                 client: client.clone(),
+                addr,
+                faults: opts.faults,
             });
-            let port = opts
-                .http_base_port
-                .map_or(0, |b| b.saturating_add(i as u16));
-            addrs.push(serve(runtime, port, worker_app(ctx), shutdown.clone())?);
+            let vllm = opts.engine == EngineKind::Vllm;
+            spawn_serve(runtime, listener, worker_app(ctx, vllm), shutdown.clone());
+            addrs.push(addr);
             bootstrap_ports.push(bootstrap);
         }
         Ok(HttpWorkers {
@@ -218,6 +253,7 @@ impl HttpWorkers {
             addrs,
             bootstrap_ports,
             engine: Some(engine),
+            dialect: opts.engine,
             engine_urls,
             shutdown,
         })
@@ -233,7 +269,12 @@ impl HttpWorkers {
         &self.addrs
     }
 
-    /// Each worker's bootstrap port (prefill workers only), by worker id.
+    /// The HTTP API the workers speak.
+    pub fn engine(&self) -> EngineKind {
+        self.dialect
+    }
+
+    /// Each worker's bootstrap port (SGLang prefill workers only), by worker id.
     pub fn bootstrap_ports(&self) -> &[Option<u16>] {
         &self.bootstrap_ports
     }
@@ -268,6 +309,16 @@ fn serve(
     app: Router,
     shutdown: CancellationToken,
 ) -> Result<SocketAddr, LiveError> {
+    let (listener, bound) = bind(runtime, port)?;
+    spawn_serve(runtime, listener, app, shutdown);
+    Ok(bound)
+}
+
+/// A listener on `127.0.0.1:<port>` (a free port for 0) and its address.
+fn bind(
+    runtime: &tokio::runtime::Handle,
+    port: u16,
+) -> Result<(tokio::net::TcpListener, SocketAddr), LiveError> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind(addr))
@@ -275,6 +326,16 @@ fn serve(
     let bound = listener
         .local_addr()
         .map_err(|e| LiveError::Router(format!("cannot listen on {addr}: {e}")))?;
+    Ok((listener, bound))
+}
+
+/// Serves `app` on `listener` until `shutdown` is cancelled.
+fn spawn_serve(
+    runtime: &tokio::runtime::Handle,
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+) {
     runtime.spawn(async move {
         // Small SSE events go out at once (no Nagle delay behind a delayed ACK).
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
@@ -284,5 +345,4 @@ fn serve(
             .with_graceful_shutdown(shutdown.cancelled_owned())
             .await;
     });
-    Ok(bound)
 }

@@ -21,13 +21,22 @@ pub(super) struct WorkerContext {
     pub(super) shared: Arc<SharedState>,
     /// Asks prefill workers' bootstrap servers (decode workers only use it).
     pub(super) client: BootstrapClient,
+    /// Its own HTTP address (a vLLM prefill worker names it in `remote_host`/`remote_port`).
+    pub(super) addr: std::net::SocketAddr,
+    /// Fault injection for tests (vLLM dialect).
+    pub(super) faults: super::Faults,
 }
 
-/// The routes of one worker.
-pub(super) fn worker_app(ctx: Arc<WorkerContext>) -> Router {
-    Router::new()
-        .route("/generate", post(generate))
-        .route("/health", get(|| async { "ok" }))
+/// The routes of one worker: SGLang's `/generate`, or (`vllm`) vLLM's OpenAI routes.
+pub(super) fn worker_app(ctx: Arc<WorkerContext>, vllm: bool) -> Router {
+    let api = if vllm {
+        Router::new()
+            .route("/v1/completions", post(super::vllm::completions))
+            .route("/v1/chat/completions", post(super::vllm::chat))
+    } else {
+        Router::new().route("/generate", post(generate))
+    };
+    api.route("/health", get(|| async { "ok" }))
         .route("/health_generate", get(|| async { "ok" }))
         .route("/server_info", get(server_info))
         .route("/get_server_info", get(server_info))

@@ -25,6 +25,19 @@ pub enum ServedPath {
     Direct(WorkerId),
     /// Colocated worker.
     Colocated(WorkerId),
+    /// A decode worker served a plain request in full (vLLM dialect): the session was not
+    /// resident there, or had no room to grow, so the worker prefilled the whole prompt.
+    DecodeInFull(WorkerId),
+}
+
+/// A prefill worker's answer to a vLLM `do_remote_decode` request, held until a decode
+/// worker pulls it or it expires.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Hold {
+    /// Trace index of the request.
+    pub(super) index: usize,
+    /// When it expires.
+    pub(super) expires: Instant,
 }
 
 /// What the workers saw of one trace request (its last attempt).
@@ -64,8 +77,11 @@ pub(crate) struct SharedState {
     /// KV pool of each worker (tokens).
     pub(super) pool_tokens: u64,
     /// The model name the workers report.
-    pub(super) model: String,
+    pub(crate) model: String,
     pub(super) clock: Pacer,
+    /// vLLM dialect: (prefill worker, remote request id) -> the request it holds for a
+    /// decode worker.
+    pub(super) holds: Mutex<HashMap<(WorkerId, String), Hold>>,
 }
 
 impl SharedState {
@@ -108,6 +124,29 @@ impl SharedState {
     /// Worker names, by worker id.
     pub(crate) fn names(&self) -> &[String] {
         &self.names
+    }
+
+    /// Prefill worker `p` holds trace request `index` for a decode worker's pull under `id`
+    /// until `expires`; expired holds are dropped here.
+    pub(super) fn hold(&self, p: WorkerId, id: String, index: usize, expires: Instant) {
+        let now = Instant::now();
+        let mut holds = self.holds.lock();
+        holds.retain(|_, h| h.expires > now);
+        holds.insert((p, id), Hold { index, expires });
+    }
+
+    /// Takes the hold `id` of prefill worker `p`: `None` when unknown or expired.
+    pub(super) fn pull(&self, p: WorkerId, id: &str) -> Option<Hold> {
+        let hold = self.holds.lock().remove(&(p, id.to_owned()))?;
+        (hold.expires > Instant::now()).then_some(hold)
+    }
+
+    /// The worker named `name`.
+    pub(super) fn worker_named(&self, name: &str) -> Option<WorkerId> {
+        self.names
+            .iter()
+            .position(|n| n == name)
+            .map(|i| WorkerId(i as u32))
     }
 
     /// Hands a request to the engine thread; `false` once it has stopped.

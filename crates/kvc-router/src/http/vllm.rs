@@ -1,0 +1,282 @@
+//! The vLLM dialect (NixlConnector P/D): a P→D request is two plain HTTP calls — P prefills
+//! with `kv_transfer_params` asking for a remote decode and answers the parameters D needs to
+//! pull the KV; D gets the client's body with those parameters copied verbatim. A direct-to-D
+//! turn is the client's body to D alone (vLLM's prefix cache reuses the session's blocks), and
+//! D's reported cached tokens say whether the session was in fact still there.
+
+use super::app::App;
+use super::attempt::{AttemptResult, DecodeLeg, ForwardedRequest, counts_against_breaker};
+use super::decision::{self, Decision};
+use super::responses::worker_answer;
+use super::stream::forward_stream;
+use super::whole::forward_whole;
+use crate::worker_http::WorkerAnswer;
+use axum::body::Bytes;
+use axum::http::{HeaderName, HeaderValue};
+use kvc_core::{ExecutionMode, Outcome, WorkerId};
+use serde_json::{Map, Value, json};
+use std::sync::Arc;
+
+/// The response header naming the prefill worker that failed a P→D request the decode worker
+/// then served alone.
+pub const PREFILL_FAILED_HEADER: &str = "x-kvc-prefill-failed";
+
+/// The header vLLM takes its request id from; P and D get the same.
+const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
+
+/// The body for P: the client's body with `kv_transfer_params` asking for a remote decode,
+/// `stream: false`, `max_tokens: 1` (and `max_completion_tokens: 1` when the client set it),
+/// no `stream_options` and no `min_tokens`.
+pub(super) fn prefill_body(body: &Map<String, Value>) -> Map<String, Value> {
+    let mut p = body.clone();
+    p.insert(
+        "kv_transfer_params".into(),
+        json!({
+            "do_remote_decode": true,
+            "do_remote_prefill": false,
+            "remote_engine_id": null,
+            "remote_block_ids": null,
+            "remote_host": null,
+            "remote_port": null,
+        }),
+    );
+    p.insert("stream".into(), Value::Bool(false));
+    p.insert("max_tokens".into(), Value::from(1));
+    if p.contains_key("max_completion_tokens") {
+        p.insert("max_completion_tokens".into(), Value::from(1));
+    }
+    p.remove("stream_options");
+    p.remove("min_tokens");
+    p
+}
+
+/// Whether the client asked for the usage chunk of its stream.
+fn client_wants_usage(body: &Map<String, Value>) -> bool {
+    body.get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+}
+
+/// Turns `stream_options.include_usage` on in D's body (the final chunk then reports the
+/// cached prompt tokens); other stream options are kept.
+fn ask_for_usage(body: &mut Map<String, Value>) {
+    let options = body
+        .entry("stream_options")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if !options.is_object() {
+        *options = Value::Object(Map::new());
+    }
+    if let Value::Object(o) = options {
+        o.insert("include_usage".into(), Value::Bool(true));
+    }
+}
+
+/// P's `kv_transfer_params`, from its whole answer (2xx JSON carrying an object).
+fn transfer_params(body: &[u8]) -> Option<Value> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    v.get("kv_transfer_params")
+        .filter(|p| p.is_object())
+        .cloned()
+}
+
+/// What became of P's call when it gave no parameters.
+enum PrefillFailure {
+    /// P failed (no answer, a 5xx, no parameters in a 2xx): D serves the request alone.
+    Failed(String),
+    /// P refused the request itself (a 4xx, e.g. a prompt over the model's limit): the
+    /// client gets P's answer.
+    Refused(WorkerAnswer),
+}
+
+/// Sends P its request and returns the `kv_transfer_params` of its answer, or why there are
+/// none. Feeds P's breaker.
+async fn prefill(
+    app: &Arc<App>,
+    request: &ForwardedRequest,
+    body: &Map<String, Value>,
+    p: WorkerId,
+    headers: &[(HeaderName, HeaderValue)],
+) -> Result<Value, PrefillFailure> {
+    let Some(endpoint) = app.endpoint(p) else {
+        return Err(PrefillFailure::Failed(format!(
+            "worker {} has no HTTP address",
+            p.0
+        )));
+    };
+    app.breakers
+        .on_dispatch(&app.service, p, app.service.now_ms());
+    let payload = Bytes::from(Value::Object(prefill_body(body)).to_string());
+    let answer = app
+        .client
+        .post_whole(
+            &endpoint.url,
+            request.api.path(),
+            headers,
+            payload,
+            app.options.request_timeout,
+        )
+        .await;
+    app.feed_breaker(p, counts_against_breaker(answer.as_ref().map(|a| a.status)));
+    match answer {
+        Ok(a) if (200..300).contains(&a.status) => transfer_params(&a.body).ok_or_else(|| {
+            PrefillFailure::Failed("its answer has no `kv_transfer_params` object".to_owned())
+        }),
+        Ok(a) if (400..500).contains(&a.status) && !matches!(a.status, 408 | 429) => {
+            Err(PrefillFailure::Refused(a))
+        }
+        Ok(a) => Err(PrefillFailure::Failed(format!("status {}", a.status))),
+        Err(e) => Err(PrefillFailure::Failed(e.to_string())),
+    }
+}
+
+/// One attempt of `decision` in the vLLM dialect.
+///
+/// On a P→D path P is called first ([`prefill_body`]); D then gets the client's body with
+/// P's `kv_transfer_params` verbatim. When P fails (no answer, a 5xx or 408/429 status, or
+/// no parameters in its answer) D gets the client's body alone and prefills itself: the
+/// answer carries [`PREFILL_FAILED_HEADER`] naming P, and P's breaker hears of the failure.
+/// P's other 4xx answers (the request's own fault, e.g. a prompt over the model's limit) go
+/// to the client, reported `worker-failed`, and D is not called. Both calls carry the same
+/// `X-Request-Id`. A direct-to-D turn sends the client's body to D as it is, judged by D's
+/// reported cached tokens. A streamed D request gets `stream_options.include_usage` (the
+/// cached tokens are in the final usage chunk), and that chunk is removed from the client's
+/// stream unless the client asked for it.
+pub(super) async fn forward_vllm(
+    app: &Arc<App>,
+    request: &ForwardedRequest,
+    body: Map<String, Value>,
+    decision: &Decision,
+    stream: bool,
+    may_retry: bool,
+) -> AttemptResult {
+    let id = format!("kvc-{}-{}", request.request_id, decision.id);
+    let mut headers = request.worker_headers(app);
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        headers.push((REQUEST_ID_HEADER, v));
+    }
+    let mut d_body = body;
+    let mut prefill_failed = None;
+    if let Some(p) = decision.prefill {
+        match prefill(app, request, &d_body, p, &headers).await {
+            Ok(params) => {
+                d_body.insert("kv_transfer_params".into(), params);
+            }
+            Err(PrefillFailure::Refused(answer)) => {
+                // The request itself is at fault: D would refuse it too.
+                decision::report(
+                    &app.service,
+                    decision.id,
+                    request.request_id,
+                    Outcome::WorkerFailed,
+                    0,
+                );
+                return AttemptResult::Answered(worker_answer(answer));
+            }
+            Err(PrefillFailure::Failed(detail)) => {
+                tracing::warn!(
+                    request = request.request_id,
+                    prefill = p.0,
+                    %detail,
+                    "prefill worker failed; the decode worker prefills the request itself"
+                );
+                prefill_failed = Some(p);
+            }
+        }
+    }
+    let strip_usage = stream && !client_wants_usage(&d_body);
+    if stream {
+        ask_for_usage(&mut d_body);
+    }
+    let leg = DecodeLeg {
+        headers: headers
+            .into_iter()
+            .filter(|(name, _)| *name == REQUEST_ID_HEADER)
+            .collect(),
+        expected_cached: (decision.mode == ExecutionMode::DirectToD)
+            .then_some(decision.cached_tokens),
+        strip_usage,
+    };
+    // P's part is done: D's call is forwarded like a decode worker's alone.
+    let d_only = Decision {
+        prefill: None,
+        ..*decision
+    };
+    let result = if stream {
+        forward_stream(app, request, d_body, &d_only, may_retry, &leg).await
+    } else {
+        forward_whole(app, request, d_body, &d_only, &leg).await
+    };
+    match (prefill_failed, result) {
+        (Some(p), AttemptResult::Answered(mut response)) => {
+            response
+                .headers_mut()
+                .insert(PREFILL_FAILED_HEADER, HeaderValue::from(p.0));
+            AttemptResult::Answered(response)
+        }
+        (_, result) => result,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn the_prefill_body_asks_for_a_remote_decode_of_one_token() {
+        let client = obj(json!({"model": "m", "prompt": "a b", "stream": true,
+            "max_tokens": 64, "min_tokens": 3, "stream_options": {"include_usage": true},
+            "temperature": 0.0}));
+        let p = prefill_body(&client);
+        assert_eq!(
+            Value::Object(p),
+            json!({"model": "m", "prompt": "a b", "stream": false, "max_tokens": 1,
+                "temperature": 0.0, "kv_transfer_params": {"do_remote_decode": true,
+                "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null,
+                "remote_host": null, "remote_port": null}})
+        );
+        let chat = obj(json!({"messages": [], "max_completion_tokens": 9}));
+        let p = prefill_body(&chat);
+        assert_eq!(p["max_completion_tokens"], 1);
+        assert_eq!(p["max_tokens"], 1);
+    }
+
+    #[test]
+    fn usage_is_asked_for_and_what_the_client_asked_is_known() {
+        let mut body = obj(json!({"stream": true}));
+        assert!(!client_wants_usage(&body));
+        ask_for_usage(&mut body);
+        assert_eq!(body["stream_options"], json!({"include_usage": true}));
+        let mut body = obj(json!({"stream_options": {"continuous_usage_stats": false}}));
+        ask_for_usage(&mut body);
+        assert_eq!(
+            body["stream_options"],
+            json!({"continuous_usage_stats": false, "include_usage": true})
+        );
+        let mut body = obj(json!({"stream_options": null}));
+        ask_for_usage(&mut body);
+        assert_eq!(body["stream_options"], json!({"include_usage": true}));
+        assert!(client_wants_usage(&obj(
+            json!({"stream_options": {"include_usage": true}})
+        )));
+    }
+
+    #[test]
+    fn transfer_params_are_taken_verbatim_from_p_s_answer() {
+        let answer = br#"{"choices": [], "kv_transfer_params": {"do_remote_prefill": true,
+            "remote_block_ids": [1, 2], "remote_request_id": "x", "tp_size": 1}}"#;
+        assert_eq!(
+            transfer_params(answer),
+            Some(
+                json!({"do_remote_prefill": true, "remote_block_ids": [1, 2],
+                "remote_request_id": "x", "tp_size": 1})
+            )
+        );
+        assert_eq!(transfer_params(br#"{"kv_transfer_params": null}"#), None);
+        assert_eq!(transfer_params(b"oops"), None);
+    }
+}

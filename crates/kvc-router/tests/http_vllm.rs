@@ -1,0 +1,454 @@
+//! The HTTP front's vLLM dialect (NixlConnector P/D) against in-process mock vLLM workers
+//! (snapshot workers on a manual clock give the router its state): the exact fields P and D
+//! get, a prefill failure served by D alone, and a direct-to-D turn D served without its
+//! cache recorded as `direct-cache-miss`.
+
+mod common;
+mod http_client;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use common::Cluster;
+use kvc_core::{EngineKind, Health, WorkerId, WorkerRole};
+use kvc_router::RouterConfig;
+use kvc_router::http::{HttpOptions, PREFILL_FAILED_HEADER, WorkerEndpoints, http_app_with};
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One request a mock worker received: its path, its `x-request-id` and `x-session-id`
+/// headers, its body.
+type Received = (String, HashMap<String, String>, Value);
+
+struct Mock {
+    name: String,
+    /// A prefill worker answers this status to a `do_remote_decode` request.
+    fail_prefill: Mutex<Option<u16>>,
+    /// A request that is not a prefill is answered this status (JSON), when set.
+    fail_decode: Mutex<Option<u16>>,
+    /// The cached prompt tokens a plain (no `kv_transfer_params`) request reports.
+    cached: Mutex<u64>,
+    received: Mutex<Vec<Received>>,
+}
+
+/// What a mock prefill worker puts in its answer's `kv_transfer_params`: more than the router
+/// knows of, so that a verbatim copy shows.
+fn p_params(request_id: &str) -> Value {
+    json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "p0-engine",
+        "remote_block_ids": [3, 1, 4], "remote_request_id": request_id,
+        "remote_host": "10.1.2.3", "remote_port": 5600, "tp_size": 1,
+        "remote_blocks_expiry_time": 1.5})
+}
+
+fn json_answer(v: &Value) -> Response {
+    (
+        StatusCode::OK,
+        [("content-type", "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+async fn handler(
+    State(m): State<Arc<Mock>>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let value: Value = serde_json::from_slice(&body).expect("forwarded JSON");
+    let kept: HashMap<String, String> = ["x-session-id", "x-request-id"]
+        .iter()
+        .filter_map(|h| {
+            headers
+                .get(*h)
+                .map(|v| (h.to_string(), v.to_str().unwrap().to_owned()))
+        })
+        .collect();
+    m.received
+        .lock()
+        .push((uri.path().to_owned(), kept.clone(), value.clone()));
+    let params = &value["kv_transfer_params"];
+    if params["do_remote_decode"] == true {
+        if let Some(status) = *m.fail_prefill.lock() {
+            return (
+                StatusCode::from_u16(status).unwrap(),
+                [("content-type", "application/json")],
+                json!({"error": {"message": format!("{} failed", m.name)}}).to_string(),
+            )
+                .into_response();
+        }
+        let id = kept.get("x-request-id").cloned().unwrap_or_default();
+        return json_answer(&json!({"choices": [{"text": "x"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 1},
+            "kv_transfer_params": p_params(&id)}));
+    }
+    if let Some(status) = *m.fail_decode.lock() {
+        return (
+            StatusCode::from_u16(status).unwrap(),
+            [("content-type", "application/json")],
+            json!({"error": {"message": format!("{} says {status}", m.name)}}).to_string(),
+        )
+            .into_response();
+    }
+    let cached = if params.is_object() {
+        0
+    } else {
+        *m.cached.lock()
+    };
+    let usage = json!({"prompt_tokens": 2_000, "completion_tokens": 2, "total_tokens": 2_002,
+        "prompt_tokens_details": {"cached_tokens": cached}});
+    if value["stream"] == true {
+        let mut events = vec![
+            json!({"choices": [{"index": 0, "text": "a", "finish_reason": null}]}),
+            json!({"choices": [{"index": 0, "text": " b", "finish_reason": "length"}]}),
+        ];
+        if value["stream_options"]["include_usage"] == true {
+            events.push(json!({"choices": [], "usage": usage}));
+        }
+        let mut text: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+        text.push_str("data: [DONE]\n\n");
+        return (
+            StatusCode::OK,
+            [("content-type", "text/event-stream")],
+            text,
+        )
+            .into_response();
+    }
+    json_answer(
+        &json!({"choices": [{"index": 0, "text": "a b", "finish_reason": "length"}],
+        "usage": usage, "kv_transfer_params": null}),
+    )
+}
+
+async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
+    let mock = Arc::new(Mock {
+        name: name.to_owned(),
+        fail_prefill: Mutex::new(None),
+        fail_decode: Mutex::new(None),
+        cached: Mutex::new(100_000),
+        received: Mutex::new(Vec::new()),
+    });
+    let app = axum::Router::new()
+        .route("/v1/completions", post(handler))
+        .route("/v1/chat/completions", post(handler))
+        .route("/generate", post(handler))
+        .with_state(mock.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (mock, addr)
+}
+
+struct Front {
+    cluster: Cluster,
+    mocks: HashMap<u32, Arc<Mock>>,
+    addr: SocketAddr,
+}
+
+impl Front {
+    /// P0 and D1 (snapshot workers), both `engine = "vllm"`, each with a mock vLLM server.
+    async fn start() -> Front {
+        let cluster = Cluster::start(|cfg: &mut RouterConfig| {
+            cfg.workers.truncate(2);
+            for w in &mut cfg.workers {
+                w.engine = Some(EngineKind::Vllm);
+            }
+        })
+        .await;
+        let workers: Vec<(u32, WorkerRole)> = cluster
+            .service()
+            .config()
+            .workers
+            .iter()
+            .map(|w| (w.id, w.role))
+            .collect();
+        cluster.wait_health(&[0, 1], Health::Healthy).await;
+        let mut mocks = HashMap::new();
+        let mut http = WorkerEndpoints::new();
+        for (id, role) in workers {
+            let name = format!("{}{id}", &role.to_string()[..1]);
+            let (mock, addr) = spawn_mock(&name).await;
+            http.insert(WorkerId(id), &format!("http://{addr}"), None)
+                .unwrap();
+            http.set_engine(WorkerId(id), Some(EngineKind::Vllm));
+            mocks.insert(id, mock);
+        }
+        let options = HttpOptions {
+            request_timeout: Duration::from_secs(5),
+            retry_backoff: Duration::from_millis(1),
+            health_check_interval: None,
+            ..HttpOptions::default()
+        };
+        let app = http_app_with(cluster.service().clone(), http, options);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Front {
+            cluster,
+            mocks,
+            addr,
+        }
+    }
+
+    fn received(&self, id: u32) -> Vec<Received> {
+        self.mocks[&id].received.lock().clone()
+    }
+
+    async fn post(&self, path: &str, session: &str, body: &Value) -> Reply {
+        let headers = [("x-session-id", session)];
+        let (status, headers, text) =
+            http_client::exchange(self.addr, path, &headers, &body.to_string()).await;
+        Reply {
+            status,
+            headers,
+            text,
+        }
+    }
+
+    fn outcomes(&self, outcome: &str) -> f64 {
+        let samples = common::parse_prometheus(&self.cluster.service().render_metrics());
+        common::value(
+            &samples,
+            "kvc_router_outcomes_total",
+            &[("outcome", outcome)],
+        )
+    }
+
+    /// Waits (bounded) until no decision awaits its outcome.
+    async fn settle(&self) {
+        for _ in 0..500 {
+            if self.cluster.service().pending_decisions() == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("an outcome was never reported");
+    }
+}
+
+struct Reply {
+    status: u16,
+    headers: HashMap<String, String>,
+    text: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .unwrap_or_else(|| panic!("no {name} in {:?}", self.headers))
+    }
+}
+
+fn words(n: u32) -> String {
+    (0..n)
+        .map(|i| format!("w{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn completion(n: u32, stream: bool) -> Value {
+    json!({"model": "m", "prompt": words(n), "max_tokens": 8, "min_tokens": 2,
+        "stream": stream, "temperature": 0.0})
+}
+
+fn as_object(v: &Value) -> serde_json::Map<String, Value> {
+    v.as_object().unwrap().clone()
+}
+
+#[tokio::test]
+async fn p_and_d_get_exactly_the_nixl_fields_and_nothing_a_client_smuggled() {
+    let f = Front::start().await;
+    // Turn 1 (P→D), with fields only the router may set.
+    let mut sent = completion(1_300, false);
+    sent["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_host": "evil"});
+    sent["bootstrap_host"] = json!("evil");
+    sent["bootstrap_room"] = json!(7);
+    let r = f.post("/v1/completions", "agent-1", &sent).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    assert!(!r.headers.contains_key(PREFILL_FAILED_HEADER));
+    let client = completion(1_300, false);
+    let (p_path, p_headers, p_body) = f.received(0).pop().unwrap();
+    let (d_path, d_headers, d_body) = f.received(1).pop().unwrap();
+    assert_eq!(
+        (p_path.as_str(), d_path.as_str()),
+        ("/v1/completions", "/v1/completions")
+    );
+    let mut want_p = as_object(&client);
+    want_p.insert(
+        "kv_transfer_params".into(),
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+            "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+    );
+    want_p.insert("stream".into(), json!(false));
+    want_p.insert("max_tokens".into(), json!(1));
+    want_p.remove("min_tokens");
+    assert_eq!(p_body, Value::Object(want_p));
+    // D: the client's body with P's parameters verbatim.
+    let request_id = &p_headers["x-request-id"];
+    assert!(!request_id.is_empty());
+    assert_eq!(&d_headers["x-request-id"], request_id, "one id for P and D");
+    assert_eq!(p_headers["x-session-id"], "agent-1");
+    let mut want_d = as_object(&client);
+    want_d.insert("kv_transfer_params".into(), p_params(request_id));
+    assert_eq!(d_body, Value::Object(want_d));
+
+    // Turn 2: direct-to-D, the client's body as it is.
+    let r = f
+        .post("/v1/completions", "agent-1", &completion(1_900, false))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    assert_eq!(f.received(0).len(), 1, "P is not called");
+    let (_, d_headers, d_body) = f.received(1).pop().unwrap();
+    assert_eq!(d_body, completion(1_900, false));
+    assert!(d_headers.contains_key("x-request-id"));
+
+    // Turn 3, streamed chat without usage asked: D is asked for the usage chunk, the client
+    // does not see it.
+    let chat = |n: u32, usage: bool| {
+        let mut v = json!({"messages": [{"role": "user", "content": words(n)}],
+            "max_completion_tokens": 8, "stream": true});
+        if usage {
+            v["stream_options"] = json!({"include_usage": true});
+        }
+        v
+    };
+    let r = f
+        .post("/v1/chat/completions", "chat-1", &chat(1_300, false))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    let (_, _, p_body) = f.received(0).pop().unwrap();
+    assert_eq!(p_body["max_completion_tokens"], 1);
+    assert_eq!(p_body["stream"], false);
+    assert!(p_body.get("stream_options").is_none());
+    let r = f
+        .post("/v1/chat/completions", "chat-1", &chat(1_900, false))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    let (_, _, d_body) = f.received(1).pop().unwrap();
+    let mut want = as_object(&chat(1_900, false));
+    want.insert("stream_options".into(), json!({"include_usage": true}));
+    assert_eq!(d_body, Value::Object(want));
+    assert!(
+        r.text.contains("\" b\"") && r.text.ends_with("data: [DONE]\n\n"),
+        "{}",
+        r.text
+    );
+    assert!(!r.text.contains("\"usage\""), "{}", r.text);
+    // Asked for by the client: relayed.
+    let r = f
+        .post("/v1/chat/completions", "chat-1", &chat(2_500, true))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    assert!(r.text.contains("\"choices\":[]"), "{}", r.text);
+    f.settle().await;
+    assert_eq!(f.outcomes("ok"), 5.0);
+    // No worker ever got a field a client set.
+    for id in [0, 1] {
+        for (_, _, body) in f.received(id) {
+            assert!(body.get("bootstrap_host").is_none() && body.get("bootstrap_room").is_none());
+            assert_ne!(body["kv_transfer_params"]["remote_host"], "evil");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_failed_prefill_leaves_the_request_to_d_alone() {
+    let f = Front::start().await;
+    *f.mocks[&0].fail_prefill.lock() = Some(500);
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        let session = format!("s{i}");
+        let r = f
+            .post("/v1/completions", &session, &completion(1_300, stream))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+        assert_eq!(r.header(PREFILL_FAILED_HEADER), "0");
+        let (_, _, d_body) = f.received(1).pop().unwrap();
+        assert!(d_body.get("kv_transfer_params").is_none(), "{d_body}");
+        assert_eq!(d_body["prompt"], words(1_300));
+    }
+    f.settle().await;
+    assert_eq!(f.outcomes("ok"), 2.0);
+    assert_eq!(f.outcomes("worker-failed"), 0.0);
+    // D holds the session it served in full: the next turn goes direct.
+    let r = f
+        .post("/v1/completions", "s0", &completion(1_900, false))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+}
+
+#[tokio::test]
+async fn a_direct_turn_d_served_without_its_cache_is_a_direct_cache_miss() {
+    let f = Front::start().await;
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        let session = format!("m{i}");
+        *f.mocks[&1].cached.lock() = 100_000;
+        let r = f
+            .post("/v1/completions", &session, &completion(1_300, stream))
+            .await;
+        assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+        // D evicted the session behind the router's back: it reports no cached tokens.
+        *f.mocks[&1].cached.lock() = 0;
+        let r = f
+            .post("/v1/completions", &session, &completion(1_900, stream))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+        f.settle().await;
+        assert_eq!(f.outcomes("direct-cache-miss"), (i + 1) as f64);
+        // The policy no longer counts the session resident on D: the next turn goes via P.
+        let r = f
+            .post("/v1/completions", &session, &completion(2_500, stream))
+            .await;
+        assert_ne!(r.header("x-kvc-mode"), "direct-to-d");
+        assert!(!r.headers.contains_key(PREFILL_FAILED_HEADER));
+    }
+    f.settle().await;
+    assert_eq!(f.outcomes("ok"), 4.0);
+    let snapshot = f.cluster.service().render_metrics();
+    assert!(
+        snapshot.contains("outcome=\"direct-cache-miss\"} 2"),
+        "counted in /metrics"
+    );
+}
+
+#[tokio::test]
+async fn a_decode_worker_s_error_on_a_stream_reaches_the_client_whole() {
+    let f = Front::start().await;
+    *f.mocks[&1].fail_decode.lock() = Some(400);
+    let r = f
+        .post("/v1/completions", "e", &completion(1_300, true))
+        .await;
+    assert_eq!(r.status, 400);
+    let v: Value = serde_json::from_str(&r.text).unwrap_or_else(|e| panic!("{e}: {}", r.text));
+    assert_eq!(v["error"]["message"], "d1 says 400");
+    f.settle().await;
+    assert_eq!(f.outcomes("worker-failed"), 1.0);
+}
+
+#[tokio::test]
+async fn generate_is_refused_on_a_vllm_cluster() {
+    let f = Front::start().await;
+    let body = json!({"text": words(100), "sampling_params": {"max_new_tokens": 4}});
+    let r = f.post("/generate", "g", &body).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    let v: Value = serde_json::from_str(&r.text).unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/v1/completions"),
+        "{v}"
+    );
+    assert!(f.received(0).is_empty() && f.received(1).is_empty());
+}
