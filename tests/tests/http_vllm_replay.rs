@@ -39,10 +39,14 @@ fn trace() -> Trace {
 }
 
 fn config() -> SimConfig {
-    SimConfig::new(
+    let mut cfg = SimConfig::new(
         "1p3d".parse().unwrap(),
         PolicyConfig::from_name("kvc").unwrap(),
-    )
+    );
+    // The router declares no worker capabilities: its decode workers serve no turn alone, so
+    // the simulation it is compared with does not either.
+    cfg.local_prefill = false;
+    cfg
 }
 
 fn http_run(trace: &Trace, stream: bool, faults: Faults, name: &str) -> HttpOutput {

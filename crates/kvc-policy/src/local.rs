@@ -93,26 +93,14 @@ pub struct LocalPrefillConfig {
 
 impl Default for LocalPrefillConfig {
     fn default() -> Self {
-        LocalPrefillConfig {
-            enabled: true,
-            prefill_tokens_per_s: 127_000.0,
-            attention_tokens2_per_s: 1.07e9,
-            transfer_tokens_per_s: 254_000.0,
-            transfer_setup_ms: 15.0,
-            interference_weight: 1.0,
-            p_headroom_s: 1.0,
-            max_local_backlog_s: 4.0,
-            ttft_weight: 5.0,
-            active_weight: 0.25,
-            no_room_s: 30.0,
-        }
+        Self::ON
     }
 }
 
 impl LocalPrefillConfig {
-    /// Local prefill switched off: `kvc` plans only direct-to-D and P→D paths.
-    pub const OFF: LocalPrefillConfig = LocalPrefillConfig {
-        enabled: false,
+    /// The defaults: local prefill on, with the knobs above.
+    pub const ON: LocalPrefillConfig = LocalPrefillConfig {
+        enabled: true,
         prefill_tokens_per_s: 127_000.0,
         attention_tokens2_per_s: 1.07e9,
         transfer_tokens_per_s: 254_000.0,
@@ -123,6 +111,12 @@ impl LocalPrefillConfig {
         ttft_weight: 5.0,
         active_weight: 0.25,
         no_room_s: 30.0,
+    };
+
+    /// Local prefill switched off: `kvc` plans only direct-to-D and P→D paths.
+    pub const OFF: LocalPrefillConfig = LocalPrefillConfig {
+        enabled: false,
+        ..LocalPrefillConfig::ON
     };
 
     pub(crate) fn validate(&self, policy: &'static str) -> Result<(), PolicyError> {

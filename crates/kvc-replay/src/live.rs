@@ -217,6 +217,24 @@ impl Publisher {
         Ok(p)
     }
 
+    /// The publisher for a router reading `state`: snapshot files in `dir`, or, for engine
+    /// signals, none (`dir` is still created: it holds a spawned router's configuration).
+    pub(crate) fn for_router_state(
+        cfg: &SimConfig,
+        state: StateSource,
+        dir: &Path,
+        table_slots: usize,
+    ) -> Result<Self, LiveError> {
+        if state != StateSource::Events {
+            return Self::create(cfg, dir, table_slots);
+        }
+        std::fs::create_dir_all(dir).map_err(|e| LiveError::Snapshot {
+            path: dir.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Ok(Self::without_snapshots(cfg))
+    }
+
     /// A publisher that writes no snapshot file (the workers' state goes out only as engine
     /// signals, once served).
     pub(crate) fn without_snapshots(cfg: &SimConfig) -> Self {
@@ -471,16 +489,8 @@ pub fn live(
     // A router reading engine signals gets no snapshot file, and no worker service (which
     // answers from one).
     let events = opts.router_state == StateSource::Events;
-    let mut publisher = if events {
-        // The directory still holds the spawned router's configuration.
-        std::fs::create_dir_all(&opts.snapshot_dir).map_err(|e| LiveError::Snapshot {
-            path: opts.snapshot_dir.display().to_string(),
-            message: e.to_string(),
-        })?;
-        Publisher::without_snapshots(cfg)
-    } else {
-        Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?
-    };
+    let mut publisher =
+        Publisher::for_router_state(cfg, opts.router_state, &opts.snapshot_dir, opts.table_slots)?;
     let rt = runtime()?;
     let start_wall_ms = SystemClock.now_ms();
     // Publish once so the router finds fresh snapshots from its first read.

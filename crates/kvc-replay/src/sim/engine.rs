@@ -122,6 +122,18 @@ struct ResidentEntry {
 }
 
 impl ResidentEntry {
+    /// `tokens` of a session (block ids `hashes`) that a job of it holds from `now` on.
+    fn running(tokens: u64, hashes: HashIds, now: Micros) -> Self {
+        ResidentEntry {
+            tokens,
+            hashes,
+            last_access: now,
+            running: true,
+            pending: false,
+            prealloc: false,
+        }
+    }
+
     /// Evictable by idle-only eviction.
     fn idle(&self) -> bool {
         !self.running && !self.pending
@@ -171,6 +183,29 @@ struct Active {
     /// Bumped by every retraction, so the work of an iteration that started before it is
     /// not applied after it.
     epoch: u32,
+}
+
+impl Active {
+    /// A job at `stage`, prefilling on `prefill_on` and decoding on `decode_on`, with nothing
+    /// done, reserved or pending yet.
+    fn new(job: Job, prefill_on: WorkerId, decode_on: WorkerId, stage: Stage) -> Self {
+        Active {
+            job,
+            prefill_on,
+            decode_on,
+            stage,
+            remaining: 0,
+            done_ctx: 0,
+            generated: 0,
+            pinned: 0,
+            extra: 0,
+            cached: 0,
+            deadline: 0,
+            transfer_end: 0,
+            retractions: 0,
+            epoch: 0,
+        }
+    }
 }
 
 /// What one running iteration of a worker carries.
@@ -755,22 +790,7 @@ impl Engine {
     /// Starts a job on the P→D path: prefill on `p`, transfer to `d`.
     pub fn start_p_to_d(&mut self, job: Job, p: WorkerId, d: WorkerId, now: Micros) {
         let id = job.id;
-        let a = Active {
-            job,
-            prefill_on: p,
-            decode_on: d,
-            stage: Stage::WaitingPool,
-            remaining: 0,
-            done_ctx: 0,
-            generated: 0,
-            pinned: 0,
-            extra: 0,
-            cached: 0,
-            deadline: 0,
-            transfer_end: 0,
-            retractions: 0,
-            epoch: 0,
-        };
+        let a = Active::new(job, p, d, Stage::WaitingPool);
         let session = a.job.session;
         self.jobs.insert(id, a);
         if p == d {
@@ -824,20 +844,8 @@ impl Engine {
         self.jobs.insert(
             id,
             Active {
-                job,
-                prefill_on: d,
-                decode_on: d,
-                stage: Stage::Retracted,
-                remaining: 0,
-                done_ctx: 0,
-                generated: 0,
-                pinned: 0,
-                extra: 0,
-                cached: 0,
                 deadline,
-                transfer_end: 0,
-                retractions: 0,
-                epoch: 0,
+                ..Active::new(job, d, d, Stage::Retracted)
             },
         );
         self.workers[d.0 as usize].waiting.push_back(id);
@@ -893,20 +901,10 @@ impl Engine {
         self.jobs.insert(
             id,
             Active {
-                job,
-                prefill_on: d,
-                decode_on: d,
-                stage: Stage::Prefill,
                 remaining,
                 done_ctx: cached,
-                generated: 0,
-                pinned: 0,
-                extra: 0,
                 cached,
-                deadline: 0,
-                transfer_end: 0,
-                retractions: 0,
-                epoch: 0,
+                ..Active::new(job, d, d, Stage::Prefill)
             },
         );
         wk.prefill_q.push_back(id);
@@ -958,25 +956,8 @@ impl Engine {
             }
         }
         let id = job.id;
-        self.jobs.insert(
-            id,
-            Active {
-                job,
-                prefill_on: w,
-                decode_on: w,
-                stage: Stage::WaitingLocal,
-                remaining: 0,
-                done_ctx: 0,
-                generated: 0,
-                pinned: 0,
-                extra: 0,
-                cached: 0,
-                deadline: 0,
-                transfer_end: 0,
-                retractions: 0,
-                epoch: 0,
-            },
-        );
+        self.jobs
+            .insert(id, Active::new(job, w, w, Stage::WaitingLocal));
         if self.workers[w.0 as usize].waiting.is_empty() && self.admit_local(id, w, now) {
             return LocalAdmission::Started {
                 cached: self.jobs[&id].cached,
@@ -1004,17 +985,8 @@ impl Engine {
             .unwrap_or(0);
         let cached = kvc_core::prefix::reusable_tokens(held, input, self.opts.block_size);
         wk.resident_tokens += input;
-        wk.residents.insert(
-            session,
-            ResidentEntry {
-                tokens: input,
-                hashes,
-                last_access: now,
-                running: true,
-                pending: false,
-                prealloc: false,
-            },
-        );
+        wk.residents
+            .insert(session, ResidentEntry::running(input, hashes, now));
         wk.prefill_q.push_back(id);
         let a = self.jobs.get_mut(&id).expect("job");
         a.stage = Stage::Prefill;
@@ -1196,17 +1168,8 @@ impl Engine {
         let hashes = a.job.hashes.clone();
         let wk = &mut self.workers[d.0 as usize];
         wk.resident_tokens += tokens;
-        wk.residents.insert(
-            session,
-            ResidentEntry {
-                tokens,
-                hashes,
-                last_access: now,
-                running: true,
-                pending: false,
-                prealloc: false,
-            },
-        );
+        wk.residents
+            .insert(session, ResidentEntry::running(tokens, hashes, now));
         wk.prefill_q.push_back(id);
         self.start_iteration_if_idle(d, now);
         true

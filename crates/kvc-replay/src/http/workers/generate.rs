@@ -2,26 +2,21 @@
 //! the engine thread and answers, whole or streamed.
 
 use super::bootstrap::resolve_prefill;
-use super::engine_thread::{Progress, RequestPart, StartRequest};
+use super::engine_thread::{Progress, RequestPart};
 use super::sglang::{
-    GenerateBody, WorkerContext, error_response, json_response, meta_info, output_text,
+    GenerateBody, WorkerContext, error_response, event_stream, find_prompt, invalid, json_response,
+    meta_info, output_text, shutting_down,
 };
 use super::stream::SseAnswer;
-use crate::http::prompt::prompt_key;
 use crate::sim::engine::Job;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::Response;
 use kvc_core::WorkerRole;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::mpsc::unbounded_channel;
-
-fn invalid(message: &str) -> Response {
-    error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message)
-}
 
 fn engine_stopped() -> Response {
     error_response(
@@ -37,30 +32,11 @@ pub(super) async fn generate(State(ctx): State<Arc<WorkerContext>>, body: Bytes)
         Err(m) => return invalid(&m),
     };
     let shared = &ctx.shared;
-    let Some(index) = shared.find(prompt_key(&req.text)) else {
-        return invalid(&format!(
-            "{}: unknown prompt (not one this replay has in flight)",
-            ctx.name
-        ));
+    let index = match find_prompt(&ctx, &req.text, ctx.role != WorkerRole::Prefill) {
+        Ok(i) => i,
+        Err(answer) => return *answer,
     };
-    let arrived = Instant::now();
-    shared.with_served(index, |s| {
-        s.arrived = Some(s.arrived.map_or(arrived, |a| a.min(arrived)));
-        if ctx.role != WorkerRole::Prefill {
-            s.attempts += 1;
-        }
-    });
     let r = &shared.trace.requests[index];
-    if r.input_length > shared.max_input {
-        return error_response(
-            StatusCode::BAD_REQUEST,
-            "input_too_long",
-            &format!(
-                "The input ({} tokens) is longer than the model's context length ({} tokens).",
-                r.input_length, shared.max_input
-            ),
-        );
-    }
     let job = Job {
         id: 0,
         session: r.session,
@@ -97,19 +73,9 @@ pub(super) async fn generate(State(ctx): State<Arc<WorkerContext>>, body: Bytes)
             }
         }
     };
-    let (reply, mut progress) = unbounded_channel();
-    if !shared.start_on_engine(StartRequest {
-        index,
-        job,
-        part,
-        reply,
-    }) {
-        return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            "the worker is shutting down",
-        );
-    }
+    let Some(mut progress) = shared.start_on_engine(index, job, part) else {
+        return shutting_down();
+    };
     match progress.recv().await {
         Some(Progress::Accepted) => {}
         Some(Progress::Rejected(m)) => {
@@ -136,15 +102,7 @@ pub(super) async fn generate(State(ctx): State<Arc<WorkerContext>>, body: Bytes)
             prefill_leg,
             finished: false,
         };
-        let body = Body::from_stream(tokio_stream::wrappers::UnboundedReceiverStream::new(
-            answer.spawn(),
-        ));
-        return (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, "text/event-stream")],
-            body,
-        )
-            .into_response();
+        return event_stream(answer.spawn());
     }
     // Whole answer: at the first token for a prefill leg, at the end otherwise.
     loop {

@@ -163,15 +163,12 @@ impl HttpWorkers {
         let roles = crate::sim::worker_roles(cfg.topology);
         let names = crate::sim::worker_names(&roles);
         let shutdown = CancellationToken::new();
-        let mut publisher = if opts.router_state == StateSource::Events {
-            std::fs::create_dir_all(&opts.snapshot_dir).map_err(|e| LiveError::Snapshot {
-                path: opts.snapshot_dir.display().to_string(),
-                message: e.to_string(),
-            })?;
-            Publisher::without_snapshots(cfg)
-        } else {
-            Publisher::create(cfg, &opts.snapshot_dir, opts.table_slots)?
-        };
+        let mut publisher = Publisher::for_router_state(
+            cfg,
+            opts.router_state,
+            &opts.snapshot_dir,
+            opts.table_slots,
+        )?;
         let engine_urls = if opts.router_state == StateSource::Events {
             publisher.serve_engine_signals(
                 runtime,

@@ -59,6 +59,71 @@ pub(super) fn json_response(status: StatusCode, body: &Value) -> Response {
         .into_response()
 }
 
+/// One piece of a streamed answer: an event, or the stream's failure.
+pub(super) type Chunk = Result<axum::body::Bytes, std::io::Error>;
+
+/// A `200` Server-Sent Events answer relaying `events` as they come.
+pub(super) fn event_stream(events: tokio::sync::mpsc::UnboundedReceiver<Chunk>) -> Response {
+    let body =
+        axum::body::Body::from_stream(tokio_stream::wrappers::UnboundedReceiverStream::new(events));
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/event-stream")],
+        body,
+    )
+        .into_response()
+}
+
+/// A `503`: the engine has stopped.
+pub(super) fn shutting_down() -> Response {
+    error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable",
+        "the worker is shutting down",
+    )
+}
+
+/// A `400` for a request the worker cannot take.
+pub(super) fn invalid(message: &str) -> Response {
+    error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+}
+
+/// The trace request in flight whose prompt is `text`, its first arrival recorded (`attempt`:
+/// the worker serves or decodes it, so the attempt counts); else the worker's answer: `400`
+/// for a prompt this replay has not in flight, or one longer than the model's input limit.
+pub(super) fn find_prompt(
+    ctx: &WorkerContext,
+    text: &str,
+    attempt: bool,
+) -> Result<usize, Box<Response>> {
+    let shared = &ctx.shared;
+    let Some(index) = shared.find(crate::http::prompt::prompt_key(text)) else {
+        return Err(Box::new(invalid(&format!(
+            "{}: unknown prompt (not one this replay has in flight)",
+            ctx.name
+        ))));
+    };
+    let arrived = std::time::Instant::now();
+    shared.with_served(index, |s| {
+        s.arrived = Some(s.arrived.map_or(arrived, |a| a.min(arrived)));
+        if attempt {
+            s.attempts += 1;
+        }
+    });
+    let r = &shared.trace.requests[index];
+    if r.input_length > shared.max_input {
+        return Err(Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            "input_too_long",
+            &format!(
+                "The input ({} tokens) is longer than the model's context length ({} tokens).",
+                r.input_length, shared.max_input
+            ),
+        )));
+    }
+    Ok(index)
+}
+
 /// An error in the OpenAI shape SGLang uses: `{"error": {"message", "type", "code"}}`.
 pub(super) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
     json_response(

@@ -1,8 +1,8 @@
 //! What the worker servers, the engine thread and the driver share: the trace, the prompts in
 //! flight, what the workers served of each request, and engine time read off the wall clock.
 
-use super::engine_thread::StartRequest;
-use crate::sim::engine::Micros;
+use super::engine_thread::{Progress, RequestPart, StartRequest};
+use crate::sim::engine::{Job, Micros};
 use crate::trace::Trace;
 use kvc_core::{Outcome, WorkerId, WorkerRole};
 use parking_lot::Mutex;
@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 /// How a request was carried out, as the workers saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,9 +150,22 @@ impl SharedState {
             .map(|i| WorkerId(i as u32))
     }
 
-    /// Hands a request to the engine thread; `false` once it has stopped.
-    pub(super) fn start_on_engine(&self, request: StartRequest) -> bool {
-        self.engine.lock().send(request).is_ok()
+    /// Hands trace request `index` (as `job`, for `part` of its path) to the engine thread
+    /// and returns where its progress comes; `None` once the engine has stopped.
+    pub(super) fn start_on_engine(
+        &self,
+        index: usize,
+        job: Job,
+        part: RequestPart,
+    ) -> Option<UnboundedReceiver<Progress>> {
+        let (reply, progress) = unbounded_channel();
+        let request = StartRequest {
+            index,
+            job,
+            part,
+            reply,
+        };
+        self.engine.lock().send(request).ok().map(|()| progress)
     }
 }
 

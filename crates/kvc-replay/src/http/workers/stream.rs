@@ -2,7 +2,7 @@
 //! and one at the end, then `data: [DONE]`.
 
 use super::engine_thread::Progress;
-use super::sglang::{meta_info, output_text};
+use super::sglang::{Chunk, meta_info, output_text};
 use super::state::SharedState;
 use axum::body::Bytes;
 use kvc_core::sse;
@@ -25,9 +25,6 @@ pub(super) struct SseAnswer {
     /// The last event was sent.
     pub(super) finished: bool,
 }
-
-/// One body chunk: an event or the stream's failure.
-type Chunk = Result<Bytes, std::io::Error>;
 
 fn event(v: &Value) -> Chunk {
     Ok(Bytes::from(sse::event(&v.to_string())))

@@ -22,14 +22,16 @@
 //! joined by newlines; it is found among the driver's requests in flight as for `/generate`.
 
 use super::PAIR_TIMEOUT_WALL;
-use super::engine_thread::{Progress, RequestPart, StartRequest};
-use super::sglang::{WorkerContext, error_response, json_response, output_text};
-use crate::http::prompt::prompt_key;
+use super::engine_thread::{Progress, RequestPart};
+use super::sglang::{
+    Chunk, WorkerContext, error_response, event_stream, find_prompt, invalid, json_response,
+    output_text, shutting_down,
+};
 use crate::sim::engine::Job;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
 use kvc_core::{WorkerId, WorkerRole, sse};
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
@@ -111,10 +113,6 @@ fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
     })
 }
 
-fn invalid(message: &str) -> Response {
-    error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message)
-}
-
 /// Every remote request id a prefill worker hands out is distinct.
 static NEXT_HOLD: AtomicU64 = AtomicU64::new(0);
 
@@ -140,13 +138,6 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
         Err(m) => return invalid(&m),
     };
     let shared = &ctx.shared;
-    let Some(index) = shared.find(prompt_key(&req.text)) else {
-        return invalid(&format!(
-            "{}: unknown prompt (not one this replay has in flight)",
-            ctx.name
-        ));
-    };
-    let arrived = Instant::now();
     let remote_decode = req
         .transfer
         .as_ref()
@@ -159,23 +150,11 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
         .and_then(|p| p.get("do_remote_prefill"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    shared.with_served(index, |s| {
-        s.arrived = Some(s.arrived.map_or(arrived, |a| a.min(arrived)));
-        if !remote_decode {
-            s.attempts += 1;
-        }
-    });
+    let index = match find_prompt(&ctx, &req.text, !remote_decode) {
+        Ok(i) => i,
+        Err(answer) => return *answer,
+    };
     let r = &shared.trace.requests[index];
-    if r.input_length > shared.max_input {
-        return error_response(
-            StatusCode::BAD_REQUEST,
-            "input_too_long",
-            &format!(
-                "The input ({} tokens) is longer than the model's context length ({} tokens).",
-                r.input_length, shared.max_input
-            ),
-        );
-    }
     let prompt_tokens = r.input_length;
     if remote_decode {
         return hold_for_decode(&ctx, api, headers, index, prompt_tokens);
@@ -219,19 +198,9 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
         hashes: r.hash_ids.clone(),
     };
     let output = job.output;
-    let (reply, mut progress) = unbounded_channel();
-    if !shared.start_on_engine(StartRequest {
-        index,
-        job,
-        part,
-        reply,
-    }) {
-        return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            "the worker is shutting down",
-        );
-    }
+    let Some(mut progress) = shared.start_on_engine(index, job, part) else {
+        return shutting_down();
+    };
     let answer = Answer {
         api,
         model: shared.model.clone(),
@@ -240,19 +209,13 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
         output,
     };
     if req.stream {
-        let body = Body::from_stream(tokio_stream::wrappers::UnboundedReceiverStream::new(relay(
+        return event_stream(relay(
             progress,
             ctx.clone(),
             index,
             answer,
             req.include_usage,
-        )));
-        return (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, "text/event-stream")],
-            body,
-        )
-            .into_response();
+        ));
     }
     loop {
         match progress.recv().await {
@@ -408,8 +371,6 @@ impl Answer {
         Bytes::from(sse::event(&v.to_string()))
     }
 }
-
-type Chunk = Result<Bytes, std::io::Error>;
 
 /// A streamed answer: one chunk at the first token, one at the end, the usage chunk when
 /// asked for, then `[DONE]`; an engine failure ends the stream with an error event.
