@@ -167,11 +167,7 @@ pub fn router_config(
                 http_url: None,
                 bootstrap_port: None,
                 engine: None,
-                metrics_url: None,
-                kv_events: None,
-                kv_events_replay: None,
-                kv_events_topic: None,
-                block_size: None,
+                signals: None,
             })
             .collect(),
     }

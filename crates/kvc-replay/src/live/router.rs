@@ -64,24 +64,38 @@ pub struct ConfiguredWorker {
     /// Its disaggregation bootstrap port (prefill workers of an HTTP replay).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bootstrap_port: Option<u16>,
-    /// The engine whose signals it serves (`vllm`), when the router reads them.
+    /// The stock engine it stands for (`vllm`), when declared.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineKind>,
-    /// Its engine `/metrics` URL, when the router reads its state from there.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub metrics_url: Option<String>,
-    /// Its engine's KV-cache event PUB endpoint.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_events: Option<String>,
-    /// Its engine's event replay endpoint.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_events_replay: Option<String>,
-    /// The topic of its engine's events.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_events_topic: Option<String>,
+    /// Where the router reads its engine's signals instead of a snapshot, when it does.
+    #[serde(flatten)]
+    pub signals: Option<ConfiguredSignals>,
+}
+
+/// A worker's engine signals in a [`ConfiguredWorker`]: its `metrics-url` and, when it
+/// publishes them, its KV-cache events.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ConfiguredSignals {
+    /// Its engine `/metrics` URL.
+    pub metrics_url: String,
+    /// Its engine's KV-cache events.
+    #[serde(flatten)]
+    pub events: Option<ConfiguredEvents>,
+}
+
+/// A worker's KV-cache event sockets in a [`ConfiguredSignals`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ConfiguredEvents {
+    /// The PUB endpoint.
+    pub kv_events: String,
+    /// The replay ROUTER endpoint.
+    pub kv_events_replay: String,
+    /// The topic of its events.
+    pub kv_events_topic: String,
     /// Its engine's block size (the events' blocks).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub block_size: Option<u32>,
+    pub block_size: u32,
 }
 
 impl RouterConfigFile {
@@ -118,13 +132,15 @@ impl RouterConfigFile {
         for (w, e) in self.workers.iter_mut().zip(engines) {
             w.snapshot = None;
             w.engine = Some(EngineKind::Vllm);
-            w.metrics_url = Some(e.metrics_url.clone());
-            if !e.kv_events.is_empty() {
-                w.kv_events = Some(e.kv_events.clone());
-                w.kv_events_replay = Some(e.kv_events_replay.clone()).filter(|r| !r.is_empty());
-                w.kv_events_topic = Some(e.kv_events_topic.clone());
-                w.block_size = Some(ENGINE_BLOCK_TOKENS as u32);
-            }
+            w.signals = Some(ConfiguredSignals {
+                metrics_url: e.metrics_url.clone(),
+                events: (!e.kv_events.is_empty()).then(|| ConfiguredEvents {
+                    kv_events: e.kv_events.clone(),
+                    kv_events_replay: e.kv_events_replay.clone(),
+                    kv_events_topic: e.kv_events_topic.clone(),
+                    block_size: ENGINE_BLOCK_TOKENS as u32,
+                }),
+            });
         }
         self
     }

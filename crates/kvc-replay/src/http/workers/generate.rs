@@ -8,7 +8,6 @@ use super::sglang::{
     meta_info, output_text, shutting_down,
 };
 use super::stream::SseAnswer;
-use crate::sim::engine::Job;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode};
@@ -36,14 +35,7 @@ pub(super) async fn generate(State(ctx): State<Arc<WorkerContext>>, body: Bytes)
         Ok(i) => i,
         Err(answer) => return *answer,
     };
-    let r = &shared.trace.requests[index];
-    let job = Job {
-        id: 0,
-        session: r.session,
-        input: r.input_length,
-        output: req.max_new_tokens.unwrap_or(r.output_length).max(1),
-        hashes: r.hash_ids.clone(),
-    };
+    let job = shared.job(index, req.max_new_tokens);
     let output = job.output;
     let prompt_tokens = job.input;
     let part = match (ctx.role, req.room) {

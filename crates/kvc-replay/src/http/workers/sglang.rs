@@ -30,9 +30,7 @@ pub(super) struct WorkerContext {
 /// The routes of one worker: SGLang's `/generate`, or (`vllm`) vLLM's OpenAI routes.
 pub(super) fn worker_app(ctx: Arc<WorkerContext>, vllm: bool) -> Router {
     let api = if vllm {
-        Router::new()
-            .route("/v1/completions", post(super::vllm::completions))
-            .route("/v1/chat/completions", post(super::vllm::chat))
+        super::vllm::routes()
     } else {
         Router::new().route("/generate", post(generate))
     };

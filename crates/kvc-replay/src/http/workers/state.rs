@@ -150,6 +150,19 @@ impl SharedState {
             .map(|i| WorkerId(i as u32))
     }
 
+    /// The engine job of trace request `index`, generating `max_tokens` (the client's limit)
+    /// or else the trace's output length, at least one token.
+    pub(super) fn job(&self, index: usize, max_tokens: Option<u64>) -> Job {
+        let r = &self.trace.requests[index];
+        Job {
+            id: 0,
+            session: r.session,
+            input: r.input_length,
+            output: max_tokens.unwrap_or(r.output_length).max(1),
+            hashes: r.hash_ids.clone(),
+        }
+    }
+
     /// Hands trace request `index` (as `job`, for `part` of its path) to the engine thread
     /// and returns where its progress comes; `None` once the engine has stopped.
     pub(super) fn start_on_engine(

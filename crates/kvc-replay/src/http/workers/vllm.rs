@@ -27,7 +27,6 @@ use super::sglang::{
     Chunk, WorkerContext, error_response, event_stream, find_prompt, invalid, json_response,
     output_text, shutting_down,
 };
-use crate::sim::engine::Job;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -116,20 +115,22 @@ fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
 /// Every remote request id a prefill worker hands out is distinct.
 static NEXT_HOLD: AtomicU64 = AtomicU64::new(0);
 
-pub(super) async fn completions(
-    State(ctx): State<Arc<WorkerContext>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(ctx, OpenAi::Completions, &headers, &body).await
-}
-
-pub(super) async fn chat(
-    State(ctx): State<Arc<WorkerContext>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(ctx, OpenAi::Chat, &headers, &body).await
+/// vLLM's OpenAI routes, `/v1/completions` and `/v1/chat/completions`.
+pub(super) fn routes() -> axum::Router<Arc<WorkerContext>> {
+    let handler = |api: OpenAi| {
+        move |State(ctx): State<Arc<WorkerContext>>, headers: HeaderMap, body: Bytes| async move {
+            serve(ctx, api, &headers, &body).await
+        }
+    };
+    axum::Router::new()
+        .route(
+            "/v1/completions",
+            axum::routing::post(handler(OpenAi::Completions)),
+        )
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(handler(OpenAi::Chat)),
+        )
 }
 
 async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: &[u8]) -> Response {
@@ -154,8 +155,7 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
         Ok(i) => i,
         Err(answer) => return *answer,
     };
-    let r = &shared.trace.requests[index];
-    let prompt_tokens = r.input_length;
+    let prompt_tokens = shared.trace.requests[index].input_length;
     if remote_decode {
         return hold_for_decode(&ctx, api, headers, index, prompt_tokens);
     }
@@ -190,13 +190,7 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
             WorkerRole::Prefill | WorkerRole::Colocated => RequestPart::Colocated(ctx.id),
         }
     };
-    let job = Job {
-        id: 0,
-        session: r.session,
-        input: r.input_length,
-        output: req.max_tokens.unwrap_or(r.output_length).max(1),
-        hashes: r.hash_ids.clone(),
-    };
+    let job = shared.job(index, req.max_tokens);
     let output = job.output;
     let Some(mut progress) = shared.start_on_engine(index, job, part) else {
         return shutting_down();
