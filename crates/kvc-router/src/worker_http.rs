@@ -187,6 +187,17 @@ impl Default for PoolOptions {
     }
 }
 
+/// One call to a worker: `body` (JSON; empty for a `GET`) to `base` + `path`, with extra
+/// `headers`, answered within `timeout`.
+#[derive(Debug)]
+pub(crate) struct Call<'a> {
+    pub(crate) base: WorkerUrl,
+    pub(crate) path: &'a str,
+    pub(crate) headers: &'a [(HeaderName, HeaderValue)],
+    pub(crate) body: Bytes,
+    pub(crate) timeout: Duration,
+}
+
 /// The pooled client every call to a worker goes through (cheap to clone: the pool is
 /// shared).
 #[derive(Debug, Clone)]
@@ -210,14 +221,14 @@ impl WorkerClient {
     }
 
     /// Sends `method` to `base` + `path` and returns once the response head has arrived.
-    async fn send(
-        &self,
-        method: Method,
-        base: &WorkerUrl,
-        path: &str,
-        headers: &[(HeaderName, HeaderValue)],
-        body: Bytes,
-    ) -> Result<WorkerStream, ForwardError> {
+    async fn send(&self, method: Method, call: Call<'_>) -> Result<WorkerStream, ForwardError> {
+        let Call {
+            base,
+            path,
+            headers,
+            body,
+            ..
+        } = call;
         let mut request = Request::builder()
             .method(method)
             .uri(base.uri(path))
@@ -246,34 +257,21 @@ impl WorkerClient {
         })
     }
 
-    /// `POST`s `body` (JSON) to `base` + `path` with extra `headers` and reads the whole
-    /// answer, all within `timeout`.
-    pub(crate) async fn post_whole(
-        &self,
-        base: &WorkerUrl,
-        path: &str,
-        headers: &[(HeaderName, HeaderValue)],
-        body: Bytes,
-        timeout: Duration,
-    ) -> Result<WorkerAnswer, ForwardError> {
-        within(timeout, async {
-            read_all(self.send(Method::POST, base, path, headers, body).await?).await
+    /// `POST`s `call` and reads the whole answer, all within its timeout.
+    pub(crate) async fn post_whole(&self, call: Call<'_>) -> Result<WorkerAnswer, ForwardError> {
+        within(call.timeout, async {
+            read_all(self.send(Method::POST, call).await?).await
         })
         .await
     }
 
-    /// `POST`s `body` (JSON) to `base` + `path` with extra `headers` and returns once the
-    /// response head has arrived, within `timeout`; the body is then read with
-    /// [`WorkerStream::next_piece`].
+    /// `POST`s `call` and returns once the response head has arrived, within its timeout; the
+    /// body is then read with [`WorkerStream::next_piece`].
     pub(crate) async fn post_streaming(
         &self,
-        base: &WorkerUrl,
-        path: &str,
-        headers: &[(HeaderName, HeaderValue)],
-        body: Bytes,
-        timeout: Duration,
+        call: Call<'_>,
     ) -> Result<WorkerStream, ForwardError> {
-        within(timeout, self.send(Method::POST, base, path, headers, body)).await
+        within(call.timeout, self.send(Method::POST, call)).await
     }
 
     /// `GET`s `base` + `path` and reads the whole answer, all within `timeout`.
@@ -283,12 +281,15 @@ impl WorkerClient {
         path: &str,
         timeout: Duration,
     ) -> Result<WorkerAnswer, ForwardError> {
+        let call = Call {
+            base: base.clone(),
+            path,
+            headers: &[],
+            body: Bytes::new(),
+            timeout,
+        };
         within(timeout, async {
-            read_all(
-                self.send(Method::GET, base, path, &[], Bytes::new())
-                    .await?,
-            )
-            .await
+            read_all(self.send(Method::GET, call).await?).await
         })
         .await
     }
@@ -312,6 +313,22 @@ async fn read_all(stream: WorkerStream) -> Result<WorkerAnswer, ForwardError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn post<'a>(
+        base: &WorkerUrl,
+        path: &'a str,
+        headers: &'a [(HeaderName, HeaderValue)],
+        body: Bytes,
+        timeout: Duration,
+    ) -> Call<'a> {
+        Call {
+            base: base.clone(),
+            path,
+            headers,
+            body,
+            timeout,
+        }
+    }
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -404,13 +421,13 @@ mod tests {
         );
         for _ in 0..3 {
             let a = c
-                .post_whole(
+                .post_whole(post(
                     &server.url,
                     "/generate",
                     std::slice::from_ref(&header),
                     Bytes::from_static(b"{\"a\":1}"),
                     SECOND,
-                )
+                ))
                 .await
                 .unwrap();
             assert_eq!((a.status, &a.body[..]), (201, &b"yes"[..]));
@@ -457,13 +474,13 @@ mod tests {
         ])
         .await;
         let mut ws = client()
-            .post_streaming(
+            .post_streaming(post(
                 &server.url,
                 "/generate",
                 &[],
                 Bytes::from_static(b"{}"),
                 SECOND,
-            )
+            ))
             .await
             .unwrap();
         assert_eq!(ws.status, 200);
@@ -496,7 +513,7 @@ mod tests {
             closing_server(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
                 .await;
         let mut ws = client()
-            .post_streaming(&url, "/generate", &[], Bytes::new(), SECOND)
+            .post_streaming(post(&url, "/generate", &[], Bytes::new(), SECOND))
             .await
             .unwrap();
         assert_eq!(&ws.next_piece().await.unwrap().unwrap()[..], b"abc");
@@ -514,7 +531,7 @@ mod tests {
         let url = WorkerUrl::parse(&format!("http://{}", silent.local_addr().unwrap())).unwrap();
         let wait = Duration::from_millis(100);
         let err = client()
-            .post_whole(&url, "/x", &[], Bytes::new(), wait)
+            .post_whole(post(&url, "/x", &[], Bytes::new(), wait))
             .await
             .unwrap_err();
         assert!(
@@ -543,7 +560,7 @@ mod tests {
         ])
         .await;
         let ws = client()
-            .post_streaming(&server.url, "/generate", &[], Bytes::new(), SECOND)
+            .post_streaming(post(&server.url, "/generate", &[], Bytes::new(), SECOND))
             .await
             .unwrap();
         assert!(ws.admission_rejected);

@@ -8,8 +8,7 @@ use super::endpoints::HttpWorker;
 use super::pairing::{PrefillLeg, PrefillResult, partner_timed_out};
 use super::request::Api;
 use super::responses::{answer_or_error, error_response, no_address, worker_answer};
-use crate::config::WorkerUrl;
-use crate::worker_http::{ForwardError, WorkerAnswer};
+use crate::worker_http::{Call, ForwardError, WorkerAnswer};
 use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
@@ -239,13 +238,14 @@ impl<'a> Attempt<'a> {
         AttemptResult::Answered(answer_or_error("prefill worker", answer))
     }
 
-    /// Dispatches the attempt and sends D its request (`send`, given D's URL and the payload)
-    /// while P's request runs on a P→D path: D's answer (see [`Attempt::await_decode`]) with
-    /// P's leg, or the attempt's end.
-    pub(super) async fn send<T, F>(
-        &self,
+    /// Dispatches the attempt and sends D its request (`send`, given the call: D's URL, the
+    /// request's path, the attempt's headers, the payload and the request timeout) while P's
+    /// request runs on a P→D path: D's answer (see [`Attempt::await_decode`]) with P's leg, or
+    /// the attempt's end.
+    pub(super) async fn send<'s, T, F>(
+        &'s self,
         body: Map<String, Value>,
-        send: impl FnOnce(WorkerUrl, Bytes) -> F,
+        send: impl FnOnce(Call<'s>) -> F,
     ) -> Result<(T, Option<PrefillLeg>), AttemptResult>
     where
         F: Future<Output = T>,
@@ -255,9 +255,14 @@ impl<'a> Attempt<'a> {
             payload,
             mut prefill,
         } = self.dispatch(body).map_err(|end| *end)?;
-        let answer = self
-            .await_decode(&mut prefill, send(decode.url, payload))
-            .await?;
+        let call = Call {
+            base: decode.url,
+            path: self.request.api.path(),
+            headers: &self.headers,
+            body: payload,
+            timeout: self.app.options.request_timeout,
+        };
+        let answer = self.await_decode(&mut prefill, send(call)).await?;
         Ok((answer, prefill))
     }
 

@@ -5,7 +5,7 @@
 use super::app::App;
 use super::attempt::{counts_against_breaker, is_success};
 use super::endpoints::HttpWorker;
-use crate::worker_http::{ForwardError, WorkerAnswer};
+use crate::worker_http::{Call, ForwardError, WorkerAnswer};
 use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue};
 use kvc_core::WorkerId;
@@ -86,7 +86,13 @@ impl PrefillLeg {
         let task = tokio::spawn(async move {
             let r = app
                 .client
-                .post_whole(&p.url, path, &headers, payload, timeout)
+                .post_whole(Call {
+                    base: p.url.clone(),
+                    path,
+                    headers: &headers,
+                    body: payload,
+                    timeout,
+                })
                 .await;
             if partner_timed_out(&r) {
                 // P is up and says its decode partner never came: that is the partner's

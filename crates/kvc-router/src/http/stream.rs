@@ -39,13 +39,7 @@ pub(super) async fn forward_stream(
     attempt.headers.extend(leg.headers.iter().cloned());
     let d_id = attempt.decode();
     let timeout = app.options.request_timeout;
-    let headers = &attempt.headers;
-    let sent = attempt.send(body, |url, payload| async move {
-        let path = request.api.path();
-        app.client
-            .post_streaming(&url, path, headers, payload, timeout)
-            .await
-    });
+    let sent = attempt.send(body, |call| app.client.post_streaming(call));
     let (opened, mut prefill) = match sent.await {
         Ok(sent) => sent,
         Err(end) => return end,

@@ -10,7 +10,7 @@ use super::decision::{self, Decision};
 use super::responses::worker_answer;
 use super::stream::forward_stream;
 use super::whole::forward_whole;
-use crate::worker_http::WorkerAnswer;
+use crate::worker_http::{Call, WorkerAnswer};
 use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue};
 use kvc_core::{ExecutionMode, Outcome, WorkerId};
@@ -109,13 +109,13 @@ async fn prefill(
     let payload = Bytes::from(Value::Object(prefill_body(body)).to_string());
     let answer = app
         .client
-        .post_whole(
-            &endpoint.url,
-            request.api.path(),
+        .post_whole(Call {
+            base: endpoint.url.clone(),
+            path: request.api.path(),
             headers,
-            payload,
-            app.options.request_timeout,
-        )
+            body: payload,
+            timeout: app.options.request_timeout,
+        })
         .await;
     app.feed_breaker(p, counts_against_breaker(answer.as_ref().map(|a| a.status)));
     match answer {

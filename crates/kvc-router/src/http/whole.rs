@@ -29,14 +29,7 @@ pub(super) async fn forward_whole(
 ) -> AttemptResult {
     let mut attempt = Attempt::new(app, request, decision);
     attempt.headers.extend(leg.headers.iter().cloned());
-    let headers = &attempt.headers;
-    let sent = attempt.send(body, |url, payload| async move {
-        let timeout = app.options.request_timeout;
-        let path = request.api.path();
-        app.client
-            .post_whole(&url, path, headers, payload, timeout)
-            .await
-    });
+    let sent = attempt.send(body, |call| app.client.post_whole(call));
     let (answer, mut prefill) = match sent.await {
         Ok(sent) => sent,
         Err(end) => return end,
