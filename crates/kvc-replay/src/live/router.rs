@@ -67,6 +67,16 @@ pub struct ConfiguredWorker {
     /// The engine whose signals it serves (`vllm`), when the router reads them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineKind>,
+    /// Whether the router may plan turns it serves alone (`serve-alone`): written on prefill
+    /// and decode workers declared a stock engine, from [`ConfiguredWorker::serves_alone`],
+    /// so that the router sees the capabilities the simulator gives the same worker (a vLLM
+    /// engine's default would let every worker serve alone).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub serve_alone: Option<bool>,
+    /// Whether the replay's worker serves turns alone (the simulator's layout of the
+    /// topology with `--local-prefill`); not a router key.
+    #[serde(skip)]
+    pub serves_alone: bool,
     /// Its engine `/metrics` URL, when the router reads its state from there.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_url: Option<String>,
@@ -82,6 +92,12 @@ pub struct ConfiguredWorker {
     /// Its engine's block size (the events' blocks).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
+}
+
+/// `serve-alone` for a prefill or decode worker, as the simulator lays it out; nothing for
+/// a colocated one, which always serves alone.
+fn declared_serve_alone(w: &ConfiguredWorker) -> Option<bool> {
+    (w.role != WorkerRole::Colocated).then_some(w.serves_alone)
 }
 
 impl RouterConfigFile {
@@ -107,6 +123,7 @@ impl RouterConfigFile {
     pub fn with_engine(mut self, engine: EngineKind) -> Self {
         for w in &mut self.workers {
             w.engine = Some(engine);
+            w.serve_alone = declared_serve_alone(w);
         }
         self
     }
@@ -118,6 +135,7 @@ impl RouterConfigFile {
         for (w, e) in self.workers.iter_mut().zip(engines) {
             w.snapshot = None;
             w.engine = Some(EngineKind::Vllm);
+            w.serve_alone = declared_serve_alone(w);
             w.metrics_url = Some(e.metrics_url.clone());
             if !e.kv_events.is_empty() {
                 w.kv_events = Some(e.kv_events.clone());
