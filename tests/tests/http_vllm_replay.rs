@@ -39,17 +39,28 @@ fn trace() -> Trace {
 }
 
 fn config() -> SimConfig {
-    let mut cfg = SimConfig::new(
+    SimConfig::new(
         "1p3d".parse().unwrap(),
         PolicyConfig::from_name("kvc").unwrap(),
-    );
-    // The router declares no worker capabilities: its decode workers serve no turn alone, so
-    // the simulation it is compared with does not either.
-    cfg.local_prefill = false;
-    cfg
+    )
 }
 
-fn http_run(trace: &Trace, stream: bool, faults: Faults, name: &str) -> HttpOutput {
+/// [`config`] with workers held to their roles (`--local-prefill off`): every turn that is
+/// not direct goes through P, whose failures these runs inject.
+fn fixed_roles() -> SimConfig {
+    SimConfig {
+        local_prefill: false,
+        ..config()
+    }
+}
+
+fn http_run(
+    trace: &Trace,
+    cfg: &SimConfig,
+    stream: bool,
+    faults: Faults,
+    name: &str,
+) -> HttpOutput {
     let dir = std::env::temp_dir().join(format!("kvc-http-vllm-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let opts = HttpLiveOptions {
@@ -76,7 +87,7 @@ fn http_run(trace: &Trace, stream: bool, faults: Faults, name: &str) -> HttpOutp
         ready_file: Some(dir.join("ready.json")),
         router_config_file: Some(dir.join("router.toml")),
     };
-    let out = live_http(trace, &config(), &opts, &mut |_, _| {}).unwrap();
+    let out = live_http(trace, cfg, &opts, &mut |_, _| {}).unwrap();
     // The written router config declares every worker a vLLM engine; no bootstrap ports.
     let rc = kvc_router::config::RouterConfig::from_file(&dir.join("router.toml")).unwrap();
     assert_eq!(rc.workers.len(), 4);
@@ -112,8 +123,16 @@ fn check(trace: &Trace, sim: &SimOutput, http: &HttpOutput) {
         http.report.direct_cache_misses
     );
     let (hm, sm) = (mode_counts(run), mode_counts(sim));
-    assert_eq!(hm.get("turn1-seed"), Some(&3), "{hm:?}");
-    assert_eq!(hm.get("turn1-seed"), sm.get("turn1-seed"));
+    // The three sessions' first turns: through P with workers held to their roles, served
+    // alone by an idle decode worker where vLLM's workers may (as in sim).
+    let first = match sim.summary.config.local_prefill {
+        true => "local-prefill",
+        false => "turn1-seed",
+    };
+    assert_eq!(hm.get(first), Some(&3), "{hm:?}");
+    for mode in ["turn1-seed", "local-prefill"] {
+        assert_eq!(hm.get(mode), sm.get(mode), "{mode}: {hm:?} vs {sm:?}");
+    }
     let share = |m: &BTreeMap<String, usize>| {
         m.get("direct-to-d").copied().unwrap_or(0) as f64 / (trace.len() - 4) as f64
     };
@@ -125,7 +144,7 @@ fn check(trace: &Trace, sim: &SimOutput, http: &HttpOutput) {
     );
     for r in &run.records {
         match r.mode {
-            Some(ExecutionMode::DirectToD) => {
+            Some(ExecutionMode::DirectToD | ExecutionMode::LocalPrefill) => {
                 assert!(r.prefill.is_none() && r.decode.as_deref().unwrap().starts_with('d'));
             }
             Some(ExecutionMode::Turn1Seed | ExecutionMode::Fallback | ExecutionMode::Reseed) => {
@@ -144,10 +163,14 @@ fn check(trace: &Trace, sim: &SimOutput, http: &HttpOutput) {
 #[test]
 fn kvc_router_drives_simulated_vllm_workers_like_sim_streaming_and_not() {
     let trace = trace();
-    let sim = simulate(&trace, &config(), &mut |_, _| {}).unwrap();
-    for stream in [true, false] {
-        let name = if stream { "stream" } else { "whole" };
-        let run = http_run(&trace, stream, Faults::default(), name);
+    for (cfg, stream) in [(config(), true), (config(), false), (fixed_roles(), true)] {
+        let sim = simulate(&trace, &cfg, &mut |_, _| {}).unwrap();
+        let name = match (cfg.local_prefill, stream) {
+            (true, true) => "stream",
+            (true, false) => "whole",
+            (false, _) => "fixed-roles",
+        };
+        let run = http_run(&trace, &cfg, stream, Faults::default(), name);
         check(&trace, &sim, &run);
         assert_eq!(run.report.prefill_failed, 0);
         // P→D requests ran through P, with the KV pulled by D.
@@ -169,7 +192,7 @@ fn a_failing_prefill_worker_leaves_p_to_d_requests_to_the_decode_worker() {
         fail_prefill: true,
         ..Faults::default()
     };
-    let run = http_run(&trace, true, faults, "fail-p");
+    let run = http_run(&trace, &fixed_roles(), true, faults, "fail-p");
     let records = &run.run.records;
     assert_eq!(records.len(), trace.len());
     assert_eq!(run.run.summary.mechanism_errors, 0, "{:?}", run.report);
@@ -206,7 +229,7 @@ fn a_session_evicted_behind_the_router_s_back_is_a_direct_cache_miss() {
         } else {
             "evict-whole"
         };
-        let run = http_run(&trace, stream, faults, name);
+        let run = http_run(&trace, &fixed_roles(), stream, faults, name);
         let records = &run.run.records;
         assert_eq!(records.len(), trace.len());
         assert_eq!(run.run.summary.mechanism_errors, 0, "{:?}", run.report);

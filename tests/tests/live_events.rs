@@ -19,6 +19,10 @@ fn live(replay: &Path, dir: &Path, trace: &Path, state: &str) -> (PathBuf, Strin
     let out = dir.join(format!("live-{state}"));
     let mut child = Command::new(replay)
         .args(["live", "--quiet", "--topology", "1p3d", "--policy", "kvc"])
+        // Workers held to their roles in both runs, so that only the state source differs (a
+        // router reading engine signals learns the workers' engine, which could let them
+        // serve turns alone).
+        .args(["--local-prefill", "off"])
         .args([
             "--speedup",
             "100",

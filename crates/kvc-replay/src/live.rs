@@ -149,6 +149,7 @@ pub fn router_config(
 ) -> RouterConfigFile {
     let roles = worker_roles(cfg.topology);
     let names = crate::sim::worker_names(&roles);
+    let layout = crate::sim::cluster::worker_layout(cfg);
     RouterConfigFile {
         listen,
         metrics_listen,
@@ -167,6 +168,8 @@ pub fn router_config(
                 http_url: None,
                 bootstrap_port: None,
                 engine: None,
+                serve_alone: None,
+                serves_alone: layout.get(i).is_some_and(|(_, caps)| caps.local),
                 signals: None,
             })
             .collect(),

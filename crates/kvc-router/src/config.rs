@@ -2,7 +2,7 @@
 //! checked by one `validate()` per type.
 
 use crate::error::ConfigError;
-use kvc_core::{EngineKind, WorkerId, WorkerRole};
+use kvc_core::{Capabilities, EngineKind, WorkerId, WorkerRole};
 use kvc_policy::{MAX_WORKERS, PolicyConfig};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -456,6 +456,15 @@ pub struct WorkerConfig {
     /// `append-prefill = true` with `engine = "sglang"` declares a patched engine.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub append_prefill: Option<bool>,
+    /// Whether the worker may serve a turn alone (`local-prefill`: it prefills what it does
+    /// not hold of the prompt, decodes, and keeps the session): `None` when the key is
+    /// absent, then [`WorkerConfig::capabilities`] decides by `engine` (`true` for a vLLM
+    /// instance of either role, which serves a plain request in full; `false` otherwise).
+    /// `true` is refused with `engine = "sglang"` (a stock SGLang prefill or decode server
+    /// cannot serve a request without its partner) and on a colocated worker (which always
+    /// serves alone). A prefill worker that serves alone also hosts sessions (`NpMd-hybrid`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serve_alone: Option<bool>,
     /// The stock engine serving this worker, `vllm` or `sglang`: which metric names its
     /// `/metrics` uses. Required with `metrics-url`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -496,6 +505,7 @@ impl WorkerConfig {
             http_url: None,
             bootstrap_port: None,
             append_prefill: None,
+            serve_alone: None,
             engine: None,
             metrics_url: None,
             kv_events: None,
@@ -517,6 +527,25 @@ impl WorkerConfig {
     pub fn can_append_prefill(&self) -> bool {
         self.append_prefill
             .unwrap_or(self.engine != Some(EngineKind::Sglang))
+    }
+
+    /// What the worker's engine can do, for the policy's view of it
+    /// ([`kvc_policy::WorkerView::with_caps`]): its role's own work
+    /// ([`Capabilities::of_role`]) plus serving turns alone where `serve-alone` says so, or,
+    /// without the key, where the engine is vLLM (any role). A worker without `engine` or
+    /// `serve-alone` routes as before capabilities existed.
+    pub fn capabilities(&self) -> Capabilities {
+        let caps = Capabilities::of_role(self.role);
+        if self.role == WorkerRole::Colocated {
+            return caps;
+        }
+        match self
+            .serve_alone
+            .unwrap_or(self.engine == Some(EngineKind::Vllm))
+        {
+            true => caps.with_local(),
+            false => caps,
+        }
     }
 
     /// The display name.
@@ -576,6 +605,19 @@ impl WorkerConfig {
         if self.append_prefill == Some(false) && self.role != WorkerRole::Decode {
             return invalid(format!(
                 "worker {id}: append-prefill applies to decode workers only (it is {})",
+                self.role
+            ));
+        }
+        if self.serve_alone.is_some() && self.role == WorkerRole::Colocated {
+            return invalid(format!(
+                "worker {id}: serve-alone applies to prefill and decode workers only \
+                 (a colocated worker always serves its requests alone)"
+            ));
+        }
+        if self.serve_alone == Some(true) && self.engine == Some(EngineKind::Sglang) {
+            return invalid(format!(
+                "worker {id}: serve-alone = true needs an engine that serves a plain request \
+                 in full; a stock SGLang {} server cannot (engine = \"sglang\")",
                 self.role
             ));
         }
@@ -857,6 +899,7 @@ impl RouterConfig {
                     w.role,
                     kvc_core::WorkerState::empty(w.capacity_tokens),
                 )
+                .with_caps(w.capabilities())
             })
             .collect();
         kvc_policy::ClusterView::new(0, &views)
@@ -1064,6 +1107,74 @@ mod tests {
         p.snapshot = Some("/p".into());
         p.engine = Some(EngineKind::Sglang);
         assert!(p.validate().is_ok());
+    }
+
+    #[test]
+    fn serving_alone_defaults_from_the_engine_and_can_be_declared() {
+        let caps = |role, engine, serve_alone| {
+            let mut w = WorkerConfig::new(0, role, 10);
+            w.engine = engine;
+            w.serve_alone = serve_alone;
+            w.capabilities()
+        };
+        let (p, d, c) = (
+            WorkerRole::Prefill,
+            WorkerRole::Decode,
+            WorkerRole::Colocated,
+        );
+        let vllm = Some(EngineKind::Vllm);
+        let sglang = Some(EngineKind::Sglang);
+        // No engine, or SGLang: the role's own work only, as before capabilities existed.
+        for role in [p, d, c] {
+            assert_eq!(caps(role, None, None), Capabilities::of_role(role));
+            assert_eq!(caps(role, sglang, None), Capabilities::of_role(role));
+        }
+        // vLLM of either role serves a plain request in full.
+        for role in [p, d] {
+            assert_eq!(
+                caps(role, vllm, None),
+                Capabilities::of_role(role).with_local()
+            );
+            assert_eq!(caps(role, vllm, Some(false)), Capabilities::of_role(role));
+            assert_eq!(
+                caps(role, None, Some(true)),
+                Capabilities::of_role(role).with_local(),
+                "kvc's own engine, declared"
+            );
+        }
+        assert_eq!(caps(c, vllm, None), Capabilities::of_role(c));
+    }
+
+    #[test]
+    fn serve_alone_is_refused_where_the_engine_cannot() {
+        let base = "[[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 10\nsnapshot = \"/p\"\n\
+                    [[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/d\"\n";
+        let with = |extra: &str| RouterConfig::from_toml_str(&format!("{base}{extra}"));
+        let cfg = with("engine = \"vllm\"\nserve-alone = false\n").unwrap();
+        assert_eq!(cfg.workers[1].serve_alone, Some(false));
+        assert!(!cfg.workers[1].capabilities().local);
+        // It survives a round trip; an absent key is not written out.
+        let out = toml::to_string(&cfg).unwrap();
+        assert_eq!(out.matches("serve-alone").count(), 1, "{out}");
+        assert_eq!(RouterConfig::from_toml_str(&out).unwrap(), cfg);
+        assert!(with("engine = \"sglang\"\nserve-alone = false\n").is_ok());
+        let err = with("engine = \"sglang\"\nserve-alone = true\n").unwrap_err();
+        assert!(
+            matches!(err, ConfigError::Invalid(ref m)
+                if m.contains("serve-alone = true") && m.contains("stock SGLang decode")),
+            "{err}"
+        );
+        let colocated = "[[workers]]\nid = 0\nrole = \"colocated\"\ncapacity-tokens = 10\n\
+                         snapshot = \"/c\"\nserve-alone = true\n";
+        let err = RouterConfig::from_toml_str(colocated).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::Invalid(ref m) if m.contains("prefill and decode workers only")),
+            "{err}"
+        );
+        assert!(matches!(
+            with("serve-alone = \"yes\"\n"),
+            Err(ConfigError::Parse(_))
+        ));
     }
 
     #[test]

@@ -44,6 +44,11 @@
 //!   forwards each request to the workers; [`http`] is its specification.
 //! - **Engines without decode-side append-prefill**: a decode worker with
 //!   `append-prefill = false` never gets a direct-to-D decision (reason `direct-unsupported`).
+//! - **Workers that serve turns alone**: a worker's capabilities
+//!   ([`WorkerConfig::capabilities`]) go into every view the policy sees; a prefill or
+//!   decode worker that may serve a turn alone (`serve-alone`, by default every
+//!   `engine = "vllm"` worker) can be given `local-prefill` decisions, which the HTTP front
+//!   forwards as the client's own request to it. Without `engine` or `serve-alone`, none is.
 //! - **Operations**: standard gRPC health and reflection, Prometheus text on `/metrics` (see
 //!   [`metrics`] for the series), `tracing` logs, graceful shutdown.
 //!

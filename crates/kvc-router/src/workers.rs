@@ -14,7 +14,7 @@ use crate::config::{RouterConfig, WorkerConfig, WorkerUrl};
 use crate::engine_load::{EngineLoad, parse_engine_load};
 use crate::worker_http::WorkerClient as HttpClient;
 use kvc_admission::{CommitReply, CommitRequest, ReadError, SnapshotReader};
-use kvc_core::{EngineKind, Health, StateSource, WorkerId, WorkerRole, WorkerState};
+use kvc_core::{Capabilities, EngineKind, Health, StateSource, WorkerId, WorkerRole, WorkerState};
 use kvc_policy::WorkerView;
 use kvc_proto::worker::WorkerClient;
 use parking_lot::{Mutex, RwLock};
@@ -40,6 +40,8 @@ pub(crate) struct WorkerEntry {
     pub(crate) id: WorkerId,
     pub(crate) name: String,
     pub(crate) role: WorkerRole,
+    /// What its engine can do ([`WorkerConfig::capabilities`]), given to the policy.
+    pub(crate) caps: Capabilities,
     pub(crate) capacity_tokens: u64,
     pub(crate) source: StateSource,
     snapshot_path: Option<PathBuf>,
@@ -108,6 +110,7 @@ impl WorkerEntry {
             id: cfg.worker_id(),
             name: cfg.display_name(),
             role: cfg.role,
+            caps: cfg.capabilities(),
             capacity_tokens: cfg.capacity_tokens,
             source,
             snapshot_path: cfg.snapshot.clone(),
@@ -164,7 +167,7 @@ impl WorkerEntry {
     }
 
     pub(crate) fn view_at(&self, now_ms: u64) -> WorkerView {
-        WorkerView::new(self.id, self.role, self.state_at(now_ms))
+        WorkerView::new(self.id, self.role, self.state_at(now_ms)).with_caps(self.caps)
     }
 
     /// The snapshot reader, once the file could be opened.

@@ -80,6 +80,8 @@ async fn engine_metrics_are_the_state_of_workers_without_a_snapshot() {
         for (w, (addr, kind)) in cfg.workers.iter_mut().zip(engines) {
             w.snapshot = None;
             w.engine = Some(kind);
+            // The fixed roles this test routes on (a vLLM instance serves alone by default).
+            w.serve_alone = Some(false);
             w.metrics_url = Some(format!("http://{addr}/metrics"));
         }
     })
@@ -153,6 +155,8 @@ async fn an_unreachable_engine_stays_down_and_the_rest_route() {
         for (w, addr) in cfg.workers.iter_mut().zip(engines) {
             w.snapshot = None;
             w.engine = Some(EngineKind::Vllm);
+            // The fixed roles this test routes on (a vLLM instance serves alone by default).
+            w.serve_alone = Some(false);
             w.metrics_url = Some(format!("http://{addr}/metrics"));
         }
     })
@@ -233,6 +237,8 @@ async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
         for (w, addr) in cfg.workers.iter_mut().zip(addrs) {
             w.snapshot = None;
             w.engine = Some(EngineKind::Vllm);
+            // The fixed roles this test routes on (a vLLM instance serves alone by default).
+            w.serve_alone = Some(false);
             w.metrics_url = Some(format!("http://{addr}/metrics"));
         }
         // The block size comes from d1's /metrics (cache_config_info).
@@ -347,4 +353,138 @@ async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
         4.0
     );
     stop.cancel();
+}
+
+/// Routes the first turns of sessions `sessions` (1,600 tokens each, outcomes never reported,
+/// so the work piles up) and returns (mode, prefill worker, decode worker) per decision.
+async fn first_turns(
+    cluster: &Cluster,
+    sessions: std::ops::Range<u64>,
+) -> Vec<(kvc_core::ExecutionMode, Option<u32>, u32)> {
+    use kvc_proto::convert::ProtoEnum;
+    let mut client = cluster.client.clone();
+    let mut out = Vec::new();
+    for s in sessions {
+        let d = client
+            .route(route_req(
+                s,
+                Some(1_000 + s),
+                Some(1),
+                1_600,
+                &[s * 10, s * 10 + 1, s * 10 + 2],
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        out.push((
+            kvc_core::ExecutionMode::from_proto(d.mode).unwrap(),
+            d.prefill_worker,
+            d.decode_worker,
+        ));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_workers_serve_turns_alone_where_kvc_keeps_them_local() {
+    use kvc_core::ExecutionMode;
+    // A loaded P (busy and queueing, as its /metrics says), two idle vLLM decode workers;
+    // nobody declares `serve-alone`: vLLM's default.
+    let (p_addr, _p) = mock_engine(&vllm_text(12, 30, 0.8, 5_750)).await;
+    let (d1_addr, _d1) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    let (d2_addr, _d2) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    let addrs = [p_addr, d1_addr, d2_addr];
+    let start = |fixed_roles: bool| {
+        Cluster::start(move |cfg| {
+            cfg.engine_signals.scrape_interval_ms = 20;
+            for (w, addr) in cfg.workers.iter_mut().zip(addrs) {
+                w.snapshot = None;
+                w.engine = Some(EngineKind::Vllm);
+                w.metrics_url = Some(format!("http://{addr}/metrics"));
+                if fixed_roles {
+                    w.serve_alone = Some(false);
+                }
+            }
+        })
+    };
+    let cluster = start(false).await;
+    wait_for(&cluster, "all scraped", |ws| {
+        ws.iter().all(|w| w.state.health == Health::Healthy)
+    })
+    .await;
+    let turns = first_turns(&cluster, 1..7).await;
+    // An idle decode worker prefills the turn itself rather than queue it behind P and ship
+    // its KV: every first turn is local, none touches P.
+    for (i, (mode, prefill, decode)) in turns.iter().enumerate() {
+        assert_eq!(*mode, ExecutionMode::LocalPrefill, "turn {i}: {turns:?}");
+        assert_eq!(*prefill, None);
+        assert!([1, 2].contains(decode), "turn {i}: {turns:?}");
+    }
+    let m = cluster.metrics().await;
+    assert_eq!(
+        common::value(
+            &m,
+            "kvc_router_decisions_total",
+            &[("mode", "local-prefill"), ("reason", "none")]
+        ),
+        6.0
+    );
+    drop(cluster);
+
+    // The same engines declared with fixed roles: every first turn goes through P.
+    let cluster = start(true).await;
+    wait_for(&cluster, "all scraped", |ws| {
+        ws.iter().all(|w| w.state.health == Health::Healthy)
+    })
+    .await;
+    for (mode, prefill, decode) in first_turns(&cluster, 1..7).await {
+        assert_eq!((mode, prefill), (ExecutionMode::Turn1Seed, Some(0)));
+        assert!([1, 2].contains(&decode));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_decode_worker_never_gets_a_local_turn() {
+    use kvc_core::ExecutionMode;
+    // A loaded vLLM P (serving alone by default, so it may host sessions), an SGLang decode
+    // worker and a vLLM one.
+    let (p_addr, _p) = mock_engine(&vllm_text(12, 30, 0.8, 5_750)).await;
+    let (d1_addr, _d1) = mock_engine(SGLANG_TEXT).await;
+    let (d2_addr, d2) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    let engines = [
+        (p_addr, EngineKind::Vllm),
+        (d1_addr, EngineKind::Sglang),
+        (d2_addr, EngineKind::Vllm),
+    ];
+    let cluster = Cluster::start(|cfg| {
+        cfg.engine_signals.scrape_interval_ms = 20;
+        for (w, (addr, kind)) in cfg.workers.iter_mut().zip(engines) {
+            w.snapshot = None;
+            w.engine = Some(kind);
+            w.metrics_url = Some(format!("http://{addr}/metrics"));
+        }
+    })
+    .await;
+    wait_for(&cluster, "all scraped", |ws| {
+        ws.iter().all(|w| w.state.health == Health::Healthy)
+    })
+    .await;
+    let mut turns = first_turns(&cluster, 1..9).await;
+    // With the vLLM decode worker out of rotation, the SGLang one is the only decode worker.
+    *d2.lock() = (StatusCode::SERVICE_UNAVAILABLE, String::new());
+    wait_for(&cluster, "d2 down", |ws| ws[2].state.health == Health::Down).await;
+    turns.extend(first_turns(&cluster, 9..15).await);
+    assert!(
+        turns.iter().any(|t| t.2 == 1),
+        "the SGLang worker was never chosen: {turns:?}"
+    );
+    for t in &turns {
+        match t.2 {
+            1 => assert_eq!((t.0, t.1), (ExecutionMode::Turn1Seed, Some(0)), "{turns:?}"),
+            _ => assert!(
+                [ExecutionMode::LocalPrefill, ExecutionMode::Turn1Seed].contains(&t.0),
+                "{turns:?}"
+            ),
+        }
+    }
 }

@@ -152,12 +152,21 @@ struct Front {
 }
 
 impl Front {
-    /// P0 and D1 (snapshot workers), both `engine = "vllm"`, each with a mock vLLM server.
+    /// P0 and D1 (snapshot workers), both `engine = "vllm"`, each with a mock vLLM server,
+    /// declared with fixed roles (`serve-alone = false`): every turn that is not direct goes
+    /// P→D.
     async fn start() -> Front {
+        Front::start_with([Some(false), Some(false)]).await
+    }
+
+    /// [`Front::start`] with P0's and D1's `serve-alone` keys as given (`None`: the vLLM
+    /// default, serving alone).
+    async fn start_with(serve_alone: [Option<bool>; 2]) -> Front {
         let cluster = Cluster::start(|cfg: &mut RouterConfig| {
             cfg.workers.truncate(2);
-            for w in &mut cfg.workers {
+            for (w, alone) in cfg.workers.iter_mut().zip(serve_alone) {
                 w.engine = Some(EngineKind::Vllm);
+                w.serve_alone = alone;
             }
         })
         .await;
@@ -451,4 +460,67 @@ async fn generate_is_refused_on_a_vllm_cluster() {
         "{v}"
     );
     assert!(f.received(0).is_empty() && f.received(1).is_empty());
+}
+
+#[tokio::test]
+async fn a_local_turn_is_the_client_s_body_to_the_chosen_worker_and_p_gets_nothing() {
+    // D1 declares nothing: a vLLM instance serves a plain request in full by default. P0 only
+    // prefills for others.
+    let f = Front::start_with([Some(false), None]).await;
+    let chat = json!({"messages": [{"role": "user", "content": words(1_300)}],
+        "max_completion_tokens": 8, "stream": true});
+    let cases = [
+        ("/v1/completions", completion(1_300, false)),
+        ("/v1/completions", completion(1_300, true)),
+        ("/v1/chat/completions", chat.clone()),
+    ];
+    for (i, (path, sent)) in cases.iter().enumerate() {
+        let session = format!("local-{i}");
+        // What only the router may set is removed first, as on every path.
+        let mut smuggled = sent.clone();
+        smuggled["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_host": "evil"});
+        let r = f.post(path, &session, &smuggled).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.text);
+        assert_eq!(r.header("x-kvc-mode"), "local-prefill", "{path}");
+        assert_eq!(r.header("x-kvc-decode-worker"), "1");
+        assert!(!r.headers.contains_key("x-kvc-prefill-worker"));
+        assert!(!r.headers.contains_key(PREFILL_FAILED_HEADER));
+        let got = f.received(1);
+        assert_eq!(got.len(), i + 1, "one call to the chosen worker");
+        let (d_path, d_headers, d_body) = got.last().unwrap().clone();
+        assert_eq!(d_path, *path);
+        assert_eq!(d_headers["x-session-id"], session);
+        assert!(d_headers.contains_key("x-request-id"));
+        // The client's body, without `kv_transfer_params`; a stream asks for the usage chunk
+        // (as on a direct turn), the client does not see it.
+        let mut want = as_object(sent);
+        if sent["stream"] == true {
+            want.insert("stream_options".into(), json!({"include_usage": true}));
+            assert!(!r.text.contains("\"usage\""), "{}", r.text);
+            assert!(r.text.contains("data: [DONE]"), "{}", r.text);
+        } else {
+            assert_eq!(
+                serde_json::from_str::<Value>(&r.text).unwrap()["choices"][0]["text"],
+                "a b"
+            );
+        }
+        assert_eq!(d_body, Value::Object(want), "{path}");
+        assert!(f.received(0).is_empty(), "P gets nothing on a local turn");
+    }
+    f.settle().await;
+    // Reported `ok` and counted under its own mode; the session stays on D1.
+    assert_eq!(f.outcomes("ok"), 3.0);
+    assert_eq!(
+        f.cluster
+            .service()
+            .metrics()
+            .decisions(kvc_core::ExecutionMode::LocalPrefill, None),
+        3
+    );
+    let r = f
+        .post("/v1/completions", "local-0", &completion(1_900, false))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    assert_eq!(r.header("x-kvc-decode-worker"), "1");
+    assert!(f.received(0).is_empty());
 }

@@ -467,3 +467,60 @@ async fn a_decode_worker_without_append_prefill_is_never_direct_over_grpc() {
         0.0
     );
 }
+
+/// The first turns of sessions 1..=`n` (2,000 tokens each, outcomes never reported, so P's
+/// queue of prefills grows), by mode.
+async fn first_turn_modes(c: &mut Cluster, n: u64) -> Vec<ExecutionMode> {
+    let mut modes = Vec::new();
+    for s in 1..=n {
+        let d = c
+            .client
+            .route(route_req(
+                s,
+                Some(500 + s),
+                Some(1),
+                2_000,
+                &[s * 10, s * 10 + 1, s * 10 + 2],
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        modes.push(mode(&d));
+    }
+    modes
+}
+
+#[tokio::test]
+async fn workers_without_an_engine_never_get_a_local_turn() {
+    // Snapshot-fed workers declaring no engine route as they always did: through P, however
+    // much prefill work is queued there.
+    let mut c = Cluster::start(|_| {}).await;
+    let modes = first_turn_modes(&mut c, 24).await;
+    assert!(
+        modes.iter().all(|m| *m == ExecutionMode::Turn1Seed),
+        "{modes:?}"
+    );
+    let m = c.metrics().await;
+    assert_eq!(
+        value(
+            &m,
+            "kvc_router_decisions_total",
+            &[("mode", "local-prefill"), ("reason", "none")]
+        ),
+        0.0
+    );
+    // The same cluster with its decode workers declared able to serve alone: `kvc` keeps
+    // turns local there.
+    let mut c = Cluster::start(|cfg| {
+        for w in cfg
+            .workers
+            .iter_mut()
+            .filter(|w| w.role == WorkerRole::Decode)
+        {
+            w.serve_alone = Some(true);
+        }
+    })
+    .await;
+    let modes = first_turn_modes(&mut c, 24).await;
+    assert!(modes.contains(&ExecutionMode::LocalPrefill), "{modes:?}");
+}

@@ -67,6 +67,16 @@ pub struct ConfiguredWorker {
     /// The stock engine it stands for (`vllm`), when declared.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineKind>,
+    /// Whether the router may plan turns it serves alone (`serve-alone`): written on prefill
+    /// and decode workers declared a stock engine, from [`ConfiguredWorker::serves_alone`],
+    /// so that the router sees the capabilities the simulator gives the same worker (a vLLM
+    /// engine's default would let every worker serve alone).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub serve_alone: Option<bool>,
+    /// Whether the replay's worker serves turns alone (the simulator's layout of the
+    /// topology with `--local-prefill`); not a router key.
+    #[serde(skip)]
+    pub serves_alone: bool,
     /// Where the router reads its engine's signals instead of a snapshot, when it does.
     #[serde(flatten)]
     pub signals: Option<ConfiguredSignals>,
@@ -98,6 +108,12 @@ pub struct ConfiguredEvents {
     pub block_size: u32,
 }
 
+/// `serve-alone` for a prefill or decode worker, as the simulator lays it out; nothing for
+/// a colocated one, which always serves alone.
+fn declared_serve_alone(w: &ConfiguredWorker) -> Option<bool> {
+    (w.role != WorkerRole::Colocated).then_some(w.serves_alone)
+}
+
 impl RouterConfigFile {
     /// The TOML text.
     pub fn to_toml(&self) -> Result<String, LiveError> {
@@ -121,6 +137,7 @@ impl RouterConfigFile {
     pub fn with_engine(mut self, engine: EngineKind) -> Self {
         for w in &mut self.workers {
             w.engine = Some(engine);
+            w.serve_alone = declared_serve_alone(w);
         }
         self
     }
@@ -132,6 +149,7 @@ impl RouterConfigFile {
         for (w, e) in self.workers.iter_mut().zip(engines) {
             w.snapshot = None;
             w.engine = Some(EngineKind::Vllm);
+            w.serve_alone = declared_serve_alone(w);
             w.signals = Some(ConfiguredSignals {
                 metrics_url: e.metrics_url.clone(),
                 events: (!e.kv_events.is_empty()).then(|| ConfiguredEvents {

@@ -113,9 +113,9 @@
 //! bootstrap port) and a random `bootstrap_room` injected, goes to P and D concurrently; D's
 //! answer is returned. `direct-to-d` sends the body to D alone with the session's continuation
 //! parameters: for `/generate` without `session_params`, `session_params: {"id": <session
-//! key>}` is added (a client's own `session_params` are kept as sent). `colocated` sends the
-//! body to the worker. With a session, every worker request (P and D, every path, every API)
-//! carries the session header (the configured name) with the session key. Each worker call has
+//! key>}` is added (a client's own `session_params` are kept as sent). `colocated` and
+//! `local-prefill` send the body to the worker. With a session, every worker request (P and
+//! D, every path, every API) carries the session header (the configured name) with the session key. Each worker call has
 //! the deadline [`HttpOptions::request_timeout`].
 //!
 //! **Connections to the workers.** Every worker call (P, D, health checks) goes through one
@@ -187,6 +187,21 @@
 //!   usage itself, that usage-only chunk (`"choices": []`) is removed from the client's
 //!   stream (the other events are relayed re-framed as `data:` lines, unchanged). A
 //!   non-streaming D request gets nothing added.
+//! - *Local prefill* (`local-prefill`: the chosen worker prefills the turn itself, decodes it
+//!   and keeps the session): the client's body to that worker as it is, exactly as
+//!   direct-to-D (the same code path: no `kv_transfer_params`, `X-Request-Id` and the
+//!   session header, on a stream `stream_options.include_usage` with the usage chunk removed
+//!   when the client did not ask for it); no prefill worker is called, and nothing is judged
+//!   for `direct-cache-miss` (the worker was not counted on holding the session). Reported
+//!   like any decision (`ok` with the input plus the answer's tokens resident on that
+//!   worker) and counted in `kvc_router_decisions_total{mode="local-prefill"}`. Only a
+//!   worker that serves a turn alone gets one: by default every `engine = "vllm"` worker,
+//!   of either role (a prefill worker that does then also hosts sessions); `serve-alone =
+//!   false` in its `[[workers]]` entry keeps it to its role. A worker with `engine = "sglang"`
+//!   never gets one (a stock SGLang prefill or decode server cannot serve a request without
+//!   its partner; `serve-alone = true` is refused there), nor does a worker that declares
+//!   neither `engine` nor `serve-alone` (configurations from before capabilities route as
+//!   they did).
 //! - `/generate` is SGLang's API: with any vLLM worker configured it is answered 400.
 //!
 //! **Admission refusals by D (the contract for engines with decode-side admission).** A

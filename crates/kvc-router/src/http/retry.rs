@@ -123,6 +123,8 @@ async fn route_and_forward(
         if decision.mode == ExecutionMode::DirectToD {
             add_continuation_params(request.api, &mut body, session_key);
         }
+        // A decision without a prefill worker (direct-to-D, local prefill, colocated) is one
+        // call to the chosen worker, on the same path in either dialect.
         let result = if request.api != Api::Generate && app.workers.is_vllm(decision.decode) {
             forward_vllm(app, request, body, &decision, stream, may_retry).await
         } else if stream {

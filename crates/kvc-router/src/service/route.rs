@@ -4,8 +4,10 @@
 
 use super::{Core, Pending, RouterDecision, RouterService, feedback::probe_entry};
 use crate::error::RequestError;
-use kvc_core::{Outcome, WorkerId};
-use kvc_policy::{ClusterView, Decision, Observation, RouteRequest, WorkerView};
+use kvc_core::{ExecutionMode, Outcome, SessionId, WorkerId};
+use kvc_policy::{
+    ClusterView, Decision, Observation, Residency, RouteRequest, RouterState, WorkerView,
+};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -124,10 +126,11 @@ impl RouterService {
         self.forget(core);
 
         let mut decision = kvc_policy::route(policy, &core.state, &cluster, req)?;
-        // The engine's own events say the session's KV is gone from the D it would go to:
-        // the policy learns the eviction and decides again (reseed or fallback).
-        if decision.is_direct()
-            && let Some(s) = session
+        // The engine's own events say the session's KV is gone from the worker it would go
+        // to: the policy learns the eviction and decides again (reseed or fallback; a local
+        // turn planned on the session's host, which counted on that KV, is costed again).
+        if let Some(s) = session
+            && counts_on_residency(&decision, &core.state, s)
             && self.events_say_not_resident(decision.decode, s)
         {
             core.state.observe(&Observation::Evicted {
@@ -204,6 +207,18 @@ impl RouterService {
         if dropped > 0 {
             self.metrics.record_pending_dropped(dropped);
         }
+    }
+}
+
+/// Whether `decision` counts on `session`'s KV being resident on its decode worker: a
+/// direct-to-D turn, or a local turn on the worker the router believes holds the session.
+fn counts_on_residency(decision: &Decision, state: &RouterState, session: SessionId) -> bool {
+    match decision.mode {
+        ExecutionMode::DirectToD => true,
+        ExecutionMode::LocalPrefill => state.session(session).is_some_and(|r| {
+            r.current_d == Some(decision.decode) && r.residency == Residency::Resident
+        }),
+        _ => false,
     }
 }
 
