@@ -133,6 +133,7 @@
 pub mod auth;
 pub mod config;
 pub mod engine_load;
+pub mod epp;
 mod error;
 pub mod grpc;
 pub mod http;
