@@ -205,16 +205,10 @@ fn through_envoy(trace: &Trace, cfg: &SimConfig, run: &EnvoyRun<'_>) -> HttpOutp
         std::thread::sleep(Duration::from_millis(50));
     }
     let ports: Vec<u16> = (0..run.pickers).map(|_| free_port()).collect();
-    let mut pickers: Vec<Option<Guard>> = ports
+    let pickers: Vec<Guard> = ports
         .iter()
         .enumerate()
-        .map(|(i, p)| {
-            Some(start_picker(
-                &config,
-                *p,
-                &dir.join(format!("picker{i}.log")),
-            ))
-        })
+        .map(|(i, p)| start_picker(&config, *p, &dir.join(format!("picker{i}.log"))))
         .collect();
     let bootstrap_path = dir.join("envoy.json");
     std::fs::write(
@@ -237,10 +231,14 @@ fn through_envoy(trace: &Trace, cfg: &SimConfig, run: &EnvoyRun<'_>) -> HttpOutp
         while done.load(Ordering::Relaxed) < after && !replay.is_finished() {
             std::thread::sleep(Duration::from_millis(20));
         }
-        // SIGKILL: the picker's streams break as a crashed replica's would.
-        if let Some(mut g) = pickers[1].take() {
-            g.0.kill().unwrap();
-            g.0.wait().unwrap();
+        // SIGKILL: the picker's streams break as a crashed replica's would (its guard reaps
+        // it at the end).
+        if let Some(g) = pickers.get(1) {
+            let killed = Command::new("kill")
+                .args(["-KILL", &g.0.id().to_string()])
+                .status()
+                .unwrap();
+            assert!(killed.success());
         }
     }
     let out = replay.join().unwrap().unwrap();
