@@ -300,7 +300,10 @@ fn harness() -> Harness {
         tokio::spawn(async move {
             tonic::transport::Server::builder()
                 .add_service(ExternalProcessorServer::new(service))
-                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                // TCP_NODELAY, as kvc-router's own listener: the comparison is of the pickers.
+                .serve_with_incoming(
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                )
                 .await
                 .unwrap();
         });
