@@ -66,6 +66,7 @@ fn http_run(trace: &Trace, stream: bool, name: &str) -> HttpOutput {
             engine_base_port: None,
             engine: kvc_core::EngineKind::Sglang,
             faults: Default::default(),
+            pd_shim: false,
         },
         session_header: Some("x-session-id".into()),
         stream,

@@ -79,6 +79,7 @@ fn http_run(
             engine_base_port: None,
             engine: EngineKind::Vllm,
             faults,
+            pd_shim: false,
         },
         session_header: Some("x-session-id".into()),
         stream,

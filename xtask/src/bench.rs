@@ -143,6 +143,23 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
             .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
         figures.insert(format!("router.{key}"), v);
     }
+    // kvc-router as Envoy's endpoint picker: a real Envoy (installed from PyPI by
+    // scripts/envoy/install.sh) with kvc-router vs a pass-through picker, same run.
+    let extra = ctx.out.join("epp.json");
+    criterion_with(ctx, "kvc-router", "epp", Some(&extra))?;
+    let r = read_json(&extra)?;
+    for key in [
+        "envoy_kvc_rps",
+        "envoy_passthrough_rps",
+        "envoy_kvc_vs_passthrough",
+        "decision_p50_us",
+        "decision_p99_us",
+    ] {
+        let v = r[key]
+            .as_f64()
+            .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
+        figures.insert(format!("epp.{key}"), v);
+    }
     criterion(ctx, "kvc-admission", "probe")?;
     criterion(ctx, "kvc-admission", "commit")?;
     let probe = criterion_median(ctx, "probe/readers1")?;

@@ -68,6 +68,14 @@ COMMANDS:
                      their ratio (target >= 0.8: decisions cost the same at any scale)
                  router.decision_p99_us
                      99th percentile of the router's own decision time (policy + probe), µs
+                 epp.envoy_kvc_rps, epp.envoy_passthrough_rps, epp.envoy_kvc_vs_passthrough
+                     requests/s through one real Envoy 1.40 (16 clients, 1p2d mock vLLM
+                     servers answering at once) with kvc-router as its endpoint picker and
+                     with a pass-through picker (same exchange, no decision), medians of five
+                     alternating runs of 2,000 requests, and their ratio (target >= 0.8)
+                 epp.decision_p50_us, epp.decision_p99_us
+                     the picker's time from a request body's last chunk to its headers answer
+                     (read, session, decision), over 2,000 sequential requests, µs
                  sim.default.wall_s, sim.default.requests_per_sec
                      simulator wall time (median of runs) of 1p3d + kvc-v2 on the seed-7
                      trace (4,449 requests), and requests simulated per second

@@ -167,6 +167,20 @@ pub enum Observation {
         /// The D that evicted it.
         worker: WorkerId,
     },
+    /// The engines' own reports (KV-cache events) show `worker` holding a session this state
+    /// has no placement for: another router (a replica behind the same load balancer) placed
+    /// it there. `blocks` are the leading blocks of the session's current request that
+    /// `worker` holds.
+    Adopted {
+        /// The session.
+        session: SessionId,
+        /// The worker holding it.
+        worker: WorkerId,
+        /// The leading blocks it holds.
+        blocks: Vec<BlockHash>,
+        /// Tokens of the session it holds.
+        resident_tokens: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -733,6 +747,10 @@ impl RouterState {
     /// - `Evicted`: if `worker` is the session's current D, the session is `evicted` there and
     ///   leaves the live block view. The grow-only view keeps its blocks (until the worker's
     ///   block bound pushes them out, least recently used first).
+    /// - `Adopted`: a session with no current D (unknown, or known only by its rejects) is
+    ///   taken to be resident on `worker` with `blocks` (capped as a decision's are) in the live
+    ///   block view; a session this state has placed keeps its placement, and no blocks change
+    ///   nothing.
     pub fn observe(&mut self, event: &Observation) {
         match *event {
             Observation::Completed {
@@ -790,6 +808,41 @@ impl RouterState {
                     p.prefill_us = 0;
                     self.pending.insert(request_id, p);
                 }
+            }
+            Observation::Adopted {
+                session,
+                worker,
+                ref blocks,
+                resident_tokens,
+            } => {
+                if blocks.is_empty()
+                    || self
+                        .sessions
+                        .get(&session)
+                        .is_some_and(|r| r.current_d.is_some())
+                {
+                    return;
+                }
+                let route = self
+                    .sessions
+                    .entry(session)
+                    .or_insert_with(SessionRoute::new);
+                let before = route.activity_key();
+                let cap = (self.bounds.max_session_blocks as usize).min(blocks.len());
+                route.current_d = Some(worker);
+                route.residency = Residency::Resident;
+                route.resident_tokens = resident_tokens;
+                route.blocks.clear();
+                route.blocks.extend_from_slice(&blocks[..cap]);
+                route.block_count = blocks.len();
+                route.last_block = (cap < blocks.len())
+                    .then(|| blocks.last().copied())
+                    .flatten();
+                if (worker.0 as usize) < MAX_WORKERS {
+                    self.index.add_live(worker.0 as usize, &route.blocks);
+                    route.live_on = Some(worker);
+                }
+                self.activity.update(before, route.activity_key());
             }
             Observation::Evicted { session, worker } => {
                 let Some(route) = self.sessions.get_mut(&session) else {

@@ -763,3 +763,58 @@ fn decision_serializes_with_named_components() {
     let back: kvc_policy::StateChange = serde_json::from_value(v["change"].clone()).unwrap();
     assert_eq!(back, d.change);
 }
+
+#[test]
+fn a_session_another_router_placed_is_adopted_and_goes_direct() {
+    let ws = pd(1, 2);
+    // Router `a` places the session and serves two turns; router `b` never saw it.
+    let mut a = Router::named("kvc", &ws);
+    let mut b = Router::named("kvc", &ws);
+    let t1 = ctx_blocks(9, 0, 6);
+    let d = a.serve(&ws, Some((9, 1)), &t1).decode;
+    let t2 = ctx_blocks(9, 0, 8);
+    // Without adoption `b` has no placement: not direct.
+    let req = b.request(9, 2, &t2);
+    let blind = b.decide(&ws, &req).unwrap();
+    assert_ne!(blind.mode, ExecutionMode::DirectToD);
+    // The engines show `d` holding the first six blocks: `b` adopts, and goes direct there.
+    let adopted = Observation::Adopted {
+        session: sid(9),
+        worker: d,
+        blocks: t2[..t1.len()].to_vec(),
+        resident_tokens: t1.len() as u64 * BS,
+    };
+    b.state.observe(&adopted);
+    let s = b.state.session(sid(9)).unwrap();
+    assert_eq!((s.current_d, s.residency), (Some(d), Residency::Resident));
+    let direct = b.decide(&ws, &req).unwrap();
+    assert_eq!(
+        (direct.mode, direct.decode, direct.cached_tokens),
+        (ExecutionMode::DirectToD, d, t1.len() as u64 * BS)
+    );
+    // A router keeps its own placement: `a` placed the session on `d`, an adoption elsewhere
+    // changes nothing; nor does one without blocks.
+    let other = ws
+        .iter()
+        .map(|w| w.id)
+        .find(|w| *w != d && w.0 != 0)
+        .unwrap();
+    for obs in [
+        Observation::Adopted {
+            session: sid(9),
+            worker: other,
+            blocks: t2.clone(),
+            resident_tokens: 1,
+        },
+        Observation::Adopted {
+            session: sid(10),
+            worker: other,
+            blocks: Vec::new(),
+            resident_tokens: 1,
+        },
+    ] {
+        a.state.observe(&obs);
+    }
+    assert_eq!(a.state.session(sid(9)).unwrap().current_d, Some(d));
+    assert!(a.state.session(sid(10)).is_none());
+}

@@ -46,6 +46,10 @@ pub struct RouterConfig {
     /// HTTP data-plane listen address (the HTTP front, specified in `kvc_router::http`);
     /// `None` (the default) serves no HTTP front. Port 0 picks a free port.
     pub http_listen: Option<SocketAddr>,
+    /// Endpoint-picker listen address: Envoy's ext_proc gRPC service and its health services
+    /// (specified in `kvc_router::epp`); `None` (the default) serves no picker. Port 0 picks a
+    /// free port.
+    pub epp_listen: Option<SocketAddr>,
     /// The routing policy and its knobs (a table tagged by `policy`, see
     /// [`kvc_policy::PolicyConfig`]). Default `kvc` with its defaults.
     pub policy: PolicyConfig,
@@ -91,6 +95,7 @@ impl Default for RouterConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
             metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
             http_listen: None,
+            epp_listen: None,
             policy: PolicyConfig::default(),
             sessions: SessionLimits::default(),
             stale_after_ms: kvc_admission::DEFAULT_STALE_AFTER_MS,

@@ -31,7 +31,7 @@ pub enum ServeError {
     /// A listener could not be bound.
     #[error("cannot bind {what} on {addr}: {source}")]
     Bind {
-        /// `"grpc"`, `"metrics"` or `"http"`.
+        /// `"grpc"`, `"metrics"`, `"http"` or `"epp"`.
         what: &'static str,
         /// The address.
         addr: std::net::SocketAddr,

@@ -17,7 +17,9 @@
 //!   subscriber (`kvc-events`) that indexes the blocks its engine stores and removes, with the
 //!   session that stored them (`session_id`, mapped with [`kvc_core::SessionId::from_key`]).
 //!   A direct-to-D plan onto a worker whose events show none of the session's blocks is an
-//!   eviction the policy learns before it decides again. `ListWorkers` and `/metrics` report
+//!   eviction the policy learns before it decides again; a session the router has no
+//!   placement for, which the events show on a worker, is adopted there (another replica
+//!   placed it). `ListWorkers` and `/metrics` report
 //!   each subscriber's indexed blocks, last sequence number, gaps, replays and resets.
 //! - **Probe path**: when the policy plans `direct-to-d`, the router probes that decode worker's
 //!   snapshot for the decision's footprint; if it cannot admit, the reject is fed back
@@ -42,6 +44,9 @@
 //!   variable) and TLS with rustls on both listeners, mutual on gRPC as an option ([`tls`]).
 //! - **HTTP data plane**: with `http-listen` set, an SGLang/OpenAI-compatible HTTP front
 //!   forwards each request to the workers; [`http`] is its specification.
+//! - **Endpoint picker**: with `epp-listen` set, Envoy's ext_proc service: Envoy forwards
+//!   each request to the worker picked with the HTTP front's request reading and the same
+//!   decisions; [`epp`] is its specification.
 //! - **Engines without decode-side append-prefill**: a decode worker with
 //!   `append-prefill = false` never gets a direct-to-D decision (reason `direct-unsupported`).
 //! - **Workers that serve turns alone**: a worker's capabilities
@@ -60,7 +65,7 @@
 //! RUST_LOG=kvc_router=debug kvc-router --config router.toml
 //! ```
 //!
-//! It prints `kvc-router grpc=<addr> metrics=<addr|none> http=<addr|none>` on stdout once
+//! It prints `kvc-router grpc=<addr> metrics=<addr|none> http=<addr|none> epp=<addr|none>` on stdout once
 //! bound and stops cleanly on SIGTERM or SIGINT. `kvc-router --help` lists every option.
 //!
 //! ## Configuration
@@ -133,6 +138,7 @@
 pub mod auth;
 pub mod config;
 pub mod engine_load;
+pub mod epp;
 mod error;
 pub mod grpc;
 pub mod http;

@@ -3,7 +3,7 @@
 //! Reads a TOML configuration (see `crates/kvc-router/examples/router.toml`), applies the
 //! command-line overrides, serves until SIGTERM or SIGINT, then stops gracefully. Once both
 //! listeners are bound it prints one line on stdout:
-//! `kvc-router grpc=<addr> metrics=<addr|none> http=<addr|none>`.
+//! `kvc-router grpc=<addr> metrics=<addr|none> http=<addr|none> epp=<addr|none>`.
 #![forbid(unsafe_code)]
 
 use anyhow::Context as _;
@@ -37,6 +37,11 @@ struct Cli {
     /// Workers get requests at their `http-url`.
     #[arg(long, value_name = "ADDR")]
     http_listen: Option<SocketAddr>,
+
+    /// Endpoint-picker listen address (overrides `epp-listen`; port 0 picks a free port):
+    /// Envoy's ext_proc gRPC service with the health services `liveness` and `readiness`.
+    #[arg(long, value_name = "ADDR")]
+    epp_listen: Option<SocketAddr>,
 
     /// Hugging Face `tokenizer.json` for text prompts of the HTTP front (overrides
     /// `http.tokenizer`; without either, text is split on whitespace).
@@ -86,6 +91,9 @@ fn load(cli: &Cli) -> anyhow::Result<RouterConfig> {
     }
     if let Some(a) = cli.http_listen {
         cfg.http_listen = Some(a);
+    }
+    if let Some(a) = cli.epp_listen {
+        cfg.epp_listen = Some(a);
     }
     if let Some(t) = &cli.tokenizer {
         cfg.http.tokenizer = Some(t.clone());
@@ -153,10 +161,13 @@ fn main() -> anyhow::Result<()> {
         let http = router
             .http_addr()
             .map_or_else(|| "none".to_owned(), |a| a.to_string());
+        let epp = router
+            .epp_addr()
+            .map_or_else(|| "none".to_owned(), |a| a.to_string());
         let mut out = std::io::stdout().lock();
         writeln!(
             out,
-            "kvc-router grpc={} metrics={metrics} http={http}",
+            "kvc-router grpc={} metrics={metrics} http={http} epp={epp}",
             router.grpc_addr()
         )?;
         out.flush()?;

@@ -12,6 +12,7 @@
 //! | `kvc_router_probes_total` | counter | `result` (`admit`, `reject`, `stale`, `contended`, `state`) |
 //! | `kvc_router_probe_reroutes_total` | counter | — |
 //! | `kvc_router_event_evictions_total` | counter | — (direct-to-D plans dropped because the D's KV-cache events showed none of the session's blocks) |
+//! | `kvc_router_event_adoptions_total` | counter | — (sessions this router had no placement for, adopted where the engines' KV-cache events show them: another replica placed them) |
 //! | `kvc_router_commit_evicts_total` | counter | `result` (`admitted`, `rejected`, `busy`, `error`) |
 //! | `kvc_router_outcomes_total` | counter | `outcome` |
 //! | `kvc_router_sessions_tracked` | gauge | — |
@@ -178,6 +179,7 @@ pub struct Metrics {
     probes: [Counter; ProbeKind::ALL.len()],
     reroutes: Counter,
     event_evictions: Counter,
+    event_adoptions: Counter,
     commits: [Counter; CommitKind::ALL.len()],
     outcomes: [Counter; Outcome::ALL.len()],
     forgotten: [Counter; Forgotten::ALL.len()],
@@ -252,6 +254,11 @@ impl Metrics {
             r,
             "kvc_router_event_evictions",
             "Direct-to-D plans dropped because the decode worker's KV-cache events showed none of the session's blocks",
+        );
+        let event_adoptions = counter(
+            r,
+            "kvc_router_event_adoptions",
+            "Sessions this router had no placement for, adopted where the engines' KV-cache events show them (placed by another replica)",
         );
         let commits = counter_family(
             r,
@@ -332,6 +339,7 @@ impl Metrics {
             probes,
             reroutes,
             event_evictions,
+            event_adoptions,
             commits,
             outcomes,
             forgotten,
@@ -402,6 +410,11 @@ impl Metrics {
     /// Counts a direct-to-D plan dropped because the engine's events showed the session gone.
     pub fn record_event_eviction(&self) {
         self.event_evictions.inc();
+    }
+
+    /// Counts a session adopted from the engines' events (placed by another replica).
+    pub fn record_event_adoption(&self) {
+        self.event_adoptions.inc();
     }
 
     /// Counts a `CommitEvict`.

@@ -18,6 +18,7 @@ pub struct RunningRouter {
     grpc_addr: SocketAddr,
     metrics_addr: Option<SocketAddr>,
     http_addr: Option<SocketAddr>,
+    epp_addr: Option<SocketAddr>,
     service: Arc<RouterService>,
     stop: CancellationToken,
     task: JoinHandle<Result<(), ServeError>>,
@@ -37,6 +38,11 @@ impl RunningRouter {
     /// The bound HTTP data-plane address, if the HTTP front is served (`http-listen`).
     pub fn http_addr(&self) -> Option<SocketAddr> {
         self.http_addr
+    }
+
+    /// The bound endpoint-picker address, if the picker is served (`epp-listen`).
+    pub fn epp_addr(&self) -> Option<SocketAddr> {
+        self.epp_addr
     }
 
     /// The service behind the listeners.
@@ -63,7 +69,8 @@ impl RunningRouter {
 /// [`RunningRouter::grpc_addr`]). Serves `kvc.v1.Router`, `grpc.health.v1.Health` and gRPC
 /// reflection on the gRPC address, Prometheus text on `/metrics` at the metrics address, and,
 /// when `http-listen` is set, the HTTP data plane ([`crate::http`], forwarding to the
-/// workers' `http-url`s) at that address.
+/// workers' `http-url`s) at that address, and when `epp-listen` is set, the endpoint picker
+/// for Envoy ([`crate::epp`]) at that one; the two share one front state.
 /// Must be called within a tokio runtime.
 pub async fn serve(
     config: RouterConfig,
@@ -87,13 +94,36 @@ pub async fn serve_service(
     let (grpc_tls, http_tls) = (grpc_tls.transpose()?, http_tls.transpose()?);
     // The HTTP front (its tokenizer file loaded, its workers' URLs parsed) before anything
     // is bound.
-    let http_app = match config.http_listen {
-        Some(_) => Some(crate::auth::require_http(
-            crate::http::http_app_from_config(Arc::clone(&service))?,
+    let front = match (config.http_listen, config.epp_listen) {
+        (None, None) => None,
+        _ => Some(crate::http::front_state_from_config(Arc::clone(&service))?),
+    };
+    let http_app = match (config.http_listen, &front) {
+        (Some(_), Some(front)) => Some(crate::auth::require_http(
+            crate::http::router_over(Arc::clone(front)),
             tokens.http.clone(),
         )),
+        _ => None,
+    };
+    let epp = match config.epp_listen {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind {
+                    what: "epp",
+                    addr,
+                    source,
+                })?;
+            let bound = listener.local_addr().map_err(|source| ServeError::Bind {
+                what: "epp",
+                addr,
+                source,
+            })?;
+            Some((listener, bound))
+        }
         None => None,
     };
+    let epp_addr = epp.as_ref().map(|(_, a)| *a);
     let grpc_listener =
         TcpListener::bind(config.listen)
             .await
@@ -192,6 +222,11 @@ pub async fn serve_service(
         })
     });
 
+    let epp = match (epp, front) {
+        (Some((listener, _)), Some(front)) => Some(crate::epp::spawn_epp(front, listener, &stop)),
+        _ => None,
+    };
+
     let http = http.map(|(listener, _, app)| {
         let stop = stop.clone();
         // Bounded connections and deadlines (the `[http]` listener keys); `TCP_NODELAY`, so
@@ -208,6 +243,7 @@ pub async fn serve_service(
         grpc = %grpc_addr,
         metrics = ?metrics_addr,
         http = ?http_addr,
+        epp = ?epp_addr,
         policy = service.config().policy.name(),
         workers = service.config().workers.len(),
         "kvc-router serving"
@@ -221,7 +257,7 @@ pub async fn serve_service(
             // Whatever ended the gRPC server ends everything else.
             stop.cancel();
             // The other servers drain concurrently: the grace period bounds them together.
-            let (metrics_result, http_result) = tokio::join!(
+            let (metrics_result, http_result, epp_result) = tokio::join!(
                 async {
                     match metrics {
                         Some(m) => finish(m, &stop, grace, "metrics").await,
@@ -234,6 +270,12 @@ pub async fn serve_service(
                         None => Ok(()),
                     }
                 },
+                async {
+                    match epp {
+                        Some(e) => finish(e, &stop, grace, "epp").await,
+                        None => Ok(()),
+                    }
+                },
             );
             for b in background {
                 let _ = b.await;
@@ -241,6 +283,7 @@ pub async fn serve_service(
             grpc_result?;
             metrics_result?;
             http_result?;
+            epp_result?;
             tracing::info!("kvc-router stopped");
             Ok(())
         })
@@ -250,6 +293,7 @@ pub async fn serve_service(
         grpc_addr,
         metrics_addr,
         http_addr,
+        epp_addr,
         service,
         stop,
         task,

@@ -340,6 +340,28 @@ impl RouterService {
             .any(|(w, n)| *w == worker && *n > 0)
     }
 
+    /// Where the engines' KV-cache events place `session`: the worker that hosts sessions
+    /// holding the most of its blocks (a decode worker on a tie), and how many; `None` when
+    /// no such worker holds any.
+    pub(crate) fn events_placement(
+        &self,
+        session: SessionId,
+        views: &[kvc_policy::WorkerView],
+    ) -> Option<(WorkerId, u32)> {
+        let residency = self.kv_index.read().session_residency(session);
+        residency
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .filter_map(|(w, n)| {
+                let v = views.iter().find(|v| v.id == w)?;
+                v.caps
+                    .hosts_sessions()
+                    .then_some((n, v.role == kvc_core::WorkerRole::Decode, w))
+            })
+            .max_by_key(|(n, decode, w)| (*n, *decode, std::cmp::Reverse(w.0)))
+            .map(|(n, _, w)| (w, n))
+    }
+
     /// The workers whose state is scraped from their engine's `/metrics`.
     pub fn scraped_workers(&self) -> Vec<WorkerId> {
         self.workers

@@ -71,6 +71,13 @@ pub(crate) struct Args {
     /// worker.
     #[arg(long, default_value = "sglang", value_parser = ["sglang", "vllm"])]
     pub(crate) engine: String,
+    /// HTTP mode with --engine vllm: each decode worker runs a decode-side P/D sidecar
+    /// (llm-d's convention, for an endpoint picker behind Envoy): a request whose
+    /// `x-prefiller-host-port: ip:port` header names a prefill worker is prefilled there
+    /// first and then decoded with the pulled KV; without the header the decode worker serves
+    /// the request alone.
+    #[arg(long)]
+    pub(crate) pd_sidecar: bool,
     /// HTTP mode: header carrying each request's session key.
     #[arg(long, default_value = "x-session-id")]
     pub(crate) session_header: String,
@@ -278,6 +285,7 @@ fn run_http(
             engine_base_port: args.engine_base_port,
             engine: args.engine.parse()?,
             faults: Default::default(),
+            pd_shim: args.pd_sidecar,
         },
         session_header: (!args.no_session_header).then(|| args.session_header.clone()),
         stream: !args.no_stream,

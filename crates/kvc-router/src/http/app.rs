@@ -14,22 +14,22 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Everything a request handler needs, shared by all of them.
-pub(super) struct App {
-    pub(super) service: Arc<RouterService>,
-    pub(super) workers: WorkerEndpoints,
+pub(crate) struct App {
+    pub(crate) service: Arc<RouterService>,
+    pub(crate) workers: WorkerEndpoints,
     pub(super) client: WorkerClient,
-    pub(super) breakers: Breakers,
+    pub(crate) breakers: Breakers,
     pub(super) sessions: Sessions,
     pub(super) rooms: BootstrapRooms,
-    pub(super) options: HttpOptions,
+    pub(crate) options: HttpOptions,
     /// [`HttpOptions::session_header`] as a header name; `None` when it is not one (then no
     /// worker request carries it).
-    pub(super) session_header: Option<HeaderName>,
+    pub(crate) session_header: Option<HeaderName>,
     next_request: AtomicU64,
 }
 
 impl App {
-    pub(super) fn new(
+    pub(crate) fn new(
         service: Arc<RouterService>,
         workers: WorkerEndpoints,
         options: HttpOptions,
@@ -54,7 +54,7 @@ impl App {
     }
 
     /// Feeds one worker's result to its circuit breaker.
-    pub(super) fn feed_breaker(&self, worker: WorkerId, failed: bool) {
+    pub(crate) fn feed_breaker(&self, worker: WorkerId, failed: bool) {
         if failed {
             self.breakers
                 .on_failure(&self.service, worker, self.service.now_ms());
@@ -64,7 +64,7 @@ impl App {
     }
 
     /// Worker `id`'s endpoint.
-    pub(super) fn endpoint(&self, id: WorkerId) -> Option<HttpWorker> {
+    pub(crate) fn endpoint(&self, id: WorkerId) -> Option<HttpWorker> {
         self.workers.get(id).cloned()
     }
 }

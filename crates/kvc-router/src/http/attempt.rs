@@ -17,12 +17,12 @@ use serde_json::{Map, Value};
 use std::sync::Arc;
 
 /// One client request, as every attempt forwards it.
-pub(super) struct ForwardedRequest {
-    pub(super) api: Api,
-    pub(super) request_id: u64,
-    pub(super) input_length: u64,
+pub(crate) struct ForwardedRequest {
+    pub(crate) api: Api,
+    pub(crate) request_id: u64,
+    pub(crate) input_length: u64,
     /// The session key, sent to every worker in the session header.
-    pub(super) session_key: Option<Arc<str>>,
+    pub(crate) session_key: Option<Arc<str>>,
 }
 
 impl ForwardedRequest {
@@ -87,7 +87,7 @@ pub(super) fn is_success(r: &Result<WorkerAnswer, ForwardError>) -> bool {
 
 /// Tokens generated, as the worker's answer reports them (SGLang `meta_info` or OpenAI
 /// `usage`).
-pub(super) fn completion_tokens(body: &[u8]) -> Option<u64> {
+pub(crate) fn completion_tokens(body: &[u8]) -> Option<u64> {
     let v: Value = serde_json::from_slice(body).ok()?;
     v.pointer("/meta_info/completion_tokens")
         .or_else(|| v.pointer("/usage/completion_tokens"))
@@ -96,7 +96,7 @@ pub(super) fn completion_tokens(body: &[u8]) -> Option<u64> {
 
 /// Prompt tokens the worker's answer says it served from its prefix cache: vLLM's (OpenAI's)
 /// `usage.prompt_tokens_details.cached_tokens`, or SGLang's `meta_info.cached_tokens`.
-pub(super) fn cached_tokens(body: &[u8]) -> Option<u64> {
+pub(crate) fn cached_tokens(body: &[u8]) -> Option<u64> {
     let v: Value = serde_json::from_slice(body).ok()?;
     cached_tokens_of(&v)
 }
@@ -128,7 +128,7 @@ pub(super) struct DecodeLeg {
 /// half of what the direct-to-D decision counted on (`expected`): then the session had been
 /// evicted from D and D recomputed it, `direct-cache-miss` with 0 resident tokens (the
 /// policy stops counting the session resident there; its next turn goes through P).
-pub(super) fn judge_cache(
+pub(crate) fn judge_cache(
     expected: Option<u64>,
     cached: Option<u64>,
     resident: u64,

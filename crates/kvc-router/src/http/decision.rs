@@ -11,7 +11,7 @@ use kvc_policy::RouteRequest;
 /// What the front asks the routing service for one client request (the same for every
 /// attempt, but for `rejected_by`).
 #[derive(Debug, Clone)]
-pub(super) struct RouteQuery {
+pub(crate) struct RouteQuery {
     request_id: RequestId,
     session: Option<(SessionId, TurnId)>,
     input_length: u64,
@@ -62,23 +62,23 @@ impl RouteQuery {
 
 /// Where one attempt of a request goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Decision {
+pub(crate) struct Decision {
     /// Names the decision in its outcome report.
-    pub(super) id: u64,
+    pub(crate) id: u64,
     /// The path: through a prefill worker, direct-to-D, or colocated.
-    pub(super) mode: ExecutionMode,
+    pub(crate) mode: ExecutionMode,
     /// The prefill worker of a P→D path.
-    pub(super) prefill: Option<WorkerId>,
+    pub(crate) prefill: Option<WorkerId>,
     /// The decode worker (the colocated worker in a colocated cluster).
-    pub(super) decode: WorkerId,
+    pub(crate) decode: WorkerId,
     /// Why a later turn did not go direct-to-D.
-    pub(super) reason: Option<FallThroughReason>,
+    pub(crate) reason: Option<FallThroughReason>,
     /// Prompt tokens the decision counts on D (or P) already holding.
-    pub(super) cached_tokens: u64,
+    pub(crate) cached_tokens: u64,
 }
 
 /// The routing service's decision for `query`, the workers in `excluded` counted as down.
-pub(super) fn route(
+pub(crate) fn route(
     service: &RouterService,
     query: &RouteQuery,
     excluded: &[WorkerId],
@@ -95,7 +95,7 @@ pub(super) fn route(
 }
 
 /// Reports the outcome of `decision` (logged, never fatal).
-pub(super) fn report(
+pub(crate) fn report(
     service: &RouterService,
     decision: u64,
     request_id: u64,

@@ -7,7 +7,7 @@ use serde_json::{Map, Value, json};
 /// Adds the session's continuation parameters to a direct-to-D body: SGLang's `/generate`
 /// gets `session_params.id` = the session key, unless the client sent `session_params`
 /// itself. Other APIs, or no session: unchanged.
-pub(super) fn add_continuation_params(
+pub(crate) fn add_continuation_params(
     api: Api,
     body: &mut Map<String, Value>,
     session_key: Option<&str>,

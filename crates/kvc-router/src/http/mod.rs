@@ -341,6 +341,19 @@ pub use responses::SESSION_RESPONSE_HEADER;
 pub use tokens::{Tokenizer, TokenizerError, block_hashes, fallback_tokens};
 pub use vllm::PREFILL_FAILED_HEADER;
 
+// What the endpoint picker (`crate::epp`) reads requests and judges answers with: the same
+// functions as this front's.
+pub(crate) use app::App;
+pub(crate) use attempt::{cached_tokens, completion_tokens, judge_cache};
+pub(crate) use decision::{Decision, report as report_outcome, route as route_query};
+pub(crate) use direct::add_continuation_params;
+pub(crate) use request::Api;
+pub(crate) use responses::route_error_response;
+pub(crate) use retry::{Prepared, prepare_request};
+pub(crate) use routes::readiness_of;
+pub(crate) use sse::{CompletionScan, UsageFilter};
+pub(crate) use vllm::{ask_for_usage, client_wants_usage};
+
 use crate::RouterService;
 use std::sync::Arc;
 
@@ -369,7 +382,29 @@ pub fn http_app_with(
 /// The HTTP front as `service`'s configuration describes it: the `[http]` table's options
 /// (its tokenizer file loaded) and the workers' `http-url`s.
 pub fn http_app_from_config(service: Arc<RouterService>) -> Result<axum::Router, FrontError> {
+    Ok(routes::router(front_state_from_config(service)?))
+}
+
+/// The front's shared state as `service`'s configuration describes it (options, worker
+/// endpoints, breakers, session book), its health checks started when on. The router binary
+/// builds it once and serves it both as this front and as the endpoint picker
+/// ([`crate::epp`]), so the two share sessions, breakers and request ids.
+pub(crate) fn front_state_from_config(
+    service: Arc<RouterService>,
+) -> Result<Arc<app::App>, FrontError> {
     let options = HttpOptions::from_config(&service.config().http)?;
     let workers = WorkerEndpoints::from_config(service.config())?;
-    Ok(http_app_with(service, workers, options))
+    let health_checks = options
+        .health_check_interval
+        .filter(|i| !i.is_zero() && !workers.is_empty());
+    let app = Arc::new(app::App::new(service, workers, options));
+    if let Some(interval) = health_checks {
+        health::spawn_health_checks(&app, interval);
+    }
+    Ok(app)
+}
+
+/// The axum routes of the front over an existing shared state.
+pub(crate) fn router_over(app: Arc<app::App>) -> axum::Router {
+    routes::router(app)
 }

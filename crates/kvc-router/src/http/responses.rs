@@ -39,7 +39,7 @@ pub(super) fn body_error_response(e: &BytesRejection) -> Response {
 
 /// A routing failure as the client gets it: 400 for a bad request, 503 when no worker can
 /// take it, 504 for a deadline, else 500.
-pub(super) fn route_error_response(e: &RequestError) -> Response {
+pub(crate) fn route_error_response(e: &RequestError) -> Response {
     let (status, kind) = match e {
         RequestError::InvalidArgument(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
         RequestError::Unavailable(_) | RequestError::ResourceExhausted(_) => {

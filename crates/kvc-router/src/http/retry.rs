@@ -21,6 +21,15 @@ use kvc_core::{ExecutionMode, WorkerId};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// A client request ready to route: the routing query, what every attempt forwards, the body
+/// to forward (router-only fields removed) and whether the client asked for a stream.
+pub(crate) struct Prepared {
+    pub(crate) query: RouteQuery,
+    pub(crate) request: ForwardedRequest,
+    pub(crate) body: serde_json::Map<String, serde_json::Value>,
+    pub(crate) stream: bool,
+}
+
 /// The client's answer to `bytes`, a request to `api`.
 pub(super) async fn serve_request(
     app: &Arc<App>,
@@ -28,29 +37,40 @@ pub(super) async fn serve_request(
     headers: &HeaderMap,
     bytes: &[u8],
 ) -> Response {
+    match prepare_request(app, api, headers, bytes).await {
+        Ok(p) => route_and_forward(app, p.query, &p.request, &p.body, p.stream).await,
+        Err(response) => response,
+    }
+}
+
+/// Everything the front reads from a client request before routing it: the body parsed, the
+/// session key (the session header, the body's session field, else inferred from the
+/// prefix) bounded and resolved to a session and turn, router-only fields removed, the
+/// prompt tokenized and hashed. A request that cannot be routed is the 400 answer to give.
+/// Every front that routes client requests (this one, and the endpoint picker in
+/// `crate::epp`) reads them here.
+pub(crate) async fn prepare_request(
+    app: &Arc<App>,
+    api: Api,
+    headers: &HeaderMap,
+    bytes: &[u8],
+) -> Result<Prepared, Response> {
     let bad_request =
         |message: &str| error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message);
     if api == Api::Generate && app.workers.any_vllm() {
-        return bad_request(
+        return Err(bad_request(
             "/generate is SGLang's API and this cluster has vLLM workers (engine = \"vllm\"): \
              send /v1/completions or /v1/chat/completions",
-        );
+        ));
     }
-    let mut req = match request::parse(api, bytes) {
-        Ok(r) => r,
-        Err(m) => return bad_request(&m),
-    };
-    let header_key = match header_key(headers, &app.options.session_header) {
-        Ok(k) => k,
-        Err(m) => return bad_request(&m),
-    };
+    let mut req = request::parse(api, bytes).map_err(|m| bad_request(&m))?;
+    let header_key =
+        header_key(headers, &app.options.session_header).map_err(|m| bad_request(&m))?;
     // Every session id the client sent (both are forwarded: the header as the session key,
     // the body as it is) is bounded before anything is kept or forwarded.
     let limit = app.options.max_session_id_bytes;
     for key in [&header_key, &req.session_key].into_iter().flatten() {
-        if let Err(m) = check_session_id(key, limit) {
-            return bad_request(&m);
-        }
+        check_session_id(key, limit).map_err(|m| bad_request(&m))?;
     }
     if strip_router_fields(&mut req.body) > 0 {
         tracing::debug!("router-only fields removed from a client request");
@@ -60,7 +80,7 @@ pub(super) async fn serve_request(
         Prompt::Text(text) => app.options.tokenizer.encode_off_thread(text).await,
     };
     if tokens.is_empty() {
-        return bad_request("the prompt is empty");
+        return Err(bad_request("the prompt is empty"));
     }
     let block = app.service.config().policy.block_size();
     let hash_ids = block_hashes(&tokens, block);
@@ -82,13 +102,18 @@ pub(super) async fn serve_request(
         req.output_hint,
         hash_ids,
     );
-    let forwarded = ForwardedRequest {
+    let request = ForwardedRequest {
         api,
         request_id,
         input_length,
         session_key: resolved.map(|r| r.key),
     };
-    route_and_forward(app, query, &forwarded, &req.body, req.stream).await
+    Ok(Prepared {
+        query,
+        request,
+        body: req.body,
+        stream: req.stream,
+    })
 }
 
 /// Routes and forwards until an attempt answers the client, the retries are spent or no

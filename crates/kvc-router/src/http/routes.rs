@@ -70,12 +70,23 @@ fn body_timeout(deadline: Duration) -> Response {
     r
 }
 
-/// Readiness: 200 while a new request can be routed, else 503 saying why. A colocated
-/// cluster needs one routable colocated worker; a prefill/decode cluster one routable prefill
-/// and one routable decode worker (a first turn goes through P). A worker is routable when
-/// its state is fresh and healthy, its circuit breaker is not open, and it has an HTTP
-/// address.
-async fn readiness(State(app): State<Arc<App>>) -> Response {
+/// The front's readiness: routable workers per role and, when a new request cannot be
+/// routed, why.
+pub(crate) struct Readiness {
+    prefill: usize,
+    decode: usize,
+    colocated: usize,
+    healthy: usize,
+    workers: usize,
+    /// Why a new request cannot be routed; `None` when it can.
+    pub(crate) missing: Option<String>,
+}
+
+/// Readiness of `app`: a colocated cluster needs one routable colocated worker; a
+/// prefill/decode cluster one routable prefill and one routable decode worker (a first turn
+/// goes through P). A worker is routable when its state is fresh and healthy, its circuit
+/// breaker is not open, and it has an HTTP address.
+pub(crate) fn readiness_of(app: &App) -> Readiness {
     let views = app.service.worker_views();
     let routable = |role: WorkerRole| {
         views
@@ -89,7 +100,6 @@ async fn readiness(State(app): State<Arc<App>>) -> Response {
         routable(WorkerRole::Decode),
         routable(WorkerRole::Colocated),
     );
-    let healthy = views.iter().filter(|v| v.is_routable()).count();
     let missing = if p + d + c == 0 {
         Some("no routable worker".to_owned())
     } else if total(WorkerRole::Colocated) > 0 {
@@ -107,18 +117,32 @@ async fn readiness(State(app): State<Arc<App>>) -> Response {
     } else {
         None
     };
-    let routable = json!({ "prefill": p, "decode": d, "colocated": c });
-    match missing {
+    Readiness {
+        prefill: p,
+        decode: d,
+        colocated: c,
+        healthy: views.iter().filter(|v| v.is_routable()).count(),
+        workers: views.len(),
+        missing,
+    }
+}
+
+/// Readiness: 200 while a new request can be routed, else 503 saying why (see
+/// [`readiness_of`]).
+async fn readiness(State(app): State<Arc<App>>) -> Response {
+    let r = readiness_of(&app);
+    let routable = json!({ "prefill": r.prefill, "decode": r.decode, "colocated": r.colocated });
+    match r.missing {
         None => json_response(
             StatusCode::OK,
-            &json!({ "status": "ok", "healthy_workers": healthy, "workers": views.len(),
+            &json!({ "status": "ok", "healthy_workers": r.healthy, "workers": r.workers,
                      "routable": routable }),
         ),
         Some(message) => json_response(
             StatusCode::SERVICE_UNAVAILABLE,
             &json!({
                 "error": { "message": message, "type": "unavailable", "code": 503 },
-                "status": "unavailable", "healthy_workers": healthy, "workers": views.len(),
+                "status": "unavailable", "healthy_workers": r.healthy, "workers": r.workers,
                 "routable": routable,
             }),
         ),

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 /// carries `meta_info.completion_tokens` or `usage.completion_tokens`. The events are read by
 /// the workspace's one SSE scanner ([`kvc_core::sse`]).
 #[derive(Debug)]
-pub(super) struct CompletionScan {
+pub(crate) struct CompletionScan {
     events: SseScanner,
     tokens: Option<u64>,
     cached: Option<u64>,
@@ -20,11 +20,11 @@ pub(super) struct CompletionScan {
 
 /// What a finished [`CompletionScan`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct ScanEnd {
+pub(crate) struct ScanEnd {
     /// The last generated-token count seen.
-    pub(super) completion: Option<u64>,
+    pub(crate) completion: Option<u64>,
     /// The last cached-prompt-token count seen (vLLM's final usage chunk).
-    pub(super) cached: Option<u64>,
+    pub(crate) cached: Option<u64>,
 }
 
 impl Default for CompletionScan {
@@ -42,7 +42,7 @@ impl CompletionScan {
     pub(super) const MAX_EVENT: usize = 1 << 20;
 
     /// Scans the next piece of the stream (events may be split across pieces).
-    pub(super) fn feed(&mut self, bytes: &[u8]) {
+    pub(crate) fn feed(&mut self, bytes: &[u8]) {
         for event in self.events.feed(bytes) {
             self.read(event);
         }
@@ -67,7 +67,7 @@ impl CompletionScan {
     }
 
     /// The last counts seen, an event the stream did not close included.
-    pub(super) fn finish(mut self) -> ScanEnd {
+    pub(crate) fn finish(mut self) -> ScanEnd {
         if let Some(event) = self.events.finish() {
             self.read(event);
         }
@@ -83,7 +83,7 @@ impl CompletionScan {
 /// as `data: ...` (vLLM writes no other SSE field). Used when the router asked for the usage
 /// and the client did not.
 #[derive(Debug)]
-pub(super) struct UsageFilter {
+pub(crate) struct UsageFilter {
     events: SseScanner,
 }
 
@@ -119,7 +119,7 @@ impl UsageFilter {
 
     /// The client's bytes for the next piece of D's stream (empty while an event is
     /// incomplete, or when it held only a usage chunk).
-    pub(super) fn feed(&mut self, piece: &[u8]) -> Bytes {
+    pub(crate) fn feed(&mut self, piece: &[u8]) -> Bytes {
         let mut out = Vec::new();
         for event in self.events.feed(piece) {
             Self::frame(&mut out, event);
@@ -128,7 +128,7 @@ impl UsageFilter {
     }
 
     /// The client's bytes for an event D's stream ended inside of.
-    pub(super) fn finish(&mut self) -> Bytes {
+    pub(crate) fn finish(&mut self) -> Bytes {
         let mut out = Vec::new();
         if let Some(event) = self.events.finish() {
             Self::frame(&mut out, event);

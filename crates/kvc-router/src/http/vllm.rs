@@ -51,7 +51,7 @@ pub(super) fn prefill_body(body: &Map<String, Value>) -> Map<String, Value> {
 }
 
 /// Whether the client asked for the usage chunk of its stream.
-fn client_wants_usage(body: &Map<String, Value>) -> bool {
+pub(crate) fn client_wants_usage(body: &Map<String, Value>) -> bool {
     body.get("stream_options")
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
@@ -60,7 +60,7 @@ fn client_wants_usage(body: &Map<String, Value>) -> bool {
 
 /// Turns `stream_options.include_usage` on in D's body (the final chunk then reports the
 /// cached prompt tokens); other stream options are kept.
-fn ask_for_usage(body: &mut Map<String, Value>) {
+pub(crate) fn ask_for_usage(body: &mut Map<String, Value>) {
     let options = body
         .entry("stream_options")
         .or_insert_with(|| Value::Object(Map::new()));

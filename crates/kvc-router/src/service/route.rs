@@ -125,6 +125,34 @@ impl RouterService {
         }
         self.forget(core);
 
+        // A session this router has no placement for, which the engines' events show
+        // resident on a worker: another replica placed it. Adopt that placement, and route the
+        // request as a later turn (this router's turn count started at its own first sight).
+        let adopted;
+        let req = match session {
+            Some(s) if core.state.session(s).is_none_or(|r| r.current_d.is_none()) => {
+                match self.events_placement(s, &views) {
+                    Some((worker, blocks)) => {
+                        let n = (blocks as usize).min(req.hash_ids.len());
+                        core.state.observe(&Observation::Adopted {
+                            session: s,
+                            worker,
+                            blocks: req.hash_ids[..n].to_vec(),
+                            resident_tokens: u64::from(blocks)
+                                * u64::from(policy.block_size().tokens()),
+                        });
+                        self.metrics.record_event_adoption();
+                        adopted = RouteRequest {
+                            turn: req.turn.filter(|t| !t.is_first()),
+                            ..*req
+                        };
+                        &adopted
+                    }
+                    None => req,
+                }
+            }
+            _ => req,
+        };
         let mut decision = kvc_policy::route(policy, &core.state, &cluster, req)?;
         // The engine's own events say the session's KV is gone from the worker it would go
         // to: the policy learns the eviction and decides again (reseed or fallback; a local

@@ -45,10 +45,12 @@
 //! | `generate` | `POST /generate` |
 //! | `stream` | streamed answers as SSE events |
 //! | `vllm` | the vLLM dialect: OpenAI bodies and answers, P's holds pulled by D |
+//! | `pd_shim` | the decode side's P/D sidecar behind an endpoint picker (llm-d's `x-prefiller-host-port`) |
 
 mod bootstrap;
 mod engine_thread;
 mod generate;
+mod pd_shim;
 mod rooms;
 mod sglang;
 mod state;
@@ -106,6 +108,11 @@ pub struct WorkerOptions {
     pub engine: EngineKind,
     /// Fault injection for tests (vLLM dialect only); none by default.
     pub faults: Faults,
+    /// vLLM dialect: each decode worker runs llm-d's decode-side P/D sidecar (see
+    /// `pd_shim`): a request naming a prefill worker in `x-prefiller-host-port` is prefilled
+    /// there first; for a router that follows that convention (kvc-router's endpoint picker
+    /// behind Envoy).
+    pub pd_shim: bool,
 }
 
 /// Faults the simulated vLLM workers can be told to show (for tests).
@@ -213,6 +220,8 @@ impl HttpWorkers {
             .spawn(move || engine_thread.run(requests, engine_shutdown))
             .map_err(|e| LiveError::Invalid(format!("cannot start the engine thread: {e}")))?;
         let client = bootstrap_client();
+        let shim = (opts.pd_shim && opts.engine == EngineKind::Vllm)
+            .then(|| Arc::new(pd_shim::PdShim::new()));
         let mut addrs = Vec::new();
         let mut bootstrap_ports = Vec::new();
         for (i, role) in roles.iter().enumerate() {
@@ -239,11 +248,21 @@ impl HttpWorkers {
                 client: client.clone(),
                 addr,
                 faults: opts.faults,
+                pd_shim: shim.clone(),
             });
             let vllm = opts.engine == EngineKind::Vllm;
             spawn_serve(runtime, listener, worker_app(ctx, vllm), shutdown.clone());
             addrs.push(addr);
             bootstrap_ports.push(bootstrap);
+        }
+        if let Some(shim) = &shim {
+            shim.allow(
+                roles
+                    .iter()
+                    .zip(&addrs)
+                    .filter(|(r, _)| **r == WorkerRole::Prefill)
+                    .map(|(_, a)| *a),
+            );
         }
         Ok(HttpWorkers {
             shared,

@@ -25,6 +25,8 @@ pub(super) struct WorkerContext {
     pub(super) addr: std::net::SocketAddr,
     /// Fault injection for tests (vLLM dialect).
     pub(super) faults: super::Faults,
+    /// The decode side's P/D sidecar, when the workers run behind an endpoint picker.
+    pub(super) pd_shim: Option<Arc<super::pd_shim::PdShim>>,
 }
 
 /// The routes of one worker: SGLang's `/generate`, or (`vllm`) vLLM's OpenAI routes.

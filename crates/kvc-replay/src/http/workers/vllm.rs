@@ -118,8 +118,26 @@ static NEXT_HOLD: AtomicU64 = AtomicU64::new(0);
 /// vLLM's OpenAI routes, `/v1/completions` and `/v1/chat/completions`.
 pub(super) fn routes() -> axum::Router<Arc<WorkerContext>> {
     let handler = |api: OpenAi| {
-        move |State(ctx): State<Arc<WorkerContext>>, headers: HeaderMap, body: Bytes| async move {
-            serve(ctx, api, &headers, &body).await
+        move |State(ctx): State<Arc<WorkerContext>>, mut headers: HeaderMap, body: Bytes| async move {
+            // Behind an endpoint picker, a decode worker's sidecar runs the prefill step first.
+            let Some(shim) = ctx
+                .pd_shim
+                .clone()
+                .filter(|_| ctx.role == WorkerRole::Decode)
+            else {
+                return serve(ctx, api, &headers, &body).await;
+            };
+            let path = match api {
+                OpenAi::Completions => "/v1/completions",
+                OpenAi::Chat => "/v1/chat/completions",
+            };
+            match shim.before_serve(&ctx, path, &mut headers, body).await {
+                super::pd_shim::Step::Serve {
+                    body,
+                    prefill_failed,
+                } => super::pd_shim::mark(serve(ctx, api, &headers, &body).await, prefill_failed),
+                super::pd_shim::Step::Answer(response) => response,
+            }
         }
     };
     axum::Router::new()
