@@ -21,11 +21,15 @@
 
 pub mod driver;
 mod prompt;
+mod serve;
 pub mod workers;
 
 pub use driver::DriveOptions;
 pub use prompt::{prompt_key, prompt_text};
-pub use workers::{Faults, HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, WorkerOptions};
+pub use serve::{RouterConfigTarget, ServeOptions, serve_workers, worker_lines};
+pub use workers::{
+    Faults, HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, StandaloneOptions, WorkerOptions,
+};
 
 use crate::live::router::{RouterConfigFile, RouterProcess, find_router_binary};
 use crate::live::{LiveError, router_config};
