@@ -59,6 +59,30 @@ fn dechunk(mut raw: &str) -> String {
     }
 }
 
+/// Reads one answer with a `Content-Length` body from a kept-alive connection: status and
+/// JSON body.
+fn read_answer(conn: &mut TcpStream) -> (u16, Value) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        conn.read_exact(&mut byte).expect("an answer head");
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            n.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().unwrap())
+        })
+        .expect("a Content-Length");
+    let mut body = vec![0u8; length];
+    conn.read_exact(&mut body).unwrap();
+    (status, serde_json::from_slice(&body).unwrap())
+}
+
 /// POSTs `body` to `http://addr{path}` with `headers`; one connection per call.
 fn post(addr: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Answer {
     let mut s = TcpStream::connect(addr).expect("connect");
@@ -365,6 +389,30 @@ fn a_client_s_own_chat_is_served_direct_to_d_on_its_second_turn() {
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(a.json()["usage"]["prompt_tokens"], 3);
     assert_eq!(a.json()["choices"][0]["text"], "tok tok");
+    // A route the workers do not serve (vllm-router asks P for /v1/completions/render) is a
+    // 404 that reads the body, so the connection stays usable for the next request.
+    let mut conn = TcpStream::connect(d0).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut answers = Vec::new();
+    for (path, body) in [
+        ("/v1/completions/render", r#"{"prompt": "a b c"}"#),
+        ("/v1/completions", r#"{"prompt": "a b c", "max_tokens": 1}"#),
+    ] {
+        write!(
+            conn,
+            "POST {path} HTTP/1.1\r\nHost: {d0}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        answers.push(read_answer(&mut conn));
+    }
+    assert_eq!(answers[0].0, 404);
+    assert_eq!(
+        (answers[1].0, answers[1].1["usage"]["prompt_tokens"].clone()),
+        (200, json!(3))
+    );
     // What a vLLM server also answers.
     assert!(http_get(d0, "/v1/models").contains("\"object\":\"list\""));
     assert!(http_get(d0, "/health").contains(" 200 "));
