@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# Side by side: the SGLang router (P/D mode, cache-aware) and kvc-router, each in front of the
-# same simulated P/D workers (kvc-replay's engine model speaking SGLang's HTTP API), on the same
-# generated SWE-agent trace at the same speed-up. Prints one table.
+# Side by side: other routers and kvc-router, each in front of the same simulated P/D workers
+# (kvc-replay's engine model), on the same generated SWE-agent trace at the same speed-up.
+# Prints one table.
 #
-# Usage: scripts/side-by-side/run.sh [--sessions N] [--seed S] [--speedup X] [--topology 1pNd]
-#                                    [--policy NAME] [--out DIR] [--sglang-router-version V]
-# Needs python3 (with venv) and network access to PyPI the first time (sglang-router is
-# installed into DIR/venv). Everything listens on 127.0.0.1 only.
+# --engine sglang (default): the SGLang router (P/D mode, cache_aware) and kvc-router, workers
+#   speaking SGLang's HTTP API (bootstrap rooms).
+# --engine vllm: workers speaking vLLM's OpenAI API with NixlConnector P/D and showing their
+#   state as stock vLLM engines do (/metrics, KV events); vllm-router (P/D, kv_aware fed by
+#   the prefill worker's KV events, decode session affinity), SMG (cache_aware, sticky
+#   sessions by x-session-id; SMG 1.13 over HTTP does not ask P for do_remote_decode, so it
+#   cannot drive NixlConnector P/D and runs on the SGLang dialect, said in the table) and
+#   kvc-router.
+#
+# Usage: scripts/side-by-side/run.sh [--engine sglang|vllm] [--sessions N] [--seed S]
+#          [--speedup X] [--topology 1pNd] [--policy NAME] [--out DIR]
+#          [--sglang-router-version V] [--vllm-router-version V] [--smg-version V]
+# Needs python3 (with venv) and network access to PyPI the first time (each peer is
+# installed into its own venv under DIR). Everything listens on 127.0.0.1 only.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -17,8 +27,11 @@ topology=1p3d
 policy=kvc
 out="$root/target/side-by-side"
 sglang_version=0.3.2
+vllm_router_version=0.1.17
+smg_version=1.13.0
+engine=sglang
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --sessions) sessions="$2"; shift 2 ;;
@@ -28,10 +41,17 @@ while [ $# -gt 0 ]; do
     --policy) policy="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --sglang-router-version) sglang_version="$2"; shift 2 ;;
+    --vllm-router-version) vllm_router_version="$2"; shift 2 ;;
+    --smg-version) smg_version="$2"; shift 2 ;;
+    --engine) engine="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "side-by-side: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
 done
+case "$engine" in
+  sglang|vllm) ;;
+  *) echo "side-by-side: --engine must be sglang or vllm, got $engine" >&2; exit 2 ;;
+esac
 case "$topology" in
   1p*d) ;;
   *) echo "side-by-side: --topology must be 1p<N>d (one prefill worker), got $topology" >&2; exit 2 ;;
@@ -40,13 +60,23 @@ esac
 mkdir -p "$out"
 log() { echo "side-by-side: $*" >&2; }
 
-# 1. The SGLang router, from PyPI, in a local virtual environment.
+# 1. The peers, from PyPI, each in its own virtual environment (installed together,
+#    sglang-router shadows SMG's argument parser).
+install() { # install VENV PACKAGE VERSION EXECUTABLE
+  local venv="$1" package="$2" version="$3" exe="$4"
+  if ! "$venv/bin/$exe" --help >/dev/null 2>&1 \
+     || [ "$("$venv/bin/pip" show "$package" 2>/dev/null | sed -n 's/^Version: //p')" != "$version" ]; then
+    log "installing $package==$version into $venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package==$version"
+  fi
+}
 venv="$out/venv"
-if ! "$venv/bin/sglang-router" --help >/dev/null 2>&1 \
-   || [ "$("$venv/bin/pip" show sglang-router 2>/dev/null | sed -n 's/^Version: //p')" != "$sglang_version" ]; then
-  log "installing sglang-router==$sglang_version into $venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check "sglang-router==$sglang_version"
+if [ "$engine" = sglang ]; then
+  install "$venv" sglang-router "$sglang_version" sglang-router
+else
+  install "$out/vllm-router-venv" vllm-router "$vllm_router_version" vllm-router
+  install "$out/smg-venv" smg "$smg_version" smg
 fi
 
 # 2. Our binaries.
@@ -84,10 +114,15 @@ port_busy() {
   python3 -c 'import socket,sys; s=socket.socket(); sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)' "$1"
 }
 
-# run NAME ROUTER_PORT METRICS_PORT WORKER_PORT BOOTSTRAP_PORT: starts the replay's workers,
-# then the router NAME in front of them, and waits for the replay to finish.
+# run NAME ROUTER_PORT METRICS_PORT WORKER_PORT BOOTSTRAP_PORT DIALECT: starts the replay's
+# workers (speaking DIALECT: sglang, or vllm with engine signals), then the router NAME in
+# front of them, and waits for the replay to finish.
 run() {
-  local name="$1" rport="$2" mport="$3" wport="$4" bport="$5"
+  local name="$1" rport="$2" mport="$3" wport="$4" bport="$5" dialect="${6:-sglang}"
+  local dialect_args=()
+  if [ "$dialect" = vllm ]; then
+    dialect_args=(--engine vllm --router-state events)
+  fi
   local dir="$out/$name"
   rm -rf "$dir"; mkdir -p "$dir"
   for port in "$rport" "$mport"; do
@@ -102,28 +137,43 @@ run() {
     --speedup "$speedup" --http-base-port "$wport" --bootstrap-base-port "$bport" \
     --snapshot-dir "$dir/snapshots" --ready-file "$dir/ready.json" \
     --http-router-config "$dir/kvc-router.toml" --connect-timeout-s 120 \
-    --out "$dir/run" >"$dir/replay.out" 2>"$dir/replay.log" &
+    "${dialect_args[@]}" --out "$dir/run" >"$dir/replay.out" 2>"$dir/replay.log" &
   replay_pid=$!
   wait_for_file "$dir/ready.json" "$dir/replay.log"
-  if [ "$name" = sglang-router ]; then
+  case "$name" in
+  sglang-router)
     # shellcheck disable=SC2046
     "$venv/bin/sglang-router" launch --pd-disaggregation --policy cache_aware \
       --host 127.0.0.1 --port "$rport" --log-level warn \
       --prometheus-host 127.0.0.1 --prometheus-port "$mport" \
-      $(python3 - "$dir/ready.json" <<'PY'
-import json, sys
-for w in json.load(open(sys.argv[1]))["workers"]:
-    if w["role"] == "prefill":
-        print("--prefill", w["url"], w["bootstrap_port"])
-    elif w["role"] == "decode":
-        print("--decode", w["url"])
-PY
-) >"$dir/router.log" 2>&1 &
-  else
+      $(workers_args "$dir/ready.json" sglang) >"$dir/router.log" 2>&1 &
+    ;;
+  smg)
+    # SMG 1.13: cache_aware with sticky sessions keyed by the x-session-id header.
+    # shellcheck disable=SC2046
+    "$out/smg-venv/bin/smg" launch --pd-disaggregation --policy cache_aware \
+      --sticky-sessions --routing-key-headers x-session-id \
+      --host 127.0.0.1 --port "$rport" --log-level warn \
+      --prometheus-host 127.0.0.1 --prometheus-port "$mport" \
+      $(workers_args "$dir/ready.json" sglang) >"$dir/router.log" 2>&1 &
+    ;;
+  vllm-router)
+    # vllm-router 0.1.17: NixlConnector P/D, kv_aware fed by the prefill worker's KV events
+    # (its only event source in P/D mode; the model identity names the tokenizer it hashes
+    # prompts with), and decode session affinity.
+    # shellcheck disable=SC2046
+    "$out/vllm-router-venv/bin/vllm-router" --vllm-pd-disaggregation --policy kv_aware \
+      --kv-aware-session-affinity-ttl-secs 3600 --kv-event-model "$(tokenizer_dir)" \
+      --host 127.0.0.1 --port "$rport" --log-level warning \
+      --prometheus-host 127.0.0.1 --prometheus-port "$mport" \
+      $(workers_args "$dir/ready.json" vllm-router) >"$dir/router.log" 2>&1 &
+    ;;
+  *)
     "$kvc_router" --config "$dir/kvc-router.toml" --http-listen "127.0.0.1:$rport" \
       --listen 127.0.0.1:0 --metrics-listen "127.0.0.1:$mport" --policy "$policy" --log warn \
       >"$dir/router.log" 2>&1 &
-  fi
+    ;;
+  esac
   router_pid=$!
   # A router that dies at start (a port in use, a bad flag) must not leave the replay waiting.
   while kill -0 "$replay_pid" 2>/dev/null; do
@@ -146,11 +196,67 @@ PY
   router_pid=""
 }
 
-run sglang-router 18000 18100 31000 32000
-run kvc-router 18001 18101 33000 34000
+# workers_args READY_FILE STYLE: the peer's --prefill/--decode arguments for the workers in
+# READY_FILE (STYLE sglang: prefill with its bootstrap port; vllm-router: also the prefill
+# worker's KV events).
+workers_args() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+style = sys.argv[2]
+for w in json.load(open(sys.argv[1]))["workers"]:
+    if w["role"] == "prefill":
+        if style == "sglang":
+            print("--prefill", w["url"], w["bootstrap_port"])
+        else:
+            print("--prefill", w["url"])
+            if w.get("kv_events"):
+                print("--pd-kv-events", w["url"] + "=" + w["kv_events"])
+    elif w["role"] == "decode":
+        print("--decode", w["url"])
+PY
+}
 
-python3 "$root/scripts/side-by-side/table.py" \
-  --speedup "$speedup" --topology "$topology" --trace "$trace" \
-  "sglang-router (cache_aware)=$out/sglang-router/run" \
-  "kvc-router ($policy)=$out/kvc-router/run" | tee "$out/table.md"
-log "wrote $out/table.md"
+# A tokenizer for vllm-router's kv_aware without the Hugging Face hub: a word-level
+# tokenizer.json (one token per word, as kvc-router's default tokenizer counts), written as
+# plain JSON.
+tokenizer_dir() {
+  local dir="$out/tokenizer"
+  if [ ! -s "$dir/tokenizer.json" ]; then
+    python3 - "$dir" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+os.makedirs(d, exist_ok=True)
+json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+           "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
+           "post_processor": None, "decoder": None,
+           "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "tok": 1}, "unk_token": "[UNK]"}},
+          open(os.path.join(d, "tokenizer.json"), "w"))
+json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"},
+          open(os.path.join(d, "tokenizer_config.json"), "w"))
+PY
+  fi
+  echo "$dir"
+}
+
+if [ "$engine" = vllm ]; then
+  tokenizer_dir >/dev/null
+fi
+if [ "$engine" = sglang ]; then
+  run sglang-router 18000 18100 31000 32000
+  run kvc-router 18001 18101 33000 34000
+  python3 "$root/scripts/side-by-side/table.py" \
+    --speedup "$speedup" --topology "$topology" --trace "$trace" \
+    "sglang-router (cache_aware)=$out/sglang-router/run" \
+    "kvc-router ($policy)=$out/kvc-router/run" | tee "$out/table.md"
+  log "wrote $out/table.md"
+else
+  run vllm-router 18010 18110 35000 36000 vllm
+  run smg 18011 18111 37000 38000 sglang
+  run kvc-router-vllm 18012 18112 39000 40000 vllm
+  python3 "$root/scripts/side-by-side/table.py" \
+    --speedup "$speedup" --topology "$topology" --trace "$trace" \
+    "vllm-router $vllm_router_version (kv_aware, vllm)=$out/vllm-router/run" \
+    "smg $smg_version (cache_aware, sglang)=$out/smg/run" \
+    "kvc-router ($policy, vllm)=$out/kvc-router-vllm/run" | tee "$out/table-vllm.md"
+  log "wrote $out/table-vllm.md"
+fi

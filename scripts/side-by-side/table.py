@@ -5,7 +5,8 @@ Usage: table.py [--speedup X] [--topology T] [--trace FILE] NAME=DIR [NAME=DIR .
 
 Each DIR holds summary.json and http.json. TTFT and latency are in engine seconds (wall time
 times the speed-up, as the replay reports them); the router's added latency is in wall
-milliseconds.
+milliseconds. Direct cache misses: direct-to-D turns a decode worker served in full because the
+session was no longer resident there (vLLM dialect).
 """
 import argparse
 import json
@@ -42,6 +43,7 @@ def main():
     rows.append(("mechanism errors", [str(s["mechanism_errors"]) for _, s, _ in runs]))
     rows.append(("requests (ok)", [f"{s['requests']} ({s['outcomes'].get('ok', 0)})" for _, s, _ in runs]))
     rows.append(("direct-to-D rate", [f"{s['direct_to_d_rate']:.3f}" for _, s, _ in runs]))
+    rows.append(("direct cache misses", [str(h.get("direct_cache_misses", 0)) for _, _, h in runs]))
     for stat in ("mean", "p50", "p90", "p99"):
         rows.append((f"router added {stat} (ms)", [f"{h['router_added'][stat + '_ms']:.3f}" for _, _, h in runs]))
 

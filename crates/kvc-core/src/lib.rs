@@ -20,7 +20,8 @@
 //!   results ([`ProbeKind`], [`CommitKind`], [`Forgotten`]);
 //! - block-prefix helpers ([`prefix`]);
 //! - the nearest-rank percentile every kvc summary reports ([`stats`]) and the scanner and
-//!   framing of Server-Sent Events streams ([`sse`]).
+//!   framing of Server-Sent Events streams ([`sse`]);
+//! - how a text or chat prompt becomes token ids and chained block ids ([`text`]).
 //!
 //! Every enum serializes to a **stable kebab-case name** ([`StableName`]); the same string is
 //! used in JSON, in metrics labels and on the command line.
@@ -40,6 +41,7 @@ mod names;
 pub mod prefix;
 pub mod sse;
 pub mod stats;
+pub mod text;
 mod topology;
 mod trace;
 mod worker;

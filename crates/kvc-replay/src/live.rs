@@ -269,6 +269,13 @@ impl Publisher {
         Ok(endpoints)
     }
 
+    /// Names sessions in the engine events (when served) by the keys in `labels`.
+    pub(crate) fn label_sessions(&mut self, labels: crate::http::workers::SessionLabels) {
+        if let Some(signals) = &mut self.signals {
+            signals.label_sessions(labels);
+        }
+    }
+
     /// Publishes the engine's state of every worker, stamped with the wall clock.
     /// Engine time `t` (simulated µs since the start) is wall time `start_ms + t / speedup`.
     pub(crate) fn publish(

@@ -55,7 +55,8 @@ pub(crate) struct Args {
     #[arg(long, value_name = "PORT")]
     pub(crate) bootstrap_base_port: Option<u16>,
     /// HTTP mode: once the workers serve, write their addresses, roles and bootstrap ports
-    /// here (JSON).
+    /// here (JSON; with --router-state events also their /metrics URLs and KV-event
+    /// endpoints).
     #[arg(long, value_name = "FILE")]
     pub(crate) ready_file: Option<PathBuf>,
     /// HTTP mode: once the workers serve, write a kvc-router config for them here (TOML;

@@ -8,6 +8,7 @@ pub(crate) mod policies;
 pub(crate) mod report;
 pub(crate) mod sim;
 pub(crate) mod stats;
+pub(crate) mod workers;
 
 use anyhow::Context;
 use kvc_core::BlockSize;

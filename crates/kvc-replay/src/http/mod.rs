@@ -21,11 +21,15 @@
 
 pub mod driver;
 mod prompt;
+mod serve;
 pub mod workers;
 
 pub use driver::DriveOptions;
 pub use prompt::{prompt_key, prompt_text};
-pub use workers::{Faults, HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, WorkerOptions};
+pub use serve::{RouterConfigTarget, ServeOptions, serve_workers, worker_lines};
+pub use workers::{
+    Faults, HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, StandaloneOptions, WorkerOptions,
+};
 
 use crate::live::router::{RouterConfigFile, RouterProcess, find_router_binary};
 use crate::live::{LiveError, router_config};
@@ -182,13 +186,22 @@ fn ready_json(workers: &HttpWorkers) -> serde_json::Value {
         .iter()
         .enumerate()
         .map(|(i, a)| {
-            serde_json::json!({
+            let mut w = serde_json::json!({
                 "id": i,
                 "name": workers.shared.names()[i],
                 "role": workers.roles()[i].to_string(),
                 "url": format!("http://{a}"),
                 "bootstrap_port": workers.bootstrap_ports()[i],
-            })
+            });
+            // With engine signals: where another router finds them (e.g. KV events for
+            // vllm-router's kv_aware policy).
+            if let Some(e) = workers.engine_urls().get(i) {
+                w["metrics_url"] = e.metrics_url.clone().into();
+                w["kv_events"] = e.kv_events.clone().into();
+                w["kv_events_replay"] = e.kv_events_replay.clone().into();
+                w["kv_events_topic"] = e.kv_events_topic.clone().into();
+            }
+            w
         })
         .collect();
     serde_json::json!({ "workers": list })

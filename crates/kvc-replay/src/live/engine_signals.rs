@@ -120,6 +120,11 @@ impl EngineSignals {
         })
     }
 
+    /// Names sessions in the events by the keys in `labels` (standalone workers).
+    pub(crate) fn label_sessions(&mut self, labels: crate::http::workers::SessionLabels) {
+        self.events.label_sessions(labels);
+    }
+
     /// Takes every worker's state from `engine` and publishes what its cache gained and lost
     /// since the last call (`now_s`: wall time, seconds since the epoch).
     pub(crate) fn update(&mut self, engine: &Engine, now_s: f64) {

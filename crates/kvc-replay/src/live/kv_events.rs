@@ -19,6 +19,7 @@
 //! order, no hashing with random state).
 
 use super::engine_signals::ENGINE_BLOCK_TOKENS;
+use crate::http::workers::SessionLabels;
 use crate::sim::engine::Engine;
 use crate::trace::HashIds;
 use kvc_core::{SessionId, WorkerId};
@@ -54,6 +55,8 @@ pub(crate) struct EventSource {
     /// Tokens per trace block.
     trace_block: u64,
     workers: Vec<WorkerCache>,
+    /// Standalone workers: the keys clients named sessions by (else [`session_label`]).
+    labels: Option<SessionLabels>,
 }
 
 impl EventSource {
@@ -62,13 +65,20 @@ impl EventSource {
         EventSource {
             trace_block: trace_block.max(1),
             workers: (0..workers).map(|_| WorkerCache::default()).collect(),
+            labels: None,
         }
+    }
+
+    /// Names sessions by the keys in `labels` where they have one.
+    pub(crate) fn label_sessions(&mut self, labels: SessionLabels) {
+        self.labels = Some(labels);
     }
 
     /// The events of every worker since the last call (by worker id; a worker with nothing
     /// new has an empty list), at wall time `ts` (seconds since the epoch).
     pub(crate) fn diff(&mut self, engine: &Engine, ts: f64) -> Vec<EventBatch> {
         let trace_block = self.trace_block;
+        let labels = self.labels.as_ref();
         self.workers
             .iter_mut()
             .enumerate()
@@ -76,7 +86,7 @@ impl EventSource {
                 let residents = engine.resident_blocks(WorkerId(i as u32));
                 EventBatch {
                     ts,
-                    events: cache.diff(&residents, trace_block),
+                    events: cache.diff(&residents, trace_block, labels),
                     dp_rank: None,
                 }
             })
@@ -85,7 +95,12 @@ impl EventSource {
 }
 
 impl WorkerCache {
-    fn diff(&mut self, residents: &[(SessionId, u64, HashIds)], trace_block: u64) -> Vec<Event> {
+    fn diff(
+        &mut self,
+        residents: &[(SessionId, u64, HashIds)],
+        trace_block: u64,
+        labels: Option<&SessionLabels>,
+    ) -> Vec<Event> {
         let mut events = Vec::new();
         let mut removed = Vec::new();
         // Sessions gone from the worker.
@@ -135,7 +150,11 @@ impl WorkerCache {
                         parent: parent.map(EngineHash),
                         block_size: ENGINE_BLOCK_TOKENS as u32,
                         medium: Some(Medium::Gpu),
-                        session_id: Some(session_label(*session)),
+                        session_id: Some(
+                            labels
+                                .and_then(|l| l.get(*session))
+                                .unwrap_or_else(|| session_label(*session)),
+                        ),
                         ..BlockStored::default()
                     });
                     r.block_hashes.push(EngineHash(h));
@@ -261,7 +280,7 @@ mod tests {
     fn a_new_session_stores_its_full_blocks_with_their_tokens() {
         let mut cache = WorkerCache::default();
         // 100 tokens: six full 16-token blocks, the rest not cached.
-        let ev = cache.diff(&[(SessionId(7), 100, ids(&[1, 2]))], TRACE_BLOCK);
+        let ev = cache.diff(&[(SessionId(7), 100, ids(&[1, 2]))], TRACE_BLOCK, None);
         let s = stored(&ev);
         assert_eq!(s.len(), 1);
         assert_eq!(s[0].block_hashes.len(), 6);
@@ -272,7 +291,7 @@ mod tests {
         // Nothing changed: nothing to say.
         assert!(
             cache
-                .diff(&[(SessionId(7), 100, ids(&[1, 2]))], TRACE_BLOCK)
+                .diff(&[(SessionId(7), 100, ids(&[1, 2]))], TRACE_BLOCK, None)
                 .is_empty()
         );
     }
@@ -280,9 +299,9 @@ mod tests {
     #[test]
     fn growth_stores_only_the_new_blocks_chained_to_the_last() {
         let mut cache = WorkerCache::default();
-        let first = cache.diff(&[(SessionId(1), 64, ids(&[5]))], TRACE_BLOCK);
+        let first = cache.diff(&[(SessionId(1), 64, ids(&[5]))], TRACE_BLOCK, None);
         let last = *stored(&first)[0].block_hashes.last().unwrap();
-        let ev = cache.diff(&[(SessionId(1), 100, ids(&[5]))], TRACE_BLOCK);
+        let ev = cache.diff(&[(SessionId(1), 100, ids(&[5]))], TRACE_BLOCK, None);
         let s = stored(&ev);
         assert_eq!(s.len(), 1);
         assert_eq!(s[0].block_hashes.len(), 2);
@@ -290,7 +309,7 @@ mod tests {
         assert_eq!(removed(&ev), 0);
         // The same content computed at once gives the same blocks.
         let mut fresh = WorkerCache::default();
-        let all = fresh.diff(&[(SessionId(1), 100, ids(&[5]))], TRACE_BLOCK);
+        let all = fresh.diff(&[(SessionId(1), 100, ids(&[5]))], TRACE_BLOCK, None);
         let mut grown = stored(&first)[0].block_hashes.clone();
         grown.extend(&s[0].block_hashes);
         assert_eq!(stored(&all)[0].block_hashes, grown);
@@ -301,7 +320,7 @@ mod tests {
         let mut cache = WorkerCache::default();
         let a = (SessionId(1), 128, ids(&[9, 10]));
         let b = (SessionId(2), 128, ids(&[9, 11]));
-        let ev = cache.diff(&[a, b.clone()], TRACE_BLOCK);
+        let ev = cache.diff(&[a, b.clone()], TRACE_BLOCK, None);
         let s = stored(&ev);
         // Session 1 stores 8 blocks; session 2 shares the first trace block (4 blocks) and
         // stores its other 4, chained to the shared ones.
@@ -311,11 +330,11 @@ mod tests {
         assert_eq!(s[1].parent, Some(s[0].block_hashes[3]));
         assert_eq!(s[1].session_id.as_deref(), Some("s2"));
         // Session 1 leaves: only its own blocks go; the shared ones stay for session 2.
-        let ev = cache.diff(std::slice::from_ref(&b), TRACE_BLOCK);
+        let ev = cache.diff(std::slice::from_ref(&b), TRACE_BLOCK, None);
         assert_eq!(removed(&ev), 4);
         assert!(stored(&ev).is_empty());
         // Session 2 leaves too: the rest goes.
-        assert_eq!(removed(&cache.diff(&[], TRACE_BLOCK)), 8);
+        assert_eq!(removed(&cache.diff(&[], TRACE_BLOCK, None)), 8);
         assert!(cache.refs.is_empty());
     }
 
@@ -323,9 +342,9 @@ mod tests {
     fn a_new_turn_replaces_the_answer_blocks_after_the_common_prefix() {
         let mut cache = WorkerCache::default();
         // Turn 1: prompt of one trace block, then 64 tokens of answer.
-        cache.diff(&[(SessionId(3), 128, ids(&[20]))], TRACE_BLOCK);
+        cache.diff(&[(SessionId(3), 128, ids(&[20]))], TRACE_BLOCK, None);
         // Turn 2's prompt covers the answer with a new trace block.
-        let ev = cache.diff(&[(SessionId(3), 128, ids(&[20, 21]))], TRACE_BLOCK);
+        let ev = cache.diff(&[(SessionId(3), 128, ids(&[20, 21]))], TRACE_BLOCK, None);
         assert_eq!(removed(&ev), 4);
         let s = stored(&ev);
         assert_eq!(s.len(), 1);
@@ -337,7 +356,7 @@ mod tests {
     #[test]
     fn events_encode_and_decode_as_vllm_sends_them() {
         let mut cache = WorkerCache::default();
-        let events = cache.diff(&[(SessionId(4), 40, ids(&[1]))], TRACE_BLOCK);
+        let events = cache.diff(&[(SessionId(4), 40, ids(&[1]))], TRACE_BLOCK, None);
         let batch = EventBatch {
             ts: 1.5,
             events,

@@ -160,6 +160,16 @@ impl Trace {
         self.requests.is_empty()
     }
 
+    /// A trace without requests, of `block_size` tokens per block: what standalone simulated
+    /// workers start from, knowing no request in advance.
+    pub fn empty(block_size: BlockSize) -> Trace {
+        Trace {
+            requests: Vec::new(),
+            sessions: Vec::new(),
+            block_size,
+        }
+    }
+
     /// Tokens per block of the `hash_ids`.
     pub fn block_size(&self) -> BlockSize {
         self.block_size

@@ -2,47 +2,9 @@
 
 use serde_json::{Map, Value};
 
-/// Output-length hint when `/generate` gives no `sampling_params.max_new_tokens` (SGLang's
-/// default).
-pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
-/// Output-length hint when `/v1/completions` gives no `max_tokens` (OpenAI's default).
-pub const DEFAULT_MAX_TOKENS: u64 = 16;
-
-/// Output-length hint when `/v1/chat/completions` gives neither `max_completion_tokens` nor
-/// `max_tokens`.
-pub const DEFAULT_CHAT_MAX_TOKENS: u64 = 128;
-
-/// The prompt text of a chat request, for hashing and session inference only (the worker gets
-/// the messages unchanged and applies its own chat template): each message as
-/// `<|role|>\ncontent\n`, in order, then `<|assistant|>\n`. A conversation that grows turn by
-/// turn (previous messages, the assistant's reply, a new user message) therefore extends the
-/// previous turn's text, and its blocks repeat.
-///
-/// ```
-/// use kvc_router::http::chat_prompt;
-///
-/// let turn1 = chat_prompt([("system", "Be brief."), ("user", "Hi")]);
-/// assert_eq!(turn1, "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n");
-/// let turn2 = chat_prompt([
-///     ("system", "Be brief."),
-///     ("user", "Hi"),
-///     ("assistant", "Hello."),
-///     ("user", "Bye"),
-/// ]);
-/// assert!(turn2.starts_with(&turn1));
-/// ```
-pub fn chat_prompt<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
-    let mut text = String::new();
-    for (role, content) in messages {
-        text.push_str("<|");
-        text.push_str(role);
-        text.push_str("|>\n");
-        text.push_str(content);
-        text.push('\n');
-    }
-    text.push_str("<|assistant|>\n");
-    text
-}
+pub use kvc_core::text::{
+    DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS, chat_prompt,
+};
 
 /// The text of a chat message's `content`: a string, `null` (empty), or an array of parts whose
 /// `text` parts are concatenated (other parts, e.g. images, add no text).

@@ -7,7 +7,7 @@ use super::state::{ServedPath, SharedState};
 use crate::live::{LiveError, Publisher};
 use crate::sim::engine::{DirectAdmission, Engine, Event, Job, Micros, Wake};
 use axum::http::StatusCode;
-use kvc_core::{Outcome, WorkerId};
+use kvc_core::{Outcome, SessionId, WorkerId};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
@@ -94,6 +94,8 @@ pub(super) struct StartRequest {
 /// One started engine job: who hears about it.
 struct RunningJob {
     index: usize,
+    /// Its engine session.
+    session: SessionId,
     /// The decode (or colocated, or direct) worker's handler.
     decode: UnboundedSender<Progress>,
     /// The prefill worker's handler, until it heard of the first token.
@@ -109,6 +111,8 @@ pub(super) struct EngineThread {
     seq: u64,
     /// Engine job id -> its listeners.
     running: HashMap<usize, RunningJob>,
+    /// Jobs running per session.
+    busy: HashMap<SessionId, u32>,
     next_job: usize,
     rooms: BootstrapRooms,
     publisher: Publisher,
@@ -134,6 +138,7 @@ impl EngineThread {
             wakes: BinaryHeap::new(),
             seq: 0,
             running: HashMap::new(),
+            busy: HashMap::new(),
             next_job: 0,
             rooms: BootstrapRooms::default(),
             publisher,
@@ -227,6 +232,14 @@ impl EngineThread {
         let id = self.next_job;
         self.next_job += 1;
         job.id = id;
+        // Standalone workers serve any client: a session's second request in flight cannot
+        // share the KV the first one is still growing, so it runs as a session of its own.
+        if let Some(standalone) = &self.shared.standalone
+            && self.busy.contains_key(&job.session)
+        {
+            job.session = standalone.fresh_session();
+        }
+        let session = job.session;
         let (path, decode, prefill) = match part {
             RequestPart::Colocated(w) => {
                 self.engine.start_colocated(job, w, now);
@@ -307,10 +320,12 @@ impl EngineThread {
             }
         };
         let _ = decode.send(Progress::Accepted);
+        *self.busy.entry(session).or_default() += 1;
         self.running.insert(
             id,
             RunningJob {
                 index,
+                session,
                 decode,
                 prefill,
                 path,
@@ -320,7 +335,7 @@ impl EngineThread {
 
     /// Records `outcome` for job `id` and fails its pending answers with `message`.
     fn fail(&mut self, id: usize, outcome: Outcome, message: &str) {
-        if let Some(r) = self.running.remove(&id) {
+        if let Some(r) = self.finish(id) {
             self.shared.with_served(r.index, |s| {
                 s.path = Some(r.path);
                 s.failure = Some(outcome);
@@ -330,6 +345,18 @@ impl EngineThread {
                 let _ = tx.send(failed.clone());
             }
         }
+    }
+
+    /// Job `id` is over: its listeners, its session no longer busy with it.
+    fn finish(&mut self, id: usize) -> Option<RunningJob> {
+        let r = self.running.remove(&id)?;
+        if let Some(n) = self.busy.get_mut(&r.session) {
+            *n -= 1;
+            if *n == 0 {
+                self.busy.remove(&r.session);
+            }
+        }
+        Some(r)
     }
 
     /// Takes the engine's wake-ups and events, telling each request's handlers.
@@ -349,7 +376,7 @@ impl EngineThread {
                     }
                 }
                 Event::Done { id, cached, .. } => {
-                    if let Some(r) = self.running.remove(&id) {
+                    if let Some(r) = self.finish(id) {
                         self.shared.with_served(r.index, |s| {
                             s.path = Some(r.path);
                             s.cached = cached;

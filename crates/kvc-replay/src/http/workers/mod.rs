@@ -32,7 +32,8 @@
 //!
 //! **Which request is it?** The engine model needs the trace's block ids and session; the
 //! worker finds the trace request by its prompt text ([`crate::http::prompt_key`]) among those the
-//! driver registered as in flight. A prompt no one registered gets 400.
+//! driver registered as in flight. A prompt no one registered gets 400. Standalone workers
+//! (module `standalone`) have no trace: they tokenize whatever prompt comes.
 //!
 //! | module | job |
 //! |---|---|
@@ -46,6 +47,7 @@
 //! | `stream` | streamed answers as SSE events |
 //! | `vllm` | the vLLM dialect: OpenAI bodies and answers, P's holds pulled by D |
 //! | `pd_shim` | the decode side's P/D sidecar behind an endpoint picker (llm-d's `x-prefiller-host-port`) |
+//! | `standalone` | workers without a trace ([`HttpWorkers::start_standalone`], `kvc-replay workers`): any prompt, tokenized with the router's rules, sessions named by the session header |
 
 mod bootstrap;
 mod engine_thread;
@@ -53,10 +55,13 @@ mod generate;
 mod pd_shim;
 mod rooms;
 mod sglang;
+mod standalone;
 mod state;
 mod stream;
 mod vllm;
 
+pub(crate) use standalone::SessionLabels;
+pub use standalone::StandaloneOptions;
 pub(crate) use state::{Pacer, SharedState};
 pub use state::{Served, ServedPath};
 
@@ -166,6 +171,35 @@ impl HttpWorkers {
         cfg: &SimConfig,
         opts: &WorkerOptions,
     ) -> Result<Self, LiveError> {
+        Self::start_with(runtime, trace, cfg, opts, None)
+    }
+
+    /// Starts standalone workers (`kvc-replay workers`): no trace, any prompt from any client
+    /// (see `standalone`), in vLLM's dialect. The engine's prefix caches count blocks of
+    /// `standalone.block_size` tokens; `cfg`'s policy should count the same for a router
+    /// configured from it.
+    pub fn start_standalone(
+        runtime: &tokio::runtime::Handle,
+        cfg: &SimConfig,
+        opts: &WorkerOptions,
+        standalone: StandaloneOptions,
+    ) -> Result<Self, LiveError> {
+        if opts.engine != EngineKind::Vllm {
+            return Err(LiveError::Invalid(
+                "standalone workers speak vLLM's OpenAI API (--engine vllm)".into(),
+            ));
+        }
+        let trace = Arc::new(Trace::empty(standalone.block_size));
+        Self::start_with(runtime, trace, cfg, opts, Some(standalone))
+    }
+
+    fn start_with(
+        runtime: &tokio::runtime::Handle,
+        trace: Arc<Trace>,
+        cfg: &SimConfig,
+        opts: &WorkerOptions,
+        standalone: Option<StandaloneOptions>,
+    ) -> Result<Self, LiveError> {
         opts.validate()?;
         let roles = crate::sim::worker_roles(cfg.topology);
         let names = crate::sim::worker_names(&roles);
@@ -187,6 +221,10 @@ impl HttpWorkers {
         } else {
             Vec::new()
         };
+        let labels = standalone::SessionLabels::default();
+        if standalone.is_some() {
+            publisher.label_sessions(labels.clone());
+        }
         let engine = cfg.engine(&trace);
         let (to_engine, requests) = mpsc::channel();
         let shared = Arc::new(SharedState {
@@ -204,6 +242,7 @@ impl HttpWorkers {
                 speedup: opts.speedup,
             },
             holds: Mutex::new(HashMap::new()),
+            standalone: standalone.map(|o| standalone::Standalone::new(o, labels.clone())),
         });
         let mut engine_thread = EngineThread::new(
             engine,

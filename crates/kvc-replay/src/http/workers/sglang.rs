@@ -44,7 +44,11 @@ pub(super) fn worker_app(ctx: Arc<WorkerContext>, vllm: bool) -> Router {
         .route("/get_model_info", get(model_info))
         .route("/v1/models", get(models))
         .route("/flush_cache", post(|| async { "ok" }))
-        .fallback(|| async { error_response(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        // The body is read before the 404, so a pooled client's connection stays usable (an
+        // unread body closes it, and the client's next request on it fails).
+        .fallback(|_body: axum::body::Bytes| async {
+            error_response(StatusCode::NOT_FOUND, "not_found", "no such route")
+        })
         .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(ctx)
 }

@@ -35,8 +35,10 @@ pub enum ServedPath {
 /// worker pulls it or it expires.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Hold {
-    /// Trace index of the request.
+    /// Trace index of the request (standalone workers: [`NO_TRACE_INDEX`]).
     pub(super) index: usize,
+    /// Its prompt's key ([`crate::http::prompt_key`]): D must pull the prompt P prefilled.
+    pub(super) key: u64,
     /// When it expires.
     pub(super) expires: Instant,
 }
@@ -83,7 +85,14 @@ pub(crate) struct SharedState {
     /// vLLM dialect: (prefill worker, remote request id) -> the request it holds for a
     /// decode worker.
     pub(super) holds: Mutex<HashMap<(WorkerId, String), Hold>>,
+    /// Standalone workers (any prompt, no trace): how prompts become engine jobs; `None` when
+    /// replaying a trace.
+    pub(super) standalone: Option<super::standalone::Standalone>,
 }
+
+/// The trace index standalone workers give every request (no trace record is kept:
+/// [`SharedState::with_served`] ignores it).
+pub(super) const NO_TRACE_INDEX: usize = usize::MAX;
 
 impl SharedState {
     /// Marks trace request `index` (prompt `key`) as in flight.
@@ -127,13 +136,20 @@ impl SharedState {
         &self.names
     }
 
-    /// Prefill worker `p` holds trace request `index` for a decode worker's pull under `id`
-    /// until `expires`; expired holds are dropped here.
-    pub(super) fn hold(&self, p: WorkerId, id: String, index: usize, expires: Instant) {
+    /// Prefill worker `p` holds trace request `index` (prompt `key`) for a decode worker's
+    /// pull under `id` until `expires`; expired holds are dropped here.
+    pub(super) fn hold(&self, p: WorkerId, id: String, index: usize, key: u64, expires: Instant) {
         let now = Instant::now();
         let mut holds = self.holds.lock();
         holds.retain(|_, h| h.expires > now);
-        holds.insert((p, id), Hold { index, expires });
+        holds.insert(
+            (p, id),
+            Hold {
+                index,
+                key,
+                expires,
+            },
+        );
     }
 
     /// Takes the hold `id` of prefill worker `p`: `None` when unknown or expired.

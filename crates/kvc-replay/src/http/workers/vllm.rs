@@ -18,8 +18,11 @@
 //! Answers carry `usage` (`prompt_tokens`, `completion_tokens`, `total_tokens`,
 //! `prompt_tokens_details.cached_tokens`); streams send one chunk at the first token, one at
 //! the end, the usage chunk (`choices: []`) when `stream_options.include_usage` is on, then
-//! `data: [DONE]`. The prompt is `prompt` (a string), or for chat the messages' contents
-//! joined by newlines; it is found among the driver's requests in flight as for `/generate`.
+//! `data: [DONE]`. When replaying a trace, the prompt is `prompt` (a string), or for chat the
+//! messages' contents joined by newlines; it is found among the driver's requests in flight as
+//! for `/generate`. Standalone workers (`kvc-replay workers`) serve any prompt instead (a
+//! string or token-id `prompt`, or chat `messages` whose contents are strings, `null` or text
+//! parts): see `standalone`; a malformed body or an empty prompt gets 400.
 
 use super::PAIR_TIMEOUT_WALL;
 use super::engine_thread::{Progress, RequestPart};
@@ -27,6 +30,9 @@ use super::sglang::{
     Chunk, WorkerContext, error_response, event_stream, find_prompt, invalid, json_response,
     output_text, shutting_down,
 };
+use super::standalone::PromptIn;
+use super::state::NO_TRACE_INDEX;
+use crate::sim::engine::Job;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -48,32 +54,78 @@ enum OpenAi {
 /// The parts of an OpenAI body the simulated worker uses.
 #[derive(Debug)]
 struct OpenAiBody {
+    /// The prompt as a replay finds it among its requests: `prompt`, or the chat messages'
+    /// contents joined by newlines (empty for a token-id prompt).
     text: String,
+    /// The prompt as standalone workers tokenize it.
+    prompt: PromptIn,
     max_tokens: Option<u64>,
     stream: bool,
     include_usage: bool,
     transfer: Option<Map<String, Value>>,
 }
 
+/// The text of a chat message's `content`: a string, `null` (empty), or an array of parts
+/// whose `text` parts are concatenated.
+fn content_text(content: Option<&Value>, i: usize) -> Result<String, String> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                if part.get("type").and_then(Value::as_str) == Some("text") {
+                    let t = part.get("text").and_then(Value::as_str).ok_or_else(|| {
+                        format!("`messages[{i}].content`: a text part needs a string `text`")
+                    })?;
+                    text.push_str(t);
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(format!(
+            "`messages[{i}].content` must be a string, an array of parts or null"
+        )),
+    }
+}
+
 fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
     let v: Value =
         serde_json::from_slice(bytes).map_err(|e| format!("the body is not JSON: {e}"))?;
     let obj = v.as_object().ok_or("the body must be a JSON object")?;
-    let text = match api {
+    let (text, prompt) = match api {
         OpenAi::Completions => match obj.get("prompt") {
-            Some(Value::String(s)) => s.clone(),
-            _ => return Err("this worker takes a string `prompt`".into()),
+            Some(Value::String(s)) => (s.clone(), PromptIn::Text(s.clone())),
+            Some(Value::Array(ids)) => {
+                let tokens = ids
+                    .iter()
+                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<Vec<u32>>>()
+                    .ok_or("`prompt` must be a string or one array of token ids (0..2^32)")?;
+                (String::new(), PromptIn::Tokens(tokens))
+            }
+            Some(_) => return Err("`prompt` must be a string or an array of token ids".into()),
+            None => return Err("missing `prompt`".into()),
         },
         OpenAi::Chat => {
             let messages = obj
                 .get("messages")
                 .and_then(Value::as_array)
                 .ok_or("`messages` must be an array")?;
-            let parts: Vec<&str> = messages
-                .iter()
-                .map(|m| m.get("content").and_then(Value::as_str).unwrap_or(""))
-                .collect();
-            parts.join("\n")
+            if messages.is_empty() {
+                return Err("`messages` is empty".into());
+            }
+            let mut pairs = Vec::with_capacity(messages.len());
+            for (i, m) in messages.iter().enumerate() {
+                let role = m
+                    .get("role")
+                    .and_then(Value::as_str)
+                    .filter(|r| !r.is_empty())
+                    .ok_or_else(|| format!("`messages[{i}].role` must be a non-empty string"))?;
+                pairs.push((role.to_owned(), content_text(m.get("content"), i)?));
+            }
+            let parts: Vec<&str> = pairs.iter().map(|(_, c)| c.as_str()).collect();
+            (parts.join("\n"), PromptIn::Chat(pairs))
         }
     };
     let max_tokens = match api {
@@ -89,7 +141,11 @@ fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
                 .ok_or("`max_tokens` must be an unsigned integer")?,
         ),
     };
-    let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err("`stream` must be a boolean".into()),
+    };
     let include_usage = obj
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
@@ -105,10 +161,70 @@ fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
     };
     Ok(OpenAiBody {
         text,
+        prompt,
         max_tokens,
         stream,
         include_usage,
         transfer,
+    })
+}
+
+/// The request a worker serves: a trace request of the replay, or (standalone workers) the
+/// client's own prompt.
+struct Resolved {
+    /// Trace index ([`NO_TRACE_INDEX`] for standalone workers).
+    index: usize,
+    /// The prompt's key: P's hold and D's pull name the same prompt.
+    key: u64,
+    /// The engine job.
+    job: Job,
+}
+
+/// Finds the request of `req` (a replay's trace request in flight, or a standalone worker's
+/// own prompt); else the worker's answer (400).
+fn resolve(
+    ctx: &WorkerContext,
+    req: &OpenAiBody,
+    headers: &HeaderMap,
+    attempt: bool,
+) -> Result<Resolved, Box<Response>> {
+    let shared = &ctx.shared;
+    let Some(standalone) = &shared.standalone else {
+        if matches!(req.prompt, PromptIn::Tokens(_)) {
+            return Err(Box::new(invalid("this worker takes a string `prompt`")));
+        }
+        let index = find_prompt(ctx, &req.text, attempt)?;
+        return Ok(Resolved {
+            index,
+            key: crate::http::prompt_key(&req.text),
+            job: shared.job(index, req.max_tokens),
+        });
+    };
+    let job = standalone.job(&req.prompt, req.max_tokens, headers);
+    if job.input == 0 {
+        return Err(Box::new(invalid("the prompt is empty (no token)")));
+    }
+    if job.input > shared.max_input {
+        return Err(Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            "input_too_long",
+            &format!(
+                "The input ({} tokens) is longer than the model's context length ({} tokens).",
+                job.input, shared.max_input
+            ),
+        )));
+    }
+    let key = match &req.prompt {
+        PromptIn::Tokens(t) => {
+            let text: Vec<String> = t.iter().map(u32::to_string).collect();
+            crate::http::prompt_key(&text.join(","))
+        }
+        _ => crate::http::prompt_key(&req.text),
+    };
+    Ok(Resolved {
+        index: NO_TRACE_INDEX,
+        key,
+        job,
     })
 }
 
@@ -169,13 +285,13 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
         .and_then(|p| p.get("do_remote_prefill"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let index = match find_prompt(&ctx, &req.text, !remote_decode) {
-        Ok(i) => i,
+    let Resolved { index, key, job } = match resolve(&ctx, &req, headers, !remote_decode) {
+        Ok(r) => r,
         Err(answer) => return *answer,
     };
-    let prompt_tokens = shared.trace.requests[index].input_length;
+    let prompt_tokens = job.input;
     if remote_decode {
-        return hold_for_decode(&ctx, api, headers, index, prompt_tokens);
+        return hold_for_decode(&ctx, api, headers, index, key, &job);
     }
     let part = if remote_prefill {
         let Some(p) = req.transfer.as_ref().and_then(|t| pull(&ctx, t)) else {
@@ -188,7 +304,7 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
                 ),
             );
         };
-        if p.1 != index {
+        if (p.1, p.2) != (index, key) {
             return error_response(
                 StatusCode::BAD_REQUEST,
                 "kv_transfer_error",
@@ -208,7 +324,6 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
             WorkerRole::Prefill | WorkerRole::Colocated => RequestPart::Colocated(ctx.id),
         }
     };
-    let job = shared.job(index, req.max_tokens);
     let output = job.output;
     let Some(mut progress) = shared.start_on_engine(index, job, part) else {
         return shutting_down();
@@ -216,7 +331,7 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
     let answer = Answer {
         api,
         model: shared.model.clone(),
-        id: format!("cmpl-r{index}"),
+        id: answer_id(index),
         prompt_tokens,
         output,
     };
@@ -258,13 +373,14 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
     }
 }
 
-/// The held request `transfer` names: (prefill worker, trace index), when it is there.
-fn pull(ctx: &WorkerContext, transfer: &Map<String, Value>) -> Option<(WorkerId, usize)> {
+/// The held request `transfer` names: (prefill worker, trace index, prompt key), when it is
+/// there.
+fn pull(ctx: &WorkerContext, transfer: &Map<String, Value>) -> Option<(WorkerId, usize, u64)> {
     let engine = transfer.get("remote_engine_id")?.as_str()?;
     let id = transfer.get("remote_request_id")?.as_str()?;
     let p = ctx.shared.worker_named(engine)?;
     let hold = ctx.shared.pull(p, id)?;
-    Some((p, hold.index))
+    Some((p, hold.index, hold.key))
 }
 
 /// A prefill worker's answer to `do_remote_decode`: the request is held for a decode
@@ -274,7 +390,8 @@ fn hold_for_decode(
     api: OpenAi,
     headers: &HeaderMap,
     index: usize,
-    prompt_tokens: u64,
+    key: u64,
+    job: &Job,
 ) -> Response {
     if ctx.role != WorkerRole::Prefill {
         return invalid(&format!(
@@ -297,9 +414,9 @@ fn hold_for_decode(
         .unwrap_or_else(|| format!("p{}", NEXT_HOLD.fetch_add(1, Ordering::Relaxed)));
     let remote_id = format!("{request_id}-{}", NEXT_HOLD.fetch_add(1, Ordering::Relaxed));
     let expires = Instant::now() + PAIR_TIMEOUT_WALL;
-    ctx.shared.hold(ctx.id, remote_id.clone(), index, expires);
-    let r = &ctx.shared.trace.requests[index];
-    let blocks: Vec<u64> = (0..r.hash_ids.len() as u64).collect();
+    ctx.shared
+        .hold(ctx.id, remote_id.clone(), index, key, expires);
+    let blocks: Vec<u64> = (0..job.hashes.len() as u64).collect();
     let params = json!({
         "do_remote_prefill": true,
         "do_remote_decode": false,
@@ -313,11 +430,20 @@ fn hold_for_decode(
     let answer = Answer {
         api,
         model: ctx.shared.model.clone(),
-        id: format!("cmpl-r{index}"),
-        prompt_tokens,
+        id: answer_id(index),
+        prompt_tokens: job.input,
         output: 1,
     };
     json_response(StatusCode::OK, &answer.whole(0, params))
+}
+
+/// The `id` of an answer: the trace index's, or for a standalone worker's request a fresh one.
+fn answer_id(index: usize) -> String {
+    if index == NO_TRACE_INDEX {
+        format!("cmpl-{}", NEXT_HOLD.fetch_add(1, Ordering::Relaxed))
+    } else {
+        format!("cmpl-r{index}")
+    }
 }
 
 /// The shapes of one request's answer.
@@ -406,7 +532,12 @@ fn relay(
                 Some(Progress::Done { cached }) => {
                     let now = Instant::now();
                     ctx.shared.with_served(index, |s| s.done_sent = Some(now));
-                    let rest = output_text(answer.output.saturating_sub(1));
+                    // Deltas concatenate to the whole answer: the rest follows the first
+                    // token after a space.
+                    let rest = match answer.output.saturating_sub(1) {
+                        0 => String::new(),
+                        n => format!(" {}", output_text(n)),
+                    };
                     let mut v = vec![answer.chunk(&rest, Some("length"))];
                     if include_usage {
                         v.push(answer.usage_chunk(cached));
@@ -465,7 +596,62 @@ mod tests {
             (c.text.as_str(), c.max_tokens, c.stream),
             ("x y", Some(2), false)
         );
-        assert!(parse(OpenAi::Completions, br#"{"prompt": [1, 2]}"#).is_err());
+        assert_eq!(
+            parse(OpenAi::Completions, br#"{"prompt": [1, 2]}"#)
+                .unwrap()
+                .prompt,
+            PromptIn::Tokens(vec![1, 2])
+        );
+        let chat = parse(
+            OpenAi::Chat,
+            br#"{"messages": [{"role": "system", "content": null},
+                {"role": "user", "content": [{"type": "text", "text": "a"},
+                {"type": "image_url"}, {"type": "text", "text": " b"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(chat.text, "\na b");
+        assert_eq!(
+            chat.prompt,
+            PromptIn::Chat(vec![
+                ("system".into(), String::new()),
+                ("user".into(), "a b".into())
+            ])
+        );
+        for (api, body, want) in [
+            (
+                OpenAi::Completions,
+                &br#"{"max_tokens": 3}"#[..],
+                "missing `prompt`",
+            ),
+            (OpenAi::Completions, br#"{"prompt": [1, -2]}"#, "token ids"),
+            (
+                OpenAi::Completions,
+                br#"{"prompt": {}}"#,
+                "`prompt` must be",
+            ),
+            (
+                OpenAi::Completions,
+                br#"{"prompt": "a", "stream": "yes"}"#,
+                "`stream`",
+            ),
+            (OpenAi::Chat, br#"{"messages": []}"#, "is empty"),
+            (OpenAi::Chat, br#"{"messages": [{"content": "a"}]}"#, "role"),
+            (
+                OpenAi::Chat,
+                br#"{"messages": [{"role": "user", "content": 5}]}"#,
+                "content",
+            ),
+            (
+                OpenAi::Chat,
+                br#"{"messages": [{"role": "user", "content": "a"}],
+                "max_tokens": -1}"#,
+                "max_tokens",
+            ),
+            (OpenAi::Chat, b"not json", "not JSON"),
+        ] {
+            let err = parse(api, body).unwrap_err();
+            assert!(err.contains(want), "{want}: {err}");
+        }
         assert!(
             parse(
                 OpenAi::Completions,

@@ -1,0 +1,159 @@
+//! How a text prompt becomes token ids and chained block ids, the rules every kvc component
+//! shares: the router's HTTP front hashes client prompts with them, and the standalone
+//! simulated workers tokenize the prompts they serve with them, so both see the same blocks.
+//!
+//! - [`chat_prompt`]: the text of a chat request (a simple template over role and content);
+//! - [`fallback_tokens`]: one token per whitespace-separated word (the router's default
+//!   tokenizer when no `tokenizer.json` is configured);
+//! - [`block_hashes`]: chained 64-bit ids per block of token ids;
+//! - the output lengths assumed when a request does not say.
+
+/// Output length assumed when SGLang's `/generate` gives no `sampling_params.max_new_tokens`
+/// (SGLang's default).
+pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
+
+/// Output length assumed when `/v1/completions` gives no `max_tokens` (OpenAI's default).
+pub const DEFAULT_MAX_TOKENS: u64 = 16;
+
+/// Output length assumed when `/v1/chat/completions` gives neither `max_completion_tokens` nor
+/// `max_tokens`.
+pub const DEFAULT_CHAT_MAX_TOKENS: u64 = 128;
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(FNV_PRIME);
+    }
+    h
+}
+
+/// The prompt text of a chat request, for hashing and session inference (an engine applies
+/// its own chat template to the messages): each message as `<|role|>\ncontent\n`, in order,
+/// then `<|assistant|>\n`. A conversation that grows turn by turn (previous messages, the
+/// assistant's reply, a new user message) therefore extends the previous turn's text, and its
+/// blocks repeat.
+///
+/// ```
+/// use kvc_core::text::chat_prompt;
+///
+/// let turn1 = chat_prompt([("system", "Be brief."), ("user", "Hi")]);
+/// assert_eq!(turn1, "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n");
+/// let turn2 = chat_prompt([
+///     ("system", "Be brief."),
+///     ("user", "Hi"),
+///     ("assistant", "Hello."),
+///     ("user", "Bye"),
+/// ]);
+/// assert!(turn2.starts_with(&turn1));
+/// ```
+pub fn chat_prompt<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut text = String::new();
+    for (role, content) in messages {
+        text.push_str("<|");
+        text.push_str(role);
+        text.push_str("|>\n");
+        text.push_str(content);
+        text.push('\n');
+    }
+    text.push_str("<|assistant|>\n");
+    text
+}
+
+/// The fallback tokenizer for text prompts: one token per whitespace-separated word, its id the
+/// low 32 bits of the word's 64-bit FNV-1a hash.
+///
+/// It does not match any model's tokenizer (token counts differ from an engine's), but it is
+/// deterministic and prefix-preserving: a prompt that extends another by whole words gets the
+/// other's tokens as its prefix.
+///
+/// ```
+/// use kvc_core::text::fallback_tokens;
+///
+/// let a = fallback_tokens("the cat sat");
+/// let b = fallback_tokens("the cat  sat on\nthe mat");
+/// assert_eq!(a.len(), 3);
+/// assert_eq!(b.len(), 6);
+/// assert_eq!(a[..], b[..3]);
+/// assert_eq!(b[0], b[4]);
+/// ```
+pub fn fallback_tokens(text: &str) -> Vec<u32> {
+    text.split_whitespace()
+        .map(|w| fnv(FNV_OFFSET, w.as_bytes()) as u32)
+        .collect()
+}
+
+/// Chained block ids of `tokens`: one id per block of `block` tokens (the last, partial block
+/// included), each the 64-bit FNV-1a hash of the previous block's id (0 for the first block)
+/// followed by the block's token ids (little-endian `u32`s).
+///
+/// Two prompts share their leading ids exactly as far as they share whole leading blocks of
+/// tokens, so a router sees the prompt's real prefix structure.
+///
+/// ```
+/// use kvc_core::BlockSize;
+/// use kvc_core::text::block_hashes;
+///
+/// let block = BlockSize::new(4).unwrap();
+/// let a = block_hashes(&[1, 2, 3, 4, 5, 6], block);
+/// let b = block_hashes(&[1, 2, 3, 4, 9], block);
+/// assert_eq!(a.len(), 2);
+/// assert_eq!(a[0], b[0]);
+/// assert_ne!(a[1], b[1]);
+/// ```
+pub fn block_hashes(tokens: &[u32], block: crate::BlockSize) -> Vec<u64> {
+    let mut prev = 0u64;
+    tokens
+        .chunks(block.tokens() as usize)
+        .map(|chunk| {
+            let mut h = fnv(FNV_OFFSET, &prev.to_le_bytes());
+            for t in chunk {
+                h = fnv(h, &t.to_le_bytes());
+            }
+            prev = h;
+            h
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::BlockSize;
+
+    #[test]
+    fn chained_ids_depend_on_every_earlier_block() {
+        let block = BlockSize::new(2).unwrap();
+        let a = block_hashes(&[1, 2, 3, 4, 5, 6], block);
+        let b = block_hashes(&[9, 2, 3, 4, 5, 6], block);
+        assert_eq!(a.len(), 3);
+        // Same tokens in blocks 2 and 3, but a different first block: every id differs.
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        // A partial last block counts as a block.
+        assert_eq!(block_hashes(&[1, 2, 3], block).len(), 2);
+        assert_eq!(block_hashes(&[1, 2, 3], block)[0], a[0]);
+        assert!(block_hashes(&[], block).is_empty());
+    }
+
+    #[test]
+    fn a_growing_chat_extends_its_tokens_and_blocks() {
+        let block = BlockSize::new(4).unwrap();
+        let one = fallback_tokens(&chat_prompt([
+            ("system", "be brief and kind"),
+            ("user", "hi"),
+        ]));
+        let two = fallback_tokens(&chat_prompt([
+            ("system", "be brief and kind"),
+            ("user", "hi"),
+            ("assistant", "hello there"),
+            ("user", "bye"),
+        ]));
+        assert_eq!(one[..], two[..one.len()]);
+        let (a, b) = (block_hashes(&one, block), block_hashes(&two, block));
+        let full = one.len() / 4;
+        assert_eq!(a[..full], b[..full]);
+        assert!(fallback_tokens(" \n\t").is_empty());
+    }
+}
