@@ -21,7 +21,9 @@
 //! - block-prefix helpers ([`prefix`]);
 //! - the nearest-rank percentile every kvc summary reports ([`stats`]) and the scanner and
 //!   framing of Server-Sent Events streams ([`sse`]);
-//! - how a text or chat prompt becomes token ids and chained block ids ([`text`]).
+//! - how a text or chat prompt becomes token ids and chained block ids ([`text`]);
+//! - OpenAI-style bodies as vLLM reads them: a chat message's text and NixlConnector's
+//!   prefill body ([`openai`]).
 //!
 //! Every enum serializes to a **stable kebab-case name** ([`StableName`]); the same string is
 //! used in JSON, in metrics labels and on the command line.
@@ -38,6 +40,7 @@
 
 mod ids;
 mod names;
+pub mod openai;
 pub mod prefix;
 pub mod sse;
 pub mod stats;

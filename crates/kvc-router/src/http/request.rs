@@ -1,41 +1,11 @@
 //! Parsing of the client request bodies the HTTP front accepts.
 
+use kvc_core::openai::message_text;
 use serde_json::{Map, Value};
 
 pub use kvc_core::text::{
     DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS, chat_prompt,
 };
-
-/// The text of a chat message's `content`: a string, `null` (empty), or an array of parts whose
-/// `text` parts are concatenated (other parts, e.g. images, add no text).
-fn message_text(content: Option<&Value>, index: usize) -> Result<String, String> {
-    match content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => {
-            let mut text = String::new();
-            for part in parts {
-                let Value::Object(part) = part else {
-                    return Err(format!("`messages[{index}].content` parts must be objects"));
-                };
-                if part.get("type").and_then(Value::as_str) == Some("text") {
-                    match part.get("text") {
-                        Some(Value::String(t)) => text.push_str(t),
-                        _ => {
-                            return Err(format!(
-                                "`messages[{index}].content`: a text part needs a string `text`"
-                            ));
-                        }
-                    }
-                }
-            }
-            Ok(text)
-        }
-        Some(_) => Err(format!(
-            "`messages[{index}].content` must be a string, an array of parts or null"
-        )),
-    }
-}
 
 fn chat_messages(body: &Map<String, Value>) -> Result<String, String> {
     let Some(messages) = body.get("messages") else {

@@ -14,7 +14,7 @@ use crate::worker_http::{Call, WorkerAnswer};
 use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue};
 use kvc_core::{ExecutionMode, Outcome, WorkerId};
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 use std::sync::Arc;
 
 /// The response header naming the prefill worker that failed a P→D request the decode worker
@@ -24,31 +24,7 @@ pub const PREFILL_FAILED_HEADER: &str = "x-kvc-prefill-failed";
 /// The header vLLM takes its request id from; P and D get the same.
 const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
 
-/// The body for P: the client's body with `kv_transfer_params` asking for a remote decode,
-/// `stream: false`, `max_tokens: 1` (and `max_completion_tokens: 1` when the client set it),
-/// no `stream_options` and no `min_tokens`.
-pub(super) fn prefill_body(body: &Map<String, Value>) -> Map<String, Value> {
-    let mut p = body.clone();
-    p.insert(
-        "kv_transfer_params".into(),
-        json!({
-            "do_remote_decode": true,
-            "do_remote_prefill": false,
-            "remote_engine_id": null,
-            "remote_block_ids": null,
-            "remote_host": null,
-            "remote_port": null,
-        }),
-    );
-    p.insert("stream".into(), Value::Bool(false));
-    p.insert("max_tokens".into(), Value::from(1));
-    if p.contains_key("max_completion_tokens") {
-        p.insert("max_completion_tokens".into(), Value::from(1));
-    }
-    p.remove("stream_options");
-    p.remove("min_tokens");
-    p
-}
+pub(super) use kvc_core::openai::nixl_prefill_body as prefill_body;
 
 /// Whether the client asked for the usage chunk of its stream.
 pub(crate) fn client_wants_usage(body: &Map<String, Value>) -> bool {
@@ -221,28 +197,10 @@ pub(super) async fn forward_vllm(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn obj(v: Value) -> Map<String, Value> {
         v.as_object().unwrap().clone()
-    }
-
-    #[test]
-    fn the_prefill_body_asks_for_a_remote_decode_of_one_token() {
-        let client = obj(json!({"model": "m", "prompt": "a b", "stream": true,
-            "max_tokens": 64, "min_tokens": 3, "stream_options": {"include_usage": true},
-            "temperature": 0.0}));
-        let p = prefill_body(&client);
-        assert_eq!(
-            Value::Object(p),
-            json!({"model": "m", "prompt": "a b", "stream": false, "max_tokens": 1,
-                "temperature": 0.0, "kv_transfer_params": {"do_remote_decode": true,
-                "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null,
-                "remote_host": null, "remote_port": null}})
-        );
-        let chat = obj(json!({"messages": [], "max_completion_tokens": 9}));
-        let p = prefill_body(&chat);
-        assert_eq!(p["max_completion_tokens"], 1);
-        assert_eq!(p["max_tokens"], 1);
     }
 
     #[test]

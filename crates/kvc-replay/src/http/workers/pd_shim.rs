@@ -24,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
@@ -153,7 +153,8 @@ impl PdShim {
         request_id: &str,
         body: &Map<String, Value>,
     ) -> Result<Value, PrefillError> {
-        let payload = Bytes::from(Value::Object(prefill_body(body)).to_string());
+        let payload =
+            Bytes::from(Value::Object(kvc_core::openai::nixl_prefill_body(body)).to_string());
         let request = hyper::Request::post(format!("http://{p}{path}"))
             .header("content-type", "application/json")
             .header("x-request-id", request_id)
@@ -206,30 +207,6 @@ enum PrefillError {
     Failed,
 }
 
-/// P's body: the client's with a remote decode asked for, one token, no stream.
-fn prefill_body(body: &Map<String, Value>) -> Map<String, Value> {
-    let mut p = body.clone();
-    p.insert(
-        "kv_transfer_params".into(),
-        json!({
-            "do_remote_decode": true,
-            "do_remote_prefill": false,
-            "remote_engine_id": null,
-            "remote_block_ids": null,
-            "remote_host": null,
-            "remote_port": null,
-        }),
-    );
-    p.insert("stream".into(), Value::Bool(false));
-    p.insert("max_tokens".into(), Value::from(1));
-    if p.contains_key("max_completion_tokens") {
-        p.insert("max_completion_tokens".into(), Value::from(1));
-    }
-    p.remove("stream_options");
-    p.remove("min_tokens");
-    p
-}
-
 /// `response` with [`PREFILL_FAILED_HEADER`] naming `p`, when P failed.
 pub(super) fn mark(mut response: Response, prefill_failed: Option<SocketAddr>) -> Response {
     if let Some(v) = prefill_failed.and_then(|p| HeaderValue::from_str(&p.to_string()).ok()) {
@@ -258,20 +235,6 @@ mod tests {
         );
         shim.allow(["127.0.0.1:9001".parse().unwrap()]);
         assert_eq!(shim.allowed("127.0.0.1:9001"), None, "set once");
-    }
-
-    #[test]
-    fn the_prefill_body_asks_for_a_remote_decode_of_one_token() {
-        let client = json!({"prompt": "a b", "stream": true, "max_tokens": 64, "min_tokens": 2,
-            "stream_options": {"include_usage": true}});
-        let p = prefill_body(client.as_object().unwrap());
-        assert_eq!(
-            Value::Object(p),
-            json!({"prompt": "a b", "stream": false, "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
-                "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
-                "remote_port": null}})
-        );
     }
 
     #[test]

@@ -65,30 +65,6 @@ struct OpenAiBody {
     transfer: Option<Map<String, Value>>,
 }
 
-/// The text of a chat message's `content`: a string, `null` (empty), or an array of parts
-/// whose `text` parts are concatenated.
-fn content_text(content: Option<&Value>, i: usize) -> Result<String, String> {
-    match content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => {
-            let mut text = String::new();
-            for part in parts {
-                if part.get("type").and_then(Value::as_str) == Some("text") {
-                    let t = part.get("text").and_then(Value::as_str).ok_or_else(|| {
-                        format!("`messages[{i}].content`: a text part needs a string `text`")
-                    })?;
-                    text.push_str(t);
-                }
-            }
-            Ok(text)
-        }
-        Some(_) => Err(format!(
-            "`messages[{i}].content` must be a string, an array of parts or null"
-        )),
-    }
-}
-
 fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
     let v: Value =
         serde_json::from_slice(bytes).map_err(|e| format!("the body is not JSON: {e}"))?;
@@ -122,7 +98,10 @@ fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
                     .and_then(Value::as_str)
                     .filter(|r| !r.is_empty())
                     .ok_or_else(|| format!("`messages[{i}].role` must be a non-empty string"))?;
-                pairs.push((role.to_owned(), content_text(m.get("content"), i)?));
+                pairs.push((
+                    role.to_owned(),
+                    kvc_core::openai::message_text(m.get("content"), i)?,
+                ));
             }
             let parts: Vec<&str> = pairs.iter().map(|(_, c)| c.as_str()).collect();
             (parts.join("\n"), PromptIn::Chat(pairs))
