@@ -236,6 +236,9 @@ struct Worker {
     /// Set while an iteration's results are applied: no new iteration starts before that ends.
     settling: bool,
     link_free: Micros,
+    /// Share of the decode reserve counted for each request already active here when another
+    /// is admitted (SGLang's `new_token_ratio`): decays per decode step, reset by a retraction.
+    token_ratio: f64,
 }
 
 /// Engine-side eviction behaviour of decode workers.
@@ -254,6 +257,8 @@ pub struct Engine {
     opts: EngineOptions,
     workers: Vec<Worker>,
     jobs: BTreeMap<usize, Active>,
+    /// (P, D) pairs whose transfer session P holds for dead, until when.
+    failed_pairs: BTreeMap<(WorkerId, WorkerId), Micros>,
     events: Vec<Event>,
     wakes: Vec<(Micros, Wake)>,
     jitter_state: u64,
@@ -336,6 +341,7 @@ impl Engine {
                 iteration: None,
                 settling: false,
                 link_free: 0,
+                token_ratio: profile.fit.pressure.init_new_token_ratio,
             })
             .collect();
         Engine {
@@ -343,6 +349,7 @@ impl Engine {
             opts,
             workers,
             jobs: BTreeMap::new(),
+            failed_pairs: BTreeMap::new(),
             events: Vec::new(),
             wakes: Vec::new(),
             jitter_state: seed ^ 0x9e37_79b9_7f4a_7c15,
@@ -579,8 +586,9 @@ impl Engine {
     /// Frees room on decode worker `w` to admit a request that allocates `alloc` more tokens
     /// now (its context, or what its context adds to the session's KV there), the way SGLang's
     /// decode worker admits a transfer: only the context is allocated, and the pool must keep
-    /// the profile's decode reserve free for every request running there, this one included
-    /// (a budget, not an allocation: output is allocated token by token as decoding goes on).
+    /// the profile's decode reserve free for this request and the worker's share (its token
+    /// ratio) of it for every other request running there (a budget, not an allocation:
+    /// output is allocated token by token as decoding goes on).
     /// An append (direct-to-D) is a prefill of D's own scheduler, which keeps the reserve
     /// for the request itself only (`others` false). Hot sessions are evicted only if `hot`.
     /// Returns whether the room is there.
@@ -601,7 +609,11 @@ impl Engine {
         } else {
             0
         };
-        let headroom = self.profile.fit.pressure.decode_reserve_tokens * (running + 1);
+        // The request admitted keeps its whole reserve; the ones already active count for the
+        // worker's current share of theirs (all of it with a ratio of 1).
+        let reserve = self.profile.fit.pressure.decode_reserve_tokens;
+        let share = (reserve as f64 * wk.token_ratio).ceil() as u64;
+        let headroom = reserve + share.min(reserve) * running;
         let need = (alloc + headroom).min(wk.capacity);
         self.make_room_tiers(w, need, Some(requester), now, hot)
     }
@@ -626,6 +638,8 @@ impl Engine {
         let wk = &mut self.workers[d.0 as usize];
         wk.running.retain(|x| *x != id);
         wk.prefill_q.retain(|x| *x != id);
+        // The bet on running requests' output was lost: admission is cautious again.
+        wk.token_ratio = self.profile.fit.pressure.init_new_token_ratio;
         self.drop_resident(d, session);
         if fail {
             let p = self.jobs[&id].prefill_on;
@@ -1118,10 +1132,19 @@ impl Engine {
     /// One transfer at a time leaves a P and enters a D, in the order P finished them: a D
     /// with a queue of incoming transfers holds up the P that sends to it, and every transfer
     /// queued on that P behind it; P holds the job's KV until its transfer ends.
+    /// A send over a (P, D) pair P holds for dead fails at once (`failed_pair_recovery_s`).
     fn start_transfer(&mut self, id: usize, now: Micros) {
         let a = self.jobs.get_mut(&id).expect("job");
         a.stage = Stage::Transfer;
         let (p, d, input) = (a.prefill_on, a.decode_on, a.job.input);
+        if self
+            .failed_pairs
+            .get(&(p, d))
+            .is_some_and(|until| now < *until)
+        {
+            self.abort_p_to_d(id, false, now);
+            return;
+        }
         let secs = self.profile.transfer_seconds(input);
         let start = now
             .max(self.workers[p.0 as usize].link_free)
@@ -1248,6 +1271,14 @@ impl Engine {
         };
         let hosts = self.workers[w.0 as usize].hosts;
         self.workers[w.0 as usize].settling = true;
+        if hosts && !decode.is_empty() {
+            // One decode step: the ratio decays toward its floor.
+            let p = &self.profile.fit.pressure;
+            let step = (p.init_new_token_ratio - p.min_new_token_ratio)
+                / f64::from(p.new_token_ratio_decay_steps);
+            let wk = &mut self.workers[w.0 as usize];
+            wk.token_ratio = (wk.token_ratio - step).max(p.min_new_token_ratio);
+        }
         for (id, take, epoch) in pieces {
             // A job retracted (or failed) since the iteration started lost this work.
             let Some(a) = self.jobs.get_mut(&id).filter(|a| a.epoch == epoch) else {
@@ -1319,9 +1350,54 @@ impl Engine {
         self.retry_waiting(p, now);
     }
 
+    /// Fails P→D job `id` on its way to D (queued or prefilling on P, or on P's sender):
+    /// D's preallocated room and P's blocks are released. With `sending` (P had started on
+    /// the job: its send goes to a room D has given up) P marks the pair dead
+    /// ([`PressureFacts::failed_pair_recovery_s`]).
+    ///
+    /// [`PressureFacts::failed_pair_recovery_s`]: super::profile::PressureFacts
+    fn abort_p_to_d(&mut self, id: usize, sending: bool, now: Micros) {
+        let a = &self.jobs[&id];
+        let (p, d, session) = (a.prefill_on, a.decode_on, a.job.session);
+        let wp = &mut self.workers[p.0 as usize];
+        wp.waiting.retain(|x| *x != id);
+        wp.prefill_q.retain(|x| *x != id);
+        if self.workers[d.0 as usize]
+            .residents
+            .get(&session)
+            .is_some_and(|r| r.prealloc)
+        {
+            self.drop_resident(d, session);
+        }
+        self.release_prefill(id, now);
+        self.jobs.remove(&id);
+        let recovery = self.profile.fit.pressure.failed_pair_recovery_s;
+        if sending && recovery > 0.0 {
+            self.failed_pairs.insert((p, d), now + micros(recovery));
+        }
+        self.events.push(Event::TransferTimedOut { id, at: now });
+        self.retry_waiting(p, now);
+        self.retry_waiting(d, now);
+    }
+
     fn transfer_timeout(&mut self, id: usize, now: Micros) {
         let Some(a) = self.jobs.get(&id) else { return };
         if now < a.deadline {
+            return;
+        }
+        let (p, d) = (a.prefill_on, a.decode_on);
+        if self.profile.fit.pressure.timeout_until_arrival
+            && p != d
+            && !self.workers[p.0 as usize].hosts
+            && matches!(
+                a.stage,
+                Stage::WaitingPool | Stage::Prefill | Stage::Transfer
+            )
+        {
+            // Preallocated on D, but the KV has not arrived in time: D gives up on it. If P
+            // had started on it, P's send goes to a room D no longer holds and fails.
+            let sending = matches!(a.stage, Stage::Prefill | Stage::Transfer);
+            self.abort_p_to_d(id, sending, now);
             return;
         }
         if a.stage == Stage::Retracted {
@@ -1707,6 +1783,129 @@ mod tests {
         );
         assert!(!ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
         assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
+    }
+
+    #[test]
+    fn the_token_ratio_decays_per_decode_step_and_a_retraction_resets_it() {
+        let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+            p.fit.pressure.new_token_ratio_decay_steps = 10;
+        });
+        let mut now = 0;
+        let ratio = |e: &Engine| e.workers[D.0 as usize].token_ratio;
+        assert_eq!(ratio(&e), 0.7);
+        // Four decode steps (the first token comes with the transfer): 0.7 − 4 × 0.0602.
+        e.start_p_to_d(job(1, 1, &[1, 2], 1000, 5), P, D, now);
+        settle(&mut e, &mut now);
+        assert!((ratio(&e) - (0.7 - 4.0 * (0.7 - 0.098) / 10.0)).abs() < 1e-9);
+        // Many more steps: it stays at the floor.
+        e.start_p_to_d(job(2, 2, &[3, 4], 1000, 40), P, D, now);
+        settle(&mut e, &mut now);
+        assert_eq!(ratio(&e), 0.098);
+        // A retraction sets it back: the worker admits cautiously again.
+        let id = 3;
+        e.start_p_to_d(job(id, 3, &[5, 6], 1000, 1_000), P, D, now);
+        loop {
+            let ev = e.take_events();
+            if ev
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 3, .. }))
+            {
+                break;
+            }
+            let mut wakes = e.take_wakes();
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            e.wakes.extend(wakes);
+            now = t;
+            e.wake(w, now);
+        }
+        e.retract(id, now);
+        assert_eq!(ratio(&e), 0.7);
+    }
+
+    #[test]
+    fn running_requests_count_for_the_ratio_of_their_reserve_at_admission() {
+        // 8,192 tokens; a decoding request of 4,000 (context allocated so far) is active.
+        for (ratio, admitted) in [(1.0, false), (0.1, true)] {
+            let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+                p.fit.pressure.decode_reserve_tokens = 512;
+                p.fit.pressure.init_new_token_ratio = ratio;
+                p.fit.pressure.min_new_token_ratio = ratio;
+            });
+            let mut now = 0;
+            e.start_p_to_d(
+                job(1, 1, &[1, 2, 3, 4, 5, 6, 7, 8], 4000, 1_000_000),
+                P,
+                D,
+                now,
+            );
+            loop {
+                let ev = e.take_events();
+                if ev
+                    .iter()
+                    .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+                {
+                    break;
+                }
+                let mut wakes = e.take_wakes();
+                wakes.sort_by_key(|(t, _)| *t);
+                let (t, w) = wakes.remove(0);
+                e.wakes.extend(wakes);
+                now = t;
+                e.wake(w, now);
+            }
+            // 3,400 more tokens: with the whole reserve of both (1,024) they do not fit the
+            // 4,192 free; with its own and a tenth of the running one's (512 + 52) they do.
+            e.start_p_to_d(job(2, 2, &[11, 12, 13, 14, 15, 16, 17], 3400, 4), P, D, now);
+            assert_eq!(e.state(D).queue_depth == 0, admitted, "ratio {ratio}");
+        }
+    }
+
+    #[test]
+    fn kv_that_does_not_arrive_in_time_fails_and_breaks_the_pair_on_p() {
+        let d2 = WorkerId(2);
+        let roles = [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode];
+        let mut e = engine_with(&roles, 65_536, |p| {
+            p.fit.transfer_timeout_s = 0.001;
+            p.fit.pressure.timeout_until_arrival = true;
+            p.fit.pressure.failed_pair_recovery_s = 100.0;
+        });
+        let mut now = 0;
+        // Room on D at once, but P's prefill takes longer than the timeout: D gives up, the
+        // room is released, and P's send to it fails.
+        e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6, 7, 8], 4000, 4), P, D, now);
+        let ev = settle(&mut e, &mut now);
+        assert!(
+            ev.iter()
+                .any(|x| matches!(x, Event::TransferTimedOut { id: 1, .. }))
+        );
+        assert!(
+            !ev.iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+        );
+        assert_eq!(e.state(D).used_tokens, 0);
+        // With time to spare, P's next transfer to that D fails as soon as its KV is ready;
+        // its transfer to the other D goes through.
+        e.profile.fit.transfer_timeout_s = 32.0;
+        e.start_p_to_d(job(2, 2, &[11, 12], 1000, 4), P, D, now);
+        e.start_p_to_d(job(3, 3, &[21, 22], 1000, 4), P, d2, now);
+        let start = now;
+        let ev = settle(&mut e, &mut now);
+        let failed_at = ev
+            .iter()
+            .find_map(|x| match x {
+                Event::TransferTimedOut { id: 2, at } => Some(*at),
+                _ => None,
+            })
+            .expect("the transfer over the dead pair fails");
+        assert!(failed_at < start + micros(1.0));
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 3, .. })));
+        assert_eq!(e.resident_tokens(D, SessionId(2)), None);
+        // Once the pair has recovered, transfers to that D go through again.
+        now += micros(100.0);
+        e.start_p_to_d(job(4, 2, &[11, 12], 1000, 4), P, D, now);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 4, .. })));
     }
 
     fn hosting_engine(caps: &[(WorkerRole, Capabilities)], pool: u64) -> Engine {
