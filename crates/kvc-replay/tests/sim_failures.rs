@@ -60,6 +60,13 @@ fn deployed_kvc(c: &mut kvc_replay::sim::SimConfig, time_scale: f64, off: Option
     }
 }
 
+/// The baseline's deployment: stock SGLang decode servers (no prefill path of their own: a
+/// request they retract is backed up to host memory or aborted) at time-scale 10.
+fn sglang_ts10(c: &mut kvc_replay::sim::SimConfig) {
+    c.time_scale = 10.0;
+    c.local_prefill = false;
+}
+
 fn check_seed(seed: u64) {
     let trace = swe_trace(seed, 52);
     let ts10 = |c: &mut kvc_replay::sim::SimConfig| c.time_scale = 10.0;
@@ -67,8 +74,8 @@ fn check_seed(seed: u64) {
     // 2p6d + kv-aware-v0 at time-scale 10: requests whose KV does not reach their decode
     // worker within the timeout fail (over 2% of requests), on the decode workers whose pools
     // sit full of sessions with requests in flight (docs/calibration.md, "Where the failures
-    // land"; decode OOM does not appear there, and that section says why).
-    let v0 = run_with(&trace, "2p6d", "kv-aware-v0", ts10);
+    // land"). Decode OOM is rare there (at most one request), and that section says why.
+    let v0 = run_with(&trace, "2p6d", "kv-aware-v0", sglang_ts10);
     let o = &v0.summary.outcomes;
     let timeouts = o["kv-transfer-timeout"];
     assert!(
@@ -79,6 +86,11 @@ fn check_seed(seed: u64) {
         v0.summary.mechanism_errors,
         timeouts + o["decode-oom"],
         "seed {seed}: only the memory failure paths fail requests"
+    );
+    assert!(
+        o["decode-oom"] <= 1,
+        "seed {seed}: {} decode OOM",
+        o["decode-oom"]
     );
     let by = failures_by_worker(&v0);
     // Concentrated: two of the six decode workers take at least 60% of them (an even spread
@@ -106,7 +118,7 @@ fn check_seed(seed: u64) {
     // transfer session to a decode worker is dead; choosing P by D's health, which counts a
     // pair's failures, fails at least 30% fewer requests.
     let v0_dh = run_with(&trace, "2p6d", "kv-aware-v0", |c| {
-        c.time_scale = 10.0;
+        sglang_ts10(c);
         if let PolicyConfig::KvAwareV0(k) = &mut c.policy {
             k.prefill = kvc_policy::PrefillPolicy::DHealthAware;
         }
@@ -123,20 +135,31 @@ fn check_seed(seed: u64) {
     assert_eq!(dp.summary.mechanism_errors, 0, "seed {seed}: 8dp");
     let kvc = run_with(&trace, "2p6d", "kvc", ts10);
     assert_eq!(kvc.summary.mechanism_errors, 0, "seed {seed}: 2p6d kvc");
+    // On stock SGLang decode servers a decode worker that retracts a request whose KV its
+    // host pool cannot hold aborts it: kvc there fails no transfer, and at most one request
+    // through decode OOM.
     let deployed = run_with(&trace, "2p6d", "kvc", |c| deployed_kvc(c, 10.0, None));
+    let o = &deployed.summary.outcomes;
     assert_eq!(
-        deployed.summary.mechanism_errors, 0,
-        "seed {seed}: 2p6d kvc with tiered eviction and backpressure"
+        (
+            o["kv-transfer-timeout"],
+            deployed.summary.mechanism_errors <= 1
+        ),
+        (0, true),
+        "seed {seed}: 2p6d kvc with tiered eviction and backpressure: {o:?}"
     );
 
     // The ablation (docs/calibration.md): at time-scale 15, where the baseline fails more,
-    // kvc with its three fixes fails far less than the baseline but not nothing. Switched off
-    // alone, d-health-aware P choice fails more on both seeds, and at least two of the three
-    // fixes fail more on each seed.
+    // kvc with its three fixes fails less than the baseline (at least a third less) but not
+    // nothing. Switched off alone, d-health-aware P choice fails more on both seeds, and at
+    // least two of the three fixes fail more on each seed.
     let all = run_with(&trace, "2p6d", "kvc", |c| deployed_kvc(c, 15.0, None));
-    let v0_15 = run_with(&trace, "2p6d", "kv-aware-v0", |c| c.time_scale = 15.0);
+    let v0_15 = run_with(&trace, "2p6d", "kv-aware-v0", |c| {
+        c.time_scale = 15.0;
+        c.local_prefill = false;
+    });
     assert!(
-        all.summary.mechanism_errors * 3 <= v0_15.summary.mechanism_errors,
+        all.summary.mechanism_errors * 3 <= v0_15.summary.mechanism_errors * 2,
         "seed {seed}: kvc at time-scale 15: {} vs the baseline's {}",
         all.summary.mechanism_errors,
         v0_15.summary.mechanism_errors
@@ -157,7 +180,7 @@ fn check_seed(seed: u64) {
         "seed {seed}: at time-scale 15 only {worse:?} fail more when switched off"
     );
 
-    let v0_ts1 = run_with(&trace, "1p3d", "kv-aware-v0", |_| {});
+    let v0_ts1 = run_with(&trace, "1p3d", "kv-aware-v0", |c| c.local_prefill = false);
     assert_eq!(
         v0_ts1.summary.mechanism_errors, 0,
         "seed {seed}: the baseline at time-scale 1"

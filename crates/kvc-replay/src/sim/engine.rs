@@ -82,7 +82,8 @@ pub enum Event {
         at: Micros,
     },
     /// A request failed for want of KV room on its decode worker: retracted more often than
-    /// the profile allows, or left waiting past the transfer timeout after a retraction.
+    /// the profile allows, retracted on a decode-only worker whose host pool had no room for
+    /// its KV, or left waiting past the transfer timeout after a retraction.
     DecodeOom {
         /// Job.
         id: usize,
@@ -183,6 +184,9 @@ struct Active {
     /// Bumped by every retraction, so the work of an iteration that started before it is
     /// not applied after it.
     epoch: u32,
+    /// Tokens of its KV a decode-only worker copied to its host pool when it retracted the
+    /// job; loaded back, not recomputed, when the job is readmitted.
+    backup: u64,
 }
 
 impl Active {
@@ -204,6 +208,7 @@ impl Active {
             transfer_end: 0,
             retractions: 0,
             epoch: 0,
+            backup: 0,
         }
     }
 }
@@ -239,6 +244,11 @@ struct Worker {
     /// Share of the decode reserve counted for each request already active here when another
     /// is admitted (SGLang's `new_token_ratio`): decays per decode step, reset by a retraction.
     token_ratio: f64,
+    /// The worker can prefill (for others, or a turn alone), so it recomputes a retracted
+    /// request's context; a decode-only worker backs the KV up to its host pool instead.
+    recomputes: bool,
+    /// Tokens of retracted requests' KV held in the host pool of a decode-only worker.
+    host_backup: u64,
 }
 
 /// Engine-side eviction behaviour of decode workers.
@@ -342,6 +352,8 @@ impl Engine {
                 settling: false,
                 link_free: 0,
                 token_ratio: profile.fit.pressure.init_new_token_ratio,
+                recomputes: caps.prefill || caps.local,
+                host_backup: 0,
             })
             .collect();
         Engine {
@@ -500,10 +512,20 @@ impl Engine {
             }
         }
         let wk = &self.workers[w.0 as usize];
+        // Evicting a running session retracts its request. A decode-only worker cannot
+        // recompute it, so tiered eviction takes only the running sessions whose KV its host
+        // pool has room to back up; the others' requests would be aborted.
+        let host_free = self
+            .profile
+            .fit
+            .pressure
+            .retraction_host_pool_tokens
+            .saturating_sub(wk.host_backup);
         let residents: Vec<Resident> = wk
             .residents
             .iter()
             .filter(|(_, r)| !r.prealloc)
+            .filter(|(_, r)| wk.recomputes || !r.running || r.tokens <= host_free)
             .map(|(s, r)| Resident {
                 session: *s,
                 tokens: r.tokens,
@@ -619,22 +641,45 @@ impl Engine {
     }
 
     /// Takes job `id`'s KV off its decode worker for want of room. The job waits at the head
-    /// of the worker's queue (a transfer for room again; a prefilled or decoding job to
-    /// recompute its context), or fails with `decode-oom` past the profile's retraction limit.
+    /// of the worker's queue: a transfer for room again; a prefilled or decoding job, on a
+    /// worker that can prefill, to recompute its context — or it fails with `decode-oom` past
+    /// the profile's retraction limit; on a decode-only worker, which cannot recompute, with
+    /// its KV backed up to the worker's host pool — or, when the pool has no room for it, it
+    /// fails with `decode-oom` at once (SGLang aborts a request whose KV it cannot back up).
     fn retract(&mut self, id: usize, now: Micros) {
         let timeout = micros(self.profile.fit.transfer_timeout_s);
-        let limit = self.profile.fit.pressure.max_retractions;
+        let pressure = &self.profile.fit.pressure;
+        let (limit, host_pool) = (
+            pressure.max_retractions,
+            pressure.retraction_host_pool_tokens,
+        );
         let a = self.jobs.get_mut(&id).expect("job");
         let (d, session, stage) = (a.decode_on, a.job.session, a.stage);
         a.epoch += 1;
         a.retractions += 1;
-        let fail = a.retractions > limit;
+        let wk = &self.workers[d.0 as usize];
+        let recompute = stage == Stage::Transfer || wk.recomputes;
+        // The KV a decode-only worker holds for the job: its context, or the part of an append
+        // computed so far.
+        let backup = match stage {
+            _ if recompute => 0,
+            Stage::Decode => a.job.input + a.generated,
+            _ => a.done_ctx,
+        };
+        let fail = if recompute {
+            a.retractions > limit
+        } else {
+            wk.host_backup + backup > host_pool
+        };
         a.stage = if stage == Stage::Transfer {
             Stage::WaitingD
         } else {
             Stage::Retracted
         };
         a.deadline = now + timeout;
+        if !fail {
+            a.backup = backup;
+        }
         let wk = &mut self.workers[d.0 as usize];
         wk.running.retain(|x| *x != id);
         wk.prefill_q.retain(|x| *x != id);
@@ -651,7 +696,9 @@ impl Engine {
             }
             return;
         }
-        self.workers[d.0 as usize].waiting.push_front(id);
+        let wk = &mut self.workers[d.0 as usize];
+        wk.host_backup += backup;
+        wk.waiting.push_front(id);
         self.wakes.push((now + timeout, Wake::TransferTimeout(id)));
         self.events.push(Event::Retracted { id, worker: d });
     }
@@ -1017,10 +1064,24 @@ impl Engine {
     /// can always take its turn.
     fn retry_waiting(&mut self, w: WorkerId, now: Micros) {
         let decode = self.workers[w.0 as usize].hosts;
+        let decode_only = decode && !self.workers[w.0 as usize].recomputes;
         let mut blocked = false;
         let mut i = 0;
         while let Some(&id) = self.workers[w.0 as usize].waiting.get(i) {
             let a = &self.jobs[&id];
+            // A decode-only worker preallocates room for no new transfer while a request it
+            // retracted waits to come back (SGLang's decode loop returns before its prealloc
+            // queue while its retracted queue is not empty).
+            if decode_only
+                && a.stage == Stage::WaitingD
+                && self.workers[w.0 as usize]
+                    .waiting
+                    .iter()
+                    .any(|j| self.jobs[j].stage == Stage::Retracted && self.jobs[j].decode_on == w)
+            {
+                i += 1;
+                continue;
+            }
             // Behind a request that does not fit, only a session whose own KV is on this
             // worker may go ahead: its admission replaces that KV.
             if blocked
@@ -1172,7 +1233,9 @@ impl Engine {
     }
 
     /// Re-admits a retracted job on its decode worker: room for its context and some output,
-    /// then a prefill of the whole context (recompute), then decoding resumes.
+    /// then a prefill of the whole context (recompute), then decoding resumes. KV a
+    /// decode-only worker backed up is loaded back from its host pool instead of recomputed
+    /// (the copy's time is not modelled).
     fn admit_retracted(&mut self, id: usize, now: Micros) -> bool {
         let a = &self.jobs[&id];
         let (d, session) = (a.decode_on, a.job.session);
@@ -1184,16 +1247,26 @@ impl Engine {
         }
         let tokens = context;
         let a = self.jobs.get_mut(&id).expect("job");
+        let backup = std::mem::take(&mut a.backup).min(context);
         a.stage = Stage::Prefill;
         a.prefill_on = d;
-        a.remaining = context;
-        a.done_ctx = 0;
+        a.remaining = context - backup;
+        a.done_ctx = backup;
+        let resume = a.remaining == 0 && a.generated > 0;
+        if resume {
+            a.stage = Stage::Decode;
+        }
         let hashes = a.job.hashes.clone();
         let wk = &mut self.workers[d.0 as usize];
+        wk.host_backup -= backup;
         wk.resident_tokens += tokens;
         wk.residents
             .insert(session, ResidentEntry::running(tokens, hashes, now));
-        wk.prefill_q.push_back(id);
+        if resume {
+            wk.running.push(id);
+        } else {
+            wk.prefill_q.push_back(id);
+        }
         self.start_iteration_if_idle(d, now);
         true
     }
@@ -1402,8 +1475,10 @@ impl Engine {
         }
         if a.stage == Stage::Retracted {
             // Retracted and never given room back: out of memory as far as the client knows.
-            let d = a.decode_on;
-            self.workers[d.0 as usize].waiting.retain(|x| *x != id);
+            let (d, backup) = (a.decode_on, a.backup);
+            let wk = &mut self.workers[d.0 as usize];
+            wk.waiting.retain(|x| *x != id);
+            wk.host_backup -= backup;
             self.jobs.remove(&id);
             self.events.push(Event::DecodeOom { id, at: now });
             self.retry_waiting(d, now);
@@ -1733,12 +1808,19 @@ mod tests {
 
     /// Two long decodes on a pool that holds only one of them whole: the second is admitted
     /// with the decode reserve, outgrows it, and is retracted (SGLang's choice: the fewest
-    /// tokens generated). Returns the events.
+    /// tokens generated). D can prefill (it serves turns alone), so it recomputes. Returns the
+    /// events.
     fn outgrow(max_retractions: u32) -> Vec<Event> {
         let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
             p.fit.pressure.decode_reserve_tokens = 256;
             p.fit.pressure.max_retractions = max_retractions;
         });
+        e.workers[D.0 as usize].recomputes = true;
+        outgrow_on(e)
+    }
+
+    /// The two decodes of [`outgrow`] on engine `e`.
+    fn outgrow_on(mut e: Engine) -> Vec<Event> {
         let mut now = 0;
         e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6], 3000, 3000), P, D, now);
         e.start_p_to_d(job(2, 2, &[11, 12, 13], 1500, 3000), P, D, now);
@@ -1783,6 +1865,103 @@ mod tests {
         );
         assert!(!ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
         assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
+    }
+
+    /// [`outgrow`] on a decode-only worker (stock SGLang: no prefill path) with a host pool
+    /// of `host_pool` tokens for retracted requests' KV.
+    fn outgrow_decode_only(host_pool: u64) -> (Vec<Event>, u32) {
+        let e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+            p.fit.pressure.decode_reserve_tokens = 256;
+            p.fit.pressure.retraction_host_pool_tokens = host_pool;
+        });
+        assert!(!e.workers[D.0 as usize].recomputes);
+        let ev = outgrow_on(e);
+        let recomputes = ev
+            .iter()
+            .filter(|x| matches!(x, Event::Retracted { id: 2, .. }))
+            .count() as u32;
+        (ev, recomputes)
+    }
+
+    #[test]
+    fn a_decode_only_worker_without_host_room_fails_a_retracted_request_at_once() {
+        let (ev, retracted) = outgrow_decode_only(0);
+        assert_eq!(retracted, 0, "{ev:?}");
+        assert!(
+            ev.iter()
+                .any(|x| matches!(x, Event::DecodeOom { id: 2, .. }))
+        );
+        assert!(!ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
+        // Too small a pool for the request's KV is no pool.
+        let (ev, _) = outgrow_decode_only(1000);
+        assert!(
+            ev.iter()
+                .any(|x| matches!(x, Event::DecodeOom { id: 2, .. }))
+        );
+    }
+
+    #[test]
+    fn a_decode_only_worker_backs_a_retracted_request_up_and_loads_it_back() {
+        let (ev, retracted) = outgrow_decode_only(8192);
+        assert!(retracted >= 1, "{ev:?}");
+        assert!(!ev.iter().any(|x| matches!(x, Event::DecodeOom { .. })));
+        for id in [1, 2] {
+            assert!(
+                ev.iter()
+                    .any(|x| matches!(x, Event::Done { id: i, .. } if *i == id))
+            );
+        }
+    }
+
+    #[test]
+    fn a_decode_only_worker_admits_no_transfer_while_a_retracted_request_waits() {
+        let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+            p.fit.pressure.decode_reserve_tokens = 256;
+            p.fit.pressure.retraction_host_pool_tokens = 8192;
+        });
+        let mut now = 0;
+        e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6], 3000, 400), P, D, now);
+        loop {
+            let ev = e.take_events();
+            if ev
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+            {
+                break;
+            }
+            let mut wakes = e.take_wakes();
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            e.wakes.extend(wakes);
+            now = t;
+            e.wake(w, now);
+        }
+        e.retract(1, now);
+        assert_eq!(e.workers[D.0 as usize].host_backup, 3001);
+        // Another session's request holds 6,000 tokens: the retracted request does not fit.
+        let other = ResidentEntry::running(6000, job(9, 9, &[99], 6000, 1).hashes, now);
+        e.workers[D.0 as usize]
+            .residents
+            .insert(SessionId(9), other);
+        e.workers[D.0 as usize].resident_tokens += 6000;
+        // A small transfer that fits the pool waits behind the retracted request...
+        e.start_p_to_d(job(2, 2, &[11], 500, 2), P, D, now);
+        assert_eq!(e.state(D).queue_depth, 2);
+        assert_eq!(e.state(D).used_tokens, 6000);
+        // ...and goes once the retracted request is back.
+        e.drop_resident(D, SessionId(9));
+        e.retry_waiting(D, now);
+        assert_eq!(e.state(D).queue_depth, 0);
+        assert_eq!(e.workers[D.0 as usize].host_backup, 0);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
+        // Loaded back, not recomputed: no first token again.
+        assert!(
+            !ev.iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+        );
     }
 
     #[test]

@@ -103,8 +103,18 @@ pub struct PressureFacts {
     /// A running request that cannot get its next step of room, with nothing evictable under
     /// the eviction mode, is retracted (its KV freed; it waits on the same worker and
     /// recomputes its context when room returns). The retraction after this many fails it
-    /// with `decode-oom`.
+    /// with `decode-oom`. This is the rule of workers that can prefill (colocated workers,
+    /// and workers that serve turns alone); a decode-only worker backs up instead
+    /// (`retraction_host_pool_tokens`).
     pub max_retractions: u32,
+    /// Host memory (tokens of KV) a decode-only worker has for the KV of requests it retracts.
+    /// Such a worker cannot recompute a request's context (it has no prefill path of its own):
+    /// it copies the KV to this pool, loads it back when room returns, and while any retracted
+    /// request waits it preallocates room for no new transfer (SGLang's disaggregated decode
+    /// server). A retraction the pool has no room for fails the request with `decode-oom` at
+    /// once. 0 (the default for profiles without the key): no host pool, every retraction on a
+    /// decode-only worker fails its request.
+    pub retraction_host_pool_tokens: u64,
     /// A session with a request in flight (on P, in D's transfer queue, on D) is not idle: its
     /// KV on its decode worker cannot be evicted by idle-only eviction (the reference engine
     /// pins a session when its request is routed).
@@ -141,6 +151,7 @@ impl Default for PressureFacts {
         PressureFacts {
             decode_reserve_tokens: 512,
             max_retractions: 3,
+            retraction_host_pool_tokens: 0,
             pin_in_flight: true,
             init_new_token_ratio: 0.7,
             min_new_token_ratio: 0.098,
