@@ -92,6 +92,20 @@ fn check_seed(seed: u64) {
         "seed {seed}: {} decode OOM",
         o["decode-oom"]
     );
+    // A decode OOM strikes a pool with nothing idle in it: at least 95% committed in the
+    // timeout before.
+    for r in v0
+        .records
+        .iter()
+        .filter(|r| r.outcome == Outcome::DecodeOom)
+    {
+        let d = r.decode.as_deref().unwrap();
+        assert!(
+            committed_before(&v0, d, r.done_s, 0.95),
+            "seed {seed}: decode OOM of request {} on {d}, whose pool was not full",
+            r.index
+        );
+    }
     let by = failures_by_worker(&v0);
     // Concentrated: two of the six decode workers take at least 60% of them (an even spread
     // would give them 33%), and at least 80% strike a pool that was ≥ 80% committed (sessions

@@ -1965,6 +1965,59 @@ mod tests {
     }
 
     #[test]
+    fn tiered_eviction_on_a_decode_only_worker_takes_only_sessions_it_can_back_up() {
+        for (host_pool, retracted) in [(0, false), (16_384, true)] {
+            let mut profile = Profile::default();
+            profile.hardware.kv_pool_tokens = 8192;
+            profile.model.max_input_tokens = 8000;
+            profile.fit.pressure.decode_reserve_tokens = 64;
+            profile.fit.pressure.retraction_host_pool_tokens = host_pool;
+            let opts = EngineOptions {
+                eviction: EvictionConfig::default(),
+                block_size: BlockSize::default(),
+            };
+            let mut e = Engine::new(
+                profile,
+                opts,
+                &[WorkerRole::Prefill, WorkerRole::Decode],
+                1,
+                0.0,
+            );
+            let mut now = 0;
+            // A running request holds 97% of D; a transfer needs room there.
+            e.start_p_to_d(job(1, 1, &[1], 7900, 100), P, D, now);
+            let mut ev = Vec::new();
+            while !ev
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+            {
+                let mut wakes = e.take_wakes();
+                wakes.sort_by_key(|(t, _)| *t);
+                let (t, w) = wakes.remove(0);
+                e.wakes.extend(wakes);
+                now = t;
+                e.wake(w, now);
+                ev.extend(e.take_events());
+            }
+            e.start_p_to_d(job(2, 2, &[2], 2000, 2), P, D, now);
+            ev.extend(settle(&mut e, &mut now));
+            assert_eq!(
+                ev.iter()
+                    .any(|x| matches!(x, Event::Retracted { id: 1, .. })),
+                retracted,
+                "host pool {host_pool}: {ev:?}"
+            );
+            assert!(!ev.iter().any(|x| matches!(x, Event::DecodeOom { .. })));
+            for id in [1, 2] {
+                assert!(
+                    ev.iter()
+                        .any(|x| matches!(x, Event::Done { id: i, .. } if *i == id))
+                );
+            }
+        }
+    }
+
+    #[test]
     fn the_token_ratio_decays_per_decode_step_and_a_retraction_resets_it() {
         let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
             p.fit.pressure.new_token_ratio_decay_steps = 10;
