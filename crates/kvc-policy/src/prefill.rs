@@ -6,12 +6,17 @@
 //!
 //!   ```text
 //!   cost(P | D) = (in_flight(P) + queue_depth(P)) + pair_in_flight(P, D) × (1 + queue_depth(D))
+//!                 + 8 × pair_failures(P, D)
 //!   ```
 //!
 //!   where `in_flight(P)` is the larger of the published in-flight count and the router's own
 //!   count of P→D requests it sent through P (each one ends in a KV transfer), and
 //!   `pair_in_flight(P, D)` counts those bound for this D: transfers to a D with a queue are
 //!   slow, so a P already feeding that D is charged per transfer and per queued request on D.
+//!   `pair_failures(P, D)` counts the P→D requests through the pair that ended in
+//!   `kv-transfer-timeout` since the last one it served: a P whose transfers keep failing to
+//!   this D (its transfer session to D is broken) is charged as if it had eight more requests
+//!   in flight per failure, so traffic to D moves to another P until that one is as bad.
 //!   D's health gates it before P is chosen (an unhealthy D is never a target). Ties go to
 //!   round-robin order, so on an idle cluster it spreads like `round-robin`.
 
@@ -50,6 +55,10 @@ pub(crate) fn choose(
     Ok((p, ctx.cached_on(p, BlockView::Seen, block_size)))
 }
 
+/// What one transfer failure in a row through a (P, D) pair adds to P's cost for D, in
+/// requests in flight.
+const PAIR_FAILURE_COST: u64 = 8;
+
 fn d_health_aware(
     ctx: &Ctx<'_>,
     candidates: WorkerSet,
@@ -65,7 +74,8 @@ fn d_health_aware(
         let id = WorkerId(slot as u32);
         let p_load = u64::from(ctx.load(id)) + u64::from(ctx.worker_state(id).queue_depth);
         let pair = u64::from(ctx.state.pair_in_flight(id, decode));
-        let cost = p_load + pair * (1 + d_queue);
+        let failures = u64::from(ctx.state.pair_failures(id, decode));
+        let cost = p_load + pair * (1 + d_queue) + PAIR_FAILURE_COST * failures;
         // Strictly lower cost wins; equal cost keeps the earlier one in round-robin order.
         if best.is_none_or(|(c, _)| cost < c) {
             best = Some((cost, id));
@@ -73,6 +83,7 @@ fn d_health_aware(
         let mut e = ScoreEntry::new(id, WorkerRole::Prefill)
             .with("p_load", p_load as f64)
             .with("pair_in_flight", pair as f64)
+            .with("pair_failures", failures as f64)
             .with("d_queue_depth", d_queue as f64)
             .with("rr_order", order as f64);
         e.total = 0.0 - cost as f64;

@@ -400,6 +400,10 @@ pub struct RouterState {
     dropped_pending: u64,
     dropped_session_blocks: u64,
     pairs: Map<(WorkerId, WorkerId), u32>,
+    /// Transfer failures in a row per (P, D) pair: a P→D request through the pair that ended
+    /// in `kv-transfer-timeout` adds one, one served through it clears the entry. At most one
+    /// entry per pair of workers.
+    pair_failures: Map<(WorkerId, WorkerId), u32>,
     /// Last chosen worker per role (prefill, decode, colocated).
     cursors: [Option<WorkerId>; 3],
     /// Decode workers that take no direct-to-D turn (no decode-side append-prefill).
@@ -475,6 +479,7 @@ impl RouterState {
             dropped_pending: 0,
             dropped_session_blocks: 0,
             pairs: Map::default(),
+            pair_failures: Map::default(),
             cursors: [None; 3],
             no_direct: WorkerSet::EMPTY,
         }
@@ -763,6 +768,15 @@ impl RouterState {
             } => {
                 if let Some(p) = self.pending.remove(&request_id) {
                     self.release(p);
+                    if let Some(pre) = p.prefill {
+                        let pair = (pre, p.decode);
+                        if outcome == Outcome::KvTransferTimeout {
+                            let n = self.pair_failures.entry(pair).or_insert(0);
+                            *n = n.saturating_add(1);
+                        } else if outcome.is_served() {
+                            self.pair_failures.remove(&pair);
+                        }
+                    }
                 }
                 let Some(route) = session.and_then(|s| self.sessions.get_mut(&s)) else {
                     return;
@@ -909,6 +923,15 @@ impl RouterState {
     /// P→D requests in flight from `prefill` to `decode`.
     pub fn pair_in_flight(&self, prefill: WorkerId, decode: WorkerId) -> u32 {
         self.pairs.get(&(prefill, decode)).copied().unwrap_or(0)
+    }
+
+    /// P→D requests from `prefill` to `decode` that ended in `kv-transfer-timeout` since the
+    /// last one served through that pair.
+    pub fn pair_failures(&self, prefill: WorkerId, decode: WorkerId) -> u32 {
+        self.pair_failures
+            .get(&(prefill, decode))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The last worker chosen in `role` (the round-robin cursor).

@@ -520,6 +520,64 @@ fn d_health_aware_prefill_cost() {
 }
 
 #[test]
+fn d_health_aware_prefill_avoids_a_pair_whose_transfers_keep_failing() {
+    let cfg = PolicyConfig::KvcV2(KvcV2Config {
+        prefill: PrefillPolicy::DHealthAware,
+        ..KvcV2Config::default()
+    });
+    let base = pd(2, 2);
+    let mut r = Router::new(cfg, &base);
+    let completed = |id: u64, outcome| Observation::Completed {
+        request_id: RequestId(id),
+        session: None,
+        worker: WorkerId(2),
+        outcome,
+        resident_tokens: 0,
+        direct: false,
+    };
+    // Two transfers P0 → d2 time out; one P1 → d2 does too, then one through P1 is served.
+    for (id, p) in [(1, 0), (2, 0), (3, 1), (4, 1)] {
+        r.state.apply(&change(id, p, 2));
+    }
+    for id in 1..=3 {
+        r.state
+            .observe(&completed(id, kvc_core::Outcome::KvTransferTimeout));
+    }
+    r.state.observe(&completed(4, kvc_core::Outcome::Ok));
+    assert_eq!(r.state.pair_failures(WorkerId(0), WorkerId(2)), 2);
+    assert_eq!(r.state.pair_failures(WorkerId(1), WorkerId(2)), 0);
+    assert_eq!(r.state.pair_failures(WorkerId(0), WorkerId(3)), 0);
+
+    // Target d2 (d3 down): P0 = 0 + 8 × 2 = 16, P1 = 2 queued = 2.
+    let mut ws = base.clone();
+    set_health(&mut ws, 3, Health::Down);
+    set_load(&mut ws, 1, 0, 2);
+    let b = ctx_blocks(9, 0, 2);
+    let req = RouteRequest::new(RequestId(10), 6 * BS, 1, &b);
+    let d = r.decide(&ws, &req).unwrap();
+    assert_eq!((d.decode, d.prefill), (WorkerId(2), Some(WorkerId(1))));
+    check(
+        &d,
+        0,
+        WorkerRole::Prefill,
+        &[("pair_failures", 2.0)],
+        -16.0,
+        true,
+    );
+    // Round-robin does not look: it takes P0 after P1.
+    let mut rr = Router::new(
+        PolicyConfig::KvcV2(KvcV2Config {
+            prefill: PrefillPolicy::RoundRobin,
+            ..KvcV2Config::default()
+        }),
+        &base,
+    );
+    rr.state.apply(&change(1, 1, 2));
+    let d = rr.decide(&ws, &req).unwrap();
+    assert_eq!(d.prefill, Some(WorkerId(0)));
+}
+
+#[test]
 fn kvc_places_a_new_session_away_from_active_sessions() {
     // 1 P + 2 D, identical state: the only difference is that d1 hosts an active session.
     let ws = pd(1, 2);

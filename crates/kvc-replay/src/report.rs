@@ -476,12 +476,20 @@ fn failure_table(run: &str, failed: &[&RequestRecord]) -> String {
     md
 }
 
-/// Cumulative failed requests over time, one series per decode worker.
+/// Cumulative failed requests over time, one series per decode worker and one per prefill
+/// worker (`via p0`: the failed P→D requests it prefilled), so a P that takes most of the
+/// failures shows beside the D they were bound for.
 fn failure_series(failed: &[&RequestRecord]) -> Vec<Series> {
     let mut by_worker: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     for r in failed {
         let w = r.decode.clone().unwrap_or_else(|| "–".into());
         by_worker.entry(w).or_default().push(r.done_s);
+        if let Some(p) = &r.prefill {
+            by_worker
+                .entry(format!("via {p}"))
+                .or_default()
+                .push(r.done_s);
+        }
     }
     by_worker
         .into_iter()

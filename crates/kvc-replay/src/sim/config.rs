@@ -36,7 +36,10 @@ pub struct SimConfig {
     /// Whether the engines serve turns alone (local prefill), as vLLM instances of any role
     /// do: then decode workers, and the prefill workers of `NpMd-hybrid` shapes, declare it
     /// ([`kvc_core::Topology::layout`]). Off models stock SGLang decode servers, which
-    /// cannot. Only policies that plan `local-prefill` turns (`kvc`) use it.
+    /// cannot: nor can they recompute a request they retract, which they back up to host
+    /// memory or abort (`retraction_host_pool_tokens` in the profile). Only policies that plan
+    /// `local-prefill` turns (`kvc`) route by it; on every policy it decides what a decode
+    /// worker does with a retracted request.
     pub local_prefill: bool,
 }
 

@@ -82,7 +82,8 @@ pub enum Event {
         at: Micros,
     },
     /// A request failed for want of KV room on its decode worker: retracted more often than
-    /// the profile allows, or left waiting past the transfer timeout after a retraction.
+    /// the profile allows, retracted on a decode-only worker whose host pool had no room for
+    /// its KV, or left waiting past the transfer timeout after a retraction.
     DecodeOom {
         /// Job.
         id: usize,
@@ -183,6 +184,9 @@ struct Active {
     /// Bumped by every retraction, so the work of an iteration that started before it is
     /// not applied after it.
     epoch: u32,
+    /// Tokens of its KV a decode-only worker copied to its host pool when it retracted the
+    /// job; loaded back, not recomputed, when the job is readmitted.
+    backup: u64,
 }
 
 impl Active {
@@ -204,6 +208,7 @@ impl Active {
             transfer_end: 0,
             retractions: 0,
             epoch: 0,
+            backup: 0,
         }
     }
 }
@@ -236,6 +241,14 @@ struct Worker {
     /// Set while an iteration's results are applied: no new iteration starts before that ends.
     settling: bool,
     link_free: Micros,
+    /// Share of the decode reserve counted for each request already active here when another
+    /// is admitted (SGLang's `new_token_ratio`): decays per decode step, reset by a retraction.
+    token_ratio: f64,
+    /// The worker can prefill (for others, or a turn alone), so it recomputes a retracted
+    /// request's context; a decode-only worker backs the KV up to its host pool instead.
+    recomputes: bool,
+    /// Tokens of retracted requests' KV held in the host pool of a decode-only worker.
+    host_backup: u64,
 }
 
 /// Engine-side eviction behaviour of decode workers.
@@ -254,6 +267,8 @@ pub struct Engine {
     opts: EngineOptions,
     workers: Vec<Worker>,
     jobs: BTreeMap<usize, Active>,
+    /// (P, D) pairs whose transfer session P holds for dead, until when.
+    failed_pairs: BTreeMap<(WorkerId, WorkerId), Micros>,
     events: Vec<Event>,
     wakes: Vec<(Micros, Wake)>,
     jitter_state: u64,
@@ -336,6 +351,9 @@ impl Engine {
                 iteration: None,
                 settling: false,
                 link_free: 0,
+                token_ratio: profile.fit.pressure.init_new_token_ratio,
+                recomputes: caps.prefill || caps.local,
+                host_backup: 0,
             })
             .collect();
         Engine {
@@ -343,6 +361,7 @@ impl Engine {
             opts,
             workers,
             jobs: BTreeMap::new(),
+            failed_pairs: BTreeMap::new(),
             events: Vec::new(),
             wakes: Vec::new(),
             jitter_state: seed ^ 0x9e37_79b9_7f4a_7c15,
@@ -493,10 +512,20 @@ impl Engine {
             }
         }
         let wk = &self.workers[w.0 as usize];
+        // Evicting a running session retracts its request. A decode-only worker cannot
+        // recompute it, so tiered eviction takes only the running sessions whose KV its host
+        // pool has room to back up; the others' requests would be aborted.
+        let host_free = self
+            .profile
+            .fit
+            .pressure
+            .retraction_host_pool_tokens
+            .saturating_sub(wk.host_backup);
         let residents: Vec<Resident> = wk
             .residents
             .iter()
             .filter(|(_, r)| !r.prealloc)
+            .filter(|(_, r)| wk.recomputes || !r.running || r.tokens <= host_free)
             .map(|(s, r)| Resident {
                 session: *s,
                 tokens: r.tokens,
@@ -579,8 +608,9 @@ impl Engine {
     /// Frees room on decode worker `w` to admit a request that allocates `alloc` more tokens
     /// now (its context, or what its context adds to the session's KV there), the way SGLang's
     /// decode worker admits a transfer: only the context is allocated, and the pool must keep
-    /// the profile's decode reserve free for every request running there, this one included
-    /// (a budget, not an allocation: output is allocated token by token as decoding goes on).
+    /// the profile's decode reserve free for this request and the worker's share (its token
+    /// ratio) of it for every other request running there (a budget, not an allocation:
+    /// output is allocated token by token as decoding goes on).
     /// An append (direct-to-D) is a prefill of D's own scheduler, which keeps the reserve
     /// for the request itself only (`others` false). Hot sessions are evicted only if `hot`.
     /// Returns whether the room is there.
@@ -601,31 +631,60 @@ impl Engine {
         } else {
             0
         };
-        let headroom = self.profile.fit.pressure.decode_reserve_tokens * (running + 1);
+        // The request admitted keeps its whole reserve; the ones already active count for the
+        // worker's current share of theirs (all of it with a ratio of 1).
+        let reserve = self.profile.fit.pressure.decode_reserve_tokens;
+        let share = (reserve as f64 * wk.token_ratio).ceil() as u64;
+        let headroom = reserve + share.min(reserve) * running;
         let need = (alloc + headroom).min(wk.capacity);
         self.make_room_tiers(w, need, Some(requester), now, hot)
     }
 
     /// Takes job `id`'s KV off its decode worker for want of room. The job waits at the head
-    /// of the worker's queue (a transfer for room again; a prefilled or decoding job to
-    /// recompute its context), or fails with `decode-oom` past the profile's retraction limit.
+    /// of the worker's queue: a transfer for room again; a prefilled or decoding job, on a
+    /// worker that can prefill, to recompute its context — or it fails with `decode-oom` past
+    /// the profile's retraction limit; on a decode-only worker, which cannot recompute, with
+    /// its KV backed up to the worker's host pool — or, when the pool has no room for it, it
+    /// fails with `decode-oom` at once (SGLang aborts a request whose KV it cannot back up).
     fn retract(&mut self, id: usize, now: Micros) {
         let timeout = micros(self.profile.fit.transfer_timeout_s);
-        let limit = self.profile.fit.pressure.max_retractions;
+        let pressure = &self.profile.fit.pressure;
+        let (limit, host_pool) = (
+            pressure.max_retractions,
+            pressure.retraction_host_pool_tokens,
+        );
         let a = self.jobs.get_mut(&id).expect("job");
         let (d, session, stage) = (a.decode_on, a.job.session, a.stage);
         a.epoch += 1;
         a.retractions += 1;
-        let fail = a.retractions > limit;
+        let wk = &self.workers[d.0 as usize];
+        let recompute = stage == Stage::Transfer || wk.recomputes;
+        // The KV a decode-only worker holds for the job: its context, or the part of an append
+        // computed so far.
+        let backup = match stage {
+            _ if recompute => 0,
+            Stage::Decode => a.job.input + a.generated,
+            _ => a.done_ctx,
+        };
+        let fail = if recompute {
+            a.retractions > limit
+        } else {
+            wk.host_backup + backup > host_pool
+        };
         a.stage = if stage == Stage::Transfer {
             Stage::WaitingD
         } else {
             Stage::Retracted
         };
         a.deadline = now + timeout;
+        if !fail {
+            a.backup = backup;
+        }
         let wk = &mut self.workers[d.0 as usize];
         wk.running.retain(|x| *x != id);
         wk.prefill_q.retain(|x| *x != id);
+        // The bet on running requests' output was lost: admission is cautious again.
+        wk.token_ratio = self.profile.fit.pressure.init_new_token_ratio;
         self.drop_resident(d, session);
         if fail {
             let p = self.jobs[&id].prefill_on;
@@ -637,7 +696,9 @@ impl Engine {
             }
             return;
         }
-        self.workers[d.0 as usize].waiting.push_front(id);
+        let wk = &mut self.workers[d.0 as usize];
+        wk.host_backup += backup;
+        wk.waiting.push_front(id);
         self.wakes.push((now + timeout, Wake::TransferTimeout(id)));
         self.events.push(Event::Retracted { id, worker: d });
     }
@@ -1003,10 +1064,24 @@ impl Engine {
     /// can always take its turn.
     fn retry_waiting(&mut self, w: WorkerId, now: Micros) {
         let decode = self.workers[w.0 as usize].hosts;
+        let decode_only = decode && !self.workers[w.0 as usize].recomputes;
         let mut blocked = false;
         let mut i = 0;
         while let Some(&id) = self.workers[w.0 as usize].waiting.get(i) {
             let a = &self.jobs[&id];
+            // A decode-only worker preallocates room for no new transfer while a request it
+            // retracted waits to come back (SGLang's decode loop returns before its prealloc
+            // queue while its retracted queue is not empty).
+            if decode_only
+                && a.stage == Stage::WaitingD
+                && self.workers[w.0 as usize]
+                    .waiting
+                    .iter()
+                    .any(|j| self.jobs[j].stage == Stage::Retracted && self.jobs[j].decode_on == w)
+            {
+                i += 1;
+                continue;
+            }
             // Behind a request that does not fit, only a session whose own KV is on this
             // worker may go ahead: its admission replaces that KV.
             if blocked
@@ -1118,10 +1193,19 @@ impl Engine {
     /// One transfer at a time leaves a P and enters a D, in the order P finished them: a D
     /// with a queue of incoming transfers holds up the P that sends to it, and every transfer
     /// queued on that P behind it; P holds the job's KV until its transfer ends.
+    /// A send over a (P, D) pair P holds for dead fails at once (`failed_pair_recovery_s`).
     fn start_transfer(&mut self, id: usize, now: Micros) {
         let a = self.jobs.get_mut(&id).expect("job");
         a.stage = Stage::Transfer;
         let (p, d, input) = (a.prefill_on, a.decode_on, a.job.input);
+        if self
+            .failed_pairs
+            .get(&(p, d))
+            .is_some_and(|until| now < *until)
+        {
+            self.abort_p_to_d(id, false, now);
+            return;
+        }
         let secs = self.profile.transfer_seconds(input);
         let start = now
             .max(self.workers[p.0 as usize].link_free)
@@ -1149,7 +1233,9 @@ impl Engine {
     }
 
     /// Re-admits a retracted job on its decode worker: room for its context and some output,
-    /// then a prefill of the whole context (recompute), then decoding resumes.
+    /// then a prefill of the whole context (recompute), then decoding resumes. KV a
+    /// decode-only worker backed up is loaded back from its host pool instead of recomputed
+    /// (the copy's time is not modelled).
     fn admit_retracted(&mut self, id: usize, now: Micros) -> bool {
         let a = &self.jobs[&id];
         let (d, session) = (a.decode_on, a.job.session);
@@ -1161,16 +1247,26 @@ impl Engine {
         }
         let tokens = context;
         let a = self.jobs.get_mut(&id).expect("job");
+        let backup = std::mem::take(&mut a.backup).min(context);
         a.stage = Stage::Prefill;
         a.prefill_on = d;
-        a.remaining = context;
-        a.done_ctx = 0;
+        a.remaining = context - backup;
+        a.done_ctx = backup;
+        let resume = a.remaining == 0 && a.generated > 0;
+        if resume {
+            a.stage = Stage::Decode;
+        }
         let hashes = a.job.hashes.clone();
         let wk = &mut self.workers[d.0 as usize];
+        wk.host_backup -= backup;
         wk.resident_tokens += tokens;
         wk.residents
             .insert(session, ResidentEntry::running(tokens, hashes, now));
-        wk.prefill_q.push_back(id);
+        if resume {
+            wk.running.push(id);
+        } else {
+            wk.prefill_q.push_back(id);
+        }
         self.start_iteration_if_idle(d, now);
         true
     }
@@ -1248,6 +1344,14 @@ impl Engine {
         };
         let hosts = self.workers[w.0 as usize].hosts;
         self.workers[w.0 as usize].settling = true;
+        if hosts && !decode.is_empty() {
+            // One decode step: the ratio decays toward its floor.
+            let p = &self.profile.fit.pressure;
+            let step = (p.init_new_token_ratio - p.min_new_token_ratio)
+                / f64::from(p.new_token_ratio_decay_steps);
+            let wk = &mut self.workers[w.0 as usize];
+            wk.token_ratio = (wk.token_ratio - step).max(p.min_new_token_ratio);
+        }
         for (id, take, epoch) in pieces {
             // A job retracted (or failed) since the iteration started lost this work.
             let Some(a) = self.jobs.get_mut(&id).filter(|a| a.epoch == epoch) else {
@@ -1319,15 +1423,62 @@ impl Engine {
         self.retry_waiting(p, now);
     }
 
+    /// Fails P→D job `id` on its way to D (queued or prefilling on P, or on P's sender):
+    /// D's preallocated room and P's blocks are released. With `sending` (P had started on
+    /// the job: its send goes to a room D has given up) P marks the pair dead
+    /// ([`PressureFacts::failed_pair_recovery_s`]).
+    ///
+    /// [`PressureFacts::failed_pair_recovery_s`]: super::profile::PressureFacts
+    fn abort_p_to_d(&mut self, id: usize, sending: bool, now: Micros) {
+        let a = &self.jobs[&id];
+        let (p, d, session) = (a.prefill_on, a.decode_on, a.job.session);
+        let wp = &mut self.workers[p.0 as usize];
+        wp.waiting.retain(|x| *x != id);
+        wp.prefill_q.retain(|x| *x != id);
+        if self.workers[d.0 as usize]
+            .residents
+            .get(&session)
+            .is_some_and(|r| r.prealloc)
+        {
+            self.drop_resident(d, session);
+        }
+        self.release_prefill(id, now);
+        self.jobs.remove(&id);
+        let recovery = self.profile.fit.pressure.failed_pair_recovery_s;
+        if sending && recovery > 0.0 {
+            self.failed_pairs.insert((p, d), now + micros(recovery));
+        }
+        self.events.push(Event::TransferTimedOut { id, at: now });
+        self.retry_waiting(p, now);
+        self.retry_waiting(d, now);
+    }
+
     fn transfer_timeout(&mut self, id: usize, now: Micros) {
         let Some(a) = self.jobs.get(&id) else { return };
         if now < a.deadline {
             return;
         }
+        let (p, d) = (a.prefill_on, a.decode_on);
+        if self.profile.fit.pressure.timeout_until_arrival
+            && p != d
+            && !self.workers[p.0 as usize].hosts
+            && matches!(
+                a.stage,
+                Stage::WaitingPool | Stage::Prefill | Stage::Transfer
+            )
+        {
+            // Preallocated on D, but the KV has not arrived in time: D gives up on it. If P
+            // had started on it, P's send goes to a room D no longer holds and fails.
+            let sending = matches!(a.stage, Stage::Prefill | Stage::Transfer);
+            self.abort_p_to_d(id, sending, now);
+            return;
+        }
         if a.stage == Stage::Retracted {
             // Retracted and never given room back: out of memory as far as the client knows.
-            let d = a.decode_on;
-            self.workers[d.0 as usize].waiting.retain(|x| *x != id);
+            let (d, backup) = (a.decode_on, a.backup);
+            let wk = &mut self.workers[d.0 as usize];
+            wk.waiting.retain(|x| *x != id);
+            wk.host_backup -= backup;
             self.jobs.remove(&id);
             self.events.push(Event::DecodeOom { id, at: now });
             self.retry_waiting(d, now);
@@ -1657,12 +1808,19 @@ mod tests {
 
     /// Two long decodes on a pool that holds only one of them whole: the second is admitted
     /// with the decode reserve, outgrows it, and is retracted (SGLang's choice: the fewest
-    /// tokens generated). Returns the events.
+    /// tokens generated). D can prefill (it serves turns alone), so it recomputes. Returns the
+    /// events.
     fn outgrow(max_retractions: u32) -> Vec<Event> {
         let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
             p.fit.pressure.decode_reserve_tokens = 256;
             p.fit.pressure.max_retractions = max_retractions;
         });
+        e.workers[D.0 as usize].recomputes = true;
+        outgrow_on(e)
+    }
+
+    /// The two decodes of [`outgrow`] on engine `e`.
+    fn outgrow_on(mut e: Engine) -> Vec<Event> {
         let mut now = 0;
         e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6], 3000, 3000), P, D, now);
         e.start_p_to_d(job(2, 2, &[11, 12, 13], 1500, 3000), P, D, now);
@@ -1707,6 +1865,279 @@ mod tests {
         );
         assert!(!ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
         assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
+    }
+
+    /// [`outgrow`] on a decode-only worker (stock SGLang: no prefill path) with a host pool
+    /// of `host_pool` tokens for retracted requests' KV.
+    fn outgrow_decode_only(host_pool: u64) -> (Vec<Event>, u32) {
+        let e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+            p.fit.pressure.decode_reserve_tokens = 256;
+            p.fit.pressure.retraction_host_pool_tokens = host_pool;
+        });
+        assert!(!e.workers[D.0 as usize].recomputes);
+        let ev = outgrow_on(e);
+        let recomputes = ev
+            .iter()
+            .filter(|x| matches!(x, Event::Retracted { id: 2, .. }))
+            .count() as u32;
+        (ev, recomputes)
+    }
+
+    #[test]
+    fn a_decode_only_worker_without_host_room_fails_a_retracted_request_at_once() {
+        let (ev, retracted) = outgrow_decode_only(0);
+        assert_eq!(retracted, 0, "{ev:?}");
+        assert!(
+            ev.iter()
+                .any(|x| matches!(x, Event::DecodeOom { id: 2, .. }))
+        );
+        assert!(!ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
+        // Too small a pool for the request's KV is no pool.
+        let (ev, _) = outgrow_decode_only(1000);
+        assert!(
+            ev.iter()
+                .any(|x| matches!(x, Event::DecodeOom { id: 2, .. }))
+        );
+    }
+
+    #[test]
+    fn a_decode_only_worker_backs_a_retracted_request_up_and_loads_it_back() {
+        let (ev, retracted) = outgrow_decode_only(8192);
+        assert!(retracted >= 1, "{ev:?}");
+        assert!(!ev.iter().any(|x| matches!(x, Event::DecodeOom { .. })));
+        for id in [1, 2] {
+            assert!(
+                ev.iter()
+                    .any(|x| matches!(x, Event::Done { id: i, .. } if *i == id))
+            );
+        }
+    }
+
+    #[test]
+    fn a_decode_only_worker_admits_no_transfer_while_a_retracted_request_waits() {
+        let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+            p.fit.pressure.decode_reserve_tokens = 256;
+            p.fit.pressure.retraction_host_pool_tokens = 8192;
+        });
+        let mut now = 0;
+        e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6], 3000, 400), P, D, now);
+        loop {
+            let ev = e.take_events();
+            if ev
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+            {
+                break;
+            }
+            let mut wakes = e.take_wakes();
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            e.wakes.extend(wakes);
+            now = t;
+            e.wake(w, now);
+        }
+        e.retract(1, now);
+        assert_eq!(e.workers[D.0 as usize].host_backup, 3001);
+        // Another session's request holds 6,000 tokens: the retracted request does not fit.
+        let other = ResidentEntry::running(6000, job(9, 9, &[99], 6000, 1).hashes, now);
+        e.workers[D.0 as usize]
+            .residents
+            .insert(SessionId(9), other);
+        e.workers[D.0 as usize].resident_tokens += 6000;
+        // A small transfer that fits the pool waits behind the retracted request...
+        e.start_p_to_d(job(2, 2, &[11], 500, 2), P, D, now);
+        assert_eq!(e.state(D).queue_depth, 2);
+        assert_eq!(e.state(D).used_tokens, 6000);
+        // ...and goes once the retracted request is back.
+        e.drop_resident(D, SessionId(9));
+        e.retry_waiting(D, now);
+        assert_eq!(e.state(D).queue_depth, 0);
+        assert_eq!(e.workers[D.0 as usize].host_backup, 0);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 1, .. })));
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 2, .. })));
+        // Loaded back, not recomputed: no first token again.
+        assert!(
+            !ev.iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+        );
+    }
+
+    #[test]
+    fn tiered_eviction_on_a_decode_only_worker_takes_only_sessions_it_can_back_up() {
+        for (host_pool, retracted) in [(0, false), (16_384, true)] {
+            let mut profile = Profile::default();
+            profile.hardware.kv_pool_tokens = 8192;
+            profile.model.max_input_tokens = 8000;
+            profile.fit.pressure.decode_reserve_tokens = 64;
+            profile.fit.pressure.retraction_host_pool_tokens = host_pool;
+            let opts = EngineOptions {
+                eviction: EvictionConfig::default(),
+                block_size: BlockSize::default(),
+            };
+            let mut e = Engine::new(
+                profile,
+                opts,
+                &[WorkerRole::Prefill, WorkerRole::Decode],
+                1,
+                0.0,
+            );
+            let mut now = 0;
+            // A running request holds 97% of D; a transfer needs room there.
+            e.start_p_to_d(job(1, 1, &[1], 7900, 100), P, D, now);
+            let mut ev = Vec::new();
+            while !ev
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+            {
+                let mut wakes = e.take_wakes();
+                wakes.sort_by_key(|(t, _)| *t);
+                let (t, w) = wakes.remove(0);
+                e.wakes.extend(wakes);
+                now = t;
+                e.wake(w, now);
+                ev.extend(e.take_events());
+            }
+            e.start_p_to_d(job(2, 2, &[2], 2000, 2), P, D, now);
+            ev.extend(settle(&mut e, &mut now));
+            assert_eq!(
+                ev.iter()
+                    .any(|x| matches!(x, Event::Retracted { id: 1, .. })),
+                retracted,
+                "host pool {host_pool}: {ev:?}"
+            );
+            assert!(!ev.iter().any(|x| matches!(x, Event::DecodeOom { .. })));
+            for id in [1, 2] {
+                assert!(
+                    ev.iter()
+                        .any(|x| matches!(x, Event::Done { id: i, .. } if *i == id))
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_token_ratio_decays_per_decode_step_and_a_retraction_resets_it() {
+        let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+            p.fit.pressure.new_token_ratio_decay_steps = 10;
+        });
+        let mut now = 0;
+        let ratio = |e: &Engine| e.workers[D.0 as usize].token_ratio;
+        assert_eq!(ratio(&e), 0.7);
+        // Four decode steps (the first token comes with the transfer): 0.7 − 4 × 0.0602.
+        e.start_p_to_d(job(1, 1, &[1, 2], 1000, 5), P, D, now);
+        settle(&mut e, &mut now);
+        assert!((ratio(&e) - (0.7 - 4.0 * (0.7 - 0.098) / 10.0)).abs() < 1e-9);
+        // Many more steps: it stays at the floor.
+        e.start_p_to_d(job(2, 2, &[3, 4], 1000, 40), P, D, now);
+        settle(&mut e, &mut now);
+        assert_eq!(ratio(&e), 0.098);
+        // A retraction sets it back: the worker admits cautiously again.
+        let id = 3;
+        e.start_p_to_d(job(id, 3, &[5, 6], 1000, 1_000), P, D, now);
+        loop {
+            let ev = e.take_events();
+            if ev
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 3, .. }))
+            {
+                break;
+            }
+            let mut wakes = e.take_wakes();
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            e.wakes.extend(wakes);
+            now = t;
+            e.wake(w, now);
+        }
+        e.retract(id, now);
+        assert_eq!(ratio(&e), 0.7);
+    }
+
+    #[test]
+    fn running_requests_count_for_the_ratio_of_their_reserve_at_admission() {
+        // 8,192 tokens; a decoding request of 4,000 (context allocated so far) is active.
+        for (ratio, admitted) in [(1.0, false), (0.1, true)] {
+            let mut e = engine_with(&[WorkerRole::Prefill, WorkerRole::Decode], 8192, |p| {
+                p.fit.pressure.decode_reserve_tokens = 512;
+                p.fit.pressure.init_new_token_ratio = ratio;
+                p.fit.pressure.min_new_token_ratio = ratio;
+            });
+            let mut now = 0;
+            e.start_p_to_d(
+                job(1, 1, &[1, 2, 3, 4, 5, 6, 7, 8], 4000, 1_000_000),
+                P,
+                D,
+                now,
+            );
+            loop {
+                let ev = e.take_events();
+                if ev
+                    .iter()
+                    .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+                {
+                    break;
+                }
+                let mut wakes = e.take_wakes();
+                wakes.sort_by_key(|(t, _)| *t);
+                let (t, w) = wakes.remove(0);
+                e.wakes.extend(wakes);
+                now = t;
+                e.wake(w, now);
+            }
+            // 3,400 more tokens: with the whole reserve of both (1,024) they do not fit the
+            // 4,192 free; with its own and a tenth of the running one's (512 + 52) they do.
+            e.start_p_to_d(job(2, 2, &[11, 12, 13, 14, 15, 16, 17], 3400, 4), P, D, now);
+            assert_eq!(e.state(D).queue_depth == 0, admitted, "ratio {ratio}");
+        }
+    }
+
+    #[test]
+    fn kv_that_does_not_arrive_in_time_fails_and_breaks_the_pair_on_p() {
+        let d2 = WorkerId(2);
+        let roles = [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode];
+        let mut e = engine_with(&roles, 65_536, |p| {
+            p.fit.transfer_timeout_s = 0.001;
+            p.fit.pressure.timeout_until_arrival = true;
+            p.fit.pressure.failed_pair_recovery_s = 100.0;
+        });
+        let mut now = 0;
+        // Room on D at once, but P's prefill takes longer than the timeout: D gives up, the
+        // room is released, and P's send to it fails.
+        e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6, 7, 8], 4000, 4), P, D, now);
+        let ev = settle(&mut e, &mut now);
+        assert!(
+            ev.iter()
+                .any(|x| matches!(x, Event::TransferTimedOut { id: 1, .. }))
+        );
+        assert!(
+            !ev.iter()
+                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
+        );
+        assert_eq!(e.state(D).used_tokens, 0);
+        // With time to spare, P's next transfer to that D fails as soon as its KV is ready;
+        // its transfer to the other D goes through.
+        e.profile.fit.transfer_timeout_s = 32.0;
+        e.start_p_to_d(job(2, 2, &[11, 12], 1000, 4), P, D, now);
+        e.start_p_to_d(job(3, 3, &[21, 22], 1000, 4), P, d2, now);
+        let start = now;
+        let ev = settle(&mut e, &mut now);
+        let failed_at = ev
+            .iter()
+            .find_map(|x| match x {
+                Event::TransferTimedOut { id: 2, at } => Some(*at),
+                _ => None,
+            })
+            .expect("the transfer over the dead pair fails");
+        assert!(failed_at < start + micros(1.0));
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 3, .. })));
+        assert_eq!(e.resident_tokens(D, SessionId(2)), None);
+        // Once the pair has recovered, transfers to that D go through again.
+        now += micros(100.0);
+        e.start_p_to_d(job(4, 2, &[11, 12], 1000, 4), P, D, now);
+        let ev = settle(&mut e, &mut now);
+        assert!(ev.iter().any(|x| matches!(x, Event::Done { id: 4, .. })));
     }
 
     fn hosting_engine(caps: &[(WorkerRole, Capabilities)], pool: u64) -> Engine {

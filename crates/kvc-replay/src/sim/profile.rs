@@ -95,19 +95,55 @@ pub struct FitFactors {
 #[serde(default, deny_unknown_fields)]
 pub struct PressureFacts {
     /// Free room (tokens) a decode worker keeps for every active request when it admits an
-    /// incoming transfer or a retracted request (for an append: for that request alone). A
-    /// budget, not an allocation: output KV is allocated token by token as decoding goes on
+    /// incoming transfer or a retracted request (for an append: for that request alone); the
+    /// requests already active count for the worker's token ratio of it. A budget, not an
+    /// allocation: output KV is allocated token by token as decoding goes on
     /// (SGLang's `num_reserved_decode_tokens`, 512).
     pub decode_reserve_tokens: u64,
     /// A running request that cannot get its next step of room, with nothing evictable under
     /// the eviction mode, is retracted (its KV freed; it waits on the same worker and
     /// recomputes its context when room returns). The retraction after this many fails it
-    /// with `decode-oom`.
+    /// with `decode-oom`. This is the rule of workers that can prefill (colocated workers,
+    /// and workers that serve turns alone); a decode-only worker backs up instead
+    /// (`retraction_host_pool_tokens`).
     pub max_retractions: u32,
+    /// Host memory (tokens of KV) a decode-only worker has for the KV of requests it retracts.
+    /// Such a worker cannot recompute a request's context (it has no prefill path of its own):
+    /// it copies the KV to this pool, loads it back when room returns, and while any retracted
+    /// request waits it preallocates room for no new transfer (SGLang's disaggregated decode
+    /// server). A retraction the pool has no room for fails the request with `decode-oom` at
+    /// once. 0 (the default for profiles without the key): no host pool, every retraction on a
+    /// decode-only worker fails its request.
+    pub retraction_host_pool_tokens: u64,
     /// A session with a request in flight (on P, in D's transfer queue, on D) is not idle: its
     /// KV on its decode worker cannot be evicted by idle-only eviction (the reference engine
     /// pins a session when its request is routed).
     pub pin_in_flight: bool,
+    /// Share of `decode_reserve_tokens` a decode worker counts for each request already active
+    /// on it when it admits another, right after a retraction (SGLang's `new_token_ratio`
+    /// starts here, 0.7): admission bets that running requests will not all use their budget.
+    /// The admitted request keeps its whole reserve. 1 with `min_new_token_ratio` 1 is the
+    /// fixed reserve.
+    pub init_new_token_ratio: f64,
+    /// The floor the ratio decays to while nothing is retracted (SGLang: 0.14 × the initial
+    /// ratio). The lower, the more a full worker admits past what its running requests will
+    /// write, and the more it retracts later.
+    pub min_new_token_ratio: f64,
+    /// Decode steps of a worker over which its ratio decays from the initial value to the
+    /// floor (SGLang: 600); a retraction on the worker sets it back to the initial value.
+    pub new_token_ratio_decay_steps: u32,
+    /// The transfer timeout runs from the moment a P→D request is sent until its KV has
+    /// arrived on D (SGLang's decode worker aborts a request whose KV has not come in time,
+    /// wherever it is held up: D's prealloc queue, P's queue or prefill, P's sender), not
+    /// only while it waits for room on D.
+    pub timeout_until_arrival: bool,
+    /// A P whose send to a D failed (with `timeout_until_arrival`, D gave up on a request P
+    /// was prefilling or sending, and P's send went to a room D no longer holds) marks its
+    /// transfer session to that D dead, and every transfer from that P to that D
+    /// fails as soon as its KV is ready to ship (SGLang's Mooncake sender marks a session
+    /// failed at its first failed send), for this many seconds, until the decode worker is
+    /// registered again. 0 turns the mechanism off.
+    pub failed_pair_recovery_s: f64,
 }
 
 impl Default for PressureFacts {
@@ -115,7 +151,13 @@ impl Default for PressureFacts {
         PressureFacts {
             decode_reserve_tokens: 512,
             max_retractions: 3,
+            retraction_host_pool_tokens: 0,
             pin_in_flight: true,
+            init_new_token_ratio: 0.7,
+            min_new_token_ratio: 0.098,
+            new_token_ratio_decay_steps: 600,
+            timeout_until_arrival: false,
+            failed_pair_recovery_s: 0.0,
         }
     }
 }
@@ -230,6 +272,25 @@ impl Profile {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be ≥ 0 (got {v})"));
             }
+        }
+        let pr = &f.pressure;
+        if !(pr.min_new_token_ratio > 0.0
+            && pr.min_new_token_ratio <= pr.init_new_token_ratio
+            && pr.init_new_token_ratio <= 1.0)
+        {
+            return Err(format!(
+                "fit.pressure needs 0 < min_new_token_ratio ({}) ≤ init_new_token_ratio ({}) ≤ 1",
+                pr.min_new_token_ratio, pr.init_new_token_ratio
+            ));
+        }
+        if pr.new_token_ratio_decay_steps == 0 {
+            return Err("fit.pressure.new_token_ratio_decay_steps must be at least 1".into());
+        }
+        if !(pr.failed_pair_recovery_s.is_finite() && pr.failed_pair_recovery_s >= 0.0) {
+            return Err(format!(
+                "fit.pressure.failed_pair_recovery_s must be ≥ 0 (got {})",
+                pr.failed_pair_recovery_s
+            ));
         }
         Ok(())
     }
