@@ -253,10 +253,14 @@ else
   run vllm-router 18010 18110 35000 36000 vllm
   run smg 18011 18111 37000 38000 sglang
   run kvc-router-vllm 18012 18112 39000 40000 vllm
+  # kvc-router also on SMG's dialect: the same workers as SMG's run, so that the routers'
+  # added latency is compared over the same worker process.
+  run kvc-router 18013 18113 41000 42000 sglang
   python3 "$root/scripts/side-by-side/table.py" \
     --speedup "$speedup" --topology "$topology" --trace "$trace" \
     "vllm-router $vllm_router_version (kv_aware, vllm)=$out/vllm-router/run" \
     "smg $smg_version (cache_aware, sglang)=$out/smg/run" \
-    "kvc-router ($policy, vllm)=$out/kvc-router-vllm/run" | tee "$out/table-vllm.md"
+    "kvc-router ($policy, vllm)=$out/kvc-router-vllm/run" \
+    "kvc-router ($policy, sglang)=$out/kvc-router/run" | tee "$out/table-vllm.md"
   log "wrote $out/table-vllm.md"
 fi
