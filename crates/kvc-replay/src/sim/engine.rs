@@ -1555,6 +1555,26 @@ mod tests {
     use kvc_admission::EvictionConfig;
     use kvc_core::BlockHash;
 
+    /// Wakes `e` in time order until job `id` has its first token (the events before it are
+    /// dropped); `now` ends at that wake-up.
+    fn run_to_first_token(e: &mut Engine, id: usize, now: &mut Micros) {
+        loop {
+            let ev = e.take_events();
+            if ev
+                .iter()
+                .any(|x| matches!(x, Event::FirstToken { id: i, .. } if *i == id))
+            {
+                return;
+            }
+            let mut wakes = e.take_wakes();
+            wakes.sort_by_key(|(t, _)| *t);
+            let (t, w) = wakes.remove(0);
+            e.wakes.extend(wakes);
+            *now = t;
+            e.wake(w, *now);
+        }
+    }
+
     fn engine(roles: &[WorkerRole], pool: u64, timeout_s: f64) -> Engine {
         engine_with(roles, pool, |p| p.fit.transfer_timeout_s = timeout_s)
     }
@@ -1922,21 +1942,7 @@ mod tests {
         });
         let mut now = 0;
         e.start_p_to_d(job(1, 1, &[1, 2, 3, 4, 5, 6], 3000, 400), P, D, now);
-        loop {
-            let ev = e.take_events();
-            if ev
-                .iter()
-                .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
-            {
-                break;
-            }
-            let mut wakes = e.take_wakes();
-            wakes.sort_by_key(|(t, _)| *t);
-            let (t, w) = wakes.remove(0);
-            e.wakes.extend(wakes);
-            now = t;
-            e.wake(w, now);
-        }
+        run_to_first_token(&mut e, 1, &mut now);
         e.retract(1, now);
         assert_eq!(e.workers[D.0 as usize].host_backup, 3001);
         // Another session's request holds 6,000 tokens: the retracted request does not fit.
@@ -2036,21 +2042,7 @@ mod tests {
         // A retraction sets it back: the worker admits cautiously again.
         let id = 3;
         e.start_p_to_d(job(id, 3, &[5, 6], 1000, 1_000), P, D, now);
-        loop {
-            let ev = e.take_events();
-            if ev
-                .iter()
-                .any(|x| matches!(x, Event::FirstToken { id: 3, .. }))
-            {
-                break;
-            }
-            let mut wakes = e.take_wakes();
-            wakes.sort_by_key(|(t, _)| *t);
-            let (t, w) = wakes.remove(0);
-            e.wakes.extend(wakes);
-            now = t;
-            e.wake(w, now);
-        }
+        run_to_first_token(&mut e, 3, &mut now);
         e.retract(id, now);
         assert_eq!(ratio(&e), 0.7);
     }
@@ -2071,21 +2063,7 @@ mod tests {
                 D,
                 now,
             );
-            loop {
-                let ev = e.take_events();
-                if ev
-                    .iter()
-                    .any(|x| matches!(x, Event::FirstToken { id: 1, .. }))
-                {
-                    break;
-                }
-                let mut wakes = e.take_wakes();
-                wakes.sort_by_key(|(t, _)| *t);
-                let (t, w) = wakes.remove(0);
-                e.wakes.extend(wakes);
-                now = t;
-                e.wake(w, now);
-            }
+            run_to_first_token(&mut e, 1, &mut now);
             // 3,400 more tokens: with the whole reserve of both (1,024) they do not fit the
             // 4,192 free; with its own and a tenth of the running one's (512 + 52) they do.
             e.start_p_to_d(job(2, 2, &[11, 12, 13, 14, 15, 16, 17], 3400, 4), P, D, now);
