@@ -15,6 +15,10 @@
 # Usage: scripts/side-by-side/run.sh [--engine sglang|vllm] [--sessions N] [--seed S]
 #          [--speedup X] [--topology 1pNd] [--policy NAME] [--out DIR]
 #          [--sglang-router-version V] [--vllm-router-version V] [--smg-version V]
+#          [--only NAME[,NAME...]]
+# --only runs just the named legs (sglang-router, kvc-router; with --engine vllm: vllm-router,
+#   smg, kvc-router-vllm, kvc-router) and tables the legs found in DIR, so that one leg can be
+#   rerun beside the others' last results.
 # Needs python3 (with venv) and network access to PyPI the first time (each peer is
 # installed into its own venv under DIR). Everything listens on 127.0.0.1 only.
 set -euo pipefail
@@ -30,8 +34,9 @@ sglang_version=0.3.2
 vllm_router_version=0.1.17
 smg_version=1.13.0
 engine=sglang
+only=""
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --sessions) sessions="$2"; shift 2 ;;
@@ -44,6 +49,7 @@ while [ $# -gt 0 ]; do
     --vllm-router-version) vllm_router_version="$2"; shift 2 ;;
     --smg-version) smg_version="$2"; shift 2 ;;
     --engine) engine="$2"; shift 2 ;;
+    --only) only=",$2,"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "side-by-side: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -119,6 +125,10 @@ port_busy() {
 # front of them, and waits for the replay to finish.
 run() {
   local name="$1" rport="$2" mport="$3" wport="$4" bport="$5" dialect="${6:-sglang}"
+  if [ -n "$only" ] && [[ "$only" != *",$name,"* ]]; then
+    log "skipping $name (--only); tabling its last run in $out/$name if there is one"
+    return 0
+  fi
   local dialect_args=()
   if [ "$dialect" = vllm ]; then
     dialect_args=(--engine vllm --router-state events)
@@ -244,7 +254,7 @@ fi
 if [ "$engine" = sglang ]; then
   run sglang-router 18000 18100 31000 32000
   run kvc-router 18001 18101 33000 34000
-  python3 "$root/scripts/side-by-side/table.py" \
+  python3 "$root/scripts/side-by-side/table.py" ${only:+--skip-missing} \
     --speedup "$speedup" --topology "$topology" --trace "$trace" \
     "sglang-router (cache_aware)=$out/sglang-router/run" \
     "kvc-router ($policy)=$out/kvc-router/run" | tee "$out/table.md"
@@ -256,7 +266,7 @@ else
   # kvc-router also on SMG's dialect: the same workers as SMG's run, so that the routers'
   # added latency is compared over the same worker process.
   run kvc-router 18013 18113 41000 42000 sglang
-  python3 "$root/scripts/side-by-side/table.py" \
+  python3 "$root/scripts/side-by-side/table.py" ${only:+--skip-missing} \
     --speedup "$speedup" --topology "$topology" --trace "$trace" \
     "vllm-router $vllm_router_version (kv_aware, vllm)=$out/vllm-router/run" \
     "smg $smg_version (cache_aware, sglang)=$out/smg/run" \

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prints the side-by-side table of HTTP replays (kvc-replay live --http-router ... --out DIR).
 
-Usage: table.py [--speedup X] [--topology T] [--trace FILE] NAME=DIR [NAME=DIR ...]
+Usage: table.py [--speedup X] [--topology T] [--trace FILE] [--skip-missing] NAME=DIR [NAME=DIR ...]
 
 Each DIR holds summary.json and http.json. TTFT and latency are in engine seconds (wall time
 times the speed-up, as the replay reports them); the router's added latency is in wall
@@ -24,6 +24,8 @@ def main():
     ap.add_argument("--speedup")
     ap.add_argument("--topology")
     ap.add_argument("--trace")
+    ap.add_argument("--skip-missing", action="store_true",
+                    help="leave out runs whose DIR has no results (a leg not run yet)")
     ap.add_argument("runs", nargs="+", metavar="NAME=DIR")
     args = ap.parse_args()
     runs = []
@@ -31,10 +33,15 @@ def main():
         name, sep, d = spec.partition("=")
         if not sep:
             sys.exit(f"table.py: expected NAME=DIR, got {spec!r}")
+        if args.skip_missing and not os.path.exists(os.path.join(d, "summary.json")):
+            print(f"table.py: no results in {d}; {name} left out", file=sys.stderr)
+            continue
         try:
             runs.append((name, load(os.path.join(d, "summary.json")), load(os.path.join(d, "http.json"))))
         except (OSError, ValueError) as e:
             sys.exit(f"table.py: {d}: {e}")
+    if not runs:
+        sys.exit("table.py: no results to table")
 
     rows = []
     for label, key in (("TTFT", "ttft_s"), ("latency", "latency_s")):

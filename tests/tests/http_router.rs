@@ -86,6 +86,20 @@ fn kvc_router_binary_in_front_of_simulated_http_workers() {
         report["router_added"]["requests"].as_u64(),
         Some(requests as u64)
     );
+    // Each request's two halves, one row per request measured, in trace order.
+    let csv = std::fs::read_to_string(out.join("router_added.csv")).unwrap();
+    let rows: Vec<Vec<f64>> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').map(|v| v.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(
+        csv.lines().next(),
+        Some("index,to_worker_ms,from_worker_ms")
+    );
+    assert_eq!(rows.len(), requests);
+    assert!(rows.windows(2).all(|w| w[0][0] < w[1][0]));
+    assert!(rows.iter().all(|r| r[1] > 0.0 && r[2] >= 0.0));
     // The router's own counters saw the HTTP requests and its probes admitted direct turns.
     let text = http_get(&metrics, "/metrics");
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");

@@ -8,6 +8,8 @@
 //! - [`block_hashes`]: chained 64-bit ids per block of token ids;
 //! - the output lengths assumed when a request does not say.
 
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
 /// Output length assumed when SGLang's `/generate` gives no `sampling_params.max_new_tokens`
 /// (SGLang's default).
 pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
@@ -18,17 +20,6 @@ pub const DEFAULT_MAX_TOKENS: u64 = 16;
 /// Output length assumed when `/v1/chat/completions` gives neither `max_completion_tokens` nor
 /// `max_tokens`.
 pub const DEFAULT_CHAT_MAX_TOKENS: u64 = 128;
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
-
-fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(FNV_PRIME);
-    }
-    h
-}
 
 /// The prompt text of a chat request, for hashing and session inference (an engine applies
 /// its own chat template to the messages): each message as `<|role|>\ncontent\n`, in order,
@@ -63,11 +54,13 @@ pub fn chat_prompt<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -
 }
 
 /// The fallback tokenizer for text prompts: one token per whitespace-separated word, its id the
-/// low 32 bits of the word's 64-bit FNV-1a hash.
+/// low 32 bits of the word's 64-bit XXH3 hash.
 ///
 /// It does not match any model's tokenizer (token counts differ from an engine's), but it is
 /// deterministic and prefix-preserving: a prompt that extends another by whole words gets the
-/// other's tokens as its prefix.
+/// other's tokens as its prefix. It sits on the router's request path, so an ASCII prompt
+/// (the common case) is split byte by byte; any other is split on Unicode whitespace, which
+/// gives the same words for ASCII text.
 ///
 /// ```
 /// use kvc_core::text::fallback_tokens;
@@ -80,14 +73,36 @@ pub fn chat_prompt<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -
 /// assert_eq!(b[0], b[4]);
 /// ```
 pub fn fallback_tokens(text: &str) -> Vec<u32> {
-    text.split_whitespace()
-        .map(|w| fnv(FNV_OFFSET, w.as_bytes()) as u32)
-        .collect()
+    let word = |w: &[u8]| xxh3_64(w) as u32;
+    if !text.is_ascii() {
+        return text
+            .split_whitespace()
+            .map(|w| word(w.as_bytes()))
+            .collect();
+    }
+    let bytes = text.as_bytes();
+    let mut tokens = Vec::with_capacity(bytes.len() / 4);
+    let mut start = None;
+    for (i, &b) in bytes.iter().enumerate() {
+        let space = matches!(b, b' ' | b'\t' | b'\n' | b'\x0b' | b'\x0c' | b'\r');
+        match (space, start) {
+            (true, Some(s)) => {
+                tokens.push(word(&bytes[s..i]));
+                start = None;
+            }
+            (false, None) => start = Some(i),
+            _ => {}
+        }
+    }
+    if let Some(s) = start {
+        tokens.push(word(&bytes[s..]));
+    }
+    tokens
 }
 
 /// Chained block ids of `tokens`: one id per block of `block` tokens (the last, partial block
-/// included), each the 64-bit FNV-1a hash of the previous block's id (0 for the first block)
-/// followed by the block's token ids (little-endian `u32`s).
+/// included), each the 64-bit XXH3 hash, seeded with the previous block's id (0 for the first
+/// block), of the block's token ids as little-endian `u32`s.
 ///
 /// Two prompts share their leading ids exactly as far as they share whole leading blocks of
 /// tokens, so a router sees the prompt's real prefix structure.
@@ -104,16 +119,16 @@ pub fn fallback_tokens(text: &str) -> Vec<u32> {
 /// assert_ne!(a[1], b[1]);
 /// ```
 pub fn block_hashes(tokens: &[u32], block: crate::BlockSize) -> Vec<u64> {
+    let size = block.tokens() as usize;
+    let mut bytes = Vec::with_capacity(size * 4);
     let mut prev = 0u64;
     tokens
-        .chunks(block.tokens() as usize)
+        .chunks(size)
         .map(|chunk| {
-            let mut h = fnv(FNV_OFFSET, &prev.to_le_bytes());
-            for t in chunk {
-                h = fnv(h, &t.to_le_bytes());
-            }
-            prev = h;
-            h
+            bytes.clear();
+            bytes.extend(chunk.iter().flat_map(|t| t.to_le_bytes()));
+            prev = xxh3_64_with_seed(&bytes, prev);
+            prev
         })
         .collect()
 }
@@ -155,5 +170,26 @@ mod tests {
         let full = one.len() / 4;
         assert_eq!(a[..full], b[..full]);
         assert!(fallback_tokens(" \n\t").is_empty());
+    }
+
+    proptest::proptest! {
+        /// The ASCII fast path splits exactly where Unicode whitespace does.
+        #[test]
+        fn ascii_prompts_split_as_unicode_whitespace_does(text in "[ -~\t\n\x0b\x0c\r\x1c-\x1f]{0,64}") {
+            let words: Vec<u32> = text
+                .split_whitespace()
+                .map(|w| xxh3_64(w.as_bytes()) as u32)
+                .collect();
+            proptest::prop_assert_eq!(fallback_tokens(&text), words);
+        }
+    }
+
+    #[test]
+    fn non_ascii_prompts_split_on_unicode_whitespace() {
+        // U+00A0 (no-break space) and U+3000 (ideographic space) separate words.
+        let t = fallback_tokens("caf\u{e9}\u{a0}cr\u{e8}me\u{3000}br\u{fb}l\u{e9}e x");
+        assert_eq!(t.len(), 4);
+        assert_eq!(t[3], fallback_tokens("x")[0]);
+        assert_eq!(t[0], fallback_tokens("caf\u{e9}")[0]);
     }
 }

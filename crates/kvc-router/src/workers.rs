@@ -32,6 +32,8 @@ struct Live {
     failing: bool,
     /// Health a polled worker reports about itself.
     reported: Health,
+    /// [`WorkerEntry::released`] when the scrape whose load is in `state` was sent.
+    released_at_scrape: u64,
 }
 
 /// One worker.
@@ -62,6 +64,10 @@ pub(crate) struct WorkerEntry {
     pub(crate) event_stats: OnceLock<Arc<kvc_events::WorkerStats>>,
     /// The engine's block size as its `/metrics` last reported it (0: not reported).
     engine_block_size: std::sync::atomic::AtomicU32,
+    /// Tokens of KV that requests the router saw end on this worker held (a running total).
+    /// A scraped pool use still counts the requests that ended after the scrape was sent;
+    /// [`WorkerEntry::state_at`] takes them off until the next scrape.
+    released: std::sync::atomic::AtomicU64,
     stale_after_ms: u64,
     rpc_timeout: Duration,
 }
@@ -124,6 +130,7 @@ impl WorkerEntry {
                 last_ok_ms: None,
                 failing: false,
                 reported: Health::Healthy,
+                released_at_scrape: 0,
             }),
             http_down: std::sync::atomic::AtomicBool::new(false),
             scraped,
@@ -135,15 +142,31 @@ impl WorkerEntry {
             }),
             event_stats: OnceLock::new(),
             engine_block_size: std::sync::atomic::AtomicU32::new(0),
+            released: std::sync::atomic::AtomicU64::new(0),
             stale_after_ms,
             rpc_timeout: Duration::from_millis(router.rpc_timeout_ms),
         }
     }
 
-    /// The last known state with health and age judged at `now_ms`.
+    /// A request that held `tokens` of KV on this worker has ended (its answer is complete): a
+    /// scraped pool use taken before that no longer counts them.
+    pub(crate) fn note_released(&self, tokens: u64) {
+        self.released
+            .fetch_add(tokens, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The last known state with health and age judged at `now_ms` (a scraped pool use without
+    /// the requests seen ending since its scrape was sent).
     pub(crate) fn state_at(&self, now_ms: u64) -> WorkerState {
         let live = *self.live.read();
         let mut s = live.state;
+        if self.scraped.is_some() {
+            let since = self
+                .released
+                .load(std::sync::atomic::Ordering::Relaxed)
+                .saturating_sub(live.released_at_scrape);
+            s.used_tokens = s.used_tokens.saturating_sub(since);
+        }
         match live.last_ok_ms {
             None => {
                 s.health = Health::Down;
@@ -343,6 +366,7 @@ impl WorkerEntry {
         let Some(scraped) = &self.scraped else {
             return;
         };
+        let released = self.released.load(std::sync::atomic::Ordering::Relaxed);
         let answer = client.get(&scraped.url, "", timeout).await;
         let now = now_ms();
         let load = match answer {
@@ -361,6 +385,7 @@ impl WorkerEntry {
                 }
                 let was_down = live.failing || live.last_ok_ms.is_none();
                 live.state = self.engine_state(scraped, &load);
+                live.released_at_scrape = released;
                 live.reported = Health::Healthy;
                 live.last_ok_ms = Some(now);
                 live.failing = false;
@@ -534,5 +559,53 @@ mod tests {
             "the reasons differ"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn requests_seen_ending_after_a_scrape_no_longer_count_in_its_pool_use() {
+        let usage = Arc::new(Mutex::new(0.87));
+        let shared = Arc::clone(&usage);
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let u = *shared.lock();
+                async move {
+                    format!(
+                        "vllm:num_requests_running{{model_name=\"m\"}} 1\n\
+                         vllm:num_requests_waiting{{model_name=\"m\"}} 0\n\
+                         vllm:kv_cache_usage_perc{{model_name=\"m\"}} {u}\n"
+                    )
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let mut cfg = WorkerConfig::new(1, WorkerRole::Decode, 100_000);
+        cfg.engine = Some(EngineKind::Vllm);
+        cfg.metrics_url = Some(format!("http://{addr}/metrics"));
+        let w = WorkerEntry::new(&cfg, &crate::RouterConfig::default());
+        let client = HttpClient::new(crate::worker_http::PoolOptions::default());
+        let timeout = Duration::from_secs(5);
+        w.scrape(&client, timeout, || 0).await;
+        assert_eq!(w.state_at(0).used_tokens, 87_000);
+        // The session's turn that held 60K tokens ends before the next scrape.
+        w.note_released(60_000);
+        assert_eq!(w.state_at(0).used_tokens, 27_000);
+        w.note_released(40_000);
+        assert_eq!(w.state_at(0).used_tokens, 0, "never below nothing");
+        // The next scrape shows the engine's own figure, and only later ends count against it.
+        *usage.lock() = 0.3;
+        w.scrape(&client, timeout, || 10).await;
+        assert_eq!(w.state_at(10).used_tokens, 30_000);
+        w.note_released(5_000);
+        assert_eq!(w.state_at(10).used_tokens, 25_000);
+        // A worker whose state does not come from scrapes is left as it is.
+        let mut cfg = WorkerConfig::new(2, WorkerRole::Decode, 100_000);
+        cfg.snapshot = Some(std::path::PathBuf::from("/nonexistent/kvc.snap"));
+        let snap = WorkerEntry::new(&cfg, &crate::RouterConfig::default());
+        snap.live.write().state.used_tokens = 50_000;
+        snap.note_released(20_000);
+        assert_eq!(snap.state_at(0).used_tokens, 50_000);
     }
 }

@@ -309,6 +309,14 @@ fn run_http(
     let mut text = serde_json::to_string_pretty(&output.report)?;
     text.push('\n');
     std::fs::write(&path, text)?;
+    let mut csv = String::from("index,to_worker_ms,from_worker_ms\n");
+    for a in &output.report.added_by_request {
+        csv.push_str(&format!(
+            "{},{:.3},{:.3}\n",
+            a.index, a.to_worker_ms, a.from_worker_ms
+        ));
+    }
+    std::fs::write(out.join("router_added.csv"), csv)?;
     print!(
         "{}",
         summary_table(&[(

@@ -121,6 +121,17 @@ impl AddedLatency {
     }
 }
 
+/// The router's added latency of one request, wall milliseconds, in its two halves.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct AddedSample {
+    /// The request's index in the trace (its record's `index`).
+    pub index: usize,
+    /// From the client sending it to its first arrival at a worker.
+    pub to_worker_ms: f64,
+    /// From the worker handing over its last event to the client holding the whole answer.
+    pub from_worker_ms: f64,
+}
+
 /// What an HTTP replay measured besides `sim`'s outputs (`http.json`).
 #[derive(Debug, Clone, Serialize)]
 pub struct HttpReport {
@@ -128,6 +139,10 @@ pub struct HttpReport {
     pub router: String,
     /// The router's added latency.
     pub router_added: AddedLatency,
+    /// The router's added latency of each request it is measured for, in its two halves
+    /// (`router_added.csv`, not in `http.json`).
+    #[serde(skip)]
+    pub added_by_request: Vec<AddedSample>,
     /// Direct-to-D turns the decode workers' admission refused (the router then re-routed).
     pub admission_rejects: u64,
     /// Requests a decode worker got more than once, besides re-routes after an admission
@@ -380,6 +395,7 @@ fn build_records(
         }
     }
     let mut added = Vec::new();
+    let mut samples = Vec::new();
     let mut first_errors = Vec::new();
     let mut retried = 0;
     let mut admission_rejects = 0u64;
@@ -468,6 +484,11 @@ fn build_records(
             let there = arrived.saturating_duration_since(c.sent);
             let back = c.done.saturating_duration_since(done_sent);
             added.push((there + back).as_secs_f64() * 1e3);
+            samples.push(AddedSample {
+                index: i,
+                to_worker_ms: there.as_secs_f64() * 1e3,
+                from_worker_ms: back.as_secs_f64() * 1e3,
+            });
         }
         let ready = secs(c.ready);
         records.push(RequestRecord {
@@ -504,6 +525,7 @@ fn build_records(
     let report = HttpReport {
         router,
         router_added: AddedLatency::of(added),
+        added_by_request: samples,
         admission_rejects,
         retried,
         prefill_failed,

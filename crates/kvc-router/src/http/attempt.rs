@@ -139,6 +139,35 @@ pub(crate) fn judge_cache(
     }
 }
 
+/// The bytes of a worker request's JSON `body`, written into a buffer sized for it up front (a
+/// long prompt is most of the body; growing the buffer as it is written copies it over and
+/// over).
+pub(super) fn payload(body: &Map<String, Value>) -> Bytes {
+    let size: usize = body
+        .iter()
+        .map(|(k, v)| k.len() + 4 + approximate_len(v))
+        .sum();
+    let mut out = Vec::with_capacity(size + 2);
+    serde_json::to_writer(&mut out, body)
+        .expect("a map of JSON values with string keys always serializes into memory");
+    Bytes::from(out)
+}
+
+/// About how many bytes `v` takes as JSON (its strings' lengths plus a little per value).
+fn approximate_len(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len() + 2,
+        Value::Array(a) => 2 + a.iter().map(|x| approximate_len(x) + 1).sum::<usize>(),
+        Value::Object(o) => {
+            2 + o
+                .iter()
+                .map(|(k, x)| k.len() + 4 + approximate_len(x))
+                .sum::<usize>()
+        }
+        _ => 8,
+    }
+}
+
 /// An attempt that has its workers: D's endpoint, the payload for both workers and, on a P→D
 /// path, P's request already running.
 struct Dispatched {
@@ -339,7 +368,7 @@ impl<'a> Attempt<'a> {
                 Some((p_id, p))
             }
         };
-        let payload = Bytes::from(Value::Object(body).to_string());
+        let payload = payload(&body);
         let prefill = prefill.map(|(p_id, p)| {
             PrefillLeg::start(
                 app,

@@ -11,7 +11,6 @@ use super::responses::worker_answer;
 use super::stream::forward_stream;
 use super::whole::forward_whole;
 use crate::worker_http::{Call, WorkerAnswer};
-use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue};
 use kvc_core::{ExecutionMode, Outcome, WorkerId};
 use serde_json::{Map, Value};
@@ -82,7 +81,7 @@ async fn prefill(
     };
     app.breakers
         .on_dispatch(&app.service, p, app.service.now_ms());
-    let payload = Bytes::from(Value::Object(prefill_body(body)).to_string());
+    let payload = super::attempt::payload(&prefill_body(body));
     let answer = app
         .client
         .post_whole(Call {

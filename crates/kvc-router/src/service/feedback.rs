@@ -47,6 +47,9 @@ impl RouterService {
             )));
         }
         core.pending.remove(&report.decision_id);
+        if let Some(e) = self.entry(p.decode.0) {
+            e.note_released(report.resident_tokens);
+        }
         let refused = p.direct && outcome == Outcome::Rejected;
         core.state.observe(&Observation::Completed {
             request_id: p.request_id,
