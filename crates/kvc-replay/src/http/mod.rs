@@ -15,7 +15,8 @@
 //! `kvc-router` configuration for them, then waits for the router's `GET /health`).
 //!
 //! **Router added latency.** Per request, the time from the client sending it to the first
-//! worker receiving it, plus the time from the decode worker handing over its last event to
+//! worker holding its whole body (before the worker parses it: the worker's own work is not
+//! the router's), plus the time from the decode worker handing over its last event to
 //! the client receiving the end of the answer: what the router (and the hops through it) add,
 //! in wall milliseconds. It is measured for streamed requests that completed.
 

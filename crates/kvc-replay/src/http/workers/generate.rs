@@ -26,12 +26,13 @@ fn engine_stopped() -> Response {
 }
 
 pub(super) async fn generate(State(ctx): State<Arc<WorkerContext>>, body: Bytes) -> Response {
+    let arrived = std::time::Instant::now();
     let req = match GenerateBody::parse(&body) {
         Ok(r) => r,
         Err(m) => return invalid(&m),
     };
     let shared = &ctx.shared;
-    let index = match find_prompt(&ctx, &req.text, ctx.role != WorkerRole::Prefill) {
+    let index = match find_prompt(&ctx, &req.text, ctx.role != WorkerRole::Prefill, arrived) {
         Ok(i) => i,
         Err(answer) => return *answer,
     };

@@ -92,13 +92,15 @@ pub(super) fn invalid(message: &str) -> Response {
     error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message)
 }
 
-/// The trace request in flight whose prompt is `text`, its first arrival recorded (`attempt`:
+/// The trace request in flight whose prompt is `text`, its first arrival (`arrived`: when the
+/// worker held its whole body) recorded (`attempt`:
 /// the worker serves or decodes it, so the attempt counts); else the worker's answer: `400`
 /// for a prompt this replay has not in flight, or one longer than the model's input limit.
 pub(super) fn find_prompt(
     ctx: &WorkerContext,
     text: &str,
     attempt: bool,
+    arrived: std::time::Instant,
 ) -> Result<usize, Box<Response>> {
     let shared = &ctx.shared;
     let Some(index) = shared.find(crate::http::prompt::prompt_key(text)) else {
@@ -107,7 +109,6 @@ pub(super) fn find_prompt(
             ctx.name
         ))));
     };
-    let arrived = std::time::Instant::now();
     shared.with_served(index, |s| {
         s.arrived = Some(s.arrived.map_or(arrived, |a| a.min(arrived)));
         if attempt {

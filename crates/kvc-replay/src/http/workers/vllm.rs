@@ -166,13 +166,14 @@ fn resolve(
     req: &OpenAiBody,
     headers: &HeaderMap,
     attempt: bool,
+    arrived: std::time::Instant,
 ) -> Result<Resolved, Box<Response>> {
     let shared = &ctx.shared;
     let Some(standalone) = &shared.standalone else {
         if matches!(req.prompt, PromptIn::Tokens(_)) {
             return Err(Box::new(invalid("this worker takes a string `prompt`")));
         }
-        let index = find_prompt(ctx, &req.text, attempt)?;
+        let index = find_prompt(ctx, &req.text, attempt, arrived)?;
         return Ok(Resolved {
             index,
             key: crate::http::prompt_key(&req.text),
@@ -214,13 +215,14 @@ static NEXT_HOLD: AtomicU64 = AtomicU64::new(0);
 pub(super) fn routes() -> axum::Router<Arc<WorkerContext>> {
     let handler = |api: OpenAi| {
         move |State(ctx): State<Arc<WorkerContext>>, mut headers: HeaderMap, body: Bytes| async move {
+            let arrived = std::time::Instant::now();
             // Behind an endpoint picker, a decode worker's sidecar runs the prefill step first.
             let Some(shim) = ctx
                 .pd_shim
                 .clone()
                 .filter(|_| ctx.role == WorkerRole::Decode)
             else {
-                return serve(ctx, api, &headers, &body).await;
+                return serve(ctx, api, &headers, &body, arrived).await;
             };
             let path = match api {
                 OpenAi::Completions => "/v1/completions",
@@ -230,7 +232,7 @@ pub(super) fn routes() -> axum::Router<Arc<WorkerContext>> {
                 super::pd_shim::Step::Serve {
                     body,
                     prefill_failed,
-                } => super::pd_shim::mark(serve(ctx, api, &headers, &body).await, prefill_failed),
+                } => super::pd_shim::mark(serve(ctx, api, &headers, &body, arrived).await, prefill_failed),
                 super::pd_shim::Step::Answer(response) => response,
             }
         }
@@ -246,7 +248,14 @@ pub(super) fn routes() -> axum::Router<Arc<WorkerContext>> {
         )
 }
 
-async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: &[u8]) -> Response {
+/// Serves one OpenAI request whose body the worker held whole at `arrived`.
+async fn serve(
+    ctx: Arc<WorkerContext>,
+    api: OpenAi,
+    headers: &HeaderMap,
+    body: &[u8],
+    arrived: std::time::Instant,
+) -> Response {
     let req = match parse(api, body) {
         Ok(r) => r,
         Err(m) => return invalid(&m),
@@ -264,7 +273,7 @@ async fn serve(ctx: Arc<WorkerContext>, api: OpenAi, headers: &HeaderMap, body: 
         .and_then(|p| p.get("do_remote_prefill"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let Resolved { index, key, job } = match resolve(&ctx, &req, headers, !remote_decode) {
+    let Resolved { index, key, job } = match resolve(&ctx, &req, headers, !remote_decode, arrived) {
         Ok(r) => r,
         Err(answer) => return *answer,
     };
