@@ -1347,6 +1347,19 @@ mod tests {
     }
 
     #[test]
+    fn pending_and_worker_entries_are_the_documented_size() {
+        // The figures of `docs/kvc-policy.md` ("Memory and cost"): a pending decision's value,
+        // an awaiting-KV queue entry, and a worker's counters plus its queue's header.
+        assert_eq!(std::mem::size_of::<Pending>(), 40);
+        assert_eq!(std::mem::size_of::<(u64, RequestId)>(), 16);
+        assert_eq!(
+            std::mem::size_of::<WorkerCounters>()
+                + std::mem::size_of::<VecDeque<(u64, RequestId)>>(),
+            56
+        );
+    }
+
+    #[test]
     fn a_session_route_is_120_bytes() {
         // The figure `docs/kvc-policy.md` uses for the session table's cost per entry.
         assert_eq!(std::mem::size_of::<SessionRoute>(), 120);
