@@ -238,8 +238,11 @@ impl<'a> Ctx<'a> {
             self.first_turn(),
             knobs.incremental_footprint,
         );
-        let recommended_pause_ms =
-            recommended_pause_ms(self.worker_state(plan.decode), &knobs.backpressure);
+        let recommended_pause_ms = recommended_pause_ms(
+            self.worker_state(plan.decode),
+            self.state.oldest_kv_wait_ms(plan.decode, self.now_ms),
+            &knobs.backpressure,
+        );
         Decision {
             mode: plan.mode,
             decode: plan.decode,

@@ -190,6 +190,9 @@ struct WorkerCounters {
     /// Estimated prefill microseconds of the pending decisions that prefill on the worker and
     /// have not reported their first token.
     prefill_us: u64,
+    /// P→D decisions into the worker (as D) whose KV has not arrived: no first token
+    /// reported, not completed.
+    awaiting_kv: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -201,6 +204,10 @@ struct Pending {
     /// Its prefill estimate still counted on the worker that prefills it (`prefill`, else
     /// `decode`); 0 once its first token is reported.
     prefill_us: u64,
+    /// When it was applied (the decision's `now_ms`).
+    sent_ms: u64,
+    /// A P→D decision whose KV has not reached its D yet (no first token reported).
+    awaiting_kv: bool,
 }
 
 /// How much a [`RouterState`] may hold besides its sessions (which the caller bounds, with
@@ -396,6 +403,10 @@ pub struct RouterState {
     /// Pending decisions in order of application, with stale ids (completed or re-applied)
     /// skipped when met.
     pending_order: VecDeque<(u64, RequestId)>,
+    /// Per decode worker (by index), its P→D decisions in order of application, with the
+    /// same stale-id rule as `pending_order`; the front is always one still awaiting its KV
+    /// (or the queue is empty), so the oldest such wait is read in constant time.
+    awaiting_kv: Vec<VecDeque<(u64, RequestId)>>,
     next_seq: u64,
     dropped_pending: u64,
     dropped_session_blocks: u64,
@@ -475,6 +486,7 @@ impl RouterState {
                 Default::default(),
             ),
             pending_order: VecDeque::new(),
+            awaiting_kv: Vec::new(),
             next_seq: 0,
             dropped_pending: 0,
             dropped_session_blocks: 0,
@@ -601,14 +613,27 @@ impl RouterState {
             self.release(old);
         }
         self.activity.advance(change.now_ms);
+        let awaiting_kv = change.prefill.is_some_and(|p| p != change.decode);
         let pending = Pending {
             decode: change.decode,
             prefill: change.prefill,
             seq: self.next_seq,
             prefill_us: change.prefill_us,
+            sent_ms: change.now_ms,
+            awaiting_kv,
         };
         self.pending_order
             .push_back((self.next_seq, change.request_id));
+        if awaiting_kv {
+            let d = change.decode.0 as usize;
+            if d >= self.awaiting_kv.len() {
+                self.awaiting_kv.resize_with(d + 1, VecDeque::new);
+            }
+            self.awaiting_kv[d].push_back((self.next_seq, change.request_id));
+            if let Some(c) = self.counters_mut(change.decode) {
+                c.awaiting_kv = c.awaiting_kv.saturating_add(1);
+            }
+        }
         self.next_seq += 1;
         for id in std::iter::once(change.decode).chain(change.prefill) {
             if let Some(c) = self.counters_mut(id) {
@@ -718,8 +743,41 @@ impl RouterState {
         }
     }
 
+    /// Drops the stale ids at the front of decode worker `d`'s awaiting queue (decisions
+    /// completed, re-applied or whose KV arrived), and every stale id once they outnumber the
+    /// live ones, as `bound_pending` does for the pending order.
+    fn trim_awaiting(&mut self, d: WorkerId) {
+        let live = self.counters.get(d.0 as usize).map_or(0, |c| c.awaiting_kv) as usize;
+        let Some(q) = self.awaiting_kv.get_mut(d.0 as usize) else {
+            return;
+        };
+        let pending = &self.pending;
+        let is_live = |(seq, id): &(u64, RequestId)| {
+            pending
+                .get(id)
+                .is_some_and(|p| p.seq == *seq && p.awaiting_kv)
+        };
+        while q.front().is_some_and(|e| !is_live(e)) {
+            q.pop_front();
+        }
+        if q.len() > 2 * live + 64 {
+            q.retain(is_live);
+        }
+    }
+
+    /// Takes a decision out of its decode worker's count of P→D requests awaiting their KV.
+    fn kv_arrived(&mut self, p: &Pending) {
+        if p.awaiting_kv {
+            if let Some(c) = self.counters_mut(p.decode) {
+                c.awaiting_kv = c.awaiting_kv.saturating_sub(1);
+            }
+            self.trim_awaiting(p.decode);
+        }
+    }
+
     fn release(&mut self, p: Pending) {
         self.add_backlog(&p, false);
+        self.kv_arrived(&p);
         for id in std::iter::once(p.decode).chain(p.prefill) {
             if let Some(c) = self.counters_mut(id) {
                 c.in_flight = c.in_flight.saturating_sub(1);
@@ -820,7 +878,10 @@ impl RouterState {
                 if let Some(mut p) = self.pending.get(&request_id).copied() {
                     self.add_backlog(&p, false);
                     p.prefill_us = 0;
+                    let arrived = p;
+                    p.awaiting_kv = false;
                     self.pending.insert(request_id, p);
+                    self.kv_arrived(&arrived);
                 }
             }
             Observation::Adopted {
@@ -902,6 +963,26 @@ impl RouterState {
         self.counters
             .get(worker.0 as usize)
             .map_or(0, |c| c.in_flight)
+    }
+
+    /// How long (ms, at `now_ms`) the oldest P→D request the router has sent to decode worker
+    /// `worker` has been waiting for its KV to arrive there: applied, no first token reported
+    /// ([`Observation::PrefillDone`]), not completed; 0 when none waits. Without first-token
+    /// reports the wait counts until the request completes.
+    pub fn oldest_kv_wait_ms(&self, worker: WorkerId, now_ms: u64) -> u64 {
+        self.awaiting_kv
+            .get(worker.0 as usize)
+            .and_then(|q| q.front())
+            .and_then(|(_, id)| self.pending.get(id))
+            .map_or(0, |p| now_ms.saturating_sub(p.sent_ms))
+    }
+
+    /// P→D requests the router has sent to decode worker `worker` whose KV has not arrived
+    /// (see [`RouterState::oldest_kv_wait_ms`]).
+    pub fn awaiting_kv(&self, worker: WorkerId) -> u32 {
+        self.counters
+            .get(worker.0 as usize)
+            .map_or(0, |c| c.awaiting_kv)
     }
 
     /// Estimated seconds of prefill the router has sent `worker` that have not reported their
@@ -1056,6 +1137,9 @@ mod tests {
         Forget {
             session: u64,
         },
+        FirstToken {
+            back: usize,
+        },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1077,6 +1161,7 @@ mod tests {
             1 => (0u64..12, 1u32..5).prop_map(|(session, worker)| Op::Reject { session, worker }),
             1 => (0u64..12, 1u32..5).prop_map(|(session, worker)| Op::Evict { session, worker }),
             1 => (0u64..12).prop_map(|session| Op::Forget { session }),
+            2 => (0usize..8).prop_map(|back| Op::FirstToken { back }),
         ]
     }
 
@@ -1164,6 +1249,13 @@ mod tests {
                     });
                 }
                 Op::Forget { session } => state.forget_session(SessionId(*session)),
+                Op::FirstToken { back } => {
+                    if let Some(&(request_id, _, _)) =
+                        applied.iter().rev().nth(*back % applied.len().max(1))
+                    {
+                        state.observe(&Observation::PrefillDone { request_id });
+                    }
+                }
             }
             check(state, now)?;
         }
@@ -1224,6 +1316,47 @@ mod tests {
                 Ok(())
             })?;
         }
+
+        /// Each decode worker's count of P→D requests awaiting their KV, and the wait of the
+        /// earliest applied of them, equal a recount over the pending decisions; the queues
+        /// behind them stay bounded.
+        #[test]
+        fn kv_waits_match_a_recount(ops in prop::collection::vec(op(), 1..80), max in 0u32..12) {
+            let bounds = StateBounds { max_pending: max, ..StateBounds::default() };
+            let mut state = RouterState::with_bounds(&kvc_config(), &workers(), bounds);
+            run(&mut state, &ops, |state, now| {
+                for w in 0..5u32 {
+                    let waiting: Vec<&Pending> = state
+                        .pending
+                        .values()
+                        .filter(|p| p.decode == WorkerId(w) && p.awaiting_kv)
+                        .collect();
+                    prop_assert_eq!(state.awaiting_kv(WorkerId(w)) as usize, waiting.len());
+                    let first = waiting.iter().min_by_key(|p| p.seq);
+                    let at = now + 1_000;
+                    prop_assert_eq!(
+                        state.oldest_kv_wait_ms(WorkerId(w), at),
+                        first.map_or(0, |p| at.saturating_sub(p.sent_ms))
+                    );
+                    let q = state.awaiting_kv.get(w as usize).map_or(0, VecDeque::len);
+                    prop_assert!(q <= 2 * waiting.len() + 65, "queue {} for {}", q, waiting.len());
+                }
+                Ok(())
+            })?;
+        }
+    }
+
+    #[test]
+    fn pending_and_worker_entries_are_the_documented_size() {
+        // The figures of `docs/kvc-policy.md` ("Memory and cost"): a pending decision's value,
+        // an awaiting-KV queue entry, and a worker's counters plus its queue's header.
+        assert_eq!(std::mem::size_of::<Pending>(), 40);
+        assert_eq!(std::mem::size_of::<(u64, RequestId)>(), 16);
+        assert_eq!(
+            std::mem::size_of::<WorkerCounters>()
+                + std::mem::size_of::<VecDeque<(u64, RequestId)>>(),
+            56
+        );
     }
 
     #[test]

@@ -625,7 +625,7 @@ fn backpressure_hint_follows_the_chosen_d() {
         ..KvcV2Config::default()
     });
     let v2 = Router::new(with_pause, &ws).decide(&ws, &req).unwrap();
-    let want = recommended_pause_ms(&ws[1].state, &BackpressureConfig::ENABLED);
+    let want = recommended_pause_ms(&ws[1].state, 0, &BackpressureConfig::ENABLED);
     assert_eq!(want, 8 * 25 + 375);
     assert_eq!(v2.recommended_pause_ms, want);
     let v0 = Router::named("kv-aware-v0", &ws).decide(&ws, &req).unwrap();
