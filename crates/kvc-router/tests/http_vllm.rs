@@ -35,6 +35,8 @@ struct Mock {
     /// The cached prompt tokens a plain (no `kv_transfer_params`) request reports.
     cached: Mutex<u64>,
     received: Mutex<Vec<Received>>,
+    /// The bytes of every request body received, in order.
+    raw: Mutex<Vec<Bytes>>,
 }
 
 /// What a mock prefill worker puts in its answer's `kv_transfer_params`: more than the router
@@ -62,6 +64,7 @@ async fn handler(
     body: Bytes,
 ) -> Response {
     let value: Value = serde_json::from_slice(&body).expect("forwarded JSON");
+    m.raw.lock().push(body.clone());
     let kept: HashMap<String, String> = ["x-session-id", "x-request-id"]
         .iter()
         .filter_map(|h| {
@@ -133,6 +136,7 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         fail_decode: Mutex::new(None),
         cached: Mutex::new(100_000),
         received: Mutex::new(Vec::new()),
+        raw: Mutex::new(Vec::new()),
     });
     let app = axum::Router::new()
         .route("/v1/completions", post(handler))
@@ -368,6 +372,58 @@ async fn p_and_d_get_exactly_the_nixl_fields_and_nothing_a_client_smuggled() {
             assert_ne!(body["kv_transfer_params"]["remote_host"], "evil");
         }
     }
+}
+
+#[tokio::test]
+async fn a_turn_that_adds_nothing_to_the_body_forwards_the_client_s_bytes() {
+    let f = Front::start().await;
+    let r = f
+        .post("/v1/completions", "agent-2", &completion(1_300, false))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    // The client's own spacing and key order: a re-written body would lose both.
+    let client = |n: u32, stream: bool| {
+        format!(
+            "{{ \"stream\": {stream},\n  \"prompt\" : \"{}\", \"max_tokens\":8 , \"model\":\"m\" }}",
+            words(n)
+        )
+    };
+    let send = |text: String| {
+        let addr = f.addr;
+        async move {
+            http_client::exchange(
+                addr,
+                "/v1/completions",
+                &[("x-session-id", "agent-2")],
+                &text,
+            )
+            .await
+        }
+    };
+    let text = client(1_900, false);
+    let (status, headers, answer) = send(text.clone()).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(headers["x-kvc-mode"], "direct-to-d");
+    assert_eq!(f.mocks[&1].raw.lock().last().unwrap()[..], *text.as_bytes());
+    // A streamed turn whose client did not ask for the usage: D's body gains it, written anew.
+    let text = client(2_500, true);
+    let (status, headers, answer) = send(text.clone()).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(headers["x-kvc-mode"], "direct-to-d");
+    let raw = f.mocks[&1].raw.lock().last().unwrap().clone();
+    assert_ne!(raw[..], *text.as_bytes());
+    let mut want: Value = serde_json::from_str(&text).unwrap();
+    want["stream_options"] = json!({"include_usage": true});
+    assert_eq!(serde_json::from_slice::<Value>(&raw).unwrap(), want);
+    // A client's router-only field is removed, so its bytes are never forwarded as they are.
+    let text = client(3_100, false).replacen('{', "{\"bootstrap_room\": 5, ", 1);
+    let (status, headers, answer) = send(text.clone()).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(headers["x-kvc-mode"], "direct-to-d");
+    let raw = f.mocks[&1].raw.lock().last().unwrap().clone();
+    let got: Value = serde_json::from_slice(&raw).unwrap();
+    assert!(got.get("bootstrap_room").is_none(), "{got}");
+    assert_eq!(got["prompt"], words(3_100));
 }
 
 #[tokio::test]

@@ -149,6 +149,7 @@ impl Exchange {
         else {
             return Vec::new();
         };
+        let body = axum::body::Bytes::from(body);
         let api = match path.split('?').next().unwrap_or_default() {
             "/v1/completions" => Api::Completions,
             "/v1/chat/completions" => Api::ChatCompletions,
@@ -162,7 +163,7 @@ impl Exchange {
                 return out;
             }
         };
-        let prepared = match prepare_request(&self.app, api, &headers, &body).await {
+        let prepared = match prepare_request(&self.app, api, &headers, body).await {
             Ok(p) => p,
             Err(response) => return vec![immediate_from(response).await],
         };
@@ -204,7 +205,7 @@ impl Exchange {
             )]);
         };
         let picked = format!("{}", Endpoint(&decode.url));
-        let mut body = p.body;
+        let mut body = p.request.body.clone();
         if decision.mode == ExecutionMode::DirectToD {
             add_continuation_params(p.request.api, &mut body, p.request.session_key.as_deref());
         }
@@ -216,7 +217,7 @@ impl Exchange {
             }
             ask_for_usage(&mut body);
         }
-        let bytes = serde_json::Value::Object(body).to_string().into_bytes();
+        let bytes = p.request.payload(&body);
         let mut set = vec![
             wire::set_header(DESTINATION_HEADER, &picked),
             wire::set_header("content-length", &bytes.len().to_string()),

@@ -23,9 +23,23 @@ pub(crate) struct ForwardedRequest {
     pub(crate) input_length: u64,
     /// The session key, sent to every worker in the session header.
     pub(crate) session_key: Option<Arc<str>>,
+    /// The body every attempt starts from (the client's, router-only fields removed).
+    pub(crate) body: Map<String, Value>,
+    /// The client's bytes, when `body` is exactly what they parse to: an attempt that adds
+    /// nothing to the body forwards them as they came (a long prompt is not written again).
+    pub(crate) client_bytes: Option<Bytes>,
 }
 
 impl ForwardedRequest {
+    /// The bytes to send for `body`: the client's own when `body` is still the client's
+    /// ([`ForwardedRequest::client_bytes`]), else `body` written out ([`payload`]).
+    pub(crate) fn payload(&self, body: &Map<String, Value>) -> Bytes {
+        match &self.client_bytes {
+            Some(bytes) if *body == self.body => bytes.clone(),
+            _ => payload(body),
+        }
+    }
+
     /// The headers every worker request carries: the session header with the session key
     /// (none without a session, or when the key or the header name cannot be sent).
     pub(super) fn worker_headers(&self, app: &App) -> Vec<(HeaderName, HeaderValue)> {
@@ -368,7 +382,7 @@ impl<'a> Attempt<'a> {
                 Some((p_id, p))
             }
         };
-        let payload = payload(&body);
+        let payload = self.request.payload(&body);
         let prefill = prefill.map(|(p_id, p)| {
             PrefillLeg::start(
                 app,

@@ -15,18 +15,18 @@ use super::tokens::block_hashes;
 use super::trust::{check_session_id, strip_router_fields};
 use super::vllm::forward_vllm;
 use super::whole::forward_whole;
+use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use kvc_core::{ExecutionMode, WorkerId};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A client request ready to route: the routing query, what every attempt forwards, the body
-/// to forward (router-only fields removed) and whether the client asked for a stream.
+/// A client request ready to route: the routing query, what every attempt forwards (the body
+/// among it, router-only fields removed) and whether the client asked for a stream.
 pub(crate) struct Prepared {
     pub(crate) query: RouteQuery,
     pub(crate) request: ForwardedRequest,
-    pub(crate) body: serde_json::Map<String, serde_json::Value>,
     pub(crate) stream: bool,
 }
 
@@ -35,10 +35,10 @@ pub(super) async fn serve_request(
     app: &Arc<App>,
     api: Api,
     headers: &HeaderMap,
-    bytes: &[u8],
+    bytes: Bytes,
 ) -> Response {
     match prepare_request(app, api, headers, bytes).await {
-        Ok(p) => route_and_forward(app, p.query, &p.request, &p.body, p.stream).await,
+        Ok(p) => route_and_forward(app, p.query, &p.request, p.stream).await,
         Err(response) => response,
     }
 }
@@ -53,7 +53,7 @@ pub(crate) async fn prepare_request(
     app: &Arc<App>,
     api: Api,
     headers: &HeaderMap,
-    bytes: &[u8],
+    bytes: Bytes,
 ) -> Result<Prepared, Response> {
     let bad_request =
         |message: &str| error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message);
@@ -63,7 +63,7 @@ pub(crate) async fn prepare_request(
              send /v1/completions or /v1/chat/completions",
         ));
     }
-    let mut req = request::parse(api, bytes).map_err(|m| bad_request(&m))?;
+    let mut req = request::parse(api, &bytes).map_err(|m| bad_request(&m))?;
     let header_key =
         header_key(headers, &app.options.session_header).map_err(|m| bad_request(&m))?;
     // Every session id the client sent (both are forwarded: the header as the session key,
@@ -72,9 +72,12 @@ pub(crate) async fn prepare_request(
     for key in [&header_key, &req.session_key].into_iter().flatten() {
         check_session_id(key, limit).map_err(|m| bad_request(&m))?;
     }
-    if strip_router_fields(&mut req.body) > 0 {
+    let client_bytes = if strip_router_fields(&mut req.body) > 0 {
         tracing::debug!("router-only fields removed from a client request");
-    }
+        None
+    } else {
+        Some(bytes)
+    };
     let tokens = match &req.prompt {
         Prompt::Tokens(t) => t.clone(),
         Prompt::Text(text) => app.options.tokenizer.encode_off_thread(text).await,
@@ -107,11 +110,12 @@ pub(crate) async fn prepare_request(
         request_id,
         input_length,
         session_key: resolved.map(|r| r.key),
+        body: req.body,
+        client_bytes,
     };
     Ok(Prepared {
         query,
         request,
-        body: req.body,
         stream: req.stream,
     })
 }
@@ -122,7 +126,6 @@ async fn route_and_forward(
     app: &Arc<App>,
     mut query: RouteQuery,
     request: &ForwardedRequest,
-    body: &serde_json::Map<String, serde_json::Value>,
     stream: bool,
 ) -> Response {
     let session_key = request.session_key.as_deref();
@@ -144,7 +147,7 @@ async fn route_and_forward(
             app.service.metrics().record_http_retry();
         }
         let may_retry = attempt < app.options.max_retries;
-        let mut body = body.clone();
+        let mut body = request.body.clone();
         if decision.mode == ExecutionMode::DirectToD {
             add_continuation_params(request.api, &mut body, session_key);
         }

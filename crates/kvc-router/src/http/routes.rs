@@ -47,7 +47,7 @@ fn post_endpoint(api: Api) -> MethodRouter<Arc<App>> {
             let headers = request.headers().clone();
             let deadline = app.options.body_read_timeout;
             match tokio::time::timeout(deadline, Bytes::from_request(request, &app)).await {
-                Ok(Ok(body)) => serve_request(&app, api, &headers, &body).await,
+                Ok(Ok(body)) => serve_request(&app, api, &headers, body).await,
                 Ok(Err(e)) => body_error_response(&e),
                 Err(_) => body_timeout(deadline),
             }

@@ -232,7 +232,10 @@ pub(super) fn routes() -> axum::Router<Arc<WorkerContext>> {
                 super::pd_shim::Step::Serve {
                     body,
                     prefill_failed,
-                } => super::pd_shim::mark(serve(ctx, api, &headers, &body, arrived).await, prefill_failed),
+                } => super::pd_shim::mark(
+                    serve(ctx, api, &headers, &body, arrived).await,
+                    prefill_failed,
+                ),
                 super::pd_shim::Step::Answer(response) => response,
             }
         }
