@@ -405,15 +405,37 @@ async fn a_turn_that_adds_nothing_to_the_body_forwards_the_client_s_bytes() {
     assert_eq!(status, 200, "{answer}");
     assert_eq!(headers["x-kvc-mode"], "direct-to-d");
     assert_eq!(f.mocks[&1].raw.lock().last().unwrap()[..], *text.as_bytes());
-    // A streamed turn whose client did not ask for the usage: D's body gains it, written anew.
+    // A streamed turn whose client did not ask for the usage: D's body gains the field,
+    // appended to the client's own bytes.
     let text = client(2_500, true);
     let (status, headers, answer) = send(text.clone()).await;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(headers["x-kvc-mode"], "direct-to-d");
     let raw = f.mocks[&1].raw.lock().last().unwrap().clone();
-    assert_ne!(raw[..], *text.as_bytes());
+    let head = text.trim_end().strip_suffix('}').unwrap();
+    assert_eq!(
+        raw[..],
+        *format!("{head},\"stream_options\":{{\"include_usage\":true}}}}").as_bytes()
+    );
     let mut want: Value = serde_json::from_str(&text).unwrap();
     want["stream_options"] = json!({"include_usage": true});
+    assert_eq!(serde_json::from_slice::<Value>(&raw).unwrap(), want);
+    // A field of the client's that the router changes: the body is written anew.
+    let text = client(2_700, true).replacen(
+        '{',
+        "{\"stream_options\": {\"continuous_usage_stats\": false}, ",
+        1,
+    );
+    let (status, _, answer) = send(text.clone()).await;
+    assert_eq!(status, 200, "{answer}");
+    let raw = f.mocks[&1].raw.lock().last().unwrap().clone();
+    assert!(text.contains(" : "));
+    assert!(
+        !raw.windows(3).any(|w| w == b" : "),
+        "written anew: the client's spacing is gone"
+    );
+    let mut want: Value = serde_json::from_str(&text).unwrap();
+    want["stream_options"]["include_usage"] = json!(true);
     assert_eq!(serde_json::from_slice::<Value>(&raw).unwrap(), want);
     // A client's router-only field is removed, so its bytes are never forwarded as they are.
     let text = client(3_100, false).replacen('{', "{\"bootstrap_room\": 5, ", 1);

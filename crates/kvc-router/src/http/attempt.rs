@@ -32,12 +32,22 @@ pub(crate) struct ForwardedRequest {
 
 impl ForwardedRequest {
     /// The bytes to send for `body`: the client's own when `body` is still the client's
-    /// ([`ForwardedRequest::client_bytes`]), else `body` written out ([`payload`]).
+    /// ([`ForwardedRequest::client_bytes`]); the client's own with the new top-level fields
+    /// appended when `body` only adds fields the client did not send; else `body` written out
+    /// ([`payload`]).
     pub(crate) fn payload(&self, body: &Map<String, Value>) -> Bytes {
-        match &self.client_bytes {
-            Some(bytes) if *body == self.body => bytes.clone(),
-            _ => payload(body),
+        let Some(bytes) = &self.client_bytes else {
+            return payload(body);
+        };
+        // Every field of the client's body is still there, unchanged.
+        if self.body.iter().any(|(k, v)| body.get(k) != Some(v)) {
+            return payload(body);
         }
+        let added: Vec<(&String, &Value)> = body
+            .iter()
+            .filter(|(k, _)| !self.body.contains_key(*k))
+            .collect();
+        append_fields(bytes, &added).unwrap_or_else(|| payload(body))
     }
 
     /// The headers every worker request carries: the session header with the session key
@@ -165,6 +175,41 @@ pub(super) fn payload(body: &Map<String, Value>) -> Bytes {
     serde_json::to_writer(&mut out, body)
         .expect("a map of JSON values with string keys always serializes into memory");
     Bytes::from(out)
+}
+
+/// The JSON object `object` (a client's body, known to parse as an object) with `fields`
+/// appended as members, its own bytes kept as they came; `None` if it does not end in `}`.
+/// `fields` must not be members of `object` already (a duplicate key would be read
+/// differently by different parsers).
+fn append_fields(object: &Bytes, fields: &[(&String, &Value)]) -> Option<Bytes> {
+    if fields.is_empty() {
+        return Some(object.clone());
+    }
+    let close = object.iter().rposition(|b| !b.is_ascii_whitespace())?;
+    if object[close] != b'}' {
+        return None;
+    }
+    let head = &object[..close];
+    let empty = head
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .is_some_and(|i| head[i] == b'{');
+    let extra: usize = fields
+        .iter()
+        .map(|(k, v)| k.len() + 4 + approximate_len(v))
+        .sum();
+    let mut out = Vec::with_capacity(head.len() + extra + 2);
+    out.extend_from_slice(head);
+    for (i, (k, v)) in fields.iter().enumerate() {
+        if i > 0 || !empty {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, k).ok()?;
+        out.push(b':');
+        serde_json::to_writer(&mut out, v).ok()?;
+    }
+    out.push(b'}');
+    Some(Bytes::from(out))
 }
 
 /// About how many bytes `v` takes as JSON (its strings' lengths plus a little per value).
@@ -459,6 +504,31 @@ mod tests {
             Some(3)
         );
         assert_eq!(cached_tokens(br#"{"usage":{"prompt_tokens":3}}"#), None);
+    }
+
+    #[test]
+    fn fields_are_appended_to_the_client_s_own_bytes() {
+        let key = "session_params".to_owned();
+        let value = serde_json::json!({"id": "a\"b"});
+        let fields = [(&key, &value)];
+        let got = append_fields(&Bytes::from_static(b"{ \"text\" : \"x y\" }  \n"), &fields);
+        assert_eq!(
+            &got.unwrap()[..],
+            br#"{ "text" : "x y" ,"session_params":{"id":"a\"b"}}"#
+        );
+        let got = append_fields(&Bytes::from_static(b" { \n } "), &fields).unwrap();
+        assert_eq!(
+            &got[..],
+            br#" { 
+ "session_params":{"id":"a\"b"}}"#
+        );
+        let got: Value = serde_json::from_slice(&got).unwrap();
+        assert_eq!(got, serde_json::json!({"session_params": {"id": "a\"b"}}));
+        assert_eq!(
+            &append_fields(&Bytes::from_static(b"{\"a\":1}"), &[]).unwrap()[..],
+            b"{\"a\":1}"
+        );
+        assert!(append_fields(&Bytes::from_static(b"[1]"), &fields).is_none());
     }
 
     #[test]
