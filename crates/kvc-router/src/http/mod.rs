@@ -78,6 +78,15 @@
 //! (`http.max-session-id-bytes`, default 256) gets 400 naming the limit before anything is
 //! stored, echoed or forwarded.
 //!
+//! **The bytes a worker gets.** A client body from which nothing was removed is forwarded as
+//! the client's own bytes: as they came when the attempt adds nothing to it (e.g. a vLLM
+//! direct-to-D turn whose client asked for the usage chunk), or with the fields the attempt
+//! adds (SGLang's `session_params` and bootstrap fields, vLLM's `kv_transfer_params`, the
+//! usage option) appended as members, none of them being in the client's body. A body whose
+//! own fields the attempt changes (P's request in the vLLM dialect, a client's
+//! `stream_options` without the usage), or from which a router-only field was removed, is
+//! written anew. A long prompt is thus neither copied nor re-encoded on its way to D.
+//!
 //! **Tokens and block hashes.** From `input_ids` (or a token-id `prompt`) with
 //! [`block_hashes`] over the policy's block size. Text goes through the [`Tokenizer`] of
 //! [`HttpOptions::tokenizer`] first: a Hugging Face `tokenizer.json` (`http.tokenizer` in the
