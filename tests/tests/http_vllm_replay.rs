@@ -6,36 +6,17 @@
 
 mod common;
 
-use kvc_core::{BlockHash, EngineKind, ExecutionMode, Outcome, SessionId, StableName, TurnId};
+use kvc_core::{EngineKind, ExecutionMode, Outcome, StableName};
 use kvc_policy::PolicyConfig;
 use kvc_replay::http::{Faults, HttpLiveOptions, HttpOutput, HttpRouter, WorkerOptions, live_http};
 use kvc_replay::sim::{SimConfig, SimOutput, simulate};
-use kvc_replay::trace::{self, Trace, generate::SweConfig};
+use kvc_replay::trace::Trace;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Three SWE-agent sessions (45 turns) plus one single-turn session over the input limit.
 fn trace() -> Trace {
-    let mut records = trace::generate::swe(&SweConfig {
-        seed: 11,
-        sessions: 3,
-        requests: Some(45),
-        ..SweConfig::default()
-    });
-    let too_long = 93_000u64;
-    records.push(kvc_core::TraceRecord {
-        timestamp: 5_000,
-        session_id: Some(SessionId(999_999)),
-        turn_id: Some(TurnId(1)),
-        input_length: too_long,
-        output_length: 10,
-        hash_ids: (0..too_long.div_ceil(512))
-            .map(|i| BlockHash(7_000_000 + i))
-            .collect(),
-    });
-    Trace::from_records(&records, &trace::LoadOptions::default())
-        .unwrap()
-        .0
+    common::swe_with_one_too_long(11, 3, 45)
 }
 
 fn config() -> SimConfig {

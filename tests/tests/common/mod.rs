@@ -135,3 +135,34 @@ pub fn run_sim(replay: &Path, dir: &Path, trace: &Path, topology: &str, policy: 
     assert!(ok.success(), "kvc-replay sim failed");
     out
 }
+
+/// A generated SWE-agent trace (`seed`, `sessions` sessions, `requests` turns in all) plus one
+/// single-turn session whose input (93,000 tokens) is over the model's limit.
+pub fn swe_with_one_too_long(
+    seed: u64,
+    sessions: usize,
+    requests: usize,
+) -> kvc_replay::trace::Trace {
+    use kvc_core::{BlockHash, SessionId, TurnId};
+    use kvc_replay::trace::{self, generate::SweConfig};
+    let mut records = trace::generate::swe(&SweConfig {
+        seed,
+        sessions,
+        requests: Some(requests),
+        ..SweConfig::default()
+    });
+    let too_long = 93_000u64;
+    records.push(kvc_core::TraceRecord {
+        timestamp: 5_000,
+        session_id: Some(SessionId(999_999)),
+        turn_id: Some(TurnId(1)),
+        input_length: too_long,
+        output_length: 10,
+        hash_ids: (0..too_long.div_ceil(512))
+            .map(|i| BlockHash(7_000_000 + i))
+            .collect(),
+    });
+    kvc_replay::trace::Trace::from_records(&records, &trace::LoadOptions::default())
+        .unwrap()
+        .0
+}
