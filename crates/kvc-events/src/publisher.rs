@@ -3,7 +3,9 @@
 //! A PUB socket sends `[topic, seq, payload]` for every published batch (`seq` from 0); an
 //! optional ROUTER socket answers replay requests from a ring buffer of the last
 //! `buffer_steps` batches (default 10,000, vLLM's default), with the framing of
-//! [`crate::frames`]. Payloads are vLLM's map shape ([`crate::encode`]).
+//! [`crate::frames`]: vLLM 0.32's (the topic frame in every reply) unless
+//! [`PublisherConfig::replay_topic_frame`] is off (SGLang's and older vLLM's). Payloads are
+//! vLLM's map shape ([`crate::encode`]).
 //!
 //! For tests, [`Publisher::publish_unsent`] numbers and buffers a batch without sending it
 //! on the PUB socket — the gap a slow subscriber would see.
@@ -30,16 +32,22 @@ pub struct PublisherConfig {
     pub topic: String,
     /// Batches kept for replay.
     pub buffer_steps: usize,
+    /// Replay replies carry the topic frame, `["", topic, seq, payload]` ending with `["",
+    /// "", END_SEQ, ""]`, as vLLM 0.32 and later send them; off: `["", seq, payload]` ending
+    /// with `["", END_SEQ, ""]` (SGLang, older vLLM).
+    pub replay_topic_frame: bool,
 }
 
 impl PublisherConfig {
-    /// A publisher on `endpoint`: no replay socket, empty topic, a 10,000-batch buffer.
+    /// A publisher on `endpoint`: no replay socket, empty topic, a 10,000-batch buffer,
+    /// replies framed as vLLM 0.32 frames them.
     pub fn new(endpoint: impl Into<String>) -> Self {
         PublisherConfig {
             endpoint: endpoint.into(),
             replay_endpoint: None,
             topic: String::new(),
             buffer_steps: 10_000,
+            replay_topic_frame: true,
         }
     }
 }
@@ -197,7 +205,8 @@ async fn serve(
                 match req {
                     Ok(req) => {
                         if let Some(r) = router.as_mut() {
-                            answer_replay(r, req, &buffer).await;
+                            let reply_topic = cfg.replay_topic_frame.then_some(&topic);
+                            answer_replay(r, req, &buffer, reply_topic).await;
                         }
                     }
                     Err(e) => tracing::debug!("kv-events publisher: replay socket: {e}"),
@@ -208,11 +217,13 @@ async fn serve(
 }
 
 /// Answers one replay request `[identity, "", start_seq]` (the delimiter optional) with every
-/// buffered batch from `start_seq` on, then the end marker.
+/// buffered batch from `start_seq` on, then the end marker; with `topic`, each reply carries
+/// it before the sequence (the end marker an empty topic frame).
 async fn answer_replay(
     router: &mut RouterSocket,
     req: ZmqMessage,
     buffer: &VecDeque<(u64, Bytes)>,
+    topic: Option<&Bytes>,
 ) {
     let frames = req.into_vec();
     let (id, delim, start) = match frames.as_slice() {
@@ -224,17 +235,18 @@ async fn answer_replay(
         tracing::debug!("kv-events publisher: malformed replay request ignored");
         return;
     };
-    let reply = |seq: Bytes, payload: Bytes| {
+    let reply = |topic: Option<Bytes>, seq: Bytes, payload: Bytes| {
         let mut f = vec![id.clone()];
         if delim {
             f.push(Bytes::new());
         }
+        f.extend(topic);
         f.push(seq);
         f.push(payload);
         ZmqMessage::try_from(f)
     };
     for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start) {
-        let Ok(msg) = reply(seq_frame(*seq), payload.clone()) else {
+        let Ok(msg) = reply(topic.cloned(), seq_frame(*seq), payload.clone()) else {
             return;
         };
         if let Err(e) = router.send(msg).await {
@@ -242,7 +254,8 @@ async fn answer_replay(
             return;
         }
     }
-    if let Ok(msg) = reply(Bytes::copy_from_slice(&END_SEQ), Bytes::new())
+    let end_topic = topic.map(|_| Bytes::new());
+    if let Ok(msg) = reply(end_topic, Bytes::copy_from_slice(&END_SEQ), Bytes::new())
         && let Err(e) = router.send(msg).await
     {
         tracing::debug!("kv-events publisher: replay end marker failed: {e}");

@@ -4,13 +4,14 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 /// Counters of one worker's event stream. Every field only grows, except the gauges
-/// `indexed_blocks`, `last_seq` and `connected`.
+/// `indexed_blocks`, `last_seq` and `connected` (`synced`, once set, stays set).
 #[derive(Debug, Default)]
 pub struct WorkerStats {
     pub(crate) indexed_blocks: AtomicU64,
     /// `u64::MAX`: nothing applied yet.
     pub(crate) last_seq: AtomicU64,
     pub(crate) connected: AtomicBool,
+    pub(crate) synced: AtomicBool,
     pub(crate) batches: AtomicU64,
     pub(crate) blocks_stored: AtomicU64,
     pub(crate) blocks_removed: AtomicU64,
@@ -39,6 +40,10 @@ pub struct StatsSnapshot {
     pub last_seq: Option<u64>,
     /// Whether the SUB socket is connected.
     pub connected: bool,
+    /// Whether the index has caught up with the publisher once: the replay asked for on the
+    /// first connection ended (or failed, the index then starting from the live stream), or,
+    /// without a replay endpoint, the first connection was made.
+    pub synced: bool,
     /// Batches applied.
     pub batches: u64,
     /// Blocks stored (indexed or refreshed).
@@ -92,6 +97,7 @@ impl WorkerStats {
             indexed_blocks: self.indexed_blocks.load(Relaxed),
             last_seq: (last != u64::MAX).then_some(last),
             connected: self.connected.load(Relaxed),
+            synced: self.synced.load(Relaxed),
             batches: self.batches.load(Relaxed),
             blocks_stored: self.blocks_stored.load(Relaxed),
             blocks_removed: self.blocks_removed.load(Relaxed),

@@ -2,7 +2,11 @@
 //! with its engine's event stream.
 //!
 //! A ZeroMQ SUB socket connects to the worker's `kv-events` endpoint with the configured topic
-//! and reads `[topic, seq, payload]` messages ([`crate::frames`]). Each message goes through
+//! and reads `[topic, seq, payload]` messages ([`crate::frames`]). On a connection made with
+//! nothing applied yet (the router just started, or the index was reset) and a replay
+//! endpoint, the subscriber first asks for every buffered message from 0, so a router started
+//! after the engine served traffic knows what it holds before the engine publishes again
+//! ([`WorkerStats`]' `synced` says when that catch-up has ended). Each message goes through
 //! the worker's [`SeqTracker`]: the next one is decoded and applied to the shared index; a gap
 //! (or a first message above 0) sends `["", start_seq]` on a DEALER to the `kv-events-replay`
 //! endpoint and applies the replies up to the end marker while live messages are held; a lost
@@ -204,8 +208,19 @@ impl Run {
     }
 
     /// Reads the live stream until it fails (false: reconnect) or the task is cancelled
-    /// (true).
+    /// (true). With nothing applied yet and a replay endpoint, first catches up by replay
+    /// from 0.
     async fn pump(&mut self, sub: &mut SubSocket, cancel: &CancellationToken) -> bool {
+        if self.tracker.last().is_none() && self.cfg.replay_endpoint.is_some() {
+            let mut held = VecDeque::new();
+            let stopped = self.replay(0, sub, &mut held, cancel).await;
+            self.stats.synced.store(true, Relaxed);
+            if stopped {
+                return true;
+            }
+            self.apply_held(held);
+        }
+        self.stats.synced.store(true, Relaxed);
         loop {
             let msg = tokio::select! {
                 _ = cancel.cancelled() => return true,
@@ -250,18 +265,23 @@ impl Run {
                     if self.replay(from, sub, &mut held, cancel).await {
                         return true;
                     }
-                    for (seq, payload) in held {
-                        match self.tracker.on_held(seq) {
-                            LiveAction::Apply => self.apply(seq, &payload),
-                            LiveAction::ResetThenApply { .. } => {
-                                WorkerStats::add(&self.stats.gaps, 1);
-                                self.reset("gap the replay did not close");
-                                self.apply(seq, &payload);
-                            }
-                            LiveAction::Ignore | LiveAction::Replay { .. } => {}
-                        }
-                    }
+                    self.apply_held(held);
                 }
+            }
+        }
+    }
+
+    /// Applies the live messages held while a replay ran, in order.
+    fn apply_held(&mut self, held: VecDeque<(u64, Bytes)>) {
+        for (seq, payload) in held {
+            match self.tracker.on_held(seq) {
+                LiveAction::Apply => self.apply(seq, &payload),
+                LiveAction::ResetThenApply { .. } => {
+                    WorkerStats::add(&self.stats.gaps, 1);
+                    self.reset("gap the replay did not close");
+                    self.apply(seq, &payload);
+                }
+                LiveAction::Ignore | LiveAction::Replay { .. } => {}
             }
         }
     }
