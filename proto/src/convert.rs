@@ -93,6 +93,7 @@ proto_enum!(
         Rejected,
         WorkerFailed,
         DirectCacheMiss,
+        InvalidRequest,
     }
 );
 

@@ -189,16 +189,27 @@ stable_enum! {
         /// the engine recomputed the prompt. The client got its answer, so it is not a
         /// mechanism error; it is counted apart so a hidden eviction shows.
         DirectCacheMiss => "direct-cache-miss",
+        /// The engine refused the request as invalid: a 4xx answer other than 408 and 429
+        /// (an option the engine was not started for, such as `tool_choice: "auto"` without
+        /// tool calling; a malformed field; an unknown model). The client gets the engine's
+        /// answer as it is. It is the client's or the deployment's error, not the serving
+        /// system's: never a mechanism error, never counted against the worker's health, and
+        /// it leaves the session where it was (the engine touched none of its KV).
+        InvalidRequest => "invalid-request",
     }
 }
 
 impl Outcome {
-    /// The one accounting rule: every outcome other than `ok`, `input-too-long` and
-    /// `direct-cache-miss` is a mechanism error (something the serving system did wrong).
+    /// The one accounting rule: every outcome other than `ok`, `input-too-long`,
+    /// `direct-cache-miss` and `invalid-request` is a mechanism error (something the serving
+    /// system did wrong).
     pub fn is_mechanism_error(self) -> bool {
         !matches!(
             self,
-            Outcome::Ok | Outcome::InputTooLong | Outcome::DirectCacheMiss
+            Outcome::Ok
+                | Outcome::InputTooLong
+                | Outcome::DirectCacheMiss
+                | Outcome::InvalidRequest
         )
     }
 

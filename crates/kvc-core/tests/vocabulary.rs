@@ -84,6 +84,7 @@ fn outcomes_have_stable_names() {
         "rejected",
         "worker-failed",
         "direct-cache-miss",
+        "invalid-request",
     ]);
 }
 
@@ -157,6 +158,8 @@ fn mechanism_error_rule() {
     assert!(!Outcome::Ok.is_mechanism_error());
     assert!(!Outcome::InputTooLong.is_mechanism_error());
     assert!(!Outcome::DirectCacheMiss.is_mechanism_error());
+    assert!(!Outcome::InvalidRequest.is_mechanism_error());
+    assert!(!Outcome::InvalidRequest.is_served());
 }
 
 #[test]

@@ -804,7 +804,8 @@ impl RouterState {
     /// - `Completed`: the request stops counting in flight; if `worker` is the session's current
     ///   D, a positive `resident_tokens` confirms residency and 0 ends it (an eviction already
     ///   reported stays `evicted`); a successful (`ok`) direct-to-D turn resets the session's
-    ///   reject counter on `worker` to 0.
+    ///   reject counter on `worker` to 0. An `invalid-request` (the engine refused the request
+    ///   itself) changes nothing but the in-flight count.
     /// - `AdmissionRejected`: the session's reject counter on `worker` grows by one (a re-route
     ///   of the same reject with [`crate::RouteRequest::rejected_by`] does not count it again).
     /// - `Evicted`: if `worker` is the session's current D, the session is `evicted` there and
@@ -835,6 +836,11 @@ impl RouterState {
                             self.pair_failures.remove(&pair);
                         }
                     }
+                }
+                // The engine refused the request before touching any KV: the session stays
+                // where it was, as resident as it was.
+                if outcome == Outcome::InvalidRequest {
+                    return;
                 }
                 let Some(route) = session.and_then(|s| self.sessions.get_mut(&s)) else {
                     return;

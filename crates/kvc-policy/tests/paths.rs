@@ -436,6 +436,41 @@ fn completion_without_resident_tokens_ends_residency() {
 }
 
 #[test]
+fn a_request_the_engine_refused_leaves_the_session_where_it_was() {
+    let ws = pd(1, 2);
+    for name in ["kvc-v2", "kvc"] {
+        let mut r = Router::named(name, &ws);
+        let t1 = ctx_blocks(6, 0, 8);
+        let first = r.serve(&ws, Some((6, 1)), &t1);
+        let t2 = ctx_blocks(6, 0, 9);
+        let req = r.request(6, 2, &t2);
+        let d = r.decide(&ws, &req).unwrap();
+        assert_eq!(d.mode, ExecutionMode::DirectToD, "{name}");
+        r.state.apply(&d.change);
+        // The engine answered 4xx: it touched none of the session's KV.
+        r.state.observe(&Observation::Completed {
+            request_id: req.request_id,
+            session: Some(sid(6)),
+            worker: d.decode,
+            outcome: Outcome::InvalidRequest,
+            resident_tokens: 0,
+            direct: true,
+        });
+        let s = r.state.session(sid(6)).unwrap();
+        assert_eq!(s.residency, Residency::Resident, "{name}");
+        assert_eq!(r.state.resident_depth(first.decode, &t1), 12, "{name}");
+        assert_eq!(r.state.pending_count(), 0, "{name}: no longer in flight");
+        let req = r.request(6, 3, &t2);
+        let again = r.decide(&ws, &req).unwrap();
+        assert_eq!(
+            (again.mode, again.decode),
+            (ExecutionMode::DirectToD, first.decode),
+            "{name}"
+        );
+    }
+}
+
+#[test]
 fn classify_turn_precedence() {
     let mut ws = pd(1, 2);
     let mut r = Router::named("kvc-v2", &ws);
