@@ -434,7 +434,11 @@ pub struct WorkerConfig {
     pub name: Option<String>,
     /// `prefill`, `decode` or `colocated`.
     pub role: WorkerRole,
-    /// Size of its KV pool in tokens (must match the snapshot header when there is one).
+    /// Size of its KV pool in tokens (must match the snapshot header when there is one). May
+    /// be left out (0) for an `engine = "vllm"` worker with `metrics-url`: its pool is then
+    /// what the engine's `/metrics` reports (`vllm:cache_config_info`: `num_gpu_blocks` ×
+    /// `block_size`), and the worker is out of rotation until a scrape has reported it.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub capacity_tokens: u64,
     /// Its shared-memory snapshot file: state and probes are read from it, with no RPC.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -553,6 +557,16 @@ impl WorkerConfig {
         }
     }
 
+    /// Whether the worker's pool size is read from its engine (`capacity-tokens` left out):
+    /// a vLLM engine scraped through `metrics-url`, with no snapshot (whose header carries a
+    /// pool size of its own).
+    pub fn pool_from_engine(&self) -> bool {
+        self.capacity_tokens == 0
+            && self.engine == Some(EngineKind::Vllm)
+            && self.metrics_url.is_some()
+            && self.snapshot.is_none()
+    }
+
     /// The display name.
     pub fn display_name(&self) -> String {
         self.name.clone().unwrap_or_else(|| format!("w{}", self.id))
@@ -588,8 +602,12 @@ impl WorkerConfig {
             }
         }
         self.validate_kv_events()?;
-        if self.capacity_tokens == 0 {
-            return invalid(format!("worker {id} capacity-tokens must be positive"));
+        if self.capacity_tokens == 0 && !self.pool_from_engine() {
+            return invalid(format!(
+                "worker {id} capacity-tokens must be positive (it may be left out only for an \
+                 engine = \"vllm\" worker with a metrics-url and no snapshot: vLLM's /metrics \
+                 reports its pool)"
+            ));
         }
         if let Some(addr) = &self.address
             && addr.parse::<tonic::transport::Uri>().is_err()
@@ -640,9 +658,11 @@ impl WorkerConfig {
             ("kv-events-replay", &self.kv_events_replay),
         ] {
             if let Some(v) = value
-                && !is_tcp_endpoint(v)
+                && !is_event_endpoint(v)
             {
-                return invalid(format!("worker {id} {key} `{v}` is not tcp://host:port"));
+                return invalid(format!(
+                    "worker {id} {key} `{v}` is not tcp://host:port or ipc://path"
+                ));
             }
         }
         if self.block_size == Some(0) {
@@ -676,11 +696,20 @@ impl WorkerConfig {
     }
 }
 
-/// Whether `s` is `tcp://host:port` with a non-empty host and a port.
-fn is_tcp_endpoint(s: &str) -> bool {
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// Whether `s` is an endpoint the router can connect an event socket to: `tcp://host:port`
+/// with a non-empty host (not a wildcard: that is the engine's bind form, `tcp://*:5557`)
+/// and a port, or `ipc://path` with a non-empty path (an engine on the same machine).
+fn is_event_endpoint(s: &str) -> bool {
+    if let Some(path) = s.strip_prefix("ipc://") {
+        return !path.is_empty();
+    }
     s.strip_prefix("tcp://")
         .and_then(|rest| rest.rsplit_once(':'))
-        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+        .is_some_and(|(host, port)| !host.is_empty() && host != "*" && port.parse::<u16>().is_ok())
 }
 
 /// SGLang's default disaggregation bootstrap port: a prefill worker's when its
@@ -1290,6 +1319,19 @@ mod tests {
         assert!(
             error_of(&bad_endpoint).contains("kv-events `udp://h:5557` is not tcp://host:port")
         );
+        // The engine's bind form is not an address to connect to; an ipc path is.
+        let wildcard = ok_events.replace("tcp://h:5557", "tcp://*:5557");
+        assert!(error_of(&wildcard).contains("kv-events `tcp://*:5557` is not tcp://host:port"));
+        let ipc = ok_events.replace("tcp://h:5557", "ipc:///run/vllm/events.sock");
+        assert_eq!(
+            RouterConfig::from_toml_str(&colocated(&ipc))
+                .unwrap()
+                .workers[0]
+                .kv_events
+                .as_deref(),
+            Some("ipc:///run/vllm/events.sock")
+        );
+        assert!(error_of(&ok_events.replace("tcp://h:5557", "ipc://")).contains("ipc://path"));
         let orphan = format!("{scraped}engine = \"vllm\"\nkv-events-replay = \"tcp://h:1\"\n");
         assert!(error_of(&orphan).contains("need `kv-events`"));
         let vllm = format!("{scraped}engine = \"vllm\"\nkv-events = \"tcp://h:1\"\n");
@@ -1335,6 +1377,19 @@ mod tests {
         assert!(error_of(range).contains("out of range"));
         let capacity = format!("{}snapshot = \"/x\"\n", base.replace("10", "0"));
         assert!(error_of(&capacity).contains("worker 1 capacity-tokens must be positive"));
+        // Left out: only where vLLM's /metrics reports the pool.
+        let no_capacity = base.replace("capacity-tokens = 10\n", "");
+        let scraped = "metrics-url = \"http://h:1/metrics\"\n";
+        let vllm = format!("{no_capacity}engine = \"vllm\"\n{scraped}");
+        let cfg = RouterConfig::from_toml_str(&vllm.replace("\"decode\"", "\"colocated\""));
+        let cfg = cfg.unwrap();
+        assert_eq!(cfg.workers[0].capacity_tokens, 0);
+        assert!(cfg.workers[0].pool_from_engine());
+        assert!(!toml::to_string(&cfg).unwrap().contains("capacity-tokens"));
+        let sglang = format!("{no_capacity}engine = \"sglang\"\n{scraped}");
+        assert!(error_of(&sglang).contains("capacity-tokens must be positive"));
+        let snapshot = format!("{vllm}snapshot = \"/x\"\n");
+        assert!(error_of(&snapshot).contains("may be left out only for an engine = \"vllm\""));
         let address = format!("{base}address = \"not a uri\"\n");
         assert!(error_of(&address).contains("worker 1 address `not a uri` is not a URI"));
     }

@@ -155,5 +155,6 @@ pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::RouterGrpc;
 pub use server::{RunningRouter, serve, serve_service, spawn_background};
 pub use service::{
-    DecisionOutcome, ListedWorker, ProbeOutcome, RouterDecision, RouterService, SharedClock,
+    DecisionOutcome, KV_EVENTS_CATCH_UP_MS, ListedWorker, ProbeOutcome, RouterDecision,
+    RouterService, SharedClock,
 };

@@ -129,7 +129,16 @@ pub struct RouterService {
     scrape_client: crate::worker_http::WorkerClient,
     /// What the engines' KV-cache events say each worker holds (written by the subscribers).
     kv_index: kvc_events::SharedIndex,
+    /// When the service was made, on its clock (the KV-event catch-up window starts here).
+    started_ms: u64,
 }
+
+/// How long after start readiness waits for each worker's KV-cache events to catch up (the
+/// subscriber's connect timeout, 2 s, plus its replay timeout, 5 s, with room to spare): a
+/// router started beside engines that already served traffic replays what they hold before
+/// it answers ready, and an engine whose events cannot be reached does not hold readiness
+/// back for longer.
+pub const KV_EVENTS_CATCH_UP_MS: u64 = 10_000;
 
 impl std::fmt::Debug for RouterService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -170,6 +179,7 @@ impl RouterService {
                 state.set_direct_append(w.worker_id(), false);
             }
         }
+        let started_ms = clock.now_ms();
         let service = RouterService {
             core: Mutex::new(Core {
                 state,
@@ -188,6 +198,7 @@ impl RouterService {
             metrics: Metrics::new(),
             scrape_client: crate::worker_http::WorkerClient::new(Default::default()),
             kv_index: Arc::new(RwLock::new(kvc_events::KvIndex::new())),
+            started_ms,
         };
         service.refresh_workers();
         Ok(service)
@@ -260,6 +271,59 @@ impl RouterService {
         entry
             .scrape(&self.scrape_client, timeout, || clock.now_ms())
             .await;
+        // A pool read from the engine bounds the policy's block view as a configured one does.
+        if entry.capacity_tokens == 0 && !entry.pool_bound_set.load(Ordering::Relaxed) {
+            let pool = entry.pool_tokens();
+            if pool > 0 {
+                self.core.lock().state.set_worker_blocks(worker, pool);
+                entry.pool_bound_set.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Why the router should not answer ready yet because of KV-cache events: a worker with
+    /// `kv-events` whose subscriber has not caught up with its engine (not started, or its
+    /// first replay not ended), within [`KV_EVENTS_CATCH_UP_MS`] of start. `None` once every
+    /// one has, or the window has passed.
+    pub fn events_catching_up(&self) -> Option<String> {
+        if self.now_ms().saturating_sub(self.started_ms) >= KV_EVENTS_CATCH_UP_MS {
+            return None;
+        }
+        let behind: Vec<&str> = self
+            .workers
+            .iter()
+            .filter(|w| w.kv_events.is_some())
+            .filter(|w| !w.event_stats().is_some_and(|s| s.synced))
+            .map(|w| w.name.as_str())
+            .collect();
+        (!behind.is_empty()).then(|| {
+            format!(
+                "KV-cache events of {} still catching up with the engine (replay)",
+                behind.join(", ")
+            )
+        })
+    }
+
+    /// Takes note of whether a 2xx answer of `worker`'s engine (one that carried `usage`)
+    /// reported its cached prompt tokens. The first answer without them is warned about, once
+    /// per worker: a vLLM engine reports them only when started with
+    /// `--enable-prompt-tokens-details`, and without them no direct-to-D turn on it can be
+    /// judged a `direct-cache-miss`.
+    pub(crate) fn note_cache_accounting(&self, worker: WorkerId, reported: bool) {
+        let Some(entry) = self.entry(worker.0) else {
+            return;
+        };
+        let value = if reported { 1 } else { 2 };
+        let before = entry.cache_accounting.swap(value, Ordering::Relaxed);
+        if !reported && before != 2 {
+            tracing::warn!(
+                worker = worker.0,
+                name = %entry.name,
+                "the engine's answers carry no usage.prompt_tokens_details.cached_tokens: start \
+                 vLLM with --enable-prompt-tokens-details, or the router cannot tell a \
+                 direct-to-D turn that missed the worker's cache (direct-cache-miss)"
+            );
+        }
     }
 
     /// The workers with a `kv-events` endpoint.
@@ -271,9 +335,9 @@ impl RouterService {
             .collect()
     }
 
-    /// Starts `worker`'s KV-event subscriber (until `stop`) once the engine's block size is
-    /// known (configured, or reported by its `/metrics`); the index keeps at most the worker's
-    /// pool in blocks. Returns `false` while the block size is unknown (call again later),
+    /// Starts `worker`'s KV-event subscriber (until `stop`) once the engine's block size and
+    /// pool are known (configured, or reported by its `/metrics`); the index keeps at most the
+    /// worker's pool in blocks. Returns `false` while either is unknown (call again later),
     /// `true` once started or when there is nothing to start.
     pub fn start_event_subscriber(
         &self,
@@ -300,7 +364,11 @@ impl RouterService {
             );
             return true;
         };
-        let capacity = entry.state_at(self.now_ms()).capacity_tokens;
+        // A pool read from the engine is known after its first scrape.
+        let capacity = entry.pool_tokens();
+        if capacity == 0 {
+            return false;
+        }
         let capacity_blocks =
             (capacity / u64::from(block_size.tokens())).clamp(1, u64::from(u32::MAX));
         let spec = kvc_events::WorkerSpec {
@@ -475,6 +543,7 @@ impl RouterService {
                     role: w.role,
                     state: w.state_at(now),
                     events: w.event_stats(),
+                    cache_accounting: w.cache_accounting(),
                 })
                 .collect(),
             sessions_tracked,

@@ -44,7 +44,11 @@ pub(crate) struct WorkerEntry {
     pub(crate) role: WorkerRole,
     /// What its engine can do ([`WorkerConfig::capabilities`]), given to the policy.
     pub(crate) caps: Capabilities,
+    /// The configured pool; 0 when it is read from the engine ([`WorkerEntry::pool_tokens`]).
     pub(crate) capacity_tokens: u64,
+    /// The engine reported the pool of a worker configured without one, and the policy's
+    /// block bound was set from it.
+    pub(crate) pool_bound_set: std::sync::atomic::AtomicBool,
     pub(crate) source: StateSource,
     snapshot_path: Option<PathBuf>,
     reader: RwLock<Option<Arc<SnapshotReader>>>,
@@ -62,6 +66,9 @@ pub(crate) struct WorkerEntry {
     pub(crate) kv_events: Option<KvEventsSource>,
     /// The counters of the running event subscriber (set once it starts).
     pub(crate) event_stats: OnceLock<Arc<kvc_events::WorkerStats>>,
+    /// Whether the engine's answers report cached prompt tokens: 0 not known yet, 1 they do,
+    /// 2 they do not ([`crate::RouterService::note_cache_accounting`]).
+    pub(crate) cache_accounting: std::sync::atomic::AtomicU8,
     /// The engine's block size as its `/metrics` last reported it (0: not reported).
     engine_block_size: std::sync::atomic::AtomicU32,
     /// Tokens of KV that requests the router saw end on this worker held (a running total).
@@ -118,6 +125,7 @@ impl WorkerEntry {
             role: cfg.role,
             caps: cfg.capabilities(),
             capacity_tokens: cfg.capacity_tokens,
+            pool_bound_set: std::sync::atomic::AtomicBool::new(false),
             source,
             snapshot_path: cfg.snapshot.clone(),
             reader: RwLock::new(None),
@@ -141,10 +149,20 @@ impl WorkerEntry {
                 block_size: cfg.block_size,
             }),
             event_stats: OnceLock::new(),
+            cache_accounting: std::sync::atomic::AtomicU8::new(0),
             engine_block_size: std::sync::atomic::AtomicU32::new(0),
             released: std::sync::atomic::AtomicU64::new(0),
             stale_after_ms,
             rpc_timeout: Duration::from_millis(router.rpc_timeout_ms),
+        }
+    }
+
+    /// The worker's KV pool in tokens: configured, else the last one its engine reported (0
+    /// until then).
+    pub(crate) fn pool_tokens(&self) -> u64 {
+        match self.capacity_tokens {
+            0 => self.live.read().state.capacity_tokens,
+            n => n,
         }
     }
 
@@ -369,6 +387,14 @@ impl WorkerEntry {
         let released = self.released.load(std::sync::atomic::Ordering::Relaxed);
         let answer = client.get(&scraped.url, "", timeout).await;
         let now = now_ms();
+        // A busy engine can be slow to answer /metrics (a CPU engine's API server waits out a
+        // long prefill): a scrape that only ran out of time leaves the last good state to age
+        // until `stale-after-ms`; an engine that refuses, breaks or garbles the answer is out
+        // at once.
+        if matches!(answer, Err(crate::worker_http::ForwardError::Timeout(_))) {
+            tracing::debug!(worker = self.id.0, url = %scraped.url.uri(""), "engine metrics scrape timed out; the last state ages");
+            return;
+        }
         let load = match answer {
             Ok(a) if a.status == 200 => std::str::from_utf8(&a.body)
                 .map_err(|e| format!("not UTF-8 text: {e}"))
@@ -408,7 +434,18 @@ impl WorkerEntry {
     fn engine_state(&self, scraped: &Scraped, load: &EngineLoad) -> WorkerState {
         let capacity = match load.pool_tokens {
             Some(pool) if pool > 0 => {
-                if pool != self.capacity_tokens
+                if self.capacity_tokens == 0 {
+                    if !scraped
+                        .capacity_warned
+                        .swap(true, std::sync::atomic::Ordering::Relaxed)
+                    {
+                        tracing::info!(
+                            worker = self.id.0,
+                            engine_pool_tokens = pool,
+                            "KV pool read from the engine's /metrics (capacity-tokens not set)"
+                        );
+                    }
+                } else if pool != self.capacity_tokens
                     && !scraped
                         .capacity_warned
                         .swap(true, std::sync::atomic::Ordering::Relaxed)
@@ -449,6 +486,18 @@ impl WorkerEntry {
                 bs => Some(bs),
             }
         })
+    }
+
+    /// Whether the engine's answers report cached prompt tokens (`None`: not known yet).
+    pub(crate) fn cache_accounting(&self) -> Option<bool> {
+        match self
+            .cache_accounting
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            1 => Some(true),
+            2 => Some(false),
+            _ => None,
+        }
     }
 
     /// The event subscriber's counters, once it runs.

@@ -141,6 +141,132 @@ async fn engine_metrics_are_the_state_of_workers_without_a_snapshot() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_pool_left_out_of_the_configuration_is_read_from_the_engine() {
+    use kvc_core::Outcome;
+    use kvc_proto::convert::ProtoEnum;
+    use kvc_proto::pb;
+    let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    let (d_addr, d) = mock_engine(&vllm_text(0, 0, 0.0, 4_000)).await;
+    let engines = [p_addr, d_addr];
+    let cluster = Cluster::start(|cfg| {
+        cfg.engine_signals.scrape_interval_ms = 20;
+        cfg.workers.truncate(2);
+        for (w, addr) in cfg.workers.iter_mut().zip(engines) {
+            w.snapshot = None;
+            w.capacity_tokens = 0;
+            w.engine = Some(EngineKind::Vllm);
+            w.serve_alone = Some(false);
+            w.metrics_url = Some(format!("http://{addr}/metrics"));
+        }
+    })
+    .await;
+    wait_for(&cluster, "both scraped", |ws| {
+        ws.iter().all(|w| w.state.health == Health::Healthy)
+    })
+    .await;
+    let ws = cluster.service().list_workers();
+    assert_eq!(ws[0].state.capacity_tokens, 5_750 * 16);
+    assert_eq!(ws[1].state.capacity_tokens, 4_000 * 16);
+    let metrics = cluster.service().render_metrics();
+    assert!(
+        metrics.contains(
+            "kvc_router_worker_capacity_tokens{worker=\"1\",name=\"d1\",role=\"decode\"} 64000"
+        ),
+        "{metrics}"
+    );
+    // The pool bounds what a report may claim resident, as a configured one does.
+    let mut client = cluster.client.clone();
+    let t1 = client
+        .route(route_req(1, Some(9), Some(1), 2_000, &[1, 2, 3]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(t1.decode_worker, 1);
+    let report = |resident_tokens: u64, request_id: u64, decision_id: u64| pb::OutcomeReport {
+        decision_id,
+        request_id,
+        outcome: Outcome::Ok.to_proto(),
+        resident_tokens,
+    };
+    client
+        .report_outcome(report(2_040, 1, t1.decision_id))
+        .await
+        .expect("2,040 tokens fit the engine's 64,000-token pool");
+    let t2 = client
+        .route(route_req(2, Some(10), Some(1), 2_000, &[4, 5, 6]))
+        .await
+        .unwrap()
+        .into_inner();
+    let err = client
+        .report_outcome(report(64_001, 2, t2.decision_id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+    assert!(err.message().contains("64000 tokens"), "{err}");
+    // A pool that changes on the engine is followed.
+    *d.lock() = (StatusCode::OK, vllm_text(0, 0, 0.0, 8_000));
+    wait_for(&cluster, "the larger pool", |ws| {
+        ws[1].state.capacity_tokens == 128_000
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrape_that_only_times_out_leaves_the_state_to_age() {
+    let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    // D's /metrics answers at once until `slow` is set, then long after any scrape deadline
+    // (a busy CPU engine's API server).
+    let slow = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = Arc::clone(&slow);
+    let app = axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let flag = Arc::clone(&flag);
+            async move {
+                if flag.load(std::sync::atomic::Ordering::Relaxed) {
+                    tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+                }
+                vllm_text(1, 0, 0.1, 5_750)
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let d_addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let engines = [p_addr, d_addr];
+    let cluster = Cluster::start(|cfg| {
+        cfg.engine_signals.scrape_interval_ms = 20;
+        cfg.engine_signals.scrape_timeout_ms = 50;
+        cfg.engine_signals.stale_after_ms = 3_000;
+        cfg.workers.truncate(2);
+        for (w, addr) in cfg.workers.iter_mut().zip(engines) {
+            w.snapshot = None;
+            w.engine = Some(EngineKind::Vllm);
+            w.serve_alone = Some(false);
+            w.metrics_url = Some(format!("http://{addr}/metrics"));
+        }
+    })
+    .await;
+    wait_for(&cluster, "both scraped", |ws| {
+        ws.iter().all(|w| w.state.health == Health::Healthy)
+    })
+    .await;
+    slow.store(true, std::sync::atomic::Ordering::Relaxed);
+    // Several scrapes time out (the router's clock stands still): the last good state is
+    // still fresh, so D stays in rotation with its figures.
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    let ws = cluster.service().list_workers();
+    assert_eq!(ws[1].state.health, Health::Healthy, "{:?}", ws[1]);
+    assert_eq!(ws[1].state.in_flight, 1, "the last good scrape's figures");
+    // Once that state is older than stale-after-ms, D is out.
+    cluster.clock.advance(3_001);
+    wait_for(&cluster, "d stale", |ws| {
+        ws[1].state.health != Health::Healthy
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_engine_stays_down_and_the_rest_route() {
     let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
     let (d_addr, _d) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;

@@ -32,6 +32,8 @@ struct Mock {
     fail_prefill: Mutex<Option<u16>>,
     /// A request that is not a prefill is answered this status (JSON), when set.
     fail_decode: Mutex<Option<u16>>,
+    /// The error message of a failing answer (default: the worker's name and the status).
+    message: Mutex<Option<String>>,
     /// The cached prompt tokens a plain (no `kv_transfer_params`) request reports.
     cached: Mutex<u64>,
     received: Mutex<Vec<Received>>,
@@ -82,7 +84,9 @@ async fn handler(
             return (
                 StatusCode::from_u16(status).unwrap(),
                 [("content-type", "application/json")],
-                json!({"error": {"message": format!("{} failed", m.name)}}).to_string(),
+                json!({"error": {"message": m.message.lock().clone()
+                    .unwrap_or_else(|| format!("{} failed", m.name))}})
+                .to_string(),
             )
                 .into_response();
         }
@@ -95,7 +99,9 @@ async fn handler(
         return (
             StatusCode::from_u16(status).unwrap(),
             [("content-type", "application/json")],
-            json!({"error": {"message": format!("{} says {status}", m.name)}}).to_string(),
+            json!({"error": {"message": m.message.lock().clone()
+                .unwrap_or_else(|| format!("{} says {status}", m.name))}})
+            .to_string(),
         )
             .into_response();
     }
@@ -134,6 +140,7 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         name: name.to_owned(),
         fail_prefill: Mutex::new(None),
         fail_decode: Mutex::new(None),
+        message: Mutex::new(None),
         cached: Mutex::new(100_000),
         received: Mutex::new(Vec::new()),
         raw: Mutex::new(Vec::new()),
@@ -510,6 +517,62 @@ async fn a_direct_turn_d_served_without_its_cache_is_a_direct_cache_miss() {
 }
 
 #[tokio::test]
+async fn an_engine_s_refusal_of_a_request_is_its_own_outcome_and_leaves_the_session_in_place() {
+    let f = Front::start().await;
+    for n in [1_300, 1_900] {
+        let r = f.post("/v1/completions", "r", &completion(n, false)).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    // vLLM refuses a direct turn it was not started for (`tool_choice: "auto"` without
+    // `--enable-auto-tool-choice`): the client gets vLLM's 400 as it is.
+    *f.mocks[&1].fail_decode.lock() = Some(400);
+    *f.mocks[&1].message.lock() =
+        Some("\"auto\" tool choice requires --enable-auto-tool-choice".into());
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        let r = f
+            .post(
+                "/v1/completions",
+                "r",
+                &completion(2_500 + i as u32, stream),
+            )
+            .await;
+        assert_eq!(r.status, 400, "{}", r.text);
+        assert!(r.text.contains("enable-auto-tool-choice"), "{}", r.text);
+        assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    }
+    f.settle().await;
+    assert_eq!(f.outcomes("invalid-request"), 2.0);
+    assert_eq!(f.outcomes("worker-failed"), 0.0);
+    let samples = common::parse_prometheus(&f.cluster.service().render_metrics());
+    let closed = common::value(
+        &samples,
+        "kvc_router_http_breaker_state",
+        &[("worker", "1"), ("state", "closed")],
+    );
+    assert_eq!(closed, 1.0, "D's breaker heard no failure");
+    // The engine touched none of the session's KV: the next turn still goes direct.
+    *f.mocks[&1].fail_decode.lock() = None;
+    let r = f
+        .post("/v1/completions", "r", &completion(2_600, false))
+        .await;
+    assert_eq!((r.status, r.header("x-kvc-mode")), (200, "direct-to-d"));
+    // P refusing a first turn as over the model's context is `input-too-long`.
+    *f.mocks[&0].fail_prefill.lock() = Some(400);
+    *f.mocks[&0].message.lock() = Some(
+        "This model's maximum context length is 16384 tokens. However, you requested 17000 \
+         tokens."
+            .into(),
+    );
+    let r = f
+        .post("/v1/completions", "long", &completion(1_300, false))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    f.settle().await;
+    assert_eq!(f.outcomes("input-too-long"), 1.0);
+    assert_eq!(f.outcomes("worker-failed"), 0.0);
+}
+
+#[tokio::test]
 async fn a_decode_worker_s_error_on_a_stream_reaches_the_client_whole() {
     let f = Front::start().await;
     *f.mocks[&1].fail_decode.lock() = Some(400);
@@ -520,7 +583,9 @@ async fn a_decode_worker_s_error_on_a_stream_reaches_the_client_whole() {
     let v: Value = serde_json::from_str(&r.text).unwrap_or_else(|e| panic!("{e}: {}", r.text));
     assert_eq!(v["error"]["message"], "d1 says 400");
     f.settle().await;
-    assert_eq!(f.outcomes("worker-failed"), 1.0);
+    // The engine refused the request itself: the client's error, not the worker's.
+    assert_eq!(f.outcomes("invalid-request"), 1.0);
+    assert_eq!(f.outcomes("worker-failed"), 0.0);
 }
 
 #[tokio::test]

@@ -10,7 +10,8 @@ use crate::RequestError;
 use crate::http::{
     Api, App, CompletionScan, Decision, Prepared, UsageFilter, add_continuation_params,
     ask_for_usage, cached_tokens, client_wants_usage, completion_tokens, judge_cache,
-    prepare_request, readiness_of, report_outcome, route_error_response, route_query,
+    prepare_request, readiness_of, refusal_outcome, report_outcome, route_error_response,
+    route_query,
 };
 use crate::worker_http::{ADMISSION_HEADER, MAX_RESPONSE_BYTES};
 use axum::http::HeaderMap;
@@ -412,10 +413,15 @@ impl Exchange {
             } else {
                 (completion_tokens(&p.whole), cached_tokens(&p.whole))
             };
+            if completion.is_some() && app.workers.is_vllm(decode) {
+                app.service.note_cache_accounting(decode, cached.is_some());
+            }
             let resident = p.input_length + completion.unwrap_or(0);
             judge_cache(p.expected_cached, cached, resident)
         } else if status == 503 && p.admission_refused {
             (Outcome::Rejected, 0)
+        } else if let Some(refused) = refusal_outcome(status, &p.whole) {
+            (refused, 0)
         } else {
             (Outcome::WorkerFailed, 0)
         };

@@ -104,6 +104,39 @@ pub(super) fn worth_retrying(status: Result<u16, &ForwardError>) -> bool {
     }
 }
 
+/// What a worker's final answer that is not a success comes to when the engine refused the
+/// request itself — a 4xx status other than 408 (timeout) and 429 (overload): `input-too-long`
+/// when its message says the prompt is over the model's context (vLLM: "maximum context
+/// length", "longer than the maximum model length"), else `invalid-request` (e.g. vLLM's 400
+/// for `tool_choice: "auto"` on an engine started without tool calling). Neither is a
+/// mechanism error or the worker's fault. `None` for any other status: the worker failed.
+pub(crate) fn refusal_outcome(status: u16, body: &[u8]) -> Option<Outcome> {
+    if !(400..500).contains(&status) || status == 408 || status == 429 {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&body[..body.len().min(4096)]).to_ascii_lowercase();
+    let too_long = [
+        "maximum context length",
+        "longer than the maximum model length",
+    ]
+    .iter()
+    .any(|m| text.contains(m));
+    Some(if too_long {
+        Outcome::InputTooLong
+    } else {
+        Outcome::InvalidRequest
+    })
+}
+
+/// The outcome of a final answer that is not a success: [`refusal_outcome`], else
+/// `worker-failed`.
+pub(crate) fn failure_outcome(answer: &Result<WorkerAnswer, ForwardError>) -> Outcome {
+    match answer {
+        Ok(a) => refusal_outcome(a.status, &a.body).unwrap_or(Outcome::WorkerFailed),
+        Err(_) => Outcome::WorkerFailed,
+    }
+}
+
 /// Whether a worker answered 2xx.
 pub(super) fn is_success(r: &Result<WorkerAnswer, ForwardError>) -> bool {
     matches!(r, Ok(a) if (200..300).contains(&a.status))

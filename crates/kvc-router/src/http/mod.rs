@@ -29,6 +29,10 @@
 //! cluster needs one routable colocated worker, a prefill/decode cluster one routable prefill
 //! and one routable decode worker (a first turn goes through P). A worker is routable when
 //! its state is fresh and healthy, its circuit breaker is not open and it has an `http-url`.
+//! For its first [`KV_EVENTS_CATCH_UP_MS`](crate::KV_EVENTS_CATCH_UP_MS) a router
+//! whose workers publish KV-cache events is not ready until each subscriber has caught up
+//! with its engine by replay, so that its first decision already knows what every engine
+//! holds (`KV-cache events of d0 still catching up with the engine (replay)`).
 //! The 200 body is `{"status": "ok", "healthy_workers", "workers", "routable": {"prefill",
 //! "decode", "colocated"}}`; the 503 body adds the JSON error naming what is missing (e.g.
 //! `no routable prefill worker (0 of 1): a first turn cannot be routed`). `/livez` answers
@@ -138,7 +142,12 @@
 //!
 //! The outcome is `ok` when D answered 2xx in full (the resident tokens are the input plus the
 //! answer's `meta_info.completion_tokens` or `usage.completion_tokens`; a vLLM direct-to-D
-//! turn may be `direct-cache-miss` instead, see *The vLLM dialect*), else `worker-failed`.
+//! turn may be `direct-cache-miss` instead, see *The vLLM dialect*). An engine that refused
+//! the request itself — a 4xx answer other than 408 and 429, from D or (vLLM) from P — is
+//! `invalid-request`, or `input-too-long` when its message says the prompt is over the
+//! model's context ("maximum context length", "longer than the maximum model length"): the
+//! client gets the engine's answer as it is, no circuit breaker hears of it, and the session
+//! stays where it was (the engine touched none of its KV). Anything else is `worker-failed`.
 //! On the SGLang path:
 //! A prefill worker's fate does not change that once D has answered: if P fails while (or
 //! after) D answers, D's answer goes to the client and P's failure counts against P's circuit
@@ -171,7 +180,7 @@
 //!   `X-Request-Id` (`kvc-<request>-<decision>`) besides the session header. P's answer goes
 //!   nowhere else; D's is relayed. A 4xx answer of P other than 408 and 429 (the request's
 //!   own fault, e.g. a prompt over the model's limit) goes to the client as it is, reported
-//!   `worker-failed`, D not called. If P fails — no answer within the deadline, a 5xx, 408 or
+//!   `invalid-request` or `input-too-long`, D not called. If P fails — no answer within the deadline, a 5xx, 408 or
 //!   429 status, or a 2xx answer without a `kv_transfer_params` object — the client's body goes
 //!   to D alone and D prefills it itself: P's circuit breaker hears of the failure, the
 //!   answer carries `x-kvc-prefill-failed: <P's id>`, and the decision is reported like any
@@ -190,7 +199,10 @@
 //!   means the session had been evicted and D recomputed it: the decision is reported
 //!   `direct-cache-miss` (not a mechanism error; counted in `kvc_router_outcomes_total`) with
 //!   no resident tokens, so the policy stops counting the session resident on D and its next
-//!   turn goes through P. An answer without the count is not judged.
+//!   turn goes through P. An answer without the count is not judged: vLLM sends it only when
+//!   started with `--enable-prompt-tokens-details`, and the first answer of a vLLM worker
+//!   that carries `usage` without it is warned about once (`kvc_router_worker_cache_accounting`
+//!   0 for that worker, 1 for one whose answers carry it).
 //! - *Streams*: D's request gets `stream_options.include_usage: true` (other stream options
 //!   kept) so that its last chunk reports the cached tokens; when the client did not ask for
 //!   usage itself, that usage-only chunk (`"choices": []`) is removed from the client's
@@ -353,7 +365,7 @@ pub use vllm::PREFILL_FAILED_HEADER;
 // What the endpoint picker (`crate::epp`) reads requests and judges answers with: the same
 // functions as this front's.
 pub(crate) use app::App;
-pub(crate) use attempt::{cached_tokens, completion_tokens, judge_cache};
+pub(crate) use attempt::{cached_tokens, completion_tokens, judge_cache, refusal_outcome};
 pub(crate) use decision::{Decision, report as report_outcome, route as route_query};
 pub(crate) use direct::add_continuation_params;
 pub(crate) use request::Api;

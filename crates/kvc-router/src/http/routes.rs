@@ -85,7 +85,9 @@ pub(crate) struct Readiness {
 /// Readiness of `app`: a colocated cluster needs one routable colocated worker; a
 /// prefill/decode cluster one routable prefill and one routable decode worker (a first turn
 /// goes through P). A worker is routable when its state is fresh and healthy, its circuit
-/// breaker is not open, and it has an HTTP address.
+/// breaker is not open, and it has an HTTP address. Within its first seconds a router also
+/// waits for every worker's KV-cache events to catch up by replay
+/// ([`crate::RouterService::events_catching_up`]).
 pub(crate) fn readiness_of(app: &App) -> Readiness {
     let views = app.service.worker_views();
     let routable = |role: WorkerRole| {
@@ -115,7 +117,7 @@ pub(crate) fn readiness_of(app: &App) -> Readiness {
             total(WorkerRole::Decode)
         ))
     } else {
-        None
+        app.service.events_catching_up()
     };
     Readiness {
         prefill: p,

@@ -5,7 +5,7 @@
 use super::app::App;
 use super::attempt::{
     Attempt, AttemptResult, DecodeLeg, ForwardedRequest, counts_against_breaker, judge_cache,
-    worth_retrying,
+    refusal_outcome, worth_retrying,
 };
 use super::decision::{self, Decision};
 use super::pairing::PrefillLeg;
@@ -117,6 +117,12 @@ pub(super) async fn forward_stream(
         .to_str()
         .is_ok_and(|t| t.starts_with("text/event-stream"));
     let strip_usage = leg.strip_usage && status.is_success() && events;
+    // An engine's refusal of the request is judged from its status and first piece (its
+    // whole error body, as a rule).
+    let refusal = first
+        .as_deref()
+        .and_then(|piece| refusal_outcome(status.as_u16(), piece))
+        .or_else(|| refusal_outcome(status.as_u16(), b""));
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
     let relay = Relay {
         app: Arc::clone(app),
@@ -126,6 +132,7 @@ pub(super) async fn forward_stream(
         decode: d_id,
         head_failed,
         status,
+        refusal,
         timeout,
         expected_cached: leg.expected_cached,
         filter: strip_usage.then(UsageFilter::default),
@@ -146,6 +153,8 @@ struct Relay {
     /// D's head was a failure status (relayed: no retry was left).
     head_failed: bool,
     status: StatusCode,
+    /// D refused the request itself (a 4xx): the outcome whatever becomes of the relay.
+    refusal: Option<Outcome>,
     /// Longest wait for each further piece.
     timeout: Duration,
     /// See [`DecodeLeg::expected_cached`].
@@ -225,13 +234,17 @@ impl Relay {
         }
         let (outcome, resident) = if relayed && self.status.is_success() {
             let end = scan.finish();
+            if end.completion.is_some() && app.workers.is_vllm(self.decode) {
+                app.service
+                    .note_cache_accounting(self.decode, end.cached.is_some());
+            }
             judge_cache(
                 self.expected_cached,
                 end.cached,
                 self.input_length + end.completion.unwrap_or(0),
             )
         } else {
-            (Outcome::WorkerFailed, 0)
+            (self.refusal.unwrap_or(Outcome::WorkerFailed), 0)
         };
         decision::report(
             &app.service,

@@ -5,7 +5,9 @@
 //! D's reported cached tokens say whether the session was in fact still there.
 
 use super::app::App;
-use super::attempt::{AttemptResult, DecodeLeg, ForwardedRequest, counts_against_breaker};
+use super::attempt::{
+    AttemptResult, DecodeLeg, ForwardedRequest, counts_against_breaker, refusal_outcome,
+};
 use super::decision::{self, Decision};
 use super::responses::worker_answer;
 use super::stream::forward_stream;
@@ -97,9 +99,7 @@ async fn prefill(
         Ok(a) if (200..300).contains(&a.status) => transfer_params(&a.body).ok_or_else(|| {
             PrefillFailure::Failed("its answer has no `kv_transfer_params` object".to_owned())
         }),
-        Ok(a) if (400..500).contains(&a.status) && !matches!(a.status, 408 | 429) => {
-            Err(PrefillFailure::Refused(a))
-        }
+        Ok(a) if refusal_outcome(a.status, &a.body).is_some() => Err(PrefillFailure::Refused(a)),
         Ok(a) => Err(PrefillFailure::Failed(format!("status {}", a.status))),
         Err(e) => Err(PrefillFailure::Failed(e.to_string())),
     }
@@ -112,7 +112,8 @@ async fn prefill(
 /// no parameters in its answer) D gets the client's body alone and prefills itself: the
 /// answer carries [`PREFILL_FAILED_HEADER`] naming P, and P's breaker hears of the failure.
 /// P's other 4xx answers (the request's own fault, e.g. a prompt over the model's limit) go
-/// to the client, reported `worker-failed`, and D is not called. Both calls carry the same
+/// to the client, reported as the refusal they are (`input-too-long` or `invalid-request`,
+/// [`refusal_outcome`]), and D is not called. Both calls carry the same
 /// `X-Request-Id`. A direct-to-D turn sends the client's body to D as it is, judged by D's
 /// reported cached tokens. A streamed D request gets `stream_options.include_usage` (the
 /// cached tokens are in the final usage chunk), and that chunk is removed from the client's
@@ -139,13 +140,9 @@ pub(super) async fn forward_vllm(
             }
             Err(PrefillFailure::Refused(answer)) => {
                 // The request itself is at fault: D would refuse it too.
-                decision::report(
-                    &app.service,
-                    decision.id,
-                    request.request_id,
-                    Outcome::WorkerFailed,
-                    0,
-                );
+                let outcome =
+                    refusal_outcome(answer.status, &answer.body).unwrap_or(Outcome::WorkerFailed);
+                decision::report(&app.service, decision.id, request.request_id, outcome, 0);
                 return AttemptResult::Answered(worker_answer(answer));
             }
             Err(PrefillFailure::Failed(detail)) => {

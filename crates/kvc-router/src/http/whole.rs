@@ -4,11 +4,10 @@
 use super::app::App;
 use super::attempt::{
     Attempt, AttemptResult, DecodeLeg, ForwardedRequest, cached_tokens, completion_tokens,
-    counts_against_breaker, judge_cache, worth_retrying,
+    counts_against_breaker, failure_outcome, judge_cache, worth_retrying,
 };
 use super::decision::Decision;
 use super::responses::answer_or_error;
-use kvc_core::Outcome;
 use serde_json::{Map, Value};
 use std::sync::Arc;
 
@@ -19,7 +18,9 @@ use std::sync::Arc;
 /// dropped and P's failure decides ([`AttemptResult::RetryElsewhere`] without P when worth
 /// it). Once D has answered, its answer goes to the client whatever P's fate (P's failure
 /// still counts against P's breaker): the outcome is `ok` when D answered 2xx in full (or
-/// `direct-cache-miss`, see [`judge_cache`], when `leg` expects cached tokens).
+/// `direct-cache-miss`, see [`judge_cache`], when `leg` expects cached tokens), the
+/// engine's refusal of the request itself when it answered 4xx ([`failure_outcome`]), else
+/// `worker-failed`.
 pub(super) async fn forward_whole(
     app: &Arc<App>,
     request: &ForwardedRequest,
@@ -45,17 +46,25 @@ pub(super) async fn forward_whole(
         return attempt.retry(answer_or_error("decode worker", answer), failed);
     }
     let (outcome, resident) = match &answer {
-        Ok(a) if (200..300).contains(&a.status) => judge_cache(
-            leg.expected_cached,
-            cached_tokens(&a.body),
-            request.input_length + completion_tokens(&a.body).unwrap_or(0),
-        ),
+        Ok(a) if (200..300).contains(&a.status) => {
+            let cached = cached_tokens(&a.body);
+            let completion = completion_tokens(&a.body);
+            if completion.is_some() && app.workers.is_vllm(attempt.decode()) {
+                app.service
+                    .note_cache_accounting(attempt.decode(), cached.is_some());
+            }
+            judge_cache(
+                leg.expected_cached,
+                cached,
+                request.input_length + completion.unwrap_or(0),
+            )
+        }
         _ => {
             // D's answer is final and not a success: P has nobody to hand its KV to.
             if let Some(p) = prefill.take() {
                 p.abandon(app);
             }
-            (Outcome::WorkerFailed, 0)
+            (failure_outcome(&answer), 0)
         }
     };
     attempt.report(outcome, resident);

@@ -24,6 +24,9 @@ pub struct WorkerSample {
     pub state: WorkerState,
     /// Its KV-event subscriber's counters, when one runs.
     pub events: Option<kvc_events::StatsSnapshot>,
+    /// Whether its engine's answers report the prompt tokens served from its cache
+    /// (`None` until an answer has said either way).
+    pub cache_accounting: Option<bool>,
 }
 
 /// The live state a scrape reports, read by the service just before rendering.
@@ -162,6 +165,20 @@ pub(super) fn registry(metrics: &Metrics, gauges: &Gauges) -> Registry {
 
     worker_gauges(&mut r, &gauges.workers);
     event_gauges(&mut r, &gauges.workers);
+    let accounting = Family::<WorkerLabels, Gauge>::default();
+    for w in &gauges.workers {
+        if let Some(reported) = w.cache_accounting {
+            accounting
+                .get_or_create(&labels(w))
+                .set(i64::from(reported));
+        }
+    }
+    r.register(
+        "kvc_router_worker_cache_accounting",
+        "Whether each engine's answers report their cached prompt tokens (1), or not (0: vLLM \
+         started without --enable-prompt-tokens-details; no direct-cache-miss judgement there)",
+        accounting,
+    );
     r
 }
 
@@ -192,6 +209,7 @@ fn event_gauges(r: &mut Registry, workers: &[WorkerSample]) {
             ("unknown-blocks", e.unknown),
             ("dropped-blocks", e.dropped),
             ("connect-failures", e.connect_failures),
+            ("synced", u64::from(e.synced)),
         ];
         for (kind, v) in kinds {
             family
@@ -311,6 +329,7 @@ mod tests {
 
     fn sample(id: u32, name: &str, state: WorkerState) -> WorkerSample {
         WorkerSample {
+            cache_accounting: None,
             id: WorkerId(id),
             name: name.to_owned(),
             role: WorkerRole::Decode,

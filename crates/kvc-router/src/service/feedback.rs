@@ -39,7 +39,7 @@ impl RouterService {
                 report.decision_id, p.request_id.0, report.request_id.0
             )));
         }
-        let capacity = self.entry(p.decode.0).map_or(0, |e| e.capacity_tokens);
+        let capacity = self.entry(p.decode.0).map_or(0, |e| e.pool_tokens());
         if report.resident_tokens > capacity {
             return Err(RequestError::InvalidArgument(format!(
                 "resident_tokens {} exceeds the capacity of worker {} ({capacity} tokens)",
