@@ -34,6 +34,9 @@ struct Mock {
     fail_decode: Mutex<Option<u16>>,
     /// The error message of a failing answer (default: the worker's name and the status).
     message: Mutex<Option<String>>,
+    /// Whether answers carry `usage.prompt_tokens_details` (vLLM only sends it when started
+    /// with `--enable-prompt-tokens-details`; null otherwise).
+    details: Mutex<bool>,
     /// The cached prompt tokens a plain (no `kv_transfer_params`) request reports.
     cached: Mutex<u64>,
     received: Mutex<Vec<Received>>,
@@ -110,8 +113,13 @@ async fn handler(
     } else {
         *m.cached.lock()
     };
+    let details = if *m.details.lock() {
+        json!({"cached_tokens": cached})
+    } else {
+        Value::Null
+    };
     let usage = json!({"prompt_tokens": 2_000, "completion_tokens": 2, "total_tokens": 2_002,
-        "prompt_tokens_details": {"cached_tokens": cached}});
+        "prompt_tokens_details": details});
     if value["stream"] == true {
         let mut events = vec![
             json!({"choices": [{"index": 0, "text": "a", "finish_reason": null}]}),
@@ -141,6 +149,7 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         fail_prefill: Mutex::new(None),
         fail_decode: Mutex::new(None),
         message: Mutex::new(None),
+        details: Mutex::new(true),
         cached: Mutex::new(100_000),
         received: Mutex::new(Vec::new()),
         raw: Mutex::new(Vec::new()),
@@ -570,6 +579,48 @@ async fn an_engine_s_refusal_of_a_request_is_its_own_outcome_and_leaves_the_sess
     f.settle().await;
     assert_eq!(f.outcomes("input-too-long"), 1.0);
     assert_eq!(f.outcomes("worker-failed"), 0.0);
+}
+
+#[tokio::test]
+async fn an_engine_without_prompt_token_details_is_shown_and_its_turns_are_not_judged() {
+    let f = Front::start().await;
+    let accounting = |f: &Front| {
+        let samples = common::parse_prometheus(&f.cluster.service().render_metrics());
+        samples
+            .iter()
+            .find(|s| {
+                s.name == "kvc_router_worker_cache_accounting"
+                    && s.labels.get("worker").map(String::as_str) == Some("1")
+            })
+            .map(|s| s.value)
+    };
+    assert_eq!(accounting(&f), None, "not known before an answer");
+    // vLLM started without --enable-prompt-tokens-details: `prompt_tokens_details` is null.
+    *f.mocks[&1].details.lock() = false;
+    *f.mocks[&1].cached.lock() = 0;
+    for (n, stream) in [(1_300, false), (1_900, false), (2_500, true)] {
+        let r = f
+            .post("/v1/completions", "nd", &completion(n, stream))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    f.settle().await;
+    assert_eq!(
+        accounting(&f),
+        Some(0.0),
+        "shown as an engine without cache accounting"
+    );
+    // Nothing to judge a direct turn by: no direct-cache-miss is claimed.
+    assert_eq!(f.outcomes("direct-cache-miss"), 0.0);
+    assert_eq!(f.outcomes("ok"), 3.0);
+    *f.mocks[&1].details.lock() = true;
+    *f.mocks[&1].cached.lock() = 100_000;
+    let r = f
+        .post("/v1/completions", "nd", &completion(3_100, false))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    f.settle().await;
+    assert_eq!(accounting(&f), Some(1.0));
 }
 
 #[tokio::test]
