@@ -8,6 +8,7 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use common::{Cluster, route_req};
 use kvc_core::{EngineKind, Health, StateSource, WorkerId};
+use kvc_router::RouterConfig;
 use parking_lot::Mutex;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -140,6 +141,28 @@ async fn engine_metrics_are_the_state_of_workers_without_a_snapshot() {
     assert_eq!(views[1].id, WorkerId(1));
 }
 
+/// A prefill and a decode worker, each a vLLM engine scraped at `engines` every 20 ms with
+/// fixed roles, configured further by `edit`; returns once both are in rotation.
+async fn vllm_pair(engines: [SocketAddr; 2], edit: impl FnOnce(&mut RouterConfig)) -> Cluster {
+    let cluster = Cluster::start(|cfg| {
+        cfg.engine_signals.scrape_interval_ms = 20;
+        cfg.workers.truncate(2);
+        for (w, addr) in cfg.workers.iter_mut().zip(engines) {
+            w.snapshot = None;
+            w.engine = Some(EngineKind::Vllm);
+            w.serve_alone = Some(false);
+            w.metrics_url = Some(format!("http://{addr}/metrics"));
+        }
+        edit(cfg);
+    })
+    .await;
+    wait_for(&cluster, "both scraped", |ws| {
+        ws.iter().all(|w| w.state.health == Health::Healthy)
+    })
+    .await;
+    cluster
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vllm_pool_left_out_of_the_configuration_is_read_from_the_engine() {
     use kvc_core::Outcome;
@@ -147,21 +170,10 @@ async fn a_vllm_pool_left_out_of_the_configuration_is_read_from_the_engine() {
     use kvc_proto::pb;
     let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
     let (d_addr, d) = mock_engine(&vllm_text(0, 0, 0.0, 4_000)).await;
-    let engines = [p_addr, d_addr];
-    let cluster = Cluster::start(|cfg| {
-        cfg.engine_signals.scrape_interval_ms = 20;
-        cfg.workers.truncate(2);
-        for (w, addr) in cfg.workers.iter_mut().zip(engines) {
-            w.snapshot = None;
+    let cluster = vllm_pair([p_addr, d_addr], |cfg| {
+        for w in &mut cfg.workers {
             w.capacity_tokens = 0;
-            w.engine = Some(EngineKind::Vllm);
-            w.serve_alone = Some(false);
-            w.metrics_url = Some(format!("http://{addr}/metrics"));
         }
-    })
-    .await;
-    wait_for(&cluster, "both scraped", |ws| {
-        ws.iter().all(|w| w.state.health == Health::Healthy)
     })
     .await;
     let ws = cluster.service().list_workers();
@@ -233,22 +245,9 @@ async fn a_scrape_that_only_times_out_leaves_the_state_to_age() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let d_addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
-    let engines = [p_addr, d_addr];
-    let cluster = Cluster::start(|cfg| {
-        cfg.engine_signals.scrape_interval_ms = 20;
+    let cluster = vllm_pair([p_addr, d_addr], |cfg| {
         cfg.engine_signals.scrape_timeout_ms = 50;
         cfg.engine_signals.stale_after_ms = 3_000;
-        cfg.workers.truncate(2);
-        for (w, addr) in cfg.workers.iter_mut().zip(engines) {
-            w.snapshot = None;
-            w.engine = Some(EngineKind::Vllm);
-            w.serve_alone = Some(false);
-            w.metrics_url = Some(format!("http://{addr}/metrics"));
-        }
-    })
-    .await;
-    wait_for(&cluster, "both scraped", |ws| {
-        ws.iter().all(|w| w.state.health == Health::Healthy)
     })
     .await;
     slow.store(true, std::sync::atomic::Ordering::Relaxed);
