@@ -482,9 +482,12 @@ pub struct WorkerConfig {
     /// worker's load and pool use are scraped from it (state source `events`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_url: Option<String>,
-    /// The engine's KV-cache event publisher (ZeroMQ PUB), `tcp://host:port`: the router
-    /// indexes the blocks the engine stores and removes (which sessions are resident where).
-    /// Needs `engine`, and `metrics-url` when there is no snapshot.
+    /// The engine's KV-cache event publisher (ZeroMQ PUB), `tcp://host:port` (or `ipc://path`
+    /// for an engine on the same machine): the router indexes the blocks the engine stores and
+    /// removes (which sessions are resident where). The engine must *bind* it: vLLM binds only
+    /// a wildcard or ipc endpoint (`"endpoint": "tcp://*:5557"` in its `--kv-events-config`)
+    /// and connects for `tcp://HOST:PORT`; the wildcard form is refused here (it is not an
+    /// address to connect to). Needs `engine`, and `metrics-url` when there is no snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<String>,
     /// The engine's event replay socket (ZeroMQ ROUTER), `tcp://host:port`: missed events are
