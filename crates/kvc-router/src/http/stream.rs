@@ -119,10 +119,7 @@ pub(super) async fn forward_stream(
     let strip_usage = leg.strip_usage && status.is_success() && events;
     // An engine's refusal of the request is judged from its status and first piece (its
     // whole error body, as a rule).
-    let refusal = first
-        .as_deref()
-        .and_then(|piece| refusal_outcome(status.as_u16(), piece))
-        .or_else(|| refusal_outcome(status.as_u16(), b""));
+    let refusal = refusal_outcome(status.as_u16(), first.as_deref().unwrap_or_default());
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
     let relay = Relay {
         app: Arc::clone(app),
