@@ -38,6 +38,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod hash_ids;
 mod ids;
 mod names;
 pub mod openai;
@@ -49,6 +50,7 @@ mod topology;
 mod trace;
 mod worker;
 
+pub use hash_ids::HashIds;
 pub use ids::{BlockHash, BlockSize, RequestId, SessionId, TurnId, WorkerId};
 pub use names::{
     BreakerState, CommitKind, EngineKind, EvictionMode, ExecutionMode, FallThroughReason,

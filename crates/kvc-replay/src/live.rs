@@ -12,18 +12,19 @@
 //! at an address, or the `kvc-router` binary started here ([`router`]); this crate speaks to
 //! it only through `kvc-proto`.
 
-pub mod engine_signals;
-pub mod kv_events;
 pub mod router;
 
-use crate::sim::engine::{Engine, Micros};
+pub use kvc_engine_sim::publish::snapshot_path;
+
 use crate::sim::{Decider, Hooks, Routed, SimConfig, SimError, SimOutput, run, worker_roles};
 use crate::trace::Trace;
 use kvc_admission::{
-    Clock, CommitReceiver, CommitReply, ResidentEntry, ResidentState, SnapshotData, SnapshotReader,
-    SnapshotWriter, SystemClock, commit_queue,
+    Clock, CommitReceiver, CommitReply, SnapshotReader, SystemClock, commit_queue,
 };
 use kvc_core::{ExecutionMode, FallThroughReason, StateSource, WorkerId};
+use kvc_engine_sim::model::{Engine, Micros};
+use kvc_engine_sim::publish::{Publisher, engine_signals, kv_events};
+use kvc_engine_sim::{WorkerError, check_pacing, check_router_state};
 use kvc_policy::{ClusterView, Observation, RouteRequest};
 use kvc_proto::convert::ProtoEnum;
 use kvc_proto::pb;
@@ -81,34 +82,8 @@ impl LiveOptions {
     /// least one snapshot slot, and a router state source of `snapshot` or `events`.
     pub fn validate(&self) -> Result<(), LiveError> {
         check_pacing(self.speedup, self.table_slots)?;
-        check_router_state(self.router_state)
+        Ok(check_router_state(self.router_state)?)
     }
-}
-
-/// The router may read the workers' state from their snapshots or their engine signals (a
-/// live replay has no worker that only answers `State`).
-pub(crate) fn check_router_state(source: StateSource) -> Result<(), LiveError> {
-    match source {
-        StateSource::Snapshot | StateSource::Events => Ok(()),
-        StateSource::Service => Err(LiveError::Invalid(
-            "the router state of a live replay is `snapshot` or `events`".to_owned(),
-        )),
-    }
-}
-
-/// The rule for the settings every real-clock replay shares (the live replay's and the HTTP
-/// workers'): wall time runs `speedup` (positive, finite) times faster than engine time, and
-/// snapshots hold at least one resident session (`table_slots`).
-pub(crate) fn check_pacing(speedup: f64, table_slots: usize) -> Result<(), LiveError> {
-    if !(speedup.is_finite() && speedup > 0.0) {
-        return Err(LiveError::Invalid(format!(
-            "speedup must be a positive number (got {speedup})"
-        )));
-    }
-    if table_slots == 0 {
-        return Err(LiveError::Invalid("table slots must be at least 1".into()));
-    }
-    Ok(())
 }
 
 /// Why a live replay could not run.
@@ -133,9 +108,14 @@ pub enum LiveError {
     Sim(#[from] SimError),
 }
 
-/// The snapshot file of worker `id` in `dir`.
-pub fn snapshot_path(dir: &Path, id: WorkerId) -> PathBuf {
-    dir.join(format!("w{}.snap", id.0))
+impl From<WorkerError> for LiveError {
+    fn from(e: WorkerError) -> Self {
+        match e {
+            WorkerError::Invalid(m) => LiveError::Invalid(m),
+            WorkerError::Snapshot { path, message } => LiveError::Snapshot { path, message },
+            WorkerError::Serve(m) => LiveError::Router(m),
+        }
+    }
 }
 
 /// The router configuration that matches a live replay of `cfg` publishing into `dir`, with
@@ -173,155 +153,6 @@ pub fn router_config(
                 signals: None,
             })
             .collect(),
-    }
-}
-
-/// Publishes every worker's state: into its snapshot file, and/or as its engine signals.
-pub(crate) struct Publisher {
-    writers: Vec<SnapshotWriter>,
-    /// Each worker's pool, tokens (by worker id).
-    capacities: Vec<u64>,
-    data: SnapshotData,
-    /// The workers' engine signals, updated at every publish when served.
-    signals: Option<engine_signals::EngineSignals>,
-}
-
-impl Publisher {
-    /// Creates one snapshot file per worker of `cfg` in `dir`, with `table_slots` resident
-    /// slots each.
-    pub(crate) fn create(
-        cfg: &SimConfig,
-        dir: &Path,
-        table_slots: usize,
-    ) -> Result<Self, LiveError> {
-        let mut p = Self::without_snapshots(cfg);
-        std::fs::create_dir_all(dir).map_err(|e| LiveError::Snapshot {
-            path: dir.display().to_string(),
-            message: e.to_string(),
-        })?;
-        let capacity = cfg.profile.hardware.kv_pool_tokens;
-        let mut writers = Vec::new();
-        for i in 0..worker_roles(cfg.topology).len() {
-            let id = WorkerId(i as u32);
-            let path = snapshot_path(dir, id);
-            let w = SnapshotWriter::create(&path, id, capacity, table_slots).map_err(|e| {
-                LiveError::Snapshot {
-                    path: path.display().to_string(),
-                    message: e.to_string(),
-                }
-            })?;
-            writers.push(w);
-        }
-        p.writers = writers;
-        Ok(p)
-    }
-
-    /// The publisher for a router reading `state`: snapshot files in `dir`, or, for engine
-    /// signals, none (`dir` is still created: it holds a spawned router's configuration).
-    pub(crate) fn for_router_state(
-        cfg: &SimConfig,
-        state: StateSource,
-        dir: &Path,
-        table_slots: usize,
-    ) -> Result<Self, LiveError> {
-        if state != StateSource::Events {
-            return Self::create(cfg, dir, table_slots);
-        }
-        std::fs::create_dir_all(dir).map_err(|e| LiveError::Snapshot {
-            path: dir.display().to_string(),
-            message: e.to_string(),
-        })?;
-        Ok(Self::without_snapshots(cfg))
-    }
-
-    /// A publisher that writes no snapshot file (the workers' state goes out only as engine
-    /// signals, once served).
-    pub(crate) fn without_snapshots(cfg: &SimConfig) -> Self {
-        let capacity = cfg.profile.hardware.kv_pool_tokens;
-        Publisher {
-            data: SnapshotData::empty(WorkerId(0), capacity),
-            writers: Vec::new(),
-            capacities: vec![capacity; worker_roles(cfg.topology).len()],
-            signals: None,
-        }
-    }
-
-    /// Also serves every worker's engine signals on `rt` until `stop`: vLLM-named `/metrics`
-    /// (worker `i` on `127.0.0.1:<base + i>`, free ports when `None`) and KV-cache events;
-    /// `trace_block` is the trace's tokens per block. Returns where a router finds them.
-    pub(crate) fn serve_engine_signals(
-        &mut self,
-        rt: &tokio::runtime::Handle,
-        base: Option<u16>,
-        model: &str,
-        trace_block: u64,
-        stop: &CancellationToken,
-    ) -> Result<Vec<engine_signals::EngineEndpoints>, LiveError> {
-        let states = self
-            .capacities
-            .iter()
-            .map(|c| kvc_core::WorkerState::empty(*c))
-            .collect();
-        let signals =
-            engine_signals::EngineSignals::serve(rt, states, base, model, trace_block, stop)?;
-        let endpoints = signals.endpoints();
-        self.signals = Some(signals);
-        Ok(endpoints)
-    }
-
-    /// Names sessions in the engine events (when served) by the keys in `labels`.
-    pub(crate) fn label_sessions(&mut self, labels: crate::http::workers::SessionLabels) {
-        if let Some(signals) = &mut self.signals {
-            signals.label_sessions(labels);
-        }
-    }
-
-    /// Publishes the engine's state of every worker, stamped with the wall clock.
-    /// Engine time `t` (simulated µs since the start) is wall time `start_ms + t / speedup`.
-    pub(crate) fn publish(
-        &mut self,
-        engine: &Engine,
-        start_ms: u64,
-        speedup: f64,
-    ) -> Result<(), LiveError> {
-        let now = SystemClock.now_ms();
-        let to_wall = |t: Micros| start_ms + (t as f64 / 1e3 / speedup) as u64;
-        for (i, w) in self.writers.iter_mut().enumerate() {
-            let id = WorkerId(i as u32);
-            let s = engine.state(id);
-            let d = &mut self.data;
-            d.worker_id = id;
-            d.capacity_tokens = s.capacity_tokens;
-            d.used_tokens = s.used_tokens.min(s.capacity_tokens);
-            d.free_tokens = s.free_tokens();
-            d.evictable_tokens = s.evictable_tokens.min(d.used_tokens);
-            d.queue_depth = s.queue_depth;
-            d.in_flight = s.in_flight;
-            d.publish_ms = now;
-            d.residents.clear();
-            let slots = w.max_sessions();
-            d.residents
-                .extend(engine.residents(id).into_iter().take(slots).map(
-                    |(session, tokens, last, running)| ResidentEntry {
-                        session,
-                        tokens,
-                        last_access_ms: to_wall(last).min(now),
-                        state: if running {
-                            ResidentState::Running
-                        } else {
-                            ResidentState::Idle
-                        },
-                    },
-                ));
-            w.publish(d).map_err(|e| LiveError::Snapshot {
-                path: format!("worker {i}"),
-                message: e.to_string(),
-            })?;
-        }
-        if let Some(signals) = &mut self.signals {
-            signals.update(engine, now as f64 / 1e3);
-        }
-        Ok(())
     }
 }
 
@@ -377,7 +208,7 @@ impl Hooks for LiveHooks {
             .publisher
             .publish(engine, self.start_wall_ms, self.speedup)
         {
-            self.error = Some(e);
+            self.error = Some(e.into());
         }
     }
 
@@ -495,14 +326,18 @@ pub fn live(
     // A router reading engine signals gets no snapshot file, and no worker service (which
     // answers from one).
     let events = opts.router_state == StateSource::Events;
-    let mut publisher =
-        Publisher::for_router_state(cfg, opts.router_state, &opts.snapshot_dir, opts.table_slots)?;
+    let mut publisher = Publisher::for_router_state(
+        &cfg.cluster(trace.block_size()),
+        opts.router_state,
+        &opts.snapshot_dir,
+        opts.table_slots,
+    )?;
     let rt = runtime()?;
     let start_wall_ms = SystemClock.now_ms();
     // Publish once so the router finds fresh snapshots from its first read.
-    let engine_for_first = crate::sim::engine::Engine::new(
+    let engine_for_first = kvc_engine_sim::model::Engine::new(
         cfg.profile.clone(),
-        crate::sim::engine::EngineOptions {
+        kvc_engine_sim::model::EngineOptions {
             eviction: kvc_admission::EvictionConfig::default(),
             block_size: kvc_core::BlockSize::default(),
         },

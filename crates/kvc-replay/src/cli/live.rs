@@ -4,8 +4,8 @@
 use super::TraceArgs;
 use super::sim::RunArgs;
 use anyhow::{Result, bail};
+use kvc_engine_sim::publish::engine_signals::EngineEndpoints;
 use kvc_replay::http::{HttpLiveOptions, HttpRouter, WorkerOptions, live_http};
-use kvc_replay::live::engine_signals::EngineEndpoints;
 use kvc_replay::live::{LiveOptions, RouterTarget, live, router_config};
 use kvc_replay::output::{summary_table, write_run};
 use std::path::PathBuf;

@@ -3,12 +3,13 @@
 //! of its scaled timestamp and turn k's end, at most `concurrency` in flight, first come first
 //! served), and times the answer.
 
-use super::prompt::{prompt_key, prompt_text};
-use super::workers::SharedState;
+use crate::trace::Trace;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvc_core::EngineKind;
 use kvc_core::sse::{SseEvent, SseScanner};
+use kvc_engine_sim::http::{SharedState, connector};
+use kvc_engine_sim::prompt::{prompt_key, prompt_text};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -64,23 +65,15 @@ type Client = hyper_util::client::legacy::Client<
     Full<Bytes>,
 >;
 
-/// An HTTP connector with `TCP_NODELAY` (a request's last segment is not held back waiting
-/// for the ACK of the previous one).
-pub(crate) fn connector() -> hyper_util::client::legacy::connect::HttpConnector {
-    let mut c = hyper_util::client::legacy::connect::HttpConnector::new();
-    c.set_nodelay(true);
-    c
-}
-
 /// Sends every request of the trace; returns what the client saw, by trace index.
 pub(crate) async fn drive(
+    trace: Arc<Trace>,
     shared: Arc<SharedState>,
     opts: DriveOptions,
     start: Instant,
     speedup: f64,
     completed: Arc<AtomicUsize>,
 ) -> Vec<Option<ClientSide>> {
-    let trace = shared.trace.clone();
     let client: Client =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
@@ -90,7 +83,8 @@ pub(crate) async fn drive(
     let mut tasks = tokio::task::JoinSet::new();
     for session in trace.session_list() {
         let turns = session.requests.clone();
-        let (shared, client, slots, opts, completed) = (
+        let (trace, shared, client, slots, opts, completed) = (
+            trace.clone(),
             shared.clone(),
             client.clone(),
             slots.clone(),
@@ -101,7 +95,7 @@ pub(crate) async fn drive(
             let mut out = Vec::with_capacity(turns.len());
             let mut previous_done = start;
             for i in turns {
-                let r = &shared.trace.requests[i];
+                let r = &trace.requests[i];
                 let at = start
                     + Duration::from_secs_f64(
                         r.timestamp_ms as f64 / 1e3 / opts.time_scale / speedup,
@@ -110,7 +104,7 @@ pub(crate) async fn drive(
                 tokio::time::sleep_until(ready.into()).await;
                 let permit = slots.clone().acquire_owned().await;
                 let dispatch = Instant::now();
-                let side = send(&shared, &client, &opts, i, ready, dispatch).await;
+                let side = send(&trace, &shared, &client, &opts, i, ready, dispatch).await;
                 drop(permit);
                 previous_done = side.done;
                 completed.fetch_add(1, Ordering::Relaxed);
@@ -132,16 +126,17 @@ pub(crate) async fn drive(
 
 /// The body of trace request `i`: SGLang's `/generate`, or vLLM's `/v1/completions`.
 fn body_of(
-    shared: &SharedState,
+    trace: &Trace,
+    model: &str,
     i: usize,
     text: &str,
     stream: bool,
     engine: EngineKind,
 ) -> Vec<u8> {
-    let r = &shared.trace.requests[i];
+    let r = &trace.requests[i];
     if engine == EngineKind::Vllm {
         let mut body = json!({
-            "model": shared.model,
+            "model": model,
             "prompt": text,
             "max_tokens": r.output_length.max(1),
             "ignore_eos": true,
@@ -167,6 +162,7 @@ fn body_of(
 }
 
 async fn send(
+    trace: &Trace,
     shared: &SharedState,
     client: &Client,
     opts: &DriveOptions,
@@ -174,10 +170,10 @@ async fn send(
     ready: Instant,
     dispatch: Instant,
 ) -> ClientSide {
-    let r = &shared.trace.requests[i];
-    let text = prompt_text(&r.hash_ids, r.input_length, shared.trace.block_size());
+    let r = &trace.requests[i];
+    let text = prompt_text(&r.hash_ids, r.input_length, trace.block_size());
     let key = prompt_key(&text);
-    let body = body_of(shared, i, &text, opts.stream, opts.engine);
+    let body = body_of(trace, shared.model(), i, &text, opts.stream, opts.engine);
     drop(text);
     shared.register(key, i);
     let sent = Instant::now();

@@ -21,16 +21,15 @@
 //! in wall milliseconds. It is measured for streamed requests that completed.
 
 pub mod driver;
-mod prompt;
 mod serve;
-pub mod workers;
 
 pub use driver::DriveOptions;
-pub use prompt::{prompt_key, prompt_text};
-pub use serve::{RouterConfigTarget, ServeOptions, serve_workers, worker_lines};
-pub use workers::{
-    Faults, HttpWorkers, PAIR_TIMEOUT_WALL, Served, ServedPath, StandaloneOptions, WorkerOptions,
+pub use kvc_engine_sim::http::{
+    Faults, HttpWorkers, PAIR_TIMEOUT_WALL, Script, ScriptedRequest, Served, ServedPath,
+    StandaloneOptions, WorkerOptions,
 };
+pub use kvc_engine_sim::prompt::{prompt_key, prompt_text};
+pub use serve::{RouterConfigTarget, ServeOptions, serve_workers, worker_lines};
 
 use crate::live::router::{RouterConfigFile, RouterProcess, find_router_binary};
 use crate::live::{LiveError, router_config};
@@ -204,7 +203,7 @@ fn ready_json(workers: &HttpWorkers) -> serde_json::Value {
         .map(|(i, a)| {
             let mut w = serde_json::json!({
                 "id": i,
-                "name": workers.shared.names()[i],
+                "name": workers.shared().names()[i],
                 "role": workers.roles()[i].to_string(),
                 "url": format!("http://{a}"),
                 "bootstrap_port": workers.bootstrap_ports()[i],
@@ -257,6 +256,22 @@ async fn wait_healthy(url: &str, timeout: Duration) -> Result<(), LiveError> {
     }
 }
 
+/// What the simulated workers need of the trace's requests (they find each by its prompt).
+fn script_of(trace: &Trace) -> Script {
+    Script {
+        requests: trace
+            .requests
+            .iter()
+            .map(|r| ScriptedRequest {
+                session: r.session,
+                input_length: r.input_length,
+                output_length: r.output_length,
+                hash_ids: r.hash_ids.clone(),
+            })
+            .collect(),
+    }
+}
+
 /// Replays `trace` through the HTTP router of `opts` in front of simulated workers.
 /// `progress` gets (completed, total) about twice a second.
 pub fn live_http(
@@ -270,7 +285,12 @@ pub fn live_http(
     opts.workers.validate()?;
     let rt = crate::live::runtime()?;
     let trace = Arc::new(trace.clone());
-    let workers = HttpWorkers::start(rt.handle(), trace.clone(), cfg, &opts.workers)?;
+    let workers = HttpWorkers::start(
+        rt.handle(),
+        Arc::new(script_of(&trace)),
+        &cfg.cluster(trace.block_size()),
+        &opts.workers,
+    )?;
     if let Some(path) = &opts.router_config_file {
         let rc = http_router_config(
             cfg,
@@ -331,10 +351,11 @@ pub fn live_http(
     let start = Instant::now();
     let completed = Arc::new(AtomicUsize::new(0));
     let total = trace.len();
-    let shared = workers.shared.clone();
+    let shared = workers.shared().clone();
     let speedup = opts.workers.speedup;
     let sides = rt.block_on(async {
         let mut task = tokio::spawn(driver::drive(
+            trace.clone(),
             shared.clone(),
             drive_opts,
             start,
@@ -356,7 +377,7 @@ pub fn live_http(
     let served = shared.served();
     let names = shared.names().to_vec();
     let roles = workers.roles().to_vec();
-    let pacer = workers::Pacer { start, speedup };
+    let pacer = kvc_engine_sim::http::Pacer { start, speedup };
     workers.stop()?;
     let mut config = run_config(cfg);
     config.policy = label.clone();
@@ -385,7 +406,7 @@ fn build_records(
     sides: &[Option<ClientSide>],
     served: &[Served],
     names: &[String],
-    pacer: workers::Pacer,
+    pacer: kvc_engine_sim::http::Pacer,
     router: String,
 ) -> (Vec<RequestRecord>, HttpReport) {
     let secs = |t: Instant| pacer.engine_at(t);
@@ -612,7 +633,7 @@ mod tests {
             served(ServedPath::Direct(d)),
         ];
         let names = vec!["p0".to_owned(), "d1".to_owned()];
-        let pacer = workers::Pacer {
+        let pacer = kvc_engine_sim::http::Pacer {
             start: now,
             speedup: 1.0,
         };

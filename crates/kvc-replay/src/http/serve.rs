@@ -1,6 +1,6 @@
 //! `kvc-replay workers`: standalone simulated workers serving any client until stopped.
 
-use super::workers::{HttpWorkers, StandaloneOptions, WorkerOptions};
+use super::{HttpWorkers, StandaloneOptions, WorkerOptions};
 use super::{http_router_config, ready_json, write_file};
 use crate::live::LiveError;
 use crate::sim::SimConfig;
@@ -36,7 +36,7 @@ pub struct ServeOptions {
 /// One line per worker: name, role, HTTP URL, and with engine signals its `/metrics` URL and
 /// event endpoints.
 pub fn worker_lines(workers: &HttpWorkers) -> Vec<String> {
-    let names = workers.shared.names();
+    let names = workers.shared().names();
     workers
         .addrs()
         .iter()
@@ -65,7 +65,12 @@ pub fn serve_workers(
 ) -> Result<(), LiveError> {
     cfg.validate()?;
     let rt = crate::live::runtime()?;
-    let workers = HttpWorkers::start_standalone(rt.handle(), cfg, opts, standalone)?;
+    let workers = HttpWorkers::start_standalone(
+        rt.handle(),
+        &cfg.cluster(standalone.block_size),
+        opts,
+        standalone,
+    )?;
     for line in worker_lines(&workers) {
         println!("{line}");
     }
@@ -108,5 +113,5 @@ pub fn serve_workers(
         }
     })?;
     eprintln!("kvc-replay workers: stopping ({stopped_by})");
-    workers.stop()
+    Ok(workers.stop()?)
 }

@@ -4,8 +4,8 @@
 //! ([`RouterProcess`]).
 
 use super::LiveError;
-use super::engine_signals::{ENGINE_BLOCK_TOKENS, EngineEndpoints};
 use kvc_core::{EngineKind, WorkerRole};
+use kvc_engine_sim::publish::engine_signals::{ENGINE_BLOCK_TOKENS, EngineEndpoints};
 use kvc_policy::PolicyConfig;
 use serde::Serialize;
 use std::io::{BufRead, BufReader};

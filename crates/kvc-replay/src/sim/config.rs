@@ -2,12 +2,11 @@
 //! checks, and the `config` block of the summary it yields.
 
 use super::SimError;
-use super::cluster::worker_layout;
-use super::engine::{Engine, EngineOptions};
 use super::metrics::RunConfig;
-use super::profile::Profile;
 use crate::trace::Trace;
-use kvc_core::{StableName, Topology};
+use kvc_core::{BlockSize, StableName, Topology};
+use kvc_engine_sim::ClusterSpec;
+use kvc_engine_sim::model::{Engine, Profile};
 use kvc_policy::PolicyConfig;
 
 pub use kvc_core::EvictionMode;
@@ -47,16 +46,21 @@ impl SimConfig {
     /// The simulated workers this configuration runs, in the trace's block size: the one
     /// constructor the simulator and the live workers share.
     pub fn engine(&self, trace: &Trace) -> Engine {
-        Engine::with_layout(
-            self.profile.clone(),
-            EngineOptions {
-                eviction: self.eviction.into(),
-                block_size: trace.block_size(),
-            },
-            &worker_layout(self),
-            self.seed,
-            self.jitter,
-        )
+        self.cluster(trace.block_size()).engine()
+    }
+
+    /// The simulated workers of this configuration, serving requests whose block ids cover
+    /// `block_size` tokens each.
+    pub fn cluster(&self, block_size: BlockSize) -> ClusterSpec {
+        ClusterSpec {
+            topology: self.topology,
+            local_prefill: self.local_prefill,
+            profile: self.profile.clone(),
+            eviction: self.eviction,
+            seed: self.seed,
+            jitter: self.jitter,
+            block_size,
+        }
     }
 
     /// The reference setup: time-scale 1, concurrency 32, seed 0, the default profile, engines

@@ -1,8 +1,8 @@
 //! The replay loop's two seams: where decisions come from ([`Decider`]; [`LocalPolicy`] runs
 //! the policy in process) and which clock it runs on ([`Hooks`]; [`Virtual`] for `sim`).
 
-use super::engine::{Engine, Micros};
 use kvc_core::{ExecutionMode, FallThroughReason, WorkerId};
+use kvc_engine_sim::model::{Engine, Micros};
 use kvc_policy::{
     ClusterView, Decision, Observation, PolicyConfig, RouteRequest, RouterState, StateChange,
     WorkerView,

@@ -7,8 +7,9 @@
 //! | [`decider`] | the loop's seams: [`Decider`] (decisions; [`LocalPolicy`] in process) and [`Hooks`] (the clock; [`Virtual`]) |
 //! | [`config`] | run configuration ([`SimConfig`], [`EvictionMode`]), its checks, the summary's `config` block |
 //! | [`cluster`] | a topology's workers: roles, capabilities, names, the initial view |
-//! | [`engine`] | the clock-agnostic worker model |
-//! | [`profile`] | engine profiles and the timing physics (fitted in `docs/calibration.md`) |
+//!
+//! The worker model the loop drives (engine, profiles and their timing physics) is
+//! [`kvc_engine_sim::model`].
 //! | [`metrics`] | per-request records and the run summary |
 //!
 //! Replay semantics are in [`replay`]; the invariants (determinism, one record per request,
@@ -18,19 +19,16 @@
 //! unordered iteration feed the logic, so the same trace, config and seed give byte-identical
 //! records.
 
-mod cache;
 pub mod cluster;
 pub mod config;
 pub mod decider;
-pub mod engine;
 pub mod metrics;
-pub mod profile;
 pub mod replay;
 
 pub use cluster::{initial_views, worker_names, worker_roles};
 pub use config::{EvictionMode, SimConfig, run_config};
 pub use decider::{Decider, Hooks, LocalPolicy, Routed, Virtual};
-pub use profile::Profile;
+pub use kvc_engine_sim::model::Profile;
 pub use replay::{run, simulate};
 
 use metrics::{RequestRecord, Summary};

@@ -8,11 +8,13 @@
 
 use super::cluster::{host_names, initial_views, layout_names, worker_layout};
 use super::decider::{Decider, Hooks, LocalPolicy, Routed, Virtual};
-use super::engine::{DirectAdmission, Engine, Event, Job, LocalAdmission, Micros, Wake, micros};
 use super::metrics::{RequestRecord, Summary};
 use super::{Occupancy, SimConfig, SimError, SimOutput, run_config};
 use crate::trace::{Trace, TraceRequest};
 use kvc_core::{Capabilities, ExecutionMode, Outcome, RequestId, SessionId, WorkerId, WorkerRole};
+use kvc_engine_sim::model::{
+    DirectAdmission, Engine, Event, Job, LocalAdmission, Micros, Wake, micros,
+};
 use kvc_policy::{ClusterView, Observation, RouteRequest, WorkerView};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};

@@ -60,7 +60,7 @@ mod sessions;
 pub mod stats;
 
 pub use error::TraceError;
-pub use hash_ids::HashIds;
+pub use kvc_core::HashIds;
 pub use kvc_core::{BlockHash, BlockSize, SessionId, TraceRecord, TurnId};
 
 /// Alias of [`generate`] under the name `gen`, which is a reserved word since Rust 2024 and

@@ -4,8 +4,9 @@
 
 use super::rooms::{BootstrapRooms, Meeting, WaitingLeg};
 use super::state::{ServedPath, SharedState};
-use crate::live::{LiveError, Publisher};
-use crate::sim::engine::{DirectAdmission, Engine, Event, Job, Micros, Wake};
+use crate::WorkerError;
+use crate::model::{DirectAdmission, Engine, Event, Job, Micros, Wake};
+use crate::publish::Publisher;
 use axum::http::StatusCode;
 use kvc_core::{Outcome, SessionId, WorkerId};
 use std::cmp::Reverse;
@@ -154,7 +155,7 @@ impl EngineThread {
         mut self,
         requests: mpsc::Receiver<StartRequest>,
         shutdown: CancellationToken,
-    ) -> Result<(), LiveError> {
+    ) -> Result<(), WorkerError> {
         let clock = self.shared.clock;
         let mut last_publish = Instant::now();
         while !shutdown.is_cancelled() {
@@ -194,7 +195,7 @@ impl EngineThread {
     }
 
     /// Publishes every worker's snapshot.
-    pub(super) fn publish(&mut self) -> Result<(), LiveError> {
+    pub(super) fn publish(&mut self) -> Result<(), WorkerError> {
         self.publisher
             .publish(&self.engine, self.start_wall_ms, self.speedup)
     }

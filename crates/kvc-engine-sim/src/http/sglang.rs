@@ -103,7 +103,7 @@ pub(super) fn find_prompt(
     arrived: std::time::Instant,
 ) -> Result<usize, Box<Response>> {
     let shared = &ctx.shared;
-    let Some(index) = shared.find(crate::http::prompt::prompt_key(text)) else {
+    let Some(index) = shared.find(crate::prompt::prompt_key(text)) else {
         return Err(Box::new(invalid(&format!(
             "{}: unknown prompt (not one this replay has in flight)",
             ctx.name
@@ -115,7 +115,7 @@ pub(super) fn find_prompt(
             s.attempts += 1;
         }
     });
-    let r = &shared.trace.requests[index];
+    let r = &shared.script.requests[index];
     if r.input_length > shared.max_input {
         return Err(Box::new(error_response(
             StatusCode::BAD_REQUEST,

@@ -34,7 +34,7 @@ fn push_word(out: &mut String, block: u64, position: u64) {
 ///
 /// ```
 /// use kvc_core::{BlockHash, BlockSize};
-/// use kvc_replay::http::prompt_text;
+/// use kvc_engine_sim::prompt::prompt_text;
 ///
 /// let block = BlockSize::new(4).unwrap();
 /// let turn1 = prompt_text(&[BlockHash(7), BlockHash(8)], 6, block);

@@ -2,7 +2,7 @@
 //! the first to arrive waits (until its deadline) for the other.
 
 use super::engine_thread::{Progress, RequestPart};
-use crate::sim::engine::Micros;
+use crate::model::Micros;
 use kvc_core::WorkerId;
 use std::collections::{BTreeSet, HashMap};
 use tokio::sync::mpsc::UnboundedSender;

@@ -24,7 +24,7 @@ pub(super) type BootstrapClient = Client<HttpConnector, http_body_util::Empty<By
 
 /// A pooled client with `TCP_NODELAY`, like the driver's.
 pub(super) fn bootstrap_client() -> BootstrapClient {
-    Client::builder(hyper_util::rt::TokioExecutor::new()).build(crate::http::driver::connector())
+    Client::builder(hyper_util::rt::TokioExecutor::new()).build(super::connector())
 }
 
 /// The prefill worker a bootstrap server answers for.

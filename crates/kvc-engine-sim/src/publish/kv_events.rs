@@ -19,9 +19,9 @@
 //! order, no hashing with random state).
 
 use super::engine_signals::ENGINE_BLOCK_TOKENS;
-use crate::http::workers::SessionLabels;
-use crate::sim::engine::Engine;
-use crate::trace::HashIds;
+use crate::model::Engine;
+use crate::publish::SessionLabels;
+use kvc_core::HashIds;
 use kvc_core::{SessionId, WorkerId};
 use kvc_events::{BlockRemoved, BlockStored, EngineHash, Event, EventBatch, Medium};
 use std::collections::{BTreeMap, HashMap};

@@ -32,7 +32,7 @@ use super::sglang::{
 };
 use super::standalone::PromptIn;
 use super::state::NO_TRACE_INDEX;
-use crate::sim::engine::Job;
+use crate::model::Job;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -176,7 +176,7 @@ fn resolve(
         let index = find_prompt(ctx, &req.text, attempt, arrived)?;
         return Ok(Resolved {
             index,
-            key: crate::http::prompt_key(&req.text),
+            key: crate::prompt::prompt_key(&req.text),
             job: shared.job(index, req.max_tokens),
         });
     };
@@ -197,9 +197,9 @@ fn resolve(
     let key = match &req.prompt {
         PromptIn::Tokens(t) => {
             let text: Vec<String> = t.iter().map(u32::to_string).collect();
-            crate::http::prompt_key(&text.join(","))
+            crate::prompt::prompt_key(&text.join(","))
         }
-        _ => crate::http::prompt_key(&req.text),
+        _ => crate::prompt::prompt_key(&req.text),
     };
     Ok(Resolved {
         index: NO_TRACE_INDEX,

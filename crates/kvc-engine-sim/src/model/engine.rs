@@ -8,8 +8,8 @@
 
 use super::cache::PrefixCache;
 use super::profile::Profile;
-use crate::trace::HashIds;
 use kvc_admission::{EvictionConfig, Resident, ResidentState, plan_eviction};
+use kvc_core::HashIds;
 use kvc_core::{BlockSize, Capabilities, Health, SessionId, WorkerId, WorkerRole, WorkerState};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, VecDeque};

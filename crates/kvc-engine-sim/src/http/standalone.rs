@@ -16,16 +16,14 @@
 //! once cannot share its KV: the later one runs as a session of its own (see
 //! `engine_thread`).
 
-use crate::sim::engine::Job;
-use crate::trace::HashIds;
+use crate::model::Job;
+use crate::publish::SessionLabels;
 use axum::http::HeaderMap;
+use kvc_core::HashIds;
 use kvc_core::text::{
     DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, block_hashes, chat_prompt, fallback_tokens,
 };
 use kvc_core::{BlockHash, BlockSize, SessionId};
-use parking_lot::Mutex;
-use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Settings of standalone workers.
@@ -44,51 +42,6 @@ impl Default for StandaloneOptions {
             block_size: BlockSize::new(16).unwrap_or_default(),
             session_header: "x-session-id".into(),
         }
-    }
-}
-
-/// The session keys the workers' KV events name sessions by, by engine session: the
-/// `session_id` of a `BlockStored` is the key the router was given, so it maps the events'
-/// sessions to its own with [`SessionId::from_key`]. Bounded ([`SessionLabels::MAX`]): past
-/// the bound the oldest labels are dropped (their sessions' events then carry the
-/// replay's `s<id>` label, which no router session matches: a missed direct-to-D at worst).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct SessionLabels {
-    inner: Arc<Mutex<Labels>>,
-}
-
-#[derive(Debug, Default)]
-struct Labels {
-    by_session: HashMap<SessionId, (u64, String)>,
-    next: u64,
-}
-
-impl SessionLabels {
-    /// Most labels kept.
-    pub(crate) const MAX: usize = 65_536;
-
-    /// Names engine session `session` by `key`.
-    pub(crate) fn insert(&self, session: SessionId, key: &str) {
-        let mut l = self.inner.lock();
-        let stamp = l.next;
-        l.next += 1;
-        l.by_session.insert(session, (stamp, key.to_owned()));
-        if l.by_session.len() > Self::MAX {
-            // Drop the oldest half (one sort per MAX / 2 inserts).
-            let mut stamps: Vec<u64> = l.by_session.values().map(|(s, _)| *s).collect();
-            stamps.sort_unstable();
-            let cut = stamps[stamps.len() / 2];
-            l.by_session.retain(|_, (s, _)| *s >= cut);
-        }
-    }
-
-    /// The key of `session`, when it has one.
-    pub(crate) fn get(&self, session: SessionId) -> Option<String> {
-        self.inner
-            .lock()
-            .by_session
-            .get(&session)
-            .map(|(_, k)| k.clone())
     }
 }
 
@@ -217,20 +170,5 @@ mod tests {
         assert_eq!(labels.get(text.session), None);
         let ids = s.job(&PromptIn::Tokens(vec![5; 40]), None, &headers(Some("t")));
         assert_eq!((ids.input, ids.hashes.len()), (40, 3));
-    }
-
-    #[test]
-    fn labels_are_bounded_and_keep_the_newest() {
-        let labels = SessionLabels::default();
-        for i in 0..SessionLabels::MAX as u64 + 1 {
-            labels.insert(SessionId(i), &format!("k{i}"));
-        }
-        assert!(labels.inner.lock().by_session.len() <= SessionLabels::MAX / 2 + 1);
-        let last = SessionLabels::MAX as u64;
-        assert_eq!(
-            labels.get(SessionId(last)).as_deref(),
-            Some(format!("k{last}").as_str())
-        );
-        assert_eq!(labels.get(SessionId(0)), None);
     }
 }

@@ -31,7 +31,7 @@
 //! "input_too_long"}}`.
 //!
 //! **Which request is it?** The engine model needs the trace's block ids and session; the
-//! worker finds the trace request by its prompt text ([`crate::http::prompt_key`]) among those the
+//! worker finds the trace request by its prompt text ([`crate::prompt::prompt_key`]) among those the
 //! driver registered as in flight. A prompt no one registered gets 400. Standalone workers
 //! (module `standalone`) have no trace: they tokenize whatever prompt comes.
 //!
@@ -54,21 +54,20 @@ mod engine_thread;
 mod generate;
 mod pd_shim;
 mod rooms;
+mod script;
 mod sglang;
 mod standalone;
 mod state;
 mod stream;
 mod vllm;
 
-pub(crate) use standalone::SessionLabels;
+pub use script::{Script, ScriptedRequest};
 pub use standalone::StandaloneOptions;
-pub(crate) use state::{Pacer, SharedState};
-pub use state::{Served, ServedPath};
+pub use state::{Pacer, Served, ServedPath, SharedState};
 
-use crate::live::{LiveError, Publisher, check_pacing, check_router_state};
-use crate::sim::SimConfig;
-use crate::sim::engine::Micros;
-use crate::trace::Trace;
+use crate::model::Micros;
+use crate::publish::Publisher;
+use crate::{ClusterSpec, WorkerError, check_pacing, check_router_state};
 use axum::Router;
 use bootstrap::{bootstrap_app, bootstrap_client};
 use engine_thread::EngineThread;
@@ -103,7 +102,7 @@ pub struct WorkerOptions {
     /// Model name the workers report.
     pub model: String,
     /// Where the router reads the workers' state: `snapshot`, or `events` (each worker also
-    /// serves vLLM-named `/metrics`, see [`crate::live::engine_signals`]).
+    /// serves vLLM-named `/metrics`, see [`crate::publish::engine_signals`]).
     pub router_state: StateSource,
     /// With `events`: worker `i`'s `/metrics` on `127.0.0.1:<base + i>` (free ports when
     /// `None`).
@@ -134,11 +133,11 @@ pub struct Faults {
 impl WorkerOptions {
     /// Checks the settings the workers cannot run with: a positive, finite speedup and at
     /// least one snapshot slot.
-    pub fn validate(&self) -> Result<(), LiveError> {
+    pub fn validate(&self) -> Result<(), WorkerError> {
         check_pacing(self.speedup, self.table_slots)?;
         check_router_state(self.router_state)?;
         if self.router_state == StateSource::Events && self.engine != EngineKind::Vllm {
-            return Err(LiveError::Invalid(
+            return Err(WorkerError::Invalid(
                 "the simulated workers show their state as vLLM engines do: reading it from \
                  their events (--router-state events) over HTTP needs --engine vllm"
                     .into(),
@@ -150,62 +149,65 @@ impl WorkerOptions {
 
 /// The running simulated workers.
 pub struct HttpWorkers {
-    pub(crate) shared: Arc<SharedState>,
+    shared: Arc<SharedState>,
     addrs: Vec<SocketAddr>,
     bootstrap_ports: Vec<Option<u16>>,
-    engine: Option<std::thread::JoinHandle<Result<(), LiveError>>>,
+    engine: Option<std::thread::JoinHandle<Result<(), WorkerError>>>,
     dialect: EngineKind,
     /// Each worker's engine signals, when served.
-    engine_urls: Vec<crate::live::engine_signals::EngineEndpoints>,
+    engine_urls: Vec<crate::publish::engine_signals::EngineEndpoints>,
     /// Stops the servers and the engine thread; cancelled on [`HttpWorkers::stop`] and on drop.
     shutdown: CancellationToken,
 }
 
 impl HttpWorkers {
     /// Starts the engine thread and every worker's HTTP server (and each prefill worker's
-    /// bootstrap server) on `runtime`. The trace is what the driver will send: workers find
+    /// bootstrap server) on `runtime`. The script is what the driver will send: workers find
     /// requests in it.
     pub fn start(
         runtime: &tokio::runtime::Handle,
-        trace: Arc<Trace>,
-        cfg: &SimConfig,
+        script: Arc<Script>,
+        cluster: &ClusterSpec,
         opts: &WorkerOptions,
-    ) -> Result<Self, LiveError> {
-        Self::start_with(runtime, trace, cfg, opts, None)
+    ) -> Result<Self, WorkerError> {
+        Self::start_with(runtime, script, cluster, opts, None)
     }
 
     /// Starts standalone workers (`kvc-replay workers`): no trace, any prompt from any client
     /// (see `standalone`), in vLLM's dialect. The engine's prefix caches count blocks of
-    /// `standalone.block_size` tokens; `cfg`'s policy should count the same for a router
-    /// configured from it.
+    /// `standalone.block_size` tokens (`cluster`'s block size is not used); a router
+    /// configured for them should count the same.
     pub fn start_standalone(
         runtime: &tokio::runtime::Handle,
-        cfg: &SimConfig,
+        cluster: &ClusterSpec,
         opts: &WorkerOptions,
         standalone: StandaloneOptions,
-    ) -> Result<Self, LiveError> {
+    ) -> Result<Self, WorkerError> {
         if opts.engine != EngineKind::Vllm {
-            return Err(LiveError::Invalid(
+            return Err(WorkerError::Invalid(
                 "standalone workers speak vLLM's OpenAI API (--engine vllm)".into(),
             ));
         }
-        let trace = Arc::new(Trace::empty(standalone.block_size));
-        Self::start_with(runtime, trace, cfg, opts, Some(standalone))
+        let cluster = ClusterSpec {
+            block_size: standalone.block_size,
+            ..cluster.clone()
+        };
+        Self::start_with(runtime, Arc::default(), &cluster, opts, Some(standalone))
     }
 
     fn start_with(
         runtime: &tokio::runtime::Handle,
-        trace: Arc<Trace>,
-        cfg: &SimConfig,
+        script: Arc<Script>,
+        cluster: &ClusterSpec,
         opts: &WorkerOptions,
         standalone: Option<StandaloneOptions>,
-    ) -> Result<Self, LiveError> {
+    ) -> Result<Self, WorkerError> {
         opts.validate()?;
-        let roles = crate::sim::worker_roles(cfg.topology);
-        let names = crate::sim::worker_names(&roles);
+        let roles = cluster.roles();
+        let names = crate::cluster::worker_names(&roles);
         let shutdown = CancellationToken::new();
         let mut publisher = Publisher::for_router_state(
-            cfg,
+            cluster,
             opts.router_state,
             &opts.snapshot_dir,
             opts.table_slots,
@@ -215,27 +217,27 @@ impl HttpWorkers {
                 runtime,
                 opts.engine_base_port,
                 &opts.model,
-                u64::from(cfg.policy.block_size().tokens()),
+                u64::from(cluster.block_size.tokens()),
                 &shutdown,
             )?
         } else {
             Vec::new()
         };
-        let labels = standalone::SessionLabels::default();
+        let labels = crate::publish::SessionLabels::default();
         if standalone.is_some() {
             publisher.label_sessions(labels.clone());
         }
-        let engine = cfg.engine(&trace);
+        let engine = cluster.engine();
         let (to_engine, requests) = mpsc::channel();
         let shared = Arc::new(SharedState {
-            served: Mutex::new(vec![Served::default(); trace.len()]),
-            trace,
+            served: Mutex::new(vec![Served::default(); script.len()]),
+            script,
             roles: roles.clone(),
             names: names.clone(),
             in_flight: Mutex::new(HashMap::new()),
             engine: Mutex::new(to_engine),
-            max_input: cfg.profile.model.max_input_tokens,
-            pool_tokens: cfg.profile.hardware.kv_pool_tokens,
+            max_input: cluster.profile.model.max_input_tokens,
+            pool_tokens: cluster.profile.hardware.kv_pool_tokens,
             model: opts.model.clone(),
             clock: Pacer {
                 start: Instant::now(),
@@ -257,7 +259,7 @@ impl HttpWorkers {
         let engine = std::thread::Builder::new()
             .name("kvc-sim-engine".into())
             .spawn(move || engine_thread.run(requests, engine_shutdown))
-            .map_err(|e| LiveError::Invalid(format!("cannot start the engine thread: {e}")))?;
+            .map_err(|e| WorkerError::Invalid(format!("cannot start the engine thread: {e}")))?;
         let client = bootstrap_client();
         let shim = (opts.pd_shim && opts.engine == EngineKind::Vllm)
             .then(|| Arc::new(pd_shim::PdShim::new()));
@@ -314,8 +316,13 @@ impl HttpWorkers {
         })
     }
 
+    /// What the worker servers, the engine thread and a driver share.
+    pub fn shared(&self) -> &Arc<SharedState> {
+        &self.shared
+    }
+
     /// Each worker's engine signals, by worker id (empty unless the router reads them).
-    pub fn engine_urls(&self) -> &[crate::live::engine_signals::EngineEndpoints] {
+    pub fn engine_urls(&self) -> &[crate::publish::engine_signals::EngineEndpoints] {
         &self.engine_urls
     }
 
@@ -340,11 +347,11 @@ impl HttpWorkers {
     }
 
     /// Stops the servers and the engine thread, and waits for the engine thread.
-    pub fn stop(mut self) -> Result<(), LiveError> {
+    pub fn stop(mut self) -> Result<(), WorkerError> {
         self.shutdown.cancel();
         match self.engine.take().map(std::thread::JoinHandle::join) {
             Some(Ok(r)) => r,
-            Some(Err(_)) => Err(LiveError::Invalid("the engine thread panicked".into())),
+            Some(Err(_)) => Err(WorkerError::Invalid("the engine thread panicked".into())),
             None => Ok(()),
         }
     }
@@ -356,6 +363,14 @@ impl Drop for HttpWorkers {
     }
 }
 
+/// An HTTP connector with `TCP_NODELAY` (a request's last segment is not held back waiting
+/// for the ACK of the previous one).
+pub fn connector() -> hyper_util::client::legacy::connect::HttpConnector {
+    let mut c = hyper_util::client::legacy::connect::HttpConnector::new();
+    c.set_nodelay(true);
+    c
+}
+
 /// Serves `app` on `127.0.0.1:<port>` (a free port for 0) until `shutdown` is cancelled;
 /// returns the bound address.
 fn serve(
@@ -363,7 +378,7 @@ fn serve(
     port: u16,
     app: Router,
     shutdown: CancellationToken,
-) -> Result<SocketAddr, LiveError> {
+) -> Result<SocketAddr, WorkerError> {
     let (listener, bound) = bind(runtime, port)?;
     spawn_serve(runtime, listener, app, shutdown);
     Ok(bound)
@@ -373,14 +388,14 @@ fn serve(
 fn bind(
     runtime: &tokio::runtime::Handle,
     port: u16,
-) -> Result<(tokio::net::TcpListener, SocketAddr), LiveError> {
+) -> Result<(tokio::net::TcpListener, SocketAddr), WorkerError> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind(addr))
-        .map_err(|e| LiveError::Router(format!("cannot listen on {addr}: {e}")))?;
+        .map_err(|e| WorkerError::Serve(format!("cannot listen on {addr}: {e}")))?;
     let bound = listener
         .local_addr()
-        .map_err(|e| LiveError::Router(format!("cannot listen on {addr}: {e}")))?;
+        .map_err(|e| WorkerError::Serve(format!("cannot listen on {addr}: {e}")))?;
     Ok((listener, bound))
 }
 

@@ -12,8 +12,8 @@
 //! | `vllm:cache_config_info` | labels `block_size` ([`ENGINE_BLOCK_TOKENS`]) and `num_gpu_blocks` (the pool in such blocks) |
 
 use super::kv_events::EventSource;
-use crate::live::LiveError;
-use crate::sim::engine::Engine;
+use crate::WorkerError;
+use crate::model::Engine;
 use axum::routing::get;
 use kvc_core::{WorkerId, WorkerState};
 use parking_lot::Mutex;
@@ -65,7 +65,7 @@ impl EngineSignals {
         model: &str,
         trace_block: u64,
         stop: &CancellationToken,
-    ) -> Result<Self, LiveError> {
+    ) -> Result<Self, WorkerError> {
         let board = Arc::new(Mutex::new(states));
         let n = board.lock().len();
         let mut addrs = Vec::with_capacity(n);
@@ -74,12 +74,12 @@ impl EngineSignals {
             let listener = rt
                 .block_on(tokio::net::TcpListener::bind(("127.0.0.1", port)))
                 .map_err(|e| {
-                    LiveError::Router(format!("cannot serve worker {i}'s /metrics: {e}"))
+                    WorkerError::Serve(format!("cannot serve worker {i}'s /metrics: {e}"))
                 })?;
             addrs.push(
                 listener
                     .local_addr()
-                    .map_err(|e| LiveError::Router(e.to_string()))?,
+                    .map_err(|e| WorkerError::Serve(e.to_string()))?,
             );
             let board = Arc::clone(&board);
             let model = model.to_owned();
@@ -107,7 +107,7 @@ impl EngineSignals {
             };
             let publisher = rt
                 .block_on(kvc_events::Publisher::bind(cfg, stop.child_token()))
-                .map_err(|e| LiveError::Router(format!("worker {i}'s KV events: {e}")))?;
+                .map_err(|e| WorkerError::Serve(format!("worker {i}'s KV events: {e}")))?;
             publishers.push(publisher);
         }
         Ok(EngineSignals {
@@ -121,7 +121,7 @@ impl EngineSignals {
     }
 
     /// Names sessions in the events by the keys in `labels` (standalone workers).
-    pub(crate) fn label_sessions(&mut self, labels: crate::http::workers::SessionLabels) {
+    pub(crate) fn label_sessions(&mut self, labels: crate::publish::SessionLabels) {
         self.events.label_sessions(labels);
     }
 

@@ -1,9 +1,9 @@
-//! What the worker servers, the engine thread and the driver share: the trace, the prompts in
+//! What the worker servers, the engine thread and the driver share: the script, the prompts in
 //! flight, what the workers served of each request, and engine time read off the wall clock.
 
 use super::engine_thread::{Progress, RequestPart, StartRequest};
-use crate::sim::engine::{Job, Micros};
-use crate::trace::Trace;
+use super::script::Script;
+use crate::model::{Job, Micros};
 use kvc_core::{Outcome, WorkerId, WorkerRole};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -37,7 +37,7 @@ pub enum ServedPath {
 pub(super) struct Hold {
     /// Trace index of the request (standalone workers: [`NO_TRACE_INDEX`]).
     pub(super) index: usize,
-    /// Its prompt's key ([`crate::http::prompt_key`]): D must pull the prompt P prefilled.
+    /// Its prompt's key ([`crate::prompt::prompt_key`]): D must pull the prompt P prefilled.
     pub(super) key: u64,
     /// When it expires.
     pub(super) expires: Instant,
@@ -65,8 +65,8 @@ pub struct Served {
 }
 
 /// State shared by the worker servers, the engine thread and the driver.
-pub(crate) struct SharedState {
-    pub(crate) trace: Arc<Trace>,
+pub struct SharedState {
+    pub(super) script: Arc<Script>,
     pub(super) roles: Vec<WorkerRole>,
     pub(super) names: Vec<String>,
     /// Prompt key -> trace indices in flight with that prompt.
@@ -80,7 +80,7 @@ pub(crate) struct SharedState {
     /// KV pool of each worker (tokens).
     pub(super) pool_tokens: u64,
     /// The model name the workers report.
-    pub(crate) model: String,
+    pub(super) model: String,
     pub(super) clock: Pacer,
     /// vLLM dialect: (prefill worker, remote request id) -> the request it holds for a
     /// decode worker.
@@ -95,13 +95,14 @@ pub(crate) struct SharedState {
 pub(super) const NO_TRACE_INDEX: usize = usize::MAX;
 
 impl SharedState {
-    /// Marks trace request `index` (prompt `key`) as in flight.
-    pub(crate) fn register(&self, key: u64, index: usize) {
+    /// Marks request `index` of the script (prompt `key`, [`crate::prompt::prompt_key`]) as in
+    /// flight: a worker given that prompt serves that request.
+    pub fn register(&self, key: u64, index: usize) {
         self.in_flight.lock().entry(key).or_default().push(index);
     }
 
-    /// The request is over.
-    pub(crate) fn unregister(&self, key: u64, index: usize) {
+    /// Request `index` (prompt `key`) is over.
+    pub fn unregister(&self, key: u64, index: usize) {
         let mut in_flight = self.in_flight.lock();
         if let Some(v) = in_flight.get_mut(&key) {
             v.retain(|i| *i != index);
@@ -126,14 +127,19 @@ impl SharedState {
         }
     }
 
-    /// What the workers saw of every request, by trace index.
-    pub(crate) fn served(&self) -> Vec<Served> {
+    /// What the workers saw of every request, by script index.
+    pub fn served(&self) -> Vec<Served> {
         self.served.lock().clone()
     }
 
     /// Worker names, by worker id.
-    pub(crate) fn names(&self) -> &[String] {
+    pub fn names(&self) -> &[String] {
         &self.names
+    }
+
+    /// The model name the workers report.
+    pub fn model(&self) -> &str {
+        &self.model
     }
 
     /// Prefill worker `p` holds trace request `index` (prompt `key`) for a decode worker's
@@ -169,7 +175,7 @@ impl SharedState {
     /// The engine job of trace request `index`, generating `max_tokens` (the client's limit)
     /// or else the trace's output length, at least one token.
     pub(super) fn job(&self, index: usize, max_tokens: Option<u64>) -> Job {
-        let r = &self.trace.requests[index];
+        let r = &self.script.requests[index];
         Job {
             id: 0,
             session: r.session,
@@ -201,19 +207,21 @@ impl SharedState {
 /// Engine time from wall time: the engine runs `speedup` times faster than the wall clock,
 /// from `start`.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Pacer {
-    pub(crate) start: Instant,
-    pub(crate) speedup: f64,
+pub struct Pacer {
+    /// Engine time 0.
+    pub start: Instant,
+    /// How many times faster than the wall clock engine time runs.
+    pub speedup: f64,
 }
 
 impl Pacer {
     /// Engine time now.
-    pub(crate) fn engine_now(&self) -> Micros {
+    pub fn engine_now(&self) -> Micros {
         (self.start.elapsed().as_secs_f64() * 1e6 * self.speedup) as Micros
     }
 
     /// Engine time of the wall instant `t`, in seconds.
-    pub(crate) fn engine_at(&self, t: Instant) -> f64 {
+    pub fn engine_at(&self, t: Instant) -> f64 {
         t.saturating_duration_since(self.start).as_secs_f64() * self.speedup
     }
 

@@ -65,8 +65,7 @@ impl PdShim {
     pub(crate) fn new() -> Self {
         PdShim {
             prefill: OnceLock::new(),
-            client: Client::builder(hyper_util::rt::TokioExecutor::new())
-                .build(crate::http::driver::connector()),
+            client: Client::builder(hyper_util::rt::TokioExecutor::new()).build(super::connector()),
         }
     }
 
