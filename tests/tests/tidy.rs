@@ -70,7 +70,7 @@ fn as_repo_path(span: &str) -> Option<&str> {
     is_path.then_some(span)
 }
 
-/// A backticked span read as a Rust path into a workspace crate (`kvc_replay::sim::engine`).
+/// A backticked span read as a Rust path into a workspace crate (`kvc_replay::sim::replay`).
 fn as_rust_path(span: &str) -> Option<Vec<&str>> {
     let span = span.trim_end_matches("()");
     let segs: Vec<&str> = span.split("::").collect();
@@ -379,7 +379,7 @@ fn every_policy_is_in_the_policy_tables() {
 #[test]
 fn the_checker_reports_what_is_missing() {
     let root = root();
-    let row = "| `crates/kvc-replay` | `sim/` (`engine.rs`, `gone.rs`), `cli/` |";
+    let row = "| `crates/kvc-replay` | `sim/` (`replay.rs`, `gone.rs`), `cli/` |";
     let missing = check_text(&root, "ARCHITECTURE.md", row);
     assert_eq!(
         missing.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(),

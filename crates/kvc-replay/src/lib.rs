@@ -6,11 +6,14 @@
 //! - [`trace`] reads and writes JSONL traces in the Mooncake shape (plus optional session and
 //!   turn ids), rebuilds sessions of traces that have none, generates SWE-agent-like traces
 //!   from a seed, and summarizes a trace (`kvc-replay gen swe`, `kvc-replay stats`).
-//! - [`sim`] is the discrete-event simulator: a calibrated engine model of prefill, decode and
-//!   colocated workers ([`sim::engine`], [`sim::profile`]) driven on a virtual clock, with the
+//! - [`sim`] is the discrete-event simulator: the calibrated worker model of prefill, decode
+//!   and colocated workers (`kvc_engine_sim::model`) driven on a virtual clock, with the
 //!   decisions of a `kvc-policy` policy ([`sim::simulate`]; `kvc-replay sim`).
-//! - [`live`] runs the same engine on a real clock behind a real `kvc-router`, publishing the
+//! - [`live`] runs the same model on a real clock behind a real `kvc-router`, publishing the
 //!   workers' shared-memory snapshots (`kvc-replay live`).
+//! - [`http`] replays a trace through any HTTP router in front of the simulated engines of
+//!   `kvc-engine-sim` (`kvc-replay live --http`), or serves those engines to any client
+//!   (`kvc-replay workers`).
 //! - [`output`] and [`report`] write and read run directories (`metrics.jsonl`,
 //!   `summary.json`, `occupancy.csv`), compare runs and draw SVG plots (`kvc-replay compare`,
 //!   `kvc-replay report`, `kvc-replay demo`).

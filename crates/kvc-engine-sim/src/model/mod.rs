@@ -22,15 +22,18 @@
 //! - **No clock, no randomness of its own.** Time comes in with each call; iteration times
 //!   are jittered by a generator seeded from the configuration; maps are ordered (`BTreeMap`),
 //!   so the same calls give the same events and wake-ups, byte for byte.
-//! - **A worker's pool is never overcommitted.** Running requests, resident sessions, the
-//!   prefix cache and room reserved for KV on its way in together fit `capacity`; room is
-//!   made only by evicting what an eviction tier allows (idle sessions first, never a
-//!   session a job holds or a transfer has been promised), by retracting a decoding request,
-//!   or not at all (the job waits, or its transfer times out).
-//! - **One home per session.** A session is resident on at most one worker once a turn has
-//!   finished: a reseed, or a turn carried out elsewhere, releases it on every other worker.
-//! - **Every job ends once.** Each job gets one `FirstToken` (unless it fails first) and one
-//!   `Finished` or failure event, and its reservations are released on every path.
+//! - **Room is made, never assumed.** A job starts on a worker only once its pool has room
+//!   for it beside the running requests, the resident sessions, the prefix cache and the room
+//!   promised to KV on its way in. Room comes from what an eviction tier allows (idle
+//!   sessions first; never a session a job holds, nor room promised to a transfer), from
+//!   retracting a decoding request, or not at all: the job waits, and a transfer waiting past
+//!   its timeout fails.
+//! - **One home per session.** A P→D seed, a full prefill on a decode worker and a turn a
+//!   worker serves alone release the session on every other worker that hosts it; a
+//!   direct-to-D turn stays where the session is.
+//! - **Every job ends once.** A job gets at most one `FirstToken` and exactly one of `Done`,
+//!   `TransferTimedOut` or `DecodeOom`, and what it reserved is released on each of those
+//!   paths.
 
 mod admission;
 mod cache;
