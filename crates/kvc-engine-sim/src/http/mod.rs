@@ -2,7 +2,7 @@
 //! vLLM's OpenAI API with NixlConnector P/D (module `vllm`: `POST /v1/completions` and
 //! `/v1/chat/completions` instead of `/generate`, no bootstrap servers) — on a real clock.
 //!
-//! One engine model (the simulator's [`Engine`]) runs on its own thread, paced to wall time
+//! One engine model (the simulator's [`crate::model::Engine`]) runs on its own thread, paced to wall time
 //! (`speedup` times faster). Each worker serves, on its own loopback port:
 //!
 //! | Route | |
@@ -30,15 +30,18 @@
 //! `{"error": {"message": "...longer than the model's context length...", "type":
 //! "input_too_long"}}`.
 //!
-//! **Which request is it?** The engine model needs the trace's block ids and session; the
-//! worker finds the trace request by its prompt text ([`crate::prompt::prompt_key`]) among those the
-//! driver registered as in flight. A prompt no one registered gets 400. Standalone workers
-//! (module `standalone`) have no trace: they tokenize whatever prompt comes.
+//! **Which request is it?** The engine model needs each request's block ids and session: the
+//! driver hands the workers a [`Script`] of the requests it will send (`kvc-replay`'s HTTP
+//! replay: the trace's), and a worker finds a request by its prompt text
+//! ([`crate::prompt::prompt_key`]) among those the driver marked in flight
+//! ([`SharedState::register`]). A prompt no one registered gets 400. Standalone workers
+//! (module `standalone`) have no script: they tokenize whatever prompt comes.
 //!
 //! | module | job |
 //! |---|---|
 //! | this one | the servers' lifecycle: start, addresses, shutdown ([`HttpWorkers`]) |
 //! | `state` | what servers, engine thread and driver share: prompts in flight, what was served, engine time |
+//! | `script` | the requests a driver announces, by index |
 //! | `engine_thread` | the engine paced to wall time, starting requests and reporting their progress |
 //! | `rooms` | the two legs of a P→D request meeting by bootstrap room |
 //! | `bootstrap` | each prefill worker's bootstrap server, and the client decode workers ask it with |

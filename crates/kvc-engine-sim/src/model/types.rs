@@ -119,7 +119,7 @@ pub enum DirectAdmission {
     Rejected,
 }
 
-/// Admission answer for a turn a worker serves alone ([`Engine::try_local`]).
+/// Admission answer for a turn a worker serves alone ([`super::Engine::try_local`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LocalAdmission {
     /// Admitted: the job prefills the prompt but `cached` tokens.

@@ -1,7 +1,7 @@
 //! The simulated workers' KV-cache events, as a stock vLLM engine publishes them.
 //!
 //! The engine model keeps, per worker, the sessions resident there with their token count and
-//! the trace block ids of what they hold. [`EventSource`] turns each worker's residents into
+//! the trace block ids of what they hold. `EventSource` turns each worker's residents into
 //! vLLM's view of its prefix cache — full blocks of [`ENGINE_BLOCK_TOKENS`] tokens, chained —
 //! and emits the difference since the last call as `BlockStored` / `BlockRemoved` events:
 //!

@@ -23,7 +23,7 @@ struct Labels {
 
 impl SessionLabels {
     /// Most labels kept.
-    pub(crate) const MAX: usize = 65_536;
+    pub const MAX: usize = 65_536;
 
     /// Names engine session `session` by `key`.
     pub(crate) fn insert(&self, session: SessionId, key: &str) {

@@ -1,9 +1,9 @@
 //! HTTP replay: a trace sent through any HTTP router to simulated workers that speak SGLang's
 //! HTTP API (or vLLM's, with [`WorkerOptions::engine`] `vllm`: each request is then a
-//! `/v1/completions` call, see [`workers`]).
+//! `/v1/completions` call, see [`kvc_engine_sim::http`]).
 //!
 //! [`HttpWorkers`] are the simulator's engine model on a real clock, each worker an HTTP server
-//! on loopback (see [`workers`] for the API and the P/D bootstrap handshake). The driver sends
+//! on loopback (see [`kvc_engine_sim::http`] for the API and the P/D bootstrap handshake). The driver sends
 //! each trace request as an SGLang `/generate` call to the router, with a prompt whose words
 //! repeat exactly where the trace's blocks repeat ([`prompt_text`]), so a text-prefix router
 //! sees the trace's real prefix structure. Records and summary have `sim`'s shape; times are in
