@@ -183,6 +183,26 @@ pub(super) struct GenerateBody {
     pub(super) bootstrap: Option<(String, u16)>,
 }
 
+/// An optional unsigned field of a body (absent or `null`: `None`); the error names `field`.
+pub(super) fn optional_u64(value: Option<&Value>, field: &str) -> Result<Option<u64>, String> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(n) => n
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| format!("`{field}` must be an unsigned integer")),
+    }
+}
+
+/// A body's `stream` flag (absent or `null`: not streamed).
+pub(super) fn stream_flag(obj: &serde_json::Map<String, Value>) -> Result<bool, String> {
+    match obj.get("stream") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err("`stream` must be a boolean".into()),
+    }
+}
+
 impl GenerateBody {
     /// Reads a `/generate` body; the error says what is wrong with it.
     pub(super) fn parse(bytes: &[u8]) -> Result<GenerateBody, String> {
@@ -194,25 +214,13 @@ impl GenerateBody {
             Some(_) => return Err("`text` must be a string".into()),
             None => return Err("this worker takes `text` prompts (no `text` field)".into()),
         };
-        let max_new_tokens = match obj.get("sampling_params").map(|s| s.get("max_new_tokens")) {
-            None | Some(None) | Some(Some(Value::Null)) => None,
-            Some(Some(n)) => Some(
-                n.as_u64()
-                    .ok_or("`sampling_params.max_new_tokens` must be an unsigned integer")?,
-            ),
-        };
-        let stream = match obj.get("stream") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => return Err("`stream` must be a boolean".into()),
-        };
-        let room = match obj.get("bootstrap_room") {
-            None | Some(Value::Null) => None,
-            Some(n) => Some(
-                n.as_u64()
-                    .ok_or("`bootstrap_room` must be an unsigned integer")?,
-            ),
-        };
+        let max_new_tokens = optional_u64(
+            obj.get("sampling_params")
+                .and_then(|s| s.get("max_new_tokens")),
+            "sampling_params.max_new_tokens",
+        )?;
+        let stream = stream_flag(obj)?;
+        let room = optional_u64(obj.get("bootstrap_room"), "bootstrap_room")?;
         let bootstrap = match (obj.get("bootstrap_host"), obj.get("bootstrap_port")) {
             (Some(Value::String(h)), Some(p)) => {
                 let port = p

@@ -28,7 +28,7 @@ use super::PAIR_TIMEOUT_WALL;
 use super::engine_thread::{Progress, RequestPart};
 use super::sglang::{
     Chunk, WorkerContext, error_response, event_stream, find_prompt, invalid, json_response,
-    output_text, shutting_down,
+    optional_u64, output_text, shutting_down, stream_flag,
 };
 use super::standalone::PromptIn;
 use super::state::NO_TRACE_INDEX;
@@ -113,18 +113,8 @@ fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
             .or_else(|| obj.get("max_tokens")),
         OpenAi::Completions => obj.get("max_tokens"),
     };
-    let max_tokens = match max_tokens {
-        None | Some(Value::Null) => None,
-        Some(n) => Some(
-            n.as_u64()
-                .ok_or("`max_tokens` must be an unsigned integer")?,
-        ),
-    };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err("`stream` must be a boolean".into()),
-    };
+    let max_tokens = optional_u64(max_tokens, "max_tokens")?;
+    let stream = stream_flag(obj)?;
     let include_usage = obj
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
@@ -264,18 +254,14 @@ async fn serve(
         Err(m) => return invalid(&m),
     };
     let shared = &ctx.shared;
-    let remote_decode = req
-        .transfer
-        .as_ref()
-        .and_then(|p| p.get("do_remote_decode"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let remote_prefill = req
-        .transfer
-        .as_ref()
-        .and_then(|p| p.get("do_remote_prefill"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let flag = |name: &str| {
+        req.transfer
+            .as_ref()
+            .and_then(|p| p.get(name))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
+    let (remote_decode, remote_prefill) = (flag("do_remote_decode"), flag("do_remote_prefill"));
     let Resolved { index, key, job } = match resolve(&ctx, &req, headers, !remote_decode, arrived) {
         Ok(r) => r,
         Err(answer) => return *answer,
