@@ -119,7 +119,7 @@ fn two_turns(router: &str, topic: &str, session: Option<&str>, stream: bool) -> 
         assert_eq!(completion, 12);
         assert_eq!(text.split_whitespace().count(), 12, "{text}");
         answer = text;
-        out.push((a.header("x-kvc-mode").unwrap_or("").to_owned(), cached));
+        out.push((a.find_header("x-kvc-mode").unwrap_or("").to_owned(), cached));
     }
     [out[0].clone(), out[1].clone()]
 }

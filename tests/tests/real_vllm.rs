@@ -391,7 +391,7 @@ fn answer_text(body: &Value, api: Api) -> String {
 /// A turn's answer: for a stream, the deltas joined into one whole-answer shape with the
 /// final usage chunk's usage.
 fn read_turn(answer: &Answer, api: Api, stream: bool) -> Turn {
-    let header = |n: &str| answer.header(n).map(str::to_owned);
+    let header = |n: &str| answer.find_header(n).map(str::to_owned);
     let body = if stream && answer.status == 200 {
         let mut text = String::new();
         let mut usage = Value::Null;

@@ -4,18 +4,18 @@
 //! In-process mock workers record everything they receive.
 
 mod common;
-mod http_client;
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use common::Cluster;
+use axum::response::Response;
+use common::front::{
+    self, Recording, answer_body, error_response, ids, json_response, sse_response, worker_routes,
+};
 use kvc_core::{Health, WorkerId, WorkerRole};
 use kvc_policy::PolicyConfig;
 use kvc_router::RouterConfig;
-use kvc_router::http::{BreakerState, HttpOptions, WorkerEndpoints, http_app_with};
+use kvc_router::http::{BreakerState, HttpOptions};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use std::collections::{HashMap, HashSet};
@@ -47,6 +47,14 @@ struct Mock {
 /// engine whose bootstrap room expired.
 const PARTNER_TIMEOUT: Duration = Duration::from_millis(1_500);
 
+impl Recording for Mock {
+    type Request = Received;
+
+    fn requests(&self) -> &Mutex<Vec<Received>> {
+        &self.received
+    }
+}
+
 fn answer(m: &Mock, path: &str, stream: bool) -> Response {
     if stream {
         let events: String = (1..=2u64)
@@ -57,24 +65,9 @@ fn answer(m: &Mock, path: &str, stream: bool) -> Response {
             })
             .chain(["data: [DONE]\n\n".to_owned()])
             .collect();
-        return (
-            StatusCode::OK,
-            [("content-type", "text/event-stream")],
-            events,
-        )
-            .into_response();
+        return sse_response(events);
     }
-    let v = if path == "/generate" {
-        json!({"text": format!("answer from {}", m.name), "meta_info": {"completion_tokens": 8}})
-    } else {
-        json!({"choices": [{"text": format!("answer from {}", m.name)}], "usage": {"completion_tokens": 8}})
-    };
-    (
-        StatusCode::OK,
-        [("content-type", "application/json")],
-        v.to_string(),
-    )
-        .into_response()
+    json_response(StatusCode::OK, &answer_body(&m.name, path, 8))
 }
 
 async fn handler(
@@ -112,13 +105,10 @@ async fn handler(
             })
             .await;
             if met.is_err() {
-                return (
+                return error_response(
                     StatusCode::GATEWAY_TIMEOUT,
-                    [("content-type", "application/json")],
-                    json!({"error": {"message": format!("bootstrap room {room}: the decode leg never came")}})
-                        .to_string(),
-                )
-                    .into_response();
+                    format!("bootstrap room {room}: the decode leg never came"),
+                );
             }
         }
         return answer(&m, uri.path(), stream);
@@ -139,76 +129,30 @@ async fn spawn_mock(name: &str, handshakes: &Arc<Handshakes>) -> (Arc<Mock>, Soc
         received: Mutex::new(Vec::new()),
         handshakes: Arc::clone(handshakes),
     });
-    let app = axum::Router::new()
-        .route("/generate", post(handler))
-        .route("/v1/completions", post(handler))
-        .route("/v1/chat/completions", post(handler))
-        .with_state(mock.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = front::serve(worker_routes(handler).with_state(mock.clone())).await;
     (mock, addr)
 }
 
-struct Front {
-    cluster: Cluster,
-    mocks: HashMap<u32, Arc<Mock>>,
-    addrs: HashMap<u32, SocketAddr>,
-    addr: SocketAddr,
-}
+type Front = front::Front<Mock>;
 
 const BOOTSTRAP_PORT: u16 = 9_100;
 
+/// A router over the cluster `edit` makes of the default P0, D1, D2 (snapshot workers), each
+/// worker with a mock HTTP server (prefill mocks wait for their decode partner), and its HTTP
+/// front with `options`.
+async fn start(
+    edit: impl FnOnce(&mut RouterConfig),
+    options: impl FnOnce(&mut HttpOptions),
+) -> Front {
+    let handshakes = Arc::new(Handshakes::default());
+    let mut o = front::options(Duration::from_secs(10));
+    options(&mut o);
+    let port = |_, role| (role == WorkerRole::Prefill).then_some(BOOTSTRAP_PORT);
+    let spawn = async |name: &str| spawn_mock(name, &handshakes).await;
+    Front::start(edit, spawn, port, |_| {}, o).await
+}
+
 impl Front {
-    async fn start(
-        edit: impl FnOnce(&mut RouterConfig),
-        options: impl FnOnce(&mut HttpOptions),
-    ) -> Front {
-        let cluster = Cluster::start(edit).await;
-        let workers: Vec<(u32, WorkerRole)> = cluster
-            .service()
-            .config()
-            .workers
-            .iter()
-            .map(|w| (w.id, w.role))
-            .collect();
-        let ids: Vec<u32> = workers.iter().map(|w| w.0).collect();
-        cluster.wait_health(&ids, Health::Healthy).await;
-        let handshakes = Arc::new(Handshakes::default());
-        let (mut mocks, mut addrs) = (HashMap::new(), HashMap::new());
-        let mut http = WorkerEndpoints::new();
-        for (id, role) in workers {
-            let name = format!("{}{id}", &role.to_string()[..1]);
-            let (mock, addr) = spawn_mock(&name, &handshakes).await;
-            let port = (role == WorkerRole::Prefill).then_some(BOOTSTRAP_PORT);
-            http.insert(WorkerId(id), &format!("http://{addr}"), port)
-                .unwrap();
-            mocks.insert(id, mock);
-            addrs.insert(id, addr);
-        }
-        let mut o = HttpOptions {
-            request_timeout: Duration::from_secs(10),
-            retry_backoff: Duration::from_millis(1),
-            health_check_interval: None,
-            ..HttpOptions::default()
-        };
-        options(&mut o);
-        let app = http_app_with(cluster.service().clone(), http, o);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        Front {
-            cluster,
-            mocks,
-            addrs,
-            addr,
-        }
-    }
-
-    fn received(&self, id: u32) -> Vec<Received> {
-        self.mocks[&id].received.lock().clone()
-    }
-
     fn all_received(&self) -> Vec<(u32, Received)> {
         let mut ids: Vec<u32> = self.mocks.keys().copied().collect();
         ids.sort_unstable();
@@ -216,87 +160,6 @@ impl Front {
             .flat_map(|id| self.received(id).into_iter().map(move |r| (id, r)))
             .collect()
     }
-
-    async fn post(&self, path: &str, headers: &[(&str, &str)], body: &Value) -> Reply {
-        let (status, headers, text) =
-            http_client::exchange(self.addr, path, headers, &body.to_string()).await;
-        Reply {
-            status,
-            headers,
-            text,
-        }
-    }
-
-    async fn get(&self, method: &str, path: &str) -> Reply {
-        raw_exchange(self.addr, method, path).await
-    }
-
-    /// Waits (bounded) until no decision awaits its outcome.
-    async fn settle(&self) {
-        for _ in 0..500 {
-            if self.cluster.service().pending_decisions() == 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("an outcome was never reported");
-    }
-}
-
-struct Reply {
-    status: u16,
-    headers: HashMap<String, String>,
-    text: String,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.text)
-            .unwrap_or_else(|e| panic!("{} is not JSON ({e}): {:?}", self.status, self.text))
-    }
-
-    fn header(&self, name: &str) -> &str {
-        self.headers
-            .get(name)
-            .unwrap_or_else(|| panic!("no {name} in {:?}", self.headers))
-    }
-}
-
-/// One bounded request without a body over a fresh connection (`Connection: close`).
-async fn raw_exchange(addr: SocketAddr, method: &str, path: &str) -> Reply {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let fut = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(
-            format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-        .unwrap();
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await.unwrap();
-        buf
-    };
-    let raw = tokio::time::timeout(Duration::from_secs(10), fut)
-        .await
-        .expect("the front answered in time");
-    let text = String::from_utf8(raw).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    let mut lines = head.lines();
-    let status = lines.next().unwrap().split(' ').nth(1).unwrap();
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    Reply {
-        status: status.parse().unwrap(),
-        headers,
-        text: body.to_owned(),
-    }
-}
-
-fn ids(r: std::ops::Range<u32>) -> Value {
-    Value::from(r.collect::<Vec<u32>>())
 }
 
 /// What a hostile client adds to every request: the fields that pair P with D, vLLM's KV
@@ -363,7 +226,7 @@ fn assert_nothing_forged(f: &Front, what: &str) {
 
 #[tokio::test]
 async fn router_only_fields_never_reach_a_worker_on_any_path() {
-    let f = Front::start(|_| {}, |_| {}).await;
+    let f = start(|_| {}, |_| {}).await;
     let words: Vec<String> = (0..1_900).map(|i| format!("w{i}")).collect();
     for stream in [false, true] {
         let key = format!("forger-{stream}");
@@ -377,13 +240,13 @@ async fn router_only_fields_never_reach_a_worker_on_any_path() {
             )
         };
         let r = f.post("/generate", &headers, &turn(1)).await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
         f.settle().await;
         let extended = forge(json!({"input_ids": ids(1_000..2_900), "stream": stream,
                                     "sampling_params": {"max_new_tokens": 8}}));
         let r = f.post("/generate", &headers, &extended).await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.header("x-kvc-mode"), "direct-to-d", "stream {stream}");
         f.settle().await;
         // The OpenAI APIs, both paths.
@@ -394,7 +257,7 @@ async fn router_only_fields_never_reach_a_worker_on_any_path() {
             let body =
                 forge(json!({"prompt": words[..n].join(" "), "stream": stream, "max_tokens": 8}));
             let r = f.post("/v1/completions", &headers2, &body).await;
-            assert_eq!(r.status, 200, "{}", r.text);
+            assert_eq!(r.status, 200, "{}", r.body);
             f.settle().await;
         }
         let r = f
@@ -404,7 +267,7 @@ async fn router_only_fields_never_reach_a_worker_on_any_path() {
                 &forge(json!({"prompt": "x", "stream": stream})),
             )
             .await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{}", r.body);
         f.settle().await;
         let chat = forge(
             json!({"messages": [{"role": "user", "content": words[..1_300].join(" ")}],
@@ -417,7 +280,7 @@ async fn router_only_fields_never_reach_a_worker_on_any_path() {
                 &chat,
             )
             .await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{}", r.body);
         f.settle().await;
     }
     assert_nothing_forged(&f, "P/D cluster");
@@ -431,7 +294,7 @@ async fn router_only_fields_never_reach_a_worker_on_any_path() {
 
 #[tokio::test]
 async fn router_only_fields_never_reach_a_colocated_worker() {
-    let f = Front::start(
+    let f = start(
         |cfg| {
             for w in &mut cfg.workers {
                 w.role = WorkerRole::Colocated;
@@ -449,7 +312,7 @@ async fn router_only_fields_never_reach_a_colocated_worker() {
                 &forge(json!({"input_ids": ids(0..300), "stream": stream})),
             )
             .await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.header("x-kvc-mode"), "colocated");
         let r = f
             .post(
@@ -458,7 +321,7 @@ async fn router_only_fields_never_reach_a_colocated_worker() {
                 &forge(json!({"messages": [{"role": "user", "content": "hi"}], "stream": stream})),
             )
             .await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{}", r.body);
     }
     f.settle().await;
     assert_nothing_forged(&f, "colocated cluster");
@@ -466,7 +329,7 @@ async fn router_only_fields_never_reach_a_colocated_worker() {
 
 #[tokio::test]
 async fn over_long_session_ids_are_refused_and_never_kept() {
-    let f = Front::start(|_| {}, |_| {}).await;
+    let f = start(|_| {}, |_| {}).await;
     let long = "s".repeat(257);
     let body = json!({"input_ids": ids(0..300)});
     let refusals = [
@@ -486,13 +349,13 @@ async fn over_long_session_ids_are_refused_and_never_kept() {
         .await,
     ];
     for r in refusals {
-        assert_eq!(r.status, 400, "{}", r.text);
+        assert_eq!(r.status, 400, "{}", r.body);
         let v = r.json();
         assert_eq!(v["error"]["type"], "invalid_request_error");
         let message = v["error"]["message"].as_str().unwrap();
         assert!(message.contains("256 bytes"), "{message}");
         assert!(message.contains("max-session-id-bytes"), "{message}");
-        assert!(!r.text.contains(&long), "the id is not echoed");
+        assert!(!r.body.contains(&long), "the id is not echoed");
         assert!(!r.headers.contains_key("x-kvc-session"));
     }
     assert!(f.all_received().is_empty(), "nothing was forwarded");
@@ -502,7 +365,7 @@ async fn over_long_session_ids_are_refused_and_never_kept() {
     let r = f
         .post("/generate", &[("x-session-id", exact.as_str())], &body)
         .await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("x-kvc-session"), exact);
 }
 
@@ -510,7 +373,7 @@ async fn over_long_session_ids_are_refused_and_never_kept() {
 /// answers 504 when its partner never comes. The request ends on the other D, through the
 /// same P; the silent D is blamed (its breaker opens at one failure), P is not.
 async fn silent_decode_worker_is_blamed(stream: bool) {
-    let f = Front::start(|_| {}, |o| o.breaker.failure_threshold = 1).await;
+    let f = start(|_| {}, |o| o.breaker.failure_threshold = 1).await;
     f.mocks[&1]
         .handshakes
         .hang_next
@@ -519,7 +382,7 @@ async fn silent_decode_worker_is_blamed(stream: bool) {
     let r = f
         .post("/generate", &[("x-session-id", "agent-1")], &body)
         .await;
-    assert_eq!(r.status, 200, "stream {stream}: {}", r.text);
+    assert_eq!(r.status, 200, "stream {stream}: {}", r.body);
     assert_eq!(r.header("x-kvc-prefill-worker"), "0");
     let answered: u32 = r.header("x-kvc-decode-worker").parse().unwrap();
     let silent = 3 - answered;
@@ -557,14 +420,14 @@ async fn a_silent_decode_worker_is_blamed_on_a_stream_too() {
 
 #[tokio::test]
 async fn health_is_readiness_and_liveness_is_separate() {
-    let f = Front::start(|_| {}, |_| {}).await;
+    let f = start(|_| {}, |_| {}).await;
     let r = f.get("GET", "/health").await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["status"], "ok");
     let r = f.get("GET", "/readyz").await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     let r = f.get("GET", "/livez").await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["status"], "ok");
 
     // The prefill worker goes stale: the decode workers are healthy, but no new session
@@ -577,7 +440,7 @@ async fn health_is_readiness_and_liveness_is_separate() {
     let f = Front { cluster: c, ..f };
     for path in ["/health", "/readyz"] {
         let r = f.get("GET", path).await;
-        assert_eq!(r.status, 503, "{path}: {}", r.text);
+        assert_eq!(r.status, 503, "{path}: {}", r.body);
         let v = r.json();
         assert_eq!(v["error"]["type"], "unavailable");
         let message = v["error"]["message"].as_str().unwrap();
@@ -593,12 +456,12 @@ async fn health_is_readiness_and_liveness_is_separate() {
             &json!({"input_ids": ids(0..300)}),
         )
         .await;
-    assert_eq!(r.status, 503, "{}", r.text);
+    assert_eq!(r.status, 503, "{}", r.body);
 }
 
 #[tokio::test]
 async fn unknown_paths_and_methods_get_json_errors() {
-    let f = Front::start(|_| {}, |_| {}).await;
+    let f = start(|_| {}, |_| {}).await;
     for (method, path, status) in [
         ("GET", "/nowhere", 404),
         ("POST", "/v2/generate", 404),
@@ -607,7 +470,7 @@ async fn unknown_paths_and_methods_get_json_errors() {
         ("POST", "/health", 405),
     ] {
         let r = f.get(method, path).await;
-        assert_eq!(r.status, status, "{method} {path}: {}", r.text);
+        assert_eq!(r.status, status, "{method} {path}: {}", r.body);
         let v = r.json();
         assert_eq!(v["error"]["code"], status, "{method} {path}");
         assert!(v["error"]["message"].is_string(), "{method} {path}");

@@ -3,16 +3,17 @@
 //! in-process mock workers (snapshot workers on a manual clock give the router its state).
 
 mod common;
-mod http_client;
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use common::{Cluster, TempDir};
-use kvc_core::{Health, WorkerId, WorkerRole};
-use kvc_router::http::{BreakerState, HttpOptions, Tokenizer, WorkerEndpoints, http_app_with};
+use common::TempDir;
+use common::front::{
+    self, Recording, answer_body, error_response, ids, json_response, sse_response, worker_routes,
+};
+use kvc_core::{WorkerId, WorkerRole};
+use kvc_router::http::{BreakerState, HttpOptions, Tokenizer};
 use kvc_router::{RouterConfig, WorkerConfig};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
@@ -50,6 +51,14 @@ struct Mock {
     received: Mutex<Vec<Received>>,
 }
 
+impl Recording for Mock {
+    type Request = Received;
+
+    fn requests(&self) -> &Mutex<Vec<Received>> {
+        &self.received
+    }
+}
+
 fn sse(name: &str) -> Vec<String> {
     let mut events: Vec<String> = (0..3u64)
         .map(|i| {
@@ -63,27 +72,9 @@ fn sse(name: &str) -> Vec<String> {
 
 fn answer(m: &Mock, path: &str, stream: bool) -> Response {
     if stream {
-        return (
-            StatusCode::OK,
-            [("content-type", "text/event-stream")],
-            sse(&m.name).concat(),
-        )
-            .into_response();
+        return sse_response(sse(&m.name).concat());
     }
-    let v = if path == "/generate" {
-        json!({"text": format!("answer from {}", m.name), "meta_info": {"completion_tokens": 8}})
-    } else if path == "/v1/chat/completions" {
-        json!({"choices": [{"message": {"role": "assistant", "content": format!("answer from {}", m.name)}}],
-               "usage": {"completion_tokens": 8}})
-    } else {
-        json!({"choices": [{"text": format!("answer from {}", m.name)}], "usage": {"completion_tokens": 8}})
-    };
-    (
-        StatusCode::OK,
-        [("content-type", "application/json")],
-        v.to_string(),
-    )
-        .into_response()
+    json_response(StatusCode::OK, &answer_body(&m.name, path, 8))
 }
 
 /// A decode worker's admission refusal.
@@ -123,19 +114,15 @@ async fn handler(
         Act::Answer => answer(&m, uri.path(), stream),
         Act::FailAfter(ms) => {
             tokio::time::sleep(Duration::from_millis(ms)).await;
-            (
+            error_response(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                [("content-type", "application/json")],
-                json!({"error": {"message": format!("{} failed", m.name)}}).to_string(),
+                format!("{} failed", m.name),
             )
-                .into_response()
         }
-        Act::Status(status) => (
+        Act::Status(status) => error_response(
             StatusCode::from_u16(status).unwrap(),
-            [("content-type", "application/json")],
-            json!({"error": {"message": format!("{} says {status}", m.name)}}).to_string(),
-        )
-            .into_response(),
+            format!("{} says {status}", m.name),
+        ),
         Act::RejectAll => refusal(),
         Act::RejectDirect if value.get("bootstrap_room").is_none() => refusal(),
         Act::HangWith(port) if value["bootstrap_port"] == port => {
@@ -172,14 +159,7 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         act: Mutex::new(Act::Answer),
         received: Mutex::new(Vec::new()),
     });
-    let app = axum::Router::new()
-        .route("/generate", post(handler))
-        .route("/v1/completions", post(handler))
-        .route("/v1/chat/completions", post(handler))
-        .with_state(mock.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = front::serve(worker_routes(handler).with_state(mock.clone())).await;
     (mock, addr)
 }
 
@@ -188,136 +168,24 @@ fn bootstrap_port(id: u32) -> u16 {
     9_000 + id as u16
 }
 
-struct Front {
-    cluster: Cluster,
-    mocks: HashMap<u32, Arc<Mock>>,
-    addr: SocketAddr,
+type Front = front::Front<Mock>;
+
+/// A router over the cluster `edit` makes of the default P0, D1, D2 (snapshot workers), each
+/// worker with a mock HTTP server, and its HTTP front with `options`.
+async fn start(
+    edit: impl FnOnce(&mut RouterConfig),
+    options: impl FnOnce(&mut HttpOptions),
+) -> Front {
+    let mut o = front::options(Duration::from_secs(5));
+    options(&mut o);
+    let port = |id, role| (role == WorkerRole::Prefill).then(|| bootstrap_port(id));
+    Front::start(edit, spawn_mock, port, |_| {}, o).await
 }
 
 impl Front {
-    /// A router over the cluster `edit` makes of the default P0, D1, D2 (snapshot workers),
-    /// each worker with a mock HTTP server, and its HTTP front with `options`.
-    async fn start(
-        edit: impl FnOnce(&mut RouterConfig),
-        options: impl FnOnce(&mut HttpOptions),
-    ) -> Front {
-        let cluster = Cluster::start(edit).await;
-        let workers: Vec<(u32, WorkerRole)> = cluster
-            .service()
-            .config()
-            .workers
-            .iter()
-            .map(|w| (w.id, w.role))
-            .collect();
-        let ids: Vec<u32> = workers.iter().map(|w| w.0).collect();
-        cluster.wait_health(&ids, Health::Healthy).await;
-        let mut mocks = HashMap::new();
-        let mut http = WorkerEndpoints::new();
-        for (id, role) in workers {
-            let name = format!("{}{id}", &role.to_string()[..1]);
-            let (mock, addr) = spawn_mock(&name).await;
-            let port = (role == WorkerRole::Prefill).then(|| bootstrap_port(id));
-            http.insert(WorkerId(id), &format!("http://{addr}"), port)
-                .unwrap();
-            mocks.insert(id, mock);
-        }
-        let mut o = HttpOptions {
-            request_timeout: Duration::from_secs(5),
-            retry_backoff: Duration::from_millis(1),
-            health_check_interval: None,
-            ..HttpOptions::default()
-        };
-        options(&mut o);
-        let app = http_app_with(cluster.service().clone(), http, o);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        Front {
-            cluster,
-            mocks,
-            addr,
-        }
-    }
-
     fn act(&self, id: u32, act: Act) {
         *self.mocks[&id].act.lock() = act;
     }
-
-    fn received(&self, id: u32) -> Vec<Received> {
-        self.mocks[&id].received.lock().clone()
-    }
-
-    fn count(&self, id: u32) -> usize {
-        self.mocks[&id].received.lock().len()
-    }
-
-    async fn post(&self, path: &str, headers: &[(&str, &str)], body: &Value) -> Reply {
-        exchange(self.addr, path, headers, &body.to_string()).await
-    }
-
-    fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let samples = common::parse_prometheus(&self.cluster.service().render_metrics());
-        common::value(&samples, name, labels)
-    }
-
-    fn outcomes(&self, outcome: &str) -> f64 {
-        self.metric("kvc_router_outcomes_total", &[("outcome", outcome)])
-    }
-
-    /// Waits (bounded) until no decision awaits its outcome.
-    async fn settle(&self) {
-        for _ in 0..500 {
-            if self.cluster.service().pending_decisions() == 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("an outcome was never reported");
-    }
-
-    /// Waits (bounded) until worker `id`'s breaker is in `state`.
-    async fn wait_breaker(&self, id: u32, state: BreakerState) {
-        for _ in 0..500 {
-            if self.cluster.service().metrics().breaker_state(WorkerId(id)) == Some(state) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("worker {id}'s breaker never became {state:?}");
-    }
-}
-
-struct Reply {
-    status: u16,
-    headers: HashMap<String, String>,
-    /// The body as text (JSON, or SSE events).
-    text: String,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.text).unwrap_or_else(|e| panic!("{e}: {}", self.text))
-    }
-
-    fn header(&self, name: &str) -> &str {
-        self.headers
-            .get(name)
-            .unwrap_or_else(|| panic!("no {name} in {:?}", self.headers))
-    }
-}
-
-/// One bounded POST to the front; a chunked body is de-chunked.
-async fn exchange(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
-    let (status, headers, text) = http_client::exchange(addr, path, headers, body).await;
-    Reply {
-        status,
-        headers,
-        text,
-    }
-}
-
-fn ids(r: std::ops::Range<u32>) -> Value {
-    Value::from(r.collect::<Vec<u32>>())
 }
 
 fn generate(tokens: std::ops::Range<u32>) -> Value {
@@ -331,10 +199,10 @@ fn one_p_one_d(cfg: &mut RouterConfig) {
 
 #[tokio::test]
 async fn direct_turns_carry_the_session_to_the_decode_worker() {
-    let f = Front::start(one_p_one_d, |_| {}).await;
+    let f = start(one_p_one_d, |_| {}).await;
     let session = [("x-session-id", "agent-1")];
     let r = f.post("/generate", &session, &generate(0..1_300)).await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
     assert_eq!(r.header("x-kvc-session"), "agent-1");
     // Both halves of the P→D path get the session header; the body is the client's.
@@ -381,7 +249,7 @@ async fn direct_turns_carry_the_session_to_the_decode_worker() {
 
 #[tokio::test]
 async fn the_session_header_is_forwarded_under_its_configured_name() {
-    let f = Front::start(one_p_one_d, |o| {
+    let f = start(one_p_one_d, |o| {
         o.session_header = "x-conversation".to_owned();
     })
     .await;
@@ -404,7 +272,7 @@ async fn the_session_header_is_forwarded_under_its_configured_name() {
 
 #[tokio::test]
 async fn a_decode_worker_without_append_prefill_gets_every_turn_through_p() {
-    let f = Front::start(
+    let f = start(
         |cfg| {
             one_p_one_d(cfg);
             cfg.workers[1].append_prefill = Some(false);
@@ -451,7 +319,7 @@ async fn a_decode_worker_without_append_prefill_gets_every_turn_through_p() {
 
 #[tokio::test]
 async fn an_admission_refusal_by_d_is_routed_again_through_p() {
-    let f = Front::start(
+    let f = start(
         |_| {},
         |o| {
             // One failure would open a breaker: the refusals must not count.
@@ -465,7 +333,7 @@ async fn an_admission_refusal_by_d_is_routed_again_through_p() {
     let d: u32 = r.header("x-kvc-decode-worker").parse().unwrap();
     f.act(d, Act::RejectDirect);
     let r = f.post("/generate", &session, &generate(0..1_900)).await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["text"], format!("answer from d{d}"));
     assert_eq!(r.header("x-kvc-mode"), "fallback");
     assert_eq!(r.header("x-kvc-reason"), "session-cap-rejected");
@@ -502,7 +370,7 @@ async fn an_admission_refusal_by_d_is_routed_again_through_p() {
     let r = f.post("/generate", &session, &body).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-kvc-mode"), "fallback");
-    assert_eq!(r.text, sse(&format!("d{d}")).concat());
+    assert_eq!(r.body, sse(&format!("d{d}")).concat());
     f.settle().await;
     assert_eq!(
         f.metric("kvc_router_http_admission_rejects_total", &[]),
@@ -520,14 +388,14 @@ async fn an_admission_refusal_by_d_is_routed_again_through_p() {
 
 #[tokio::test]
 async fn a_refusal_on_every_path_is_answered_without_looping() {
-    let f = Front::start(one_p_one_d, |o| o.max_retries = 0).await;
+    let f = start(one_p_one_d, |o| o.max_retries = 0).await;
     let session = [("x-session-id", "agent-4")];
     f.post("/generate", &session, &generate(0..1_300)).await;
     // D refuses everything now, P→D included.
     f.act(1, Act::RejectAll);
     let r = f.post("/generate", &session, &generate(0..1_900)).await;
     // The direct turn was refused, then the P→D re-route: the refusal is the answer.
-    assert_eq!(r.status, 503, "{}", r.text);
+    assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.json()["error"]["message"], "no room for the session");
     assert_eq!(r.header("x-kvc-mode"), "fallback");
     assert_eq!((f.count(0), f.count(1)), (2, 3));
@@ -541,12 +409,12 @@ async fn a_refusal_on_every_path_is_answered_without_looping() {
     assert!(!service.is_http_down(WorkerId(1)));
     assert_eq!(service.pending_decisions(), 0);
     // With a retry left, a refusal on the P→D path is tried on another D.
-    let f = Front::start(|_| {}, |o| o.max_retries = 1).await;
+    let f = start(|_| {}, |o| o.max_retries = 1).await;
     let r = f.post("/generate", &session, &generate(0..1_300)).await;
     let d: u32 = r.header("x-kvc-decode-worker").parse().unwrap();
     f.act(d, Act::RejectAll);
     let r = f.post("/generate", &session, &generate(0..1_900)).await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("x-kvc-decode-worker"), (3 - d).to_string());
     assert_eq!(f.cluster.service().metrics().http_retries(), 1);
     assert_eq!(
@@ -566,7 +434,7 @@ fn conversation(c: u32, shared: u32, n: u32) -> Value {
 
 #[tokio::test]
 async fn keyless_conversations_are_told_apart_by_their_prefix() {
-    let f = Front::start(|_| {}, |_| {}).await;
+    let f = start(|_| {}, |_| {}).await;
     // Two conversations share a 2-block system prompt; turn 1 has 5 full blocks (of 512).
     let a1 = f
         .post("/generate", &[], &conversation(1, 1_024, 2_600))
@@ -662,8 +530,8 @@ fn comma_text(n: u32) -> String {
 async fn text_and_chat_prompts_go_through_the_tokenizer_file() {
     let dir = TempDir::new("tok");
     let tokenizer = Tokenizer::from_file(&word_tokenizer(&dir, 2_000)).unwrap();
-    let with = Front::start(one_p_one_d, |o| o.tokenizer = tokenizer.clone()).await;
-    let without = Front::start(one_p_one_d, |_| {}).await;
+    let with = start(one_p_one_d, |o| o.tokenizer = tokenizer.clone()).await;
+    let without = start(one_p_one_d, |_| {}).await;
     // 1,100 words: 2,199 tokens (4 full blocks) with the file, 1 with the fallback.
     let chat =
         |n: u32| json!({"messages": [{"role": "user", "content": comma_text(n)}], "max_tokens": 8});
@@ -691,12 +559,12 @@ async fn text_and_chat_prompts_go_through_the_tokenizer_file() {
 
 #[tokio::test]
 async fn a_prefill_failure_after_d_answered_does_not_fail_the_request() {
-    let f = Front::start(one_p_one_d, |o| o.breaker.failure_threshold = 1).await;
+    let f = start(one_p_one_d, |o| o.breaker.failure_threshold = 1).await;
     let service = f.cluster.service().clone();
     f.act(0, Act::FailAfter(150));
     let session = [("x-session-id", "agent-6")];
     let r = f.post("/generate", &session, &generate(0..1_300)).await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["text"], "answer from d1");
     // D's whole answer arrived: `ok`, and the session is resident on D.
     assert_eq!(f.outcomes("ok"), 1.0);
@@ -711,13 +579,13 @@ async fn a_prefill_failure_after_d_answered_does_not_fail_the_request() {
     assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
 
     // Streamed: D's stream completes while P fails.
-    let f = Front::start(one_p_one_d, |o| o.breaker.failure_threshold = 1).await;
+    let f = start(one_p_one_d, |o| o.breaker.failure_threshold = 1).await;
     f.act(0, Act::FailAfter(150));
     let mut body = generate(0..1_300);
     body["stream"] = json!(true);
     let r = f.post("/generate", &session, &body).await;
     assert_eq!(r.status, 200);
-    assert_eq!(r.text, sse("d1").concat());
+    assert_eq!(r.body, sse("d1").concat());
     f.settle().await;
     assert_eq!(f.outcomes("ok"), 1.0);
     f.wait_breaker(0, BreakerState::Open).await;
@@ -742,7 +610,7 @@ fn two_prefill(cfg: &mut RouterConfig) {
 #[tokio::test]
 async fn a_prefill_failure_before_d_answered_is_tried_again_without_p() {
     for stream in [false, true] {
-        let f = Front::start(two_prefill, |o| {
+        let f = start(two_prefill, |o| {
             o.breaker.failure_threshold = 1;
             o.max_retries = 1;
         })
@@ -766,7 +634,7 @@ async fn a_prefill_failure_before_d_answered_is_tried_again_without_p() {
             }
             // P0 failed first: D's request was dropped, not waited for, and the request went
             // through P3 without excluding D.
-            assert_eq!(r.status, 200, "stream {stream}: {}", r.text);
+            assert_eq!(r.status, 200, "stream {stream}: {}", r.body);
             assert_eq!(r.header("x-kvc-prefill-worker"), "3");
             let d: u32 = r.header("x-kvc-decode-worker").parse().unwrap();
             assert_ne!(
@@ -787,13 +655,13 @@ async fn a_prefill_failure_before_d_answered_is_tried_again_without_p() {
 
 #[tokio::test]
 async fn a_prefill_failure_before_d_answered_is_answered_when_not_retryable() {
-    let f = Front::start(one_p_one_d, |o| o.max_retries = 0).await;
+    let f = start(one_p_one_d, |o| o.max_retries = 0).await;
     f.act(0, Act::FailAfter(0));
     f.act(1, Act::HangWith(bootstrap_port(0)));
     let session = [("x-session-id", "agent-8")];
     let r = f.post("/generate", &session, &generate(0..1_300)).await;
     // P's own answer (a 500), not a timeout of D's.
-    assert_eq!(r.status, 500, "{}", r.text);
+    assert_eq!(r.status, 500, "{}", r.body);
     assert_eq!(r.json()["error"]["message"], "p0 failed");
     assert_eq!(f.outcomes("worker-failed"), 1.0);
     assert_eq!(f.cluster.service().pending_decisions(), 0);

@@ -4,17 +4,16 @@
 //! cache recorded as `direct-cache-miss`.
 
 mod common;
-mod http_client;
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use common::Cluster;
-use kvc_core::{EngineKind, Health, WorkerId, WorkerRole};
+use axum::response::Response;
+use common::answer::Answer;
+use common::front::{self, Recording, error_response, json_response, sse_response, worker_routes};
+use kvc_core::{EngineKind, WorkerId};
 use kvc_router::RouterConfig;
-use kvc_router::http::{HttpOptions, PREFILL_FAILED_HEADER, WorkerEndpoints, http_app_with};
+use kvc_router::http::PREFILL_FAILED_HEADER;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -44,6 +43,14 @@ struct Mock {
     raw: Mutex<Vec<Bytes>>,
 }
 
+impl Recording for Mock {
+    type Request = Received;
+
+    fn requests(&self) -> &Mutex<Vec<Received>> {
+        &self.received
+    }
+}
+
 /// What a mock prefill worker puts in its answer's `kv_transfer_params`: more than the router
 /// knows of, so that a verbatim copy shows.
 fn p_params(request_id: &str) -> Value {
@@ -51,15 +58,6 @@ fn p_params(request_id: &str) -> Value {
         "remote_block_ids": [3, 1, 4], "remote_request_id": request_id,
         "remote_host": "10.1.2.3", "remote_port": 5600, "tp_size": 1,
         "remote_blocks_expiry_time": 1.5})
-}
-
-fn json_answer(v: &Value) -> Response {
-    (
-        StatusCode::OK,
-        [("content-type", "application/json")],
-        v.to_string(),
-    )
-        .into_response()
 }
 
 async fn handler(
@@ -84,29 +82,30 @@ async fn handler(
     let params = &value["kv_transfer_params"];
     if params["do_remote_decode"] == true {
         if let Some(status) = *m.fail_prefill.lock() {
-            return (
+            return error_response(
                 StatusCode::from_u16(status).unwrap(),
-                [("content-type", "application/json")],
-                json!({"error": {"message": m.message.lock().clone()
-                    .unwrap_or_else(|| format!("{} failed", m.name))}})
-                .to_string(),
-            )
-                .into_response();
+                m.message
+                    .lock()
+                    .clone()
+                    .unwrap_or_else(|| format!("{} failed", m.name)),
+            );
         }
         let id = kept.get("x-request-id").cloned().unwrap_or_default();
-        return json_answer(&json!({"choices": [{"text": "x"}],
+        return json_response(
+            StatusCode::OK,
+            &json!({"choices": [{"text": "x"}],
             "usage": {"prompt_tokens": 10, "completion_tokens": 1},
-            "kv_transfer_params": p_params(&id)}));
+            "kv_transfer_params": p_params(&id)}),
+        );
     }
     if let Some(status) = *m.fail_decode.lock() {
-        return (
+        return error_response(
             StatusCode::from_u16(status).unwrap(),
-            [("content-type", "application/json")],
-            json!({"error": {"message": m.message.lock().clone()
-                .unwrap_or_else(|| format!("{} says {status}", m.name))}})
-            .to_string(),
-        )
-            .into_response();
+            m.message
+                .lock()
+                .clone()
+                .unwrap_or_else(|| format!("{} says {status}", m.name)),
+        );
     }
     let cached = if params.is_object() {
         0
@@ -130,14 +129,10 @@ async fn handler(
         }
         let mut text: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
         text.push_str("data: [DONE]\n\n");
-        return (
-            StatusCode::OK,
-            [("content-type", "text/event-stream")],
-            text,
-        )
-            .into_response();
+        return sse_response(text);
     }
-    json_answer(
+    json_response(
+        StatusCode::OK,
         &json!({"choices": [{"index": 0, "text": "a b", "finish_reason": "length"}],
         "usage": usage, "kv_transfer_params": null}),
     )
@@ -154,124 +149,42 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         received: Mutex::new(Vec::new()),
         raw: Mutex::new(Vec::new()),
     });
-    let app = axum::Router::new()
-        .route("/v1/completions", post(handler))
-        .route("/v1/chat/completions", post(handler))
-        .route("/generate", post(handler))
-        .with_state(mock.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = front::serve(worker_routes(handler).with_state(mock.clone())).await;
     (mock, addr)
 }
 
-struct Front {
-    cluster: Cluster,
-    mocks: HashMap<u32, Arc<Mock>>,
-    addr: SocketAddr,
+type Front = front::Front<Mock>;
+
+/// P0 and D1 (snapshot workers), both `engine = "vllm"`, each with a mock vLLM server,
+/// declared with fixed roles (`serve-alone = false`): every turn that is not direct goes
+/// P→D.
+async fn start() -> Front {
+    start_with([Some(false), Some(false)]).await
+}
+
+/// [`start`] with P0's and D1's `serve-alone` keys as given (`None`: the vLLM default,
+/// serving alone).
+async fn start_with(serve_alone: [Option<bool>; 2]) -> Front {
+    let edit = |cfg: &mut RouterConfig| {
+        cfg.workers.truncate(2);
+        for (w, alone) in cfg.workers.iter_mut().zip(serve_alone) {
+            w.engine = Some(EngineKind::Vllm);
+            w.serve_alone = alone;
+        }
+    };
+    let vllm = |http: &mut kvc_router::http::WorkerEndpoints| {
+        for id in [0, 1] {
+            http.set_engine(WorkerId(id), Some(EngineKind::Vllm));
+        }
+    };
+    let options = front::options(Duration::from_secs(5));
+    Front::start(edit, spawn_mock, |_, _| None, vllm, options).await
 }
 
 impl Front {
-    /// P0 and D1 (snapshot workers), both `engine = "vllm"`, each with a mock vLLM server,
-    /// declared with fixed roles (`serve-alone = false`): every turn that is not direct goes
-    /// P→D.
-    async fn start() -> Front {
-        Front::start_with([Some(false), Some(false)]).await
-    }
-
-    /// [`Front::start`] with P0's and D1's `serve-alone` keys as given (`None`: the vLLM
-    /// default, serving alone).
-    async fn start_with(serve_alone: [Option<bool>; 2]) -> Front {
-        let cluster = Cluster::start(|cfg: &mut RouterConfig| {
-            cfg.workers.truncate(2);
-            for (w, alone) in cfg.workers.iter_mut().zip(serve_alone) {
-                w.engine = Some(EngineKind::Vllm);
-                w.serve_alone = alone;
-            }
-        })
-        .await;
-        let workers: Vec<(u32, WorkerRole)> = cluster
-            .service()
-            .config()
-            .workers
-            .iter()
-            .map(|w| (w.id, w.role))
-            .collect();
-        cluster.wait_health(&[0, 1], Health::Healthy).await;
-        let mut mocks = HashMap::new();
-        let mut http = WorkerEndpoints::new();
-        for (id, role) in workers {
-            let name = format!("{}{id}", &role.to_string()[..1]);
-            let (mock, addr) = spawn_mock(&name).await;
-            http.insert(WorkerId(id), &format!("http://{addr}"), None)
-                .unwrap();
-            http.set_engine(WorkerId(id), Some(EngineKind::Vllm));
-            mocks.insert(id, mock);
-        }
-        let options = HttpOptions {
-            request_timeout: Duration::from_secs(5),
-            retry_backoff: Duration::from_millis(1),
-            health_check_interval: None,
-            ..HttpOptions::default()
-        };
-        let app = http_app_with(cluster.service().clone(), http, options);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        Front {
-            cluster,
-            mocks,
-            addr,
-        }
-    }
-
-    fn received(&self, id: u32) -> Vec<Received> {
-        self.mocks[&id].received.lock().clone()
-    }
-
-    async fn post(&self, path: &str, session: &str, body: &Value) -> Reply {
-        let headers = [("x-session-id", session)];
-        let (status, headers, text) =
-            http_client::exchange(self.addr, path, &headers, &body.to_string()).await;
-        Reply {
-            status,
-            headers,
-            text,
-        }
-    }
-
-    fn outcomes(&self, outcome: &str) -> f64 {
-        let samples = common::parse_prometheus(&self.cluster.service().render_metrics());
-        common::value(
-            &samples,
-            "kvc_router_outcomes_total",
-            &[("outcome", outcome)],
-        )
-    }
-
-    /// Waits (bounded) until no decision awaits its outcome.
-    async fn settle(&self) {
-        for _ in 0..500 {
-            if self.cluster.service().pending_decisions() == 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("an outcome was never reported");
-    }
-}
-
-struct Reply {
-    status: u16,
-    headers: HashMap<String, String>,
-    text: String,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> &str {
-        self.headers
-            .get(name)
-            .unwrap_or_else(|| panic!("no {name} in {:?}", self.headers))
+    /// One POST of `body` in session `session`.
+    async fn post_as(&self, path: &str, session: &str, body: &Value) -> Answer {
+        self.post(path, &[("x-session-id", session)], body).await
     }
 }
 
@@ -293,14 +206,14 @@ fn as_object(v: &Value) -> serde_json::Map<String, Value> {
 
 #[tokio::test]
 async fn p_and_d_get_exactly_the_nixl_fields_and_nothing_a_client_smuggled() {
-    let f = Front::start().await;
+    let f = start().await;
     // Turn 1 (P→D), with fields only the router may set.
     let mut sent = completion(1_300, false);
     sent["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_host": "evil"});
     sent["bootstrap_host"] = json!("evil");
     sent["bootstrap_room"] = json!(7);
-    let r = f.post("/v1/completions", "agent-1", &sent).await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    let r = f.post_as("/v1/completions", "agent-1", &sent).await;
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
     assert!(!r.headers.contains_key(PREFILL_FAILED_HEADER));
     let client = completion(1_300, false);
@@ -331,9 +244,9 @@ async fn p_and_d_get_exactly_the_nixl_fields_and_nothing_a_client_smuggled() {
 
     // Turn 2: direct-to-D, the client's body as it is.
     let r = f
-        .post("/v1/completions", "agent-1", &completion(1_900, false))
+        .post_as("/v1/completions", "agent-1", &completion(1_900, false))
         .await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
     assert_eq!(f.received(0).len(), 1, "P is not called");
     let (_, d_headers, d_body) = f.received(1).pop().unwrap();
@@ -351,7 +264,7 @@ async fn p_and_d_get_exactly_the_nixl_fields_and_nothing_a_client_smuggled() {
         v
     };
     let r = f
-        .post("/v1/chat/completions", "chat-1", &chat(1_300, false))
+        .post_as("/v1/chat/completions", "chat-1", &chat(1_300, false))
         .await;
     assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
     let (_, _, p_body) = f.received(0).pop().unwrap();
@@ -359,26 +272,26 @@ async fn p_and_d_get_exactly_the_nixl_fields_and_nothing_a_client_smuggled() {
     assert_eq!(p_body["stream"], false);
     assert!(p_body.get("stream_options").is_none());
     let r = f
-        .post("/v1/chat/completions", "chat-1", &chat(1_900, false))
+        .post_as("/v1/chat/completions", "chat-1", &chat(1_900, false))
         .await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
     let (_, _, d_body) = f.received(1).pop().unwrap();
     let mut want = as_object(&chat(1_900, false));
     want.insert("stream_options".into(), json!({"include_usage": true}));
     assert_eq!(d_body, Value::Object(want));
     assert!(
-        r.text.contains("\" b\"") && r.text.ends_with("data: [DONE]\n\n"),
+        r.body.contains("\" b\"") && r.body.ends_with("data: [DONE]\n\n"),
         "{}",
-        r.text
+        r.body
     );
-    assert!(!r.text.contains("\"usage\""), "{}", r.text);
+    assert!(!r.body.contains("\"usage\""), "{}", r.body);
     // Asked for by the client: relayed.
     let r = f
-        .post("/v1/chat/completions", "chat-1", &chat(2_500, true))
+        .post_as("/v1/chat/completions", "chat-1", &chat(2_500, true))
         .await;
     assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
-    assert!(r.text.contains("\"choices\":[]"), "{}", r.text);
+    assert!(r.body.contains("\"choices\":[]"), "{}", r.body);
     f.settle().await;
     assert_eq!(f.outcomes("ok"), 5.0);
     // No worker ever got a field a client set.
@@ -392,9 +305,9 @@ async fn p_and_d_get_exactly_the_nixl_fields_and_nothing_a_client_smuggled() {
 
 #[tokio::test]
 async fn a_turn_that_adds_nothing_to_the_body_forwards_the_client_s_bytes() {
-    let f = Front::start().await;
+    let f = start().await;
     let r = f
-        .post("/v1/completions", "agent-2", &completion(1_300, false))
+        .post_as("/v1/completions", "agent-2", &completion(1_300, false))
         .await;
     assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
     // The client's own spacing and key order: a re-written body would lose both.
@@ -407,7 +320,7 @@ async fn a_turn_that_adds_nothing_to_the_body_forwards_the_client_s_bytes() {
     let send = |text: String| {
         let addr = f.addr;
         async move {
-            http_client::exchange(
+            common::client::exchange(
                 addr,
                 "/v1/completions",
                 &[("x-session-id", "agent-2")],
@@ -417,14 +330,22 @@ async fn a_turn_that_adds_nothing_to_the_body_forwards_the_client_s_bytes() {
         }
     };
     let text = client(1_900, false);
-    let (status, headers, answer) = send(text.clone()).await;
+    let Answer {
+        status,
+        headers,
+        body: answer,
+    } = send(text.clone()).await;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(headers["x-kvc-mode"], "direct-to-d");
     assert_eq!(f.mocks[&1].raw.lock().last().unwrap()[..], *text.as_bytes());
     // A streamed turn whose client did not ask for the usage: D's body gains the field,
     // appended to the client's own bytes.
     let text = client(2_500, true);
-    let (status, headers, answer) = send(text.clone()).await;
+    let Answer {
+        status,
+        headers,
+        body: answer,
+    } = send(text.clone()).await;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(headers["x-kvc-mode"], "direct-to-d");
     let raw = f.mocks[&1].raw.lock().last().unwrap().clone();
@@ -442,7 +363,11 @@ async fn a_turn_that_adds_nothing_to_the_body_forwards_the_client_s_bytes() {
         "{\"stream_options\": {\"continuous_usage_stats\": false}, ",
         1,
     );
-    let (status, _, answer) = send(text.clone()).await;
+    let Answer {
+        status,
+        body: answer,
+        ..
+    } = send(text.clone()).await;
     assert_eq!(status, 200, "{answer}");
     let raw = f.mocks[&1].raw.lock().last().unwrap().clone();
     assert!(text.contains(" : "));
@@ -455,7 +380,11 @@ async fn a_turn_that_adds_nothing_to_the_body_forwards_the_client_s_bytes() {
     assert_eq!(serde_json::from_slice::<Value>(&raw).unwrap(), want);
     // A client's router-only field is removed, so its bytes are never forwarded as they are.
     let text = client(3_100, false).replacen('{', "{\"bootstrap_room\": 5, ", 1);
-    let (status, headers, answer) = send(text.clone()).await;
+    let Answer {
+        status,
+        headers,
+        body: answer,
+    } = send(text.clone()).await;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(headers["x-kvc-mode"], "direct-to-d");
     let raw = f.mocks[&1].raw.lock().last().unwrap().clone();
@@ -466,14 +395,14 @@ async fn a_turn_that_adds_nothing_to_the_body_forwards_the_client_s_bytes() {
 
 #[tokio::test]
 async fn a_failed_prefill_leaves_the_request_to_d_alone() {
-    let f = Front::start().await;
+    let f = start().await;
     *f.mocks[&0].fail_prefill.lock() = Some(500);
     for (i, stream) in [false, true].into_iter().enumerate() {
         let session = format!("s{i}");
         let r = f
-            .post("/v1/completions", &session, &completion(1_300, stream))
+            .post_as("/v1/completions", &session, &completion(1_300, stream))
             .await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
         assert_eq!(r.header(PREFILL_FAILED_HEADER), "0");
         let (_, _, d_body) = f.received(1).pop().unwrap();
@@ -485,33 +414,33 @@ async fn a_failed_prefill_leaves_the_request_to_d_alone() {
     assert_eq!(f.outcomes("worker-failed"), 0.0);
     // D holds the session it served in full: the next turn goes direct.
     let r = f
-        .post("/v1/completions", "s0", &completion(1_900, false))
+        .post_as("/v1/completions", "s0", &completion(1_900, false))
         .await;
     assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
 }
 
 #[tokio::test]
 async fn a_direct_turn_d_served_without_its_cache_is_a_direct_cache_miss() {
-    let f = Front::start().await;
+    let f = start().await;
     for (i, stream) in [false, true].into_iter().enumerate() {
         let session = format!("m{i}");
         *f.mocks[&1].cached.lock() = 100_000;
         let r = f
-            .post("/v1/completions", &session, &completion(1_300, stream))
+            .post_as("/v1/completions", &session, &completion(1_300, stream))
             .await;
         assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
         // D evicted the session behind the router's back: it reports no cached tokens.
         *f.mocks[&1].cached.lock() = 0;
         let r = f
-            .post("/v1/completions", &session, &completion(1_900, stream))
+            .post_as("/v1/completions", &session, &completion(1_900, stream))
             .await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
         f.settle().await;
         assert_eq!(f.outcomes("direct-cache-miss"), (i + 1) as f64);
         // The policy no longer counts the session resident on D: the next turn goes via P.
         let r = f
-            .post("/v1/completions", &session, &completion(2_500, stream))
+            .post_as("/v1/completions", &session, &completion(2_500, stream))
             .await;
         assert_ne!(r.header("x-kvc-mode"), "direct-to-d");
         assert!(!r.headers.contains_key(PREFILL_FAILED_HEADER));
@@ -527,10 +456,12 @@ async fn a_direct_turn_d_served_without_its_cache_is_a_direct_cache_miss() {
 
 #[tokio::test]
 async fn an_engine_s_refusal_of_a_request_is_its_own_outcome_and_leaves_the_session_in_place() {
-    let f = Front::start().await;
+    let f = start().await;
     for n in [1_300, 1_900] {
-        let r = f.post("/v1/completions", "r", &completion(n, false)).await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        let r = f
+            .post_as("/v1/completions", "r", &completion(n, false))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.body);
     }
     // vLLM refuses a direct turn it was not started for (`tool_choice: "auto"` without
     // `--enable-auto-tool-choice`): the client gets vLLM's 400 as it is.
@@ -539,14 +470,14 @@ async fn an_engine_s_refusal_of_a_request_is_its_own_outcome_and_leaves_the_sess
         Some("\"auto\" tool choice requires --enable-auto-tool-choice".into());
     for (i, stream) in [false, true].into_iter().enumerate() {
         let r = f
-            .post(
+            .post_as(
                 "/v1/completions",
                 "r",
                 &completion(2_500 + i as u32, stream),
             )
             .await;
-        assert_eq!(r.status, 400, "{}", r.text);
-        assert!(r.text.contains("enable-auto-tool-choice"), "{}", r.text);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(r.body.contains("enable-auto-tool-choice"), "{}", r.body);
         assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
     }
     f.settle().await;
@@ -562,7 +493,7 @@ async fn an_engine_s_refusal_of_a_request_is_its_own_outcome_and_leaves_the_sess
     // The engine touched none of the session's KV: the next turn still goes direct.
     *f.mocks[&1].fail_decode.lock() = None;
     let r = f
-        .post("/v1/completions", "r", &completion(2_600, false))
+        .post_as("/v1/completions", "r", &completion(2_600, false))
         .await;
     assert_eq!((r.status, r.header("x-kvc-mode")), (200, "direct-to-d"));
     // P refusing a first turn as over the model's context is `input-too-long`.
@@ -573,9 +504,9 @@ async fn an_engine_s_refusal_of_a_request_is_its_own_outcome_and_leaves_the_sess
             .into(),
     );
     let r = f
-        .post("/v1/completions", "long", &completion(1_300, false))
+        .post_as("/v1/completions", "long", &completion(1_300, false))
         .await;
-    assert_eq!(r.status, 400, "{}", r.text);
+    assert_eq!(r.status, 400, "{}", r.body);
     f.settle().await;
     assert_eq!(f.outcomes("input-too-long"), 1.0);
     assert_eq!(f.outcomes("worker-failed"), 0.0);
@@ -583,7 +514,7 @@ async fn an_engine_s_refusal_of_a_request_is_its_own_outcome_and_leaves_the_sess
 
 #[tokio::test]
 async fn an_engine_without_prompt_token_details_is_shown_and_its_turns_are_not_judged() {
-    let f = Front::start().await;
+    let f = start().await;
     let accounting = |f: &Front| {
         let samples = common::parse_prometheus(&f.cluster.service().render_metrics());
         samples
@@ -600,9 +531,9 @@ async fn an_engine_without_prompt_token_details_is_shown_and_its_turns_are_not_j
     *f.mocks[&1].cached.lock() = 0;
     for (n, stream) in [(1_300, false), (1_900, false), (2_500, true)] {
         let r = f
-            .post("/v1/completions", "nd", &completion(n, stream))
+            .post_as("/v1/completions", "nd", &completion(n, stream))
             .await;
-        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.status, 200, "{}", r.body);
     }
     f.settle().await;
     assert_eq!(
@@ -616,22 +547,22 @@ async fn an_engine_without_prompt_token_details_is_shown_and_its_turns_are_not_j
     *f.mocks[&1].details.lock() = true;
     *f.mocks[&1].cached.lock() = 100_000;
     let r = f
-        .post("/v1/completions", "nd", &completion(3_100, false))
+        .post_as("/v1/completions", "nd", &completion(3_100, false))
         .await;
-    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.status, 200, "{}", r.body);
     f.settle().await;
     assert_eq!(accounting(&f), Some(1.0));
 }
 
 #[tokio::test]
 async fn a_decode_worker_s_error_on_a_stream_reaches_the_client_whole() {
-    let f = Front::start().await;
+    let f = start().await;
     *f.mocks[&1].fail_decode.lock() = Some(400);
     let r = f
-        .post("/v1/completions", "e", &completion(1_300, true))
+        .post_as("/v1/completions", "e", &completion(1_300, true))
         .await;
     assert_eq!(r.status, 400);
-    let v: Value = serde_json::from_str(&r.text).unwrap_or_else(|e| panic!("{e}: {}", r.text));
+    let v: Value = serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.body));
     assert_eq!(v["error"]["message"], "d1 says 400");
     f.settle().await;
     // The engine refused the request itself: the client's error, not the worker's.
@@ -641,11 +572,11 @@ async fn a_decode_worker_s_error_on_a_stream_reaches_the_client_whole() {
 
 #[tokio::test]
 async fn generate_is_refused_on_a_vllm_cluster() {
-    let f = Front::start().await;
+    let f = start().await;
     let body = json!({"text": words(100), "sampling_params": {"max_new_tokens": 4}});
-    let r = f.post("/generate", "g", &body).await;
-    assert_eq!(r.status, 400, "{}", r.text);
-    let v: Value = serde_json::from_str(&r.text).unwrap();
+    let r = f.post_as("/generate", "g", &body).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
     assert!(
         v["error"]["message"]
             .as_str()
@@ -660,7 +591,7 @@ async fn generate_is_refused_on_a_vllm_cluster() {
 async fn a_local_turn_is_the_client_s_body_to_the_chosen_worker_and_p_gets_nothing() {
     // D1 declares nothing: a vLLM instance serves a plain request in full by default. P0 only
     // prefills for others.
-    let f = Front::start_with([Some(false), None]).await;
+    let f = start_with([Some(false), None]).await;
     let chat = json!({"messages": [{"role": "user", "content": words(1_300)}],
         "max_completion_tokens": 8, "stream": true});
     let cases = [
@@ -673,8 +604,8 @@ async fn a_local_turn_is_the_client_s_body_to_the_chosen_worker_and_p_gets_nothi
         // What only the router may set is removed first, as on every path.
         let mut smuggled = sent.clone();
         smuggled["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_host": "evil"});
-        let r = f.post(path, &session, &smuggled).await;
-        assert_eq!(r.status, 200, "{path}: {}", r.text);
+        let r = f.post_as(path, &session, &smuggled).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
         assert_eq!(r.header("x-kvc-mode"), "local-prefill", "{path}");
         assert_eq!(r.header("x-kvc-decode-worker"), "1");
         assert!(!r.headers.contains_key("x-kvc-prefill-worker"));
@@ -690,11 +621,11 @@ async fn a_local_turn_is_the_client_s_body_to_the_chosen_worker_and_p_gets_nothi
         let mut want = as_object(sent);
         if sent["stream"] == true {
             want.insert("stream_options".into(), json!({"include_usage": true}));
-            assert!(!r.text.contains("\"usage\""), "{}", r.text);
-            assert!(r.text.contains("data: [DONE]"), "{}", r.text);
+            assert!(!r.body.contains("\"usage\""), "{}", r.body);
+            assert!(r.body.contains("data: [DONE]"), "{}", r.body);
         } else {
             assert_eq!(
-                serde_json::from_str::<Value>(&r.text).unwrap()["choices"][0]["text"],
+                serde_json::from_str::<Value>(&r.body).unwrap()["choices"][0]["text"],
                 "a b"
             );
         }
@@ -712,7 +643,7 @@ async fn a_local_turn_is_the_client_s_body_to_the_chosen_worker_and_p_gets_nothi
         3
     );
     let r = f
-        .post("/v1/completions", "local-0", &completion(1_900, false))
+        .post_as("/v1/completions", "local-0", &completion(1_900, false))
         .await;
     assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
     assert_eq!(r.header("x-kvc-decode-worker"), "1");

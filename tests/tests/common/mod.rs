@@ -36,14 +36,12 @@ pub fn free_port() -> u16 {
         .expect("a free loopback port")
 }
 
+/// A GET of `path` on `addr`: the whole answer as text, head and body.
 pub fn http_get(addr: &str, path: &str) -> String {
     let mut s = TcpStream::connect(addr).expect("connect to /metrics");
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
+    s.write_all(http::request_head("GET", path, addr, &[], None).as_bytes())
+        .unwrap();
     let mut body = String::new();
     s.read_to_string(&mut body).unwrap();
     body

@@ -1,6 +1,12 @@
 //! Shared fixtures: a router over snapshot-publishing test workers on a manual clock, a minimal
-//! HTTP GET, and a Prometheus text parser.
+//! HTTP GET, and a Prometheus text parser; the HTTP front over mock workers in `front`, its
+//! client in `client`, and the answer both read in `answer`.
 #![allow(dead_code, unreachable_pub)]
+
+pub mod answer;
+pub mod client;
+pub mod front;
+pub mod sglang_mock;
 
 use kvc_admission::{ManualClock, SnapshotWriter};
 use kvc_core::WorkerId;
@@ -189,11 +195,9 @@ pub fn route_req(
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
     let fut = async {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .unwrap();
+        s.write_all(answer::request_head("GET", path, "test", &[], None).as_bytes())
+            .await
+            .unwrap();
         let mut buf = Vec::new();
         s.read_to_end(&mut buf).await.unwrap();
         let text = String::from_utf8(buf).unwrap();

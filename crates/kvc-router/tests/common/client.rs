@@ -1,8 +1,8 @@
 //! A client of the HTTP front for the tests: one POST over a fresh hyper connection, its
-//! answer whole or piece by piece as the front sends it.
+//! answer whole or piece by piece as the front sends it; or one request over a plain
+//! connection, read to its end.
 
-#![allow(dead_code, unreachable_pub)]
-
+use super::answer::{Answer, request_head};
 use axum::body::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -74,16 +74,70 @@ pub async fn post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: 
     }
 }
 
-/// `POST`s and reads the whole answer (within 10 s): status, headers, body text.
+/// `POST`s and reads the whole answer (within 10 s).
 pub async fn exchange(
     addr: SocketAddr,
     path: &str,
     headers: &[(&str, &str)],
     body: &str,
-) -> (u16, HashMap<String, String>, String) {
+) -> Answer {
     let mut s = post(addr, path, headers, body).await;
     let text = tokio::time::timeout(Duration::from_secs(10), s.read_all())
         .await
         .expect("the front's answer ended in time");
-    (s.status, s.headers, text)
+    Answer {
+        status: s.status,
+        headers: s.headers,
+        body: text,
+    }
+}
+
+/// One bounded HTTP/1.1 exchange over a plain connection: `method path` with `headers`, and
+/// `body` (JSON) when there is one. The front may answer (413) and close before reading a body
+/// over its limit: a failed write or a reset after the answer is not an error here.
+pub async fn raw_exchange(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Answer {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fut = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = request_head(method, path, "test", headers, body.map(str::len));
+        s.write_all(head.as_bytes()).await.unwrap();
+        if let Some(body) = body {
+            let _ = s.write_all(body.as_bytes()).await;
+        }
+        let mut buf = Vec::new();
+        if let Err(e) = s.read_to_end(&mut buf).await {
+            assert!(!buf.is_empty(), "no answer: {e}");
+        }
+        buf
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(10), fut)
+        .await
+        .expect("the front answered in time");
+    Answer::parse(&String::from_utf8(raw).unwrap())
+}
+
+/// An answer whose body must be JSON, parsed.
+pub struct JsonAnswer {
+    pub status: u16,
+    /// Header names in lower case.
+    pub headers: HashMap<String, String>,
+    pub body: serde_json::Value,
+}
+
+impl From<Answer> for JsonAnswer {
+    fn from(a: Answer) -> JsonAnswer {
+        let body = serde_json::from_str(&a.body)
+            .unwrap_or_else(|e| panic!("non-JSON body {:?}: {e}", a.body));
+        JsonAnswer {
+            status: a.status,
+            headers: a.headers,
+            body,
+        }
+    }
 }

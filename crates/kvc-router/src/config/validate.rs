@@ -1,0 +1,393 @@
+//! The router configuration's checks: one `validate()` per table and worker entry, and the
+//! whole configuration's (unique ids and addresses, roles that can route).
+
+use super::{
+    DEFAULT_BOOTSTRAP_PORT, EngineSignalsConfig, HttpConfig, Limits, RouterConfig, SessionLimits,
+    WorkerConfig, WorkerUrl,
+};
+use crate::error::ConfigError;
+use kvc_core::{EngineKind, WorkerRole};
+use kvc_policy::MAX_WORKERS;
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+/// Fails with "`name` must be positive" for the first zero value of `values`.
+fn all_positive<'a>(values: impl IntoIterator<Item = (&'a str, u64)>) -> Result<(), ConfigError> {
+    match values.into_iter().find(|(_, v)| *v == 0) {
+        Some((name, _)) => Err(ConfigError::Invalid(format!("{name} must be positive"))),
+        None => Ok(()),
+    }
+}
+
+impl EngineSignalsConfig {
+    /// Checks the `[engine-signals]` table: every interval and deadline positive.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        all_positive([
+            ("engine-signals.scrape-interval-ms", self.scrape_interval_ms),
+            ("engine-signals.scrape-timeout-ms", self.scrape_timeout_ms),
+            ("engine-signals.stale-after-ms", self.stale_after_ms),
+        ])
+    }
+}
+
+impl HttpConfig {
+    /// Checks the `[http]` table: positive deadlines and limits, `max-retries` in range, the
+    /// breaker's longest cool-down at least its first, `max-header-bytes` at least
+    /// [`HttpConfig::MIN_HEADER_BYTES`]. (The tokenizer file is loaded, and checked, when the
+    /// HTTP front starts.)
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        all_positive([
+            ("http.request-timeout-ms", self.request_timeout_ms),
+            ("http.connect-timeout-ms", self.connect_timeout_ms),
+            ("http.pool-idle-timeout-ms", self.pool_idle_timeout_ms),
+            ("http.health-check-timeout-ms", self.health_check_timeout_ms),
+            ("http.header-read-timeout-ms", self.header_read_timeout_ms),
+            ("http.body-read-timeout-ms", self.body_read_timeout_ms),
+            ("http.idle-timeout-ms", self.idle_timeout_ms),
+            (
+                "http.max-session-id-bytes",
+                self.max_session_id_bytes as u64,
+            ),
+            ("http.max-body-bytes", self.max_body_bytes as u64),
+            ("http.max-connections", self.max_connections as u64),
+        ])?;
+        if self.max_header_bytes < Self::MIN_HEADER_BYTES {
+            return Err(ConfigError::Invalid(format!(
+                "http.max-header-bytes must be at least {}",
+                Self::MIN_HEADER_BYTES
+            )));
+        }
+        if self.max_retries > Self::MAX_RETRIES {
+            return Err(ConfigError::Invalid(format!(
+                "http.max-retries must be at most {}",
+                Self::MAX_RETRIES
+            )));
+        }
+        if self.breaker_max_cooldown_ms < self.breaker_cooldown_ms {
+            return Err(ConfigError::Invalid(
+                "http.breaker-max-cooldown-ms must be at least http.breaker-cooldown-ms".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl SessionLimits {
+    /// Checks the `[sessions]` table: both bounds positive.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        all_positive([
+            ("sessions.ttl-ms", self.ttl_ms),
+            ("sessions.max", self.max_sessions as u64),
+        ])
+    }
+}
+
+impl Limits {
+    /// Checks the `[limits]` table: every bound positive.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        all_positive([
+            (
+                "limits.blocks-per-worker",
+                self.blocks_per_worker.map_or(1, u64::from),
+            ),
+            ("limits.pool-multiple", u64::from(self.pool_multiple)),
+            (
+                "limits.max-session-blocks",
+                u64::from(self.max_session_blocks),
+            ),
+            ("limits.max-input-tokens", self.max_input_tokens),
+        ])
+    }
+}
+
+impl WorkerConfig {
+    /// Checks this entry on its own: id in range, a snapshot or an address, a positive
+    /// capacity, a service address that is a URI, an `http-url` of the form
+    /// `http://host:port[/prefix]`, `bootstrap-port` only with `http-url`, `append-prefill =
+    /// false` only on a decode worker.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let id = self.id;
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if id as usize >= MAX_WORKERS {
+            return invalid(format!(
+                "worker id {id} out of range (ids must be below {MAX_WORKERS})"
+            ));
+        }
+        if self.snapshot.is_none() && self.address.is_none() && self.metrics_url.is_none() {
+            return invalid(format!(
+                "worker {id} needs a snapshot path, a service address or a metrics-url"
+            ));
+        }
+        if let Some(url) = &self.metrics_url {
+            if WorkerUrl::parse(url).is_err() {
+                return invalid(format!(
+                    "worker {id} metrics-url `{url}` is not http://host:port/path"
+                ));
+            }
+            if self.engine.is_none() {
+                return invalid(format!(
+                    "worker {id}: `metrics-url` needs `engine` (`vllm` or `sglang`) to read it"
+                ));
+            }
+        }
+        self.validate_kv_events()?;
+        if self.capacity_tokens == 0 && !self.pool_from_engine() {
+            return invalid(format!(
+                "worker {id} capacity-tokens must be positive (it may be left out only for an \
+                 engine = \"vllm\" worker with a metrics-url and no snapshot: vLLM's /metrics \
+                 reports its pool)"
+            ));
+        }
+        if let Some(addr) = &self.address
+            && addr.parse::<tonic::transport::Uri>().is_err()
+        {
+            return invalid(format!("worker {id} address `{addr}` is not a URI"));
+        }
+        match (&self.http_url, self.bootstrap_port) {
+            (Some(url), _) if WorkerUrl::parse(url).is_err() => {
+                return invalid(format!(
+                    "worker {id} http-url `{url}` is not http://host:port[/prefix]"
+                ));
+            }
+            (None, Some(_)) => {
+                return invalid(format!("worker {id}: `bootstrap-port` needs `http-url`"));
+            }
+            _ => {}
+        }
+        if self.append_prefill == Some(false) && self.role != WorkerRole::Decode {
+            return invalid(format!(
+                "worker {id}: append-prefill applies to decode workers only (it is {})",
+                self.role
+            ));
+        }
+        if self.serve_alone.is_some() && self.role == WorkerRole::Colocated {
+            return invalid(format!(
+                "worker {id}: serve-alone applies to prefill and decode workers only \
+                 (a colocated worker always serves its requests alone)"
+            ));
+        }
+        if self.serve_alone == Some(true) && self.engine == Some(EngineKind::Sglang) {
+            return invalid(format!(
+                "worker {id}: serve-alone = true needs an engine that serves a plain request \
+                 in full; a stock SGLang {} server cannot (engine = \"sglang\")",
+                self.role
+            ));
+        }
+        Ok(())
+    }
+
+    /// The `kv-events*` and `block-size` keys: endpoints `tcp://host:port`, the replay
+    /// endpoint and topic only with `kv-events`, which needs `engine`, a source of load
+    /// (`metrics-url` or a snapshot) and a block size (set, or read from vLLM's `/metrics`).
+    fn validate_kv_events(&self) -> Result<(), ConfigError> {
+        let id = self.id;
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        for (key, value) in [
+            ("kv-events", &self.kv_events),
+            ("kv-events-replay", &self.kv_events_replay),
+        ] {
+            if let Some(v) = value
+                && !is_event_endpoint(v)
+            {
+                return invalid(format!(
+                    "worker {id} {key} `{v}` is not tcp://host:port or ipc://path"
+                ));
+            }
+        }
+        if self.block_size == Some(0) {
+            return invalid(format!("worker {id} block-size must be positive"));
+        }
+        if self.kv_events.is_none() {
+            if self.kv_events_replay.is_some() || self.kv_events_topic.is_some() {
+                return invalid(format!(
+                    "worker {id}: `kv-events-replay` and `kv-events-topic` need `kv-events`"
+                ));
+            }
+            return Ok(());
+        }
+        let Some(engine) = self.engine else {
+            return invalid(format!(
+                "worker {id}: `kv-events` needs `engine` (`vllm` or `sglang`)"
+            ));
+        };
+        if self.metrics_url.is_none() && self.snapshot.is_none() {
+            return invalid(format!(
+                "worker {id}: `kv-events` needs `metrics-url` (or a snapshot) for the worker's load"
+            ));
+        }
+        if self.block_size.is_none() && (engine == EngineKind::Sglang || self.metrics_url.is_none())
+        {
+            return invalid(format!(
+                "worker {id}: `kv-events` needs `block-size` (only vLLM's /metrics reports it)"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `s` is an endpoint the router can connect an event socket to: `tcp://host:port`
+/// with a non-empty host (not a wildcard: that is the engine's bind form, `tcp://*:5557`)
+/// and a port, or `ipc://path` with a non-empty path (an engine on the same machine).
+fn is_event_endpoint(s: &str) -> bool {
+    if let Some(path) = s.strip_prefix("ipc://") {
+        return !path.is_empty();
+    }
+    s.strip_prefix("tcp://")
+        .and_then(|rest| rest.rsplit_once(':'))
+        .is_some_and(|(host, port)| !host.is_empty() && host != "*" && port.parse::<u16>().is_ok())
+}
+
+/// One kind of address of a worker, normalised (`None`: the worker has none).
+type WorkerKey = fn(&WorkerConfig) -> Option<String>;
+
+/// A worker as error messages name it: its id and display name.
+fn worker_label(w: &WorkerConfig) -> String {
+    format!("{} (`{}`)", w.id, w.display_name())
+}
+
+impl RouterConfig {
+    /// Checks every value: the policy's knobs, positive limits and intervals, the `[http]`
+    /// and `[sessions]` tables, each worker entry, worker ids unique, no two workers with
+    /// the same name, service address, snapshot file, `http-url` or bootstrap server, and
+    /// roles that can route (all colocated, or prefill and decode workers).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.policy
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        all_positive([
+            ("stale-after-ms", self.stale_after_ms),
+            ("refresh-interval-ms", self.refresh_interval_ms),
+            ("poll-interval-ms", self.poll_interval_ms),
+            ("rpc-timeout-ms", self.rpc_timeout_ms),
+        ])?;
+        self.sessions.validate()?;
+        all_positive([
+            ("max-message-bytes", self.max_message_bytes as u64),
+            ("max-pending-decisions", self.max_pending_decisions as u64),
+        ])?;
+        self.http.validate()?;
+        self.engine_signals.validate()?;
+        self.limits.validate()?;
+        self.auth.validate()?;
+        self.tls.validate()?;
+        let mut seen = HashSet::new();
+        for w in &self.workers {
+            if !seen.insert(w.id) {
+                return Err(ConfigError::Invalid(format!(
+                    "worker id {} appears twice",
+                    w.id
+                )));
+            }
+            w.validate()?;
+        }
+        self.validate_unique_addresses()?;
+        self.validate_topology()
+    }
+
+    /// No two workers share a name, a service `address`, a `snapshot` file, an `http-url`, a
+    /// `metrics-url`, a `kv-events` or `kv-events-replay` endpoint, or (prefill workers) a
+    /// bootstrap server (host and `bootstrap-port`): each would be one worker counted twice,
+    /// or two workers fighting over one file or port.
+    fn validate_unique_addresses(&self) -> Result<(), ConfigError> {
+        let keys: [(&str, WorkerKey); 8] = [
+            ("name", |w| Some(w.display_name())),
+            ("address", |w| {
+                w.address
+                    .as_ref()
+                    .map(|a| a.trim_end_matches('/').to_ascii_lowercase())
+            }),
+            ("snapshot", |w| {
+                w.snapshot
+                    .as_ref()
+                    .map(|p| p.components().collect::<PathBuf>().display().to_string())
+            }),
+            ("http-url", |w| {
+                let url = WorkerUrl::parse(w.http_url.as_deref()?).ok()?;
+                Some(format!(
+                    "http://{}{}",
+                    url.authority().to_ascii_lowercase(),
+                    url.prefix
+                ))
+            }),
+            ("metrics-url", |w| {
+                w.metrics_url
+                    .as_ref()
+                    .map(|a| a.trim_end_matches('/').to_ascii_lowercase())
+            }),
+            ("kv-events endpoint", |w| {
+                w.kv_events.as_ref().map(|a| a.to_ascii_lowercase())
+            }),
+            ("kv-events-replay endpoint", |w| {
+                w.kv_events_replay.as_ref().map(|a| a.to_ascii_lowercase())
+            }),
+            ("bootstrap server", |w| {
+                if w.role != WorkerRole::Prefill {
+                    return None;
+                }
+                let url = WorkerUrl::parse(w.http_url.as_deref()?).ok()?;
+                let port = w.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
+                Some(format!("{}:{port}", url.host.to_ascii_lowercase()))
+            }),
+        ];
+        for (what, key) in keys {
+            let mut seen: std::collections::HashMap<String, &WorkerConfig> =
+                std::collections::HashMap::new();
+            for w in &self.workers {
+                let Some(k) = key(w) else { continue };
+                if let Some(first) = seen.insert(k.clone(), w) {
+                    return Err(ConfigError::Invalid(format!(
+                        "workers {} and {} have the same {what} `{k}`",
+                        worker_label(first),
+                        worker_label(w)
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The workers' roles describe a cluster the policies can route on — the rule of
+    /// [`kvc_policy::ClusterView::topology`]: all colocated, or at least one prefill and one
+    /// decode worker and no colocated one. (No worker at all is accepted: such a router
+    /// answers every request as unavailable, and its readiness probe says so.)
+    fn validate_topology(&self) -> Result<(), ConfigError> {
+        if self.workers.is_empty() {
+            return Ok(());
+        }
+        let views: Vec<kvc_policy::WorkerView> = self
+            .workers
+            .iter()
+            .map(|w| {
+                kvc_policy::WorkerView::new(
+                    w.worker_id(),
+                    w.role,
+                    kvc_core::WorkerState::empty(w.capacity_tokens),
+                )
+                .with_caps(w.capabilities())
+            })
+            .collect();
+        kvc_policy::ClusterView::new(0, &views)
+            .topology()
+            .map(|_| ())
+            .map_err(|e| {
+                let by_role = |role: WorkerRole| {
+                    let listed: Vec<String> = self
+                        .workers
+                        .iter()
+                        .filter(|w| w.role == role)
+                        .map(worker_label)
+                        .collect();
+                    match listed.is_empty() {
+                        true => format!("{role}: none"),
+                        false => format!("{role}: {}", listed.join(", ")),
+                    }
+                };
+                ConfigError::Invalid(format!(
+                    "the workers cannot route: {e} ({}; {}; {})",
+                    by_role(WorkerRole::Prefill),
+                    by_role(WorkerRole::Decode),
+                    by_role(WorkerRole::Colocated)
+                ))
+            })
+    }
+}
