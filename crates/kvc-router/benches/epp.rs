@@ -18,22 +18,24 @@
 #![forbid(unsafe_code)]
 #![allow(missing_docs)]
 
+mod common;
+
 use criterion::Criterion;
 use envoy_types::pb::envoy::config::core::v3::{
-    HeaderMap as EnvoyHeaders, HeaderValue as EnvoyHeader, HeaderValueOption,
+    HeaderMap as EnvoyHeaders, HeaderValue as EnvoyHeader,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
-    HttpHeaders, ProcessingRequest, ProcessingResponse, StreamedBodyResponse, body_mutation,
-    processing_request, processing_response,
+    CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest,
+    ProcessingResponse, processing_request, processing_response,
 };
 use envoy_types::pb::google::protobuf::{Struct, Value as PbValue, value};
 use http_body_util::{BodyExt, Full};
-use kvc_core::{EngineKind, WorkerId, WorkerRole};
+use kvc_core::{EngineKind, WorkerRole};
+use kvc_router::epp::{body_chunk, set_header};
 use kvc_router::{RouterConfig, RunningRouter, WorkerConfig};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -84,43 +86,6 @@ async fn mock_worker() -> SocketAddr {
     addr
 }
 
-fn set(key: &str, value: &str) -> HeaderValueOption {
-    HeaderValueOption {
-        header: Some(EnvoyHeader {
-            key: key.into(),
-            raw_value: value.as_bytes().to_vec(),
-            ..Default::default()
-        }),
-        append_action: 2,
-        ..Default::default()
-    }
-}
-
-fn chunk(request: bool, body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
-    let b = BodyResponse {
-        response: Some(CommonResponse {
-            body_mutation: Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::StreamedResponse(
-                    StreamedBodyResponse {
-                        body,
-                        end_of_stream,
-                        ..Default::default()
-                    },
-                )),
-            }),
-            ..Default::default()
-        }),
-    };
-    ProcessingResponse {
-        response: Some(if request {
-            processing_response::Response::RequestBody(b)
-        } else {
-            processing_response::Response::ResponseBody(b)
-        }),
-        ..Default::default()
-    }
-}
-
 /// The pass-through picker: the same exchange as kvc-router's (body buffered, a headers
 /// answer with the pick twice and `Content-Length`, the body back, the answer echoed), the
 /// pick being the next decode worker in turn.
@@ -154,9 +119,9 @@ impl ExternalProcessor for PassThroughService {
                     me.decode[i].clone()
                 };
                 let headers = |pick: &str, len: Option<usize>| {
-                    let mut s = vec![set("x-gateway-destination-endpoint", pick)];
+                    let mut s = vec![set_header("x-gateway-destination-endpoint", pick)];
                     if let Some(n) = len {
-                        s.push(set("content-length", &n.to_string()));
+                        s.push(set_header("content-length", &n.to_string()));
                     }
                     let inner = Struct {
                         fields: [(
@@ -203,7 +168,7 @@ impl ExternalProcessor for PassThroughService {
                         if b.end_of_stream {
                             let whole = std::mem::take(&mut body);
                             let mut v = vec![headers(&pick(), Some(whole.len()))];
-                            v.push(chunk(true, whole, true));
+                            v.push(body_chunk(true, whole, true));
                             v
                         } else {
                             Vec::new()
@@ -218,7 +183,7 @@ impl ExternalProcessor for PassThroughService {
                         }]
                     }
                     Some(processing_request::Request::ResponseBody(b)) => {
-                        vec![chunk(false, b.body, b.end_of_stream)]
+                        vec![body_chunk(false, b.body, b.end_of_stream)]
                     }
                     _ => Vec::new(),
                 };
@@ -242,17 +207,9 @@ struct Harness {
 }
 
 fn harness() -> Harness {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let dir = std::env::temp_dir().join(format!("kvc-epp-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let now = {
-        use kvc_admission::Clock;
-        kvc_admission::SystemClock.now_ms()
-    };
+    let rt = common::runtime();
+    let dir = common::scratch_dir("epp-bench");
+    let now = common::now_ms();
     let (router, passthrough, writers) = rt.block_on(async {
         let mut cfg = RouterConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
@@ -272,20 +229,13 @@ fn harness() -> Harness {
             if role == WorkerRole::Decode {
                 decode.push(addr.to_string());
             }
-            let path = dir.join(format!("w{i}.snap"));
-            let mut w =
-                kvc_admission::SnapshotWriter::create(&path, WorkerId(i as u32), 92_000, 64)
-                    .unwrap();
-            let mut d = w.empty_data();
-            d.free_tokens = 92_000;
-            d.publish_ms = now;
-            w.publish(&d).unwrap();
+            let (path, w) = common::fresh_snapshot(&dir, i, now);
             writers.push(w);
             cfg.workers.push(WorkerConfig {
                 snapshot: Some(path),
                 http_url: Some(format!("http://{addr}")),
                 engine: Some(EngineKind::Vllm),
-                ..WorkerConfig::new(i as u32, role, 92_000)
+                ..WorkerConfig::new(i as u32, role, common::POOL_TOKENS)
             });
         }
         let router = kvc_router::serve(cfg, std::future::pending())

@@ -15,8 +15,10 @@
 #![forbid(unsafe_code)]
 #![allow(missing_docs)]
 
+mod common;
+
 use criterion::{Criterion, Throughput};
-use kvc_core::{WorkerId, WorkerRole};
+use kvc_core::WorkerRole;
 use kvc_proto::pb;
 use kvc_proto::pb::router_client::RouterClient;
 use kvc_router::{RouterConfig, RunningRouter, WorkerConfig};
@@ -44,17 +46,9 @@ impl Fixture {
     /// A router over one prefill and two decode workers whose Route calls cycle over
     /// `sessions` sessions.
     fn new(sessions: u64) -> Fixture {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let dir = std::env::temp_dir().join(format!("kvc-router-bench-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let now = {
-            use kvc_admission::Clock;
-            kvc_admission::SystemClock.now_ms()
-        };
+        let rt = common::runtime();
+        let dir = common::scratch_dir("router-bench");
+        let now = common::now_ms();
         let mut cfg = RouterConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             metrics_listen: None,
@@ -68,18 +62,11 @@ impl Fixture {
             .into_iter()
             .enumerate()
         {
-            let path = dir.join(format!("w{i}.snap"));
-            let mut w =
-                kvc_admission::SnapshotWriter::create(&path, WorkerId(i as u32), 92_000, 64)
-                    .unwrap();
-            let mut d = w.empty_data();
-            d.free_tokens = 92_000;
-            d.publish_ms = now;
-            w.publish(&d).unwrap();
+            let (path, w) = common::fresh_snapshot(&dir, i, now);
             writers.push(w);
             cfg.workers.push(WorkerConfig {
                 snapshot: Some(path),
-                ..WorkerConfig::new(i as u32, role, 92_000)
+                ..WorkerConfig::new(i as u32, role, common::POOL_TOKENS)
             });
         }
         let (router, client) = rt.block_on(async {

@@ -106,74 +106,22 @@ pub async fn serve_service(
         _ => None,
     };
     let epp = match config.epp_listen {
-        Some(addr) => {
-            let listener = TcpListener::bind(addr)
-                .await
-                .map_err(|source| ServeError::Bind {
-                    what: "epp",
-                    addr,
-                    source,
-                })?;
-            let bound = listener.local_addr().map_err(|source| ServeError::Bind {
-                what: "epp",
-                addr,
-                source,
-            })?;
-            Some((listener, bound))
-        }
+        Some(addr) => Some(bind("epp", addr).await?),
         None => None,
     };
     let epp_addr = epp.as_ref().map(|(_, a)| *a);
-    let grpc_listener =
-        TcpListener::bind(config.listen)
-            .await
-            .map_err(|source| ServeError::Bind {
-                what: "grpc",
-                addr: config.listen,
-                source,
-            })?;
-    let grpc_addr = grpc_listener
-        .local_addr()
-        .map_err(|source| ServeError::Bind {
-            what: "grpc",
-            addr: config.listen,
-            source,
-        })?;
-    let metrics_listener = match config.metrics_listen {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| ServeError::Bind {
-                    what: "metrics",
-                    addr,
-                    source,
-                })?,
-        ),
-        None => None,
-    };
-    let metrics_addr = match &metrics_listener {
-        Some(l) => Some(l.local_addr().map_err(|source| ServeError::Bind {
-            what: "metrics",
-            addr: config.metrics_listen.unwrap_or(grpc_addr),
-            source,
-        })?),
-        None => None,
+    let (grpc_listener, grpc_addr) = bind("grpc", config.listen).await?;
+    let (metrics_listener, metrics_addr) = match config.metrics_listen {
+        Some(addr) => {
+            let (listener, bound) = bind("metrics", addr).await?;
+            (Some(listener), Some(bound))
+        }
+        None => (None, None),
     };
 
     let http = match (config.http_listen, http_app) {
         (Some(addr), Some(app)) => {
-            let listener = TcpListener::bind(addr)
-                .await
-                .map_err(|source| ServeError::Bind {
-                    what: "http",
-                    addr,
-                    source,
-                })?;
-            let bound = listener.local_addr().map_err(|source| ServeError::Bind {
-                what: "http",
-                addr,
-                source,
-            })?;
+            let (listener, bound) = bind("http", addr).await?;
             Some((listener, bound, app))
         }
         _ => None,
@@ -393,4 +341,15 @@ async fn next_tick(tick: &mut tokio::time::Interval, stop: &CancellationToken) -
         () = stop.cancelled() => false,
         _ = tick.tick() => true,
     }
+}
+
+/// A listener on `addr` (`what` names it in the error) and the address it bound.
+async fn bind(
+    what: &'static str,
+    addr: SocketAddr,
+) -> Result<(TcpListener, SocketAddr), ServeError> {
+    let err = |source| ServeError::Bind { what, addr, source };
+    let listener = TcpListener::bind(addr).await.map_err(err)?;
+    let bound = listener.local_addr().map_err(err)?;
+    Ok((listener, bound))
 }

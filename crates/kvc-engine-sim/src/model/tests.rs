@@ -82,6 +82,19 @@ fn settle(e: &mut Engine, now: &mut Micros) -> Vec<Event> {
     events
 }
 
+/// Whether every job of `ids` finished.
+fn all_done(ev: &[Event], ids: &[usize]) -> bool {
+    ids.iter().all(|id| {
+        ev.iter()
+            .any(|x| matches!(x, Event::Done { id: i, .. } if i == id))
+    })
+}
+
+/// Whether an event is a decode OOM.
+fn is_oom(e: &Event) -> bool {
+    matches!(e, Event::DecodeOom { .. })
+}
+
 const P: WorkerId = WorkerId(0);
 const D: WorkerId = WorkerId(1);
 
@@ -375,13 +388,8 @@ fn a_decode_only_worker_without_host_room_fails_a_retracted_request_at_once() {
 fn a_decode_only_worker_backs_a_retracted_request_up_and_loads_it_back() {
     let (ev, retracted) = outgrow_decode_only(8192);
     assert!(retracted >= 1, "{ev:?}");
-    assert!(!ev.iter().any(|x| matches!(x, Event::DecodeOom { .. })));
-    for id in [1, 2] {
-        assert!(
-            ev.iter()
-                .any(|x| matches!(x, Event::Done { id: i, .. } if *i == id))
-        );
-    }
+    assert!(!ev.iter().any(is_oom), "{ev:?}");
+    assert!(all_done(&ev, &[1, 2]), "{ev:?}");
 }
 
 #[test]
@@ -463,13 +471,8 @@ fn tiered_eviction_on_a_decode_only_worker_takes_only_sessions_it_can_back_up() 
             retracted,
             "host pool {host_pool}: {ev:?}"
         );
-        assert!(!ev.iter().any(|x| matches!(x, Event::DecodeOom { .. })));
-        for id in [1, 2] {
-            assert!(
-                ev.iter()
-                    .any(|x| matches!(x, Event::Done { id: i, .. } if *i == id))
-            );
-        }
+        assert!(!ev.iter().any(is_oom), "{ev:?}");
+        assert!(all_done(&ev, &[1, 2]), "{ev:?}");
     }
 }
 

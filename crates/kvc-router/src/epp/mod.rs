@@ -80,7 +80,7 @@ mod wire;
 
 pub use wire::{
     DESTINATION_HEADER, DROPPED_REASON_HEADER, LB_NAMESPACE, MAX_CHUNK, PREFILLER_HEADER,
-    SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE,
+    SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE, body_chunk, set_header,
 };
 
 use crate::error::ServeError;

@@ -65,8 +65,8 @@ pub(crate) fn read_headers(
     (map, path, method, status)
 }
 
-/// A header to set (overwriting any the request has).
-pub(crate) fn set_header(key: &str, value: &str) -> HeaderValueOption {
+/// A header to set (overwriting any the request has): `append_action` overwrite-if-exists-or-add.
+pub fn set_header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(EnvoyHeader {
             key: key.to_owned(),
@@ -176,8 +176,9 @@ pub(crate) fn response_headers_response(
     }
 }
 
-/// One streamed body chunk, for the request (`request`) or the response.
-pub(crate) fn body_chunk(request: bool, body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+/// One streamed body chunk, for the request (`request`) or the response, as a picker in
+/// `FULL_DUPLEX_STREAMED` body mode sends it back.
+pub fn body_chunk(request: bool, body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
     let common = CommonResponse {
         body_mutation: Some(BodyMutation {
             mutation: Some(body_mutation::Mutation::StreamedResponse(

@@ -390,6 +390,15 @@ pub fn http_app_with(
     workers: WorkerEndpoints,
     options: HttpOptions,
 ) -> axum::Router {
+    routes::router(front_state(service, workers, options))
+}
+
+/// The front's shared state, its health checks started when on.
+fn front_state(
+    service: Arc<RouterService>,
+    workers: WorkerEndpoints,
+    options: HttpOptions,
+) -> Arc<app::App> {
     let health_checks = options
         .health_check_interval
         .filter(|i| !i.is_zero() && !workers.is_empty());
@@ -397,7 +406,7 @@ pub fn http_app_with(
     if let Some(interval) = health_checks {
         health::spawn_health_checks(&app, interval);
     }
-    routes::router(app)
+    app
 }
 
 /// The HTTP front as `service`'s configuration describes it: the `[http]` table's options
@@ -415,14 +424,7 @@ pub(crate) fn front_state_from_config(
 ) -> Result<Arc<app::App>, FrontError> {
     let options = HttpOptions::from_config(&service.config().http)?;
     let workers = WorkerEndpoints::from_config(service.config())?;
-    let health_checks = options
-        .health_check_interval
-        .filter(|i| !i.is_zero() && !workers.is_empty());
-    let app = Arc::new(app::App::new(service, workers, options));
-    if let Some(interval) = health_checks {
-        health::spawn_health_checks(&app, interval);
-    }
-    Ok(app)
+    Ok(front_state(service, workers, options))
 }
 
 /// The axum routes of the front over an existing shared state.
