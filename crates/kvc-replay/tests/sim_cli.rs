@@ -158,6 +158,15 @@ fn bad_options_fail_with_a_clear_message() {
     assert!(run(&["--knob", "oops"]).contains("KEY=VALUE"));
     assert!(run(&["--time-scale", "0"]).contains("time-scale"));
     assert!(run(&["--local-prefill", "maybe"]).contains("expected on or off"));
+    let too_many = run(&["--topology", "64p256d-hybrid"]);
+    assert!(
+        too_many.contains("320 workers") && too_many.contains("at most 256"),
+        "{too_many}"
+    );
+    assert!(
+        !dir.join("x").join("metrics.jsonl").exists(),
+        "nothing is written for a run refused at start"
+    );
     let missing = bin()
         .args(["compare", "/nonexistent-run-dir"])
         .output()

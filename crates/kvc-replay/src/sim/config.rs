@@ -92,6 +92,15 @@ impl SimConfig {
         if self.concurrency == 0 {
             return Err(SimError::Invalid("concurrency must be at least 1".into()));
         }
+        let workers = self.topology.layout(self.local_prefill).len();
+        if workers > kvc_policy::MAX_WORKERS {
+            return Err(SimError::Invalid(format!(
+                "topology {} has {workers} workers; the routing policies hold at most {} \
+                 (kvc_policy::MAX_WORKERS): choose a smaller topology",
+                self.topology,
+                kvc_policy::MAX_WORKERS
+            )));
+        }
         Ok(())
     }
 
@@ -158,6 +167,16 @@ mod tests {
         };
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("concurrency"), "{err}");
+        // A fleet past the policies' worker limit is refused before any request runs, with
+        // the limit named (it used to run with every request rejected).
+        let cfg = SimConfig::new("64p256d-hybrid".parse().unwrap(), PolicyConfig::default());
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("320 workers") && err.contains("at most 256"),
+            "{err}"
+        );
+        let at_limit = SimConfig::new("64p192d".parse().unwrap(), PolicyConfig::default());
+        assert!(at_limit.validate().is_ok());
     }
 
     #[test]
