@@ -315,14 +315,7 @@ async fn failing_stalled_and_dead_decode_workers_give_json_errors() {
         if seen.contains_key("failing") && seen.contains_key("dead") {
             break;
         }
-        let key = format!("s{i}");
-        let r = s
-            .send(
-                "/generate",
-                &[("x-session-id", key.as_str())],
-                &generate_body(i * 1_000..i * 1_000 + 600),
-            )
-            .await;
+        let r = s.send_session("s", i).await;
         requests += 1.0;
         match r.headers["x-kvc-decode-worker"].as_str() {
             "1" => {

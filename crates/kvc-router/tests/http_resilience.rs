@@ -6,7 +6,8 @@ mod common;
 
 use common::front::ids;
 use common::sglang_mock::{
-    Behaviour, dead_addr, generate_body, start, start_full, stream_events, without_resilience,
+    Behaviour, dead_addr, generate_body, start, start_full, start_with_dead_d2, stream_events,
+    without_resilience,
 };
 use kvc_core::{Health, WorkerId};
 use serde_json::{Value, json};
@@ -140,31 +141,12 @@ async fn a_stream_to_a_dead_decode_worker_gets_a_json_error() {
 
 #[tokio::test]
 async fn a_refused_decode_worker_is_retried_on_the_other_and_its_breaker_opens() {
-    let s = start_full(
-        |w| {
-            w.insert(WorkerId(2), &format!("http://{}", dead_addr()), None)
-                .unwrap();
-        },
-        |o| {
-            o.max_retries = 2;
-            o.retry_backoff = Duration::from_millis(2);
-            o.breaker.failure_threshold = 1;
-            o.health_check_interval = None;
-        },
-    )
-    .await;
+    let s = start_with_dead_d2(1).await;
     let service = s.cluster.service().clone();
     let mut requests = 0.0;
     // Distinct sessions until one was first routed to the dead worker (bounded).
     for i in 0..32u32 {
-        let key = format!("r{i}");
-        let r = s
-            .send(
-                "/generate",
-                &[("x-session-id", key.as_str())],
-                &generate_body(i * 1_000..i * 1_000 + 600),
-            )
-            .await;
+        let r = s.send_session("r", i).await;
         requests += 1.0;
         assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.headers["x-kvc-decode-worker"], "1");
@@ -203,14 +185,7 @@ async fn a_refused_decode_worker_is_retried_on_the_other_and_its_breaker_opens()
     assert_eq!(views[2].state.health, Health::Down);
     assert_eq!(views[1].state.health, Health::Healthy);
     for i in 100..104u32 {
-        let key = format!("r{i}");
-        let r = s
-            .send(
-                "/generate",
-                &[("x-session-id", key.as_str())],
-                &generate_body(i * 1_000..i * 1_000 + 600),
-            )
-            .await;
+        let r = s.send_session("r", i).await;
         requests += 1.0;
         assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.headers["x-kvc-decode-worker"], "1");
@@ -250,20 +225,8 @@ async fn retries_stop_at_the_limit_and_the_last_failure_is_answered() {
 
 #[tokio::test]
 async fn a_stream_is_retried_on_another_decode_worker_before_any_byte() {
-    let s = start_full(
-        |w| {
-            w.insert(WorkerId(2), &format!("http://{}", dead_addr()), None)
-                .unwrap();
-        },
-        |o| {
-            o.max_retries = 2;
-            o.retry_backoff = Duration::from_millis(2);
-            // No breaker: the dead worker stays in rotation, every pick of it is retried.
-            o.breaker.failure_threshold = 0;
-            o.health_check_interval = None;
-        },
-    )
-    .await;
+    // No breaker: the dead worker stays in rotation, every pick of it is retried.
+    let s = start_with_dead_d2(0).await;
     for m in s.mocks.values() {
         *m.behaviour.lock() = Behaviour::Flow;
     }
@@ -324,14 +287,7 @@ async fn health_checks_open_the_breaker_and_recovery_closes_it() {
     assert!(s.metric("kvc_router_http_health_checks_total", &[("result", "ok")]) >= 2.0);
     // Out of rotation: requests go to the other decode worker.
     for i in 0..4u32 {
-        let key = format!("h{i}");
-        let r = s
-            .send(
-                "/generate",
-                &[("x-session-id", key.as_str())],
-                &generate_body(i * 1_000..i * 1_000 + 600),
-            )
-            .await;
+        let r = s.send_session("h", i).await;
         assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.headers["x-kvc-decode-worker"], "1");
     }

@@ -10,6 +10,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
+use kvc_core::WorkerId;
 use kvc_router::http::{HttpOptions, WorkerEndpoints};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
@@ -185,7 +186,36 @@ pub async fn start_full(
     Front::start(|_| {}, spawn_mock, bootstrap, edit, options).await
 }
 
+/// The front with decode worker 2 at an address nothing listens on, retries on (two, 2 ms
+/// apart), no health checks, and a breaker opening after `failure_threshold` failures (0: none).
+pub async fn start_with_dead_d2(failure_threshold: u32) -> Setup {
+    start_full(
+        |w| {
+            w.insert(WorkerId(2), &format!("http://{}", dead_addr()), None)
+                .unwrap();
+        },
+        |o| {
+            o.max_retries = 2;
+            o.retry_backoff = Duration::from_millis(2);
+            o.breaker.failure_threshold = failure_threshold;
+            o.health_check_interval = None;
+        },
+    )
+    .await
+}
+
 impl Front<Mock> {
+    /// Request `i` of its own session `<prefix><i>`: a `/generate` of 600 tokens of its own.
+    pub async fn send_session(&self, prefix: &str, i: u32) -> JsonAnswer {
+        let key = format!("{prefix}{i}");
+        self.send(
+            "/generate",
+            &[("x-session-id", key.as_str())],
+            &generate_body(i * 1_000..i * 1_000 + 600),
+        )
+        .await
+    }
+
     /// Requests received by P0, D1 and D2.
     pub fn counts(&self) -> [usize; 3] {
         [0, 1, 2].map(|i| self.count(i))
