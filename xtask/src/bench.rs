@@ -118,12 +118,33 @@ fn criterion_with(
 
 fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     criterion(ctx, "kvc-policy", "select")?;
-    for d in ["d8", "d64"] {
+    for d in ["d8", "d64", "d4094"] {
         figures.insert(
             format!("policy.select_ns.{d}"),
             // `select/dN` times `kvc-v2` (the other policies are `select/dN/<name>`).
             criterion_median(ctx, &format!("select/{d}"))?,
         );
+        for direct in ["kvc-v2-direct", "kvc-direct"] {
+            figures.insert(
+                format!("policy.select_ns.{d}.{direct}"),
+                criterion_median(ctx, &format!("select/{d}/{direct}"))?,
+            );
+        }
+    }
+    // The policy's decision tail against the number of sessions, from the bench's own file.
+    let extra = ctx.out.join("sessions.json");
+    criterion_with(ctx, "kvc-policy", "sessions", Some(&extra))?;
+    let r = read_json(&extra)?;
+    for key in [
+        "decision_p99_us_1k",
+        "decision_p99_us_1m",
+        "p99_1m_vs_1k",
+        "bytes_per_session_1m",
+    ] {
+        let v = r[key]
+            .as_f64()
+            .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
+        figures.insert(format!("policy.sessions.{key}"), v);
     }
     // The router bench also writes its same-run throughput ratio and decision p99.
     let extra = ctx.out.join("router.json");

@@ -40,9 +40,20 @@ COMMANDS:
                --baseline FILE  print each figure's change against an earlier summary.json
 
                Keys of summary.json:
-                 policy.select_ns.d8, policy.select_ns.d64
-                     median ns per routing decision of kvc-v2 with 8 / 64 decode
-                     workers, a 180-block request, 1,000+ known blocks per worker
+                 policy.select_ns.d8, policy.select_ns.d64, policy.select_ns.d4094
+                     median ns per routing decision of kvc-v2 with 8 / 64 / 4,094 decode
+                     workers (4,094 + 2 prefill: the policies' 4,096-worker limit), a
+                     180-block request scoring every D, 1,000+ known blocks per worker
+                 policy.select_ns.<dN>.kvc-v2-direct, policy.select_ns.<dN>.kvc-direct
+                     the same for a later turn of a resident session (direct-to-D: one
+                     candidate), kvc-v2 and kvc: what grows from d8 to d4094 is the
+                     per-decision pass over the fleet's views
+                 policy.sessions.decision_p99_us_1k, policy.sessions.decision_p99_us_1m,
+                 policy.sessions.p99_1m_vs_1k, policy.sessions.bytes_per_session_1m
+                     kvc decision (route + apply + completion, 2p8d) timed one by one,
+                     200,000 per state in alternating runs: p99 with 1,000 and with
+                     1,000,000 tracked sessions, their ratio (target <= 1.25), and the
+                     policy state's memory per session at 1,000,000 (resident set growth)
                  admission.probe_ns, admission.probe_ns_2_readers, admission.probes_per_sec
                      median probe time with a writer publishing continuously (1 / 2 readers),
                      and probes per second per reader thread (1e9 / probe_ns)

@@ -1,15 +1,17 @@
 //! Time per routing decision that scores every decode worker.
 //!
-//! Cluster: 2 prefill workers and 8 (`d8`) or 64 (`d64`) decode workers; each D holds 8
+//! Cluster: 2 prefill workers and 8 (`d8`), 64 (`d64`) or 4,094 (`d4094`: 4,096 workers, the
+//! policies' limit) decode workers; each D holds 8
 //! resident sessions of 150 blocks (1,172 distinct known blocks per D, shared system prompt
 //! included). The request has 180 blocks: a fork of a session resident on one D (its 150 blocks
 //! plus 30 new ones) under a session id the router does not know, so the policy scores every D
 //! (overlap 150 on one D, 4 on the others) and then picks P.
 //!
-//! - `select/d8`, `select/d64`: `kvc-v2` (the headline figures);
-//! - `select/d8/<policy>`, `select/d64/<policy>`: the other policies on the same request;
-//! - `select/d8/kvc-v2-direct`, `select/d64/kvc-v2-direct`: `kvc-v2` on a later turn of a resident
-//!   session (the direct-to-D path, the common case).
+//! - `select/d8`, `select/d64`, `select/d4094`: `kvc-v2` (the headline figures);
+//! - `select/dN/<policy>`: the other policies on the same request;
+//! - `select/dN/kvc-v2-direct`, `select/dN/kvc-direct`: `kvc-v2` and `kvc` on a later turn of a
+//!   resident session (the direct-to-D path, the common case: one candidate, whatever the
+//!   fleet).
 #![forbid(unsafe_code)]
 
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -90,7 +92,7 @@ fn populated(config: &PolicyConfig, workers: &[WorkerView], d: u32) -> RouterSta
 
 fn bench_select(c: &mut Criterion) {
     let mut group = c.benchmark_group("select");
-    for d in [8u32, 64] {
+    for d in [8u32, 64, 4_094] {
         let workers = cluster(d);
         // Session 3 is resident on one D: fork it (new session id) and extend by 30 blocks.
         let mut fork = session_blocks(3, SESSION_BLOCKS);
@@ -116,10 +118,10 @@ fn bench_select(c: &mut Criterion) {
             group.bench_function(id, |b| {
                 b.iter(|| route(&config, &state, black_box(&view), black_box(&fork_req)).unwrap())
             });
-            if name == "kvc-v2" {
+            if name == "kvc-v2" || name == "kvc" {
                 let decision = route(&config, &state, &view, &direct_req).unwrap();
                 assert!(decision.is_direct());
-                group.bench_function(format!("d{d}/kvc-v2-direct"), |b| {
+                group.bench_function(format!("d{d}/{name}-direct"), |b| {
                     b.iter(|| {
                         route(&config, &state, black_box(&view), black_box(&direct_req)).unwrap()
                     })

@@ -8,9 +8,14 @@
 //! system prompt plus 8 fresh blocks, so the block view keeps taking new hashes and stays at its
 //! bound), routed, applied and completed, 1 ms after the previous one.
 //!
-//! - `sessions/1000`, `sessions/100000`: route + apply + completion;
-//! - after the group, the ratio of the two medians (from criterion's estimates) is printed:
-//!   the acceptance figure is `1000 / 100000 ≥ 0.8`.
+//! - `sessions/1000`, `sessions/100000`, `sessions/1000000`: route + apply + completion;
+//! - after the group, the ratio of the medians (from criterion's estimates) is printed:
+//!   the acceptance figure is `1000 / 100000 ≥ 0.8`;
+//! - then the tail: 200,000 decisions timed one by one on a state of 1,000 and on one of
+//!   1,000,000 sessions, in alternating runs of 10,000 (so a busy machine's swings fall on
+//!   both), their 99th percentiles and ratio (target `≤ 1.25`), and the memory the
+//!   1,000,000-session state holds per session (resident set growth while it fills, over the
+//!   sessions). With `KVC_BENCH_OUT` set, these figures are written there as JSON.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvc_core::{
@@ -110,7 +115,7 @@ impl Driver {
     }
 }
 
-const SIZES: [u64; 2] = [1_000, 100_000];
+const SIZES: [u64; 3] = [1_000, 100_000, 1_000_000];
 
 fn bench_sessions(c: &mut Criterion) {
     let mut group = c.benchmark_group("sessions");
@@ -123,6 +128,57 @@ fn bench_sessions(c: &mut Criterion) {
     }
     group.finish();
     print_ratio();
+    tail();
+}
+
+/// Decisions timed one by one per state in [`tail`].
+const TIMED: usize = 200_000;
+/// Decisions of one run of [`tail`] before switching to the other state.
+const RUN: usize = 10_000;
+
+/// This process's resident set, in bytes (Linux; 0 elsewhere).
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4_096)
+}
+
+/// The decision p99 at 1,000 and at 1,000,000 sessions, and bytes per session at 1,000,000.
+fn tail() {
+    let small = Driver::new(SIZES[0]);
+    let before = rss_bytes();
+    let large = Driver::new(SIZES[2]);
+    let per_session = rss_bytes().saturating_sub(before) as f64 / SIZES[2] as f64;
+    let mut drivers = [small, large];
+    let mut times: [Vec<f64>; 2] = [Vec::with_capacity(TIMED), Vec::with_capacity(TIMED)];
+    while times[0].len() < TIMED {
+        for (d, t) in drivers.iter_mut().zip(times.iter_mut()) {
+            for _ in 0..RUN {
+                let started = std::time::Instant::now();
+                d.step();
+                t.push(started.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    for t in &mut times {
+        t.sort_by(f64::total_cmp);
+    }
+    let p99 = |t: &[f64]| kvc_core::stats::percentile(t, kvc_core::stats::P99).unwrap_or(0.0);
+    let (small_p99, large_p99) = (p99(&times[0]), p99(&times[1]));
+    let ratio = large_p99 / small_p99;
+    println!(
+        "sessions: decision p99 {small_p99:.2} µs at {} sessions, {large_p99:.2} µs at {}: \
+         ratio {ratio:.3} (target <= 1.25); {per_session:.0} bytes per session at {}",
+        SIZES[0], SIZES[2], SIZES[2]
+    );
+    if let Some(out) = std::env::var_os("KVC_BENCH_OUT") {
+        let json = format!(
+            "{{\"decision_p99_us_1k\": {small_p99:.3}, \"decision_p99_us_1m\": {large_p99:.3}, \
+             \"p99_1m_vs_1k\": {ratio:.4}, \"bytes_per_session_1m\": {per_session:.1}}}\n"
+        );
+        std::fs::write(&out, json).expect("KVC_BENCH_OUT is writable");
+    }
 }
 
 /// Prints the ratio of the medians criterion just estimated, if it wrote them.

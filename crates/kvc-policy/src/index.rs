@@ -23,14 +23,23 @@
 
 use crate::view::MAX_WORKERS;
 use kvc_core::BlockHash;
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 const WORDS: usize = MAX_WORKERS / 64;
 
-/// A set of worker ids (each below [`MAX_WORKERS`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// A set of worker ids (each below [`MAX_WORKERS`]): a fixed bitset, for the sets a decision
+/// builds (healthy workers of a role, candidates). The index stores its holders in the
+/// compact [`Holders`] instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WorkerSet([u64; WORDS]);
+
+impl Default for WorkerSet {
+    fn default() -> Self {
+        WorkerSet::EMPTY
+    }
+}
 
 impl WorkerSet {
     pub(crate) const EMPTY: WorkerSet = WorkerSet([0; WORDS]);
@@ -55,20 +64,22 @@ impl WorkerSet {
         self.0.iter().map(|w| w.count_ones() as usize).sum()
     }
 
-    pub(crate) fn and(self, other: WorkerSet) -> WorkerSet {
-        let mut out = self;
-        for (a, b) in out.0.iter_mut().zip(other.0) {
-            *a &= b;
-        }
-        out
-    }
-
     pub(crate) fn and_not(self, other: WorkerSet) -> WorkerSet {
         let mut out = self;
         for (a, b) in out.0.iter_mut().zip(other.0) {
             *a &= !b;
         }
         out
+    }
+
+    /// The largest member, if any.
+    pub(crate) fn last(&self) -> Option<usize> {
+        self.0
+            .iter()
+            .enumerate()
+            .rev()
+            .find(|(_, w)| **w != 0)
+            .map(|(i, w)| i * 64 + 63 - w.leading_zeros() as usize)
     }
 
     /// The smallest member `>= from`, if any.
@@ -98,6 +109,74 @@ impl WorkerSet {
             next = found + 1;
             Some(found)
         })
+    }
+}
+
+/// The workers holding one block in one view, as sorted ids: most blocks are held by one
+/// worker or a few (a session's blocks, on its worker), which fit inline; a block every
+/// worker holds (a shared system prompt) takes two bytes per worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Holders(SmallVec<[u16; 4]>);
+
+impl Holders {
+    fn insert(&mut self, slot: usize) {
+        let slot = slot as u16;
+        if let Err(at) = self.0.binary_search(&slot) {
+            self.0.insert(at, slot);
+        }
+    }
+
+    fn remove(&mut self, slot: usize) {
+        if let Ok(at) = self.0.binary_search(&(slot as u16)) {
+            self.0.remove(at);
+        }
+    }
+
+    pub(crate) fn contains(&self, slot: usize) -> bool {
+        u16::try_from(slot).is_ok_and(|s| self.0.binary_search(&s).is_ok())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The members of `set` that hold the block, at a cost of the smaller of the two.
+    fn and(&self, set: &WorkerSet, set_len: usize) -> WorkerSet {
+        let mut out = WorkerSet::EMPTY;
+        if set_len < self.0.len() {
+            for slot in set.iter() {
+                if self.contains(slot) {
+                    out.insert(slot);
+                }
+            }
+        } else {
+            for &slot in &self.0 {
+                if set.contains(usize::from(slot)) {
+                    out.insert(usize::from(slot));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Leading request blocks per worker, indexed by worker id, for the workers of the set they
+/// were asked for (0 for the others); as long as the largest id asked for, not the fleet.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Depths(Vec<u32>);
+
+impl Depths {
+    /// Room for every worker of `set`.
+    pub(crate) fn for_set(set: &WorkerSet) -> Self {
+        Depths(vec![0; set.last().map_or(0, |l| l + 1)])
+    }
+}
+
+impl std::ops::Index<usize> for Depths {
+    type Output = u32;
+
+    fn index(&self, slot: usize) -> &u32 {
+        self.0.get(slot).unwrap_or(&0)
     }
 }
 
@@ -171,15 +250,15 @@ const NIL: u32 = u32::MAX;
 #[derive(Debug, Clone)]
 struct Entry {
     hash: BlockHash,
-    seen: WorkerSet,
-    live: WorkerSet,
+    seen: Holders,
+    live: Holders,
 }
 
 /// One block held by one worker in one view: a link of that worker's recency list for the view.
 #[derive(Debug, Clone, Copy)]
 struct Member {
     entry: u32,
-    slot: u8,
+    slot: u16,
     view: u8,
     /// Live references (1 for the seen view).
     refs: u32,
@@ -205,8 +284,12 @@ impl List {
     };
 }
 
+/// Bits of a worker id in a member key.
+const SLOT_BITS: u32 = MAX_WORKERS.trailing_zeros();
+const _: () = assert!(MAX_WORKERS.is_power_of_two() && MAX_WORKERS <= 1 << 16);
+
 fn member_key(entry: u32, slot: usize, view: BlockView) -> u64 {
-    (u64::from(entry) << 9) | ((view.index() as u64) << 8) | slot as u64
+    (u64::from(entry) << (SLOT_BITS + 1)) | ((view.index() as u64) << SLOT_BITS) | slot as u64
 }
 
 /// The block index (see the module docs), bounded per worker and view: each worker holds at
@@ -349,8 +432,8 @@ impl BlockIndex {
         if entry == next_entry {
             let fresh = Entry {
                 hash: h,
-                seen: WorkerSet::EMPTY,
-                live: WorkerSet::EMPTY,
+                seen: Holders::default(),
+                live: Holders::default(),
             };
             if self.free_entries.pop().is_some() {
                 self.slab[entry as usize] = fresh;
@@ -364,7 +447,7 @@ impl BlockIndex {
         }
         let link = Member {
             entry,
-            slot: slot as u8,
+            slot: slot as u16,
             view: view.index() as u8,
             refs: 0,
             prev: NIL,
@@ -470,61 +553,74 @@ impl BlockIndex {
     }
 
     /// Workers holding `h` in `view`.
-    pub(crate) fn holders(&self, h: BlockHash, view: BlockView) -> WorkerSet {
-        match self.entries.get(&h) {
-            None => WorkerSet::EMPTY,
-            Some(&e) => match view {
-                BlockView::Seen => self.slab[e as usize].seen,
-                BlockView::Live => self.slab[e as usize].live,
-            },
-        }
+    pub(crate) fn holders(&self, h: BlockHash, view: BlockView) -> Option<&Holders> {
+        let &e = self.entries.get(&h)?;
+        let entry = &self.slab[e as usize];
+        Some(match view {
+            BlockView::Seen => &entry.seen,
+            BlockView::Live => &entry.live,
+        })
     }
 
-    /// For every worker of `set`, the number of leading `blocks` it holds in `view`, written to
-    /// `out[worker]` (entries of workers outside `set` are left untouched).
-    pub(crate) fn depths(
-        &self,
-        blocks: &[BlockHash],
-        set: WorkerSet,
-        view: BlockView,
-        out: &mut [u32; MAX_WORKERS],
-    ) {
-        self.split(blocks, 0, blocks.len(), set, view, out);
+    /// For every worker of `set`, the number of leading `blocks` it holds in `view`
+    /// (0 for workers outside `set`).
+    pub(crate) fn depths(&self, blocks: &[BlockHash], set: WorkerSet, view: BlockView) -> Depths {
+        let mut out = Depths::for_set(&set);
+        let len = set.len();
+        self.split(blocks, 0, blocks.len(), set, len, view, &mut out);
+        out
     }
 
-    /// Every worker of `set` holds between `lo` and `hi` leading blocks.
+    /// Every worker of `set` (of `len` members) holds between `lo` and `hi` leading blocks.
+    #[allow(clippy::too_many_arguments)]
     fn split(
         &self,
         blocks: &[BlockHash],
         lo: usize,
         hi: usize,
         set: WorkerSet,
+        len: usize,
         view: BlockView,
-        out: &mut [u32; MAX_WORKERS],
+        out: &mut Depths,
     ) {
-        if set.is_empty() {
+        if len == 0 {
             return;
         }
         if lo == hi {
             for slot in set.iter() {
-                out[slot] = lo as u32;
+                out.0[slot] = lo as u32;
             }
             return;
         }
         // lo < mid <= hi: does the worker hold block `mid - 1` (so at least `mid` blocks)?
         let mid = lo + (hi - lo).div_ceil(2);
-        let have = self.holders(blocks[mid - 1], view).and(set);
-        self.split(blocks, lo, mid - 1, set.and_not(have), view, out);
-        self.split(blocks, mid, hi, have, view, out);
+        let have = self
+            .holders(blocks[mid - 1], view)
+            .map_or(WorkerSet::EMPTY, |h| h.and(&set, len));
+        let have_len = have.len();
+        let rest = set.and_not(have);
+        self.split(blocks, lo, mid - 1, rest, len - have_len, view, out);
+        self.split(blocks, mid, hi, have, have_len, view, out);
     }
 
-    /// The number of leading `blocks` worker `slot` holds in `view`.
+    /// The number of leading `blocks` worker `slot` holds in `view`: a binary search on the
+    /// prefix depth, one lookup per probe.
     pub(crate) fn depth(&self, blocks: &[BlockHash], slot: usize, view: BlockView) -> u32 {
-        let mut set = WorkerSet::EMPTY;
-        set.insert(slot);
-        let mut out = [0u32; MAX_WORKERS];
-        self.depths(blocks, set, view, &mut out);
-        out[slot]
+        let holds = |i: usize| {
+            self.holders(blocks[i], view)
+                .is_some_and(|h| h.contains(slot))
+        };
+        // Invariant: the worker holds blocks[..lo] and not blocks[hi] (if hi < len).
+        let (mut lo, mut hi) = (0usize, blocks.len());
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if holds(mid - 1) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo as u32
     }
 }
 
@@ -546,20 +642,49 @@ mod tests {
 
     #[test]
     fn worker_set_operations() {
-        let s = set(&[0, 3, 64, 200, 255]);
-        assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 3, 64, 200, 255]);
-        assert_eq!(s.len(), 5);
+        let s = set(&[0, 3, 64, 200, 255, 4_095]);
+        assert_eq!(
+            s.iter().collect::<Vec<_>>(),
+            vec![0, 3, 64, 200, 255, 4_095]
+        );
+        assert_eq!(s.len(), 6);
+        assert_eq!(s.last(), Some(4_095));
+        assert_eq!(set(&[3, 70]).last(), Some(70));
+        assert_eq!(WorkerSet::EMPTY.last(), None);
         assert_eq!(s.first_at_or_after(4), Some(64));
         assert_eq!(s.first_at_or_after(201), Some(255));
-        assert_eq!(s.first_at_or_after(256), None);
-        assert!(s.contains(200) && !s.contains(199) && !s.contains(300));
+        assert_eq!(s.first_at_or_after(256), Some(4_095));
+        assert_eq!(s.first_at_or_after(4_096), None);
+        assert!(s.contains(200) && !s.contains(199) && !s.contains(300) && !s.contains(4_096));
         let t = set(&[3, 200, 7]);
-        assert_eq!(s.and(t).iter().collect::<Vec<_>>(), vec![3, 200]);
-        assert_eq!(s.and_not(t).iter().collect::<Vec<_>>(), vec![0, 64, 255]);
+        assert_eq!(
+            s.and_not(t).iter().collect::<Vec<_>>(),
+            vec![0, 64, 255, 4_095]
+        );
         assert!(WorkerSet::EMPTY.is_empty());
+        // Holders against a set, from either side.
+        let mut h = Holders::default();
+        for slot in [4_000, 3, 200, 9, 3] {
+            h.insert(slot);
+        }
+        assert_eq!(h.0.as_slice(), &[3, 9, 200, 4_000]);
+        assert!(h.contains(4_000) && !h.contains(4_001) && !h.contains(70_000));
+        assert_eq!(h.and(&t, t.len()).iter().collect::<Vec<_>>(), vec![3, 200]);
+        assert_eq!(h.and(&s, s.len()).iter().collect::<Vec<_>>(), vec![3, 200]);
+        h.remove(9);
+        h.remove(10);
+        assert_eq!(h.0.as_slice(), &[3, 200, 4_000]);
         let mut u = s;
         u.remove(0);
         assert_eq!(u.first_at_or_after(0), Some(3));
+    }
+
+    #[test]
+    fn an_entry_is_small_whatever_the_fleet() {
+        // Hash, and two holder lists of four ids inline: the size of one distinct block in
+        // the docs' memory table, the same at 8 workers as at 4,096.
+        assert_eq!(std::mem::size_of::<Entry>(), 56);
+        assert_eq!(std::mem::size_of::<Member>(), 20);
     }
 
     #[test]
@@ -569,10 +694,10 @@ mod tests {
         idx.record_seen(2, &hs(&[10, 11]));
         idx.record_seen(3, &hs(&[10, 11, 12, 20]));
         let req = hs(&[10, 11, 12, 13, 15, 16]);
-        let mut out = [u32::MAX; MAX_WORKERS];
-        idx.depths(&req, set(&[1, 2, 3, 4]), BlockView::Seen, &mut out);
-        assert_eq!(&out[1..5], &[4, 2, 3, 0]);
-        assert_eq!(out[0], u32::MAX, "workers outside the set are untouched");
+        let out = idx.depths(&req, set(&[1, 2, 3, 4]), BlockView::Seen);
+        assert_eq!((1..5).map(|s| out[s]).collect::<Vec<_>>(), vec![4, 2, 3, 0]);
+        assert_eq!(out[0], 0, "workers outside the set read 0");
+        assert_eq!(out[4_000], 0);
         assert_eq!(idx.depth(&req, 1, BlockView::Seen), 4);
         assert_eq!(idx.depth(&[], 1, BlockView::Seen), 0);
         assert_eq!(idx.depth(&req, 1, BlockView::Live), 0);
@@ -686,7 +811,7 @@ mod tests {
                                 distinct.insert(h);
                             }
                             proptest::prop_assert_eq!(
-                                idx.holders(BlockHash(h), view).contains(slot),
+                                idx.holders(BlockHash(h), view).is_some_and(|x| x.contains(slot)),
                                 holds,
                                 "block {} slot {} view {:?}", h, slot, view
                             );

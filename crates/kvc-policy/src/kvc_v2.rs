@@ -247,7 +247,7 @@ impl V2<'_, '_> {
         let any_under = self.any_under(candidates);
         let depths = ctx.depths(self.hosts, BlockView::Live);
         // Sessions active on each D: the decode batch a new session would join.
-        let mut active = [0u32; crate::view::MAX_WORKERS];
+        let mut active = vec![0u32; ctx.width()];
         if let Some(p) = self.placement {
             ctx.state.active_sessions(
                 ctx.now_ms(),
@@ -398,7 +398,7 @@ impl V2<'_, '_> {
                 )
             })
             .collect();
-        let mut out = vec![None; crate::view::MAX_WORKERS];
+        let mut out = vec![None; ctx.width()];
         for slot in self.hosts.iter() {
             let h = WorkerId(slot as u32);
             let host_cached = ctx.cached_on(h, BlockView::Live, bs);
@@ -530,8 +530,11 @@ pub(crate) fn route_with(
                     .unwrap_or(WorkerId(0));
                 (migrated.0, migrated.1, d)
             } else {
-                // Entries for debugging; the choice is the session's D.
-                v2.pick(Some(decode), None, None, &mut scores);
+                // The entry of the session's D, for debugging: the choice is made, and scoring
+                // every other host would make a direct turn cost as much as the fleet is large.
+                let mut only = WorkerSet::EMPTY;
+                only.insert(decode.0 as usize);
+                V2 { hosts: only, ..v2 }.pick(Some(decode), None, None, &mut scores);
                 let mut plan = Plan::direct(decode, cached_tokens, scores, None);
                 if let Some(l) = local {
                     let new = ctx.req.input_length - cached_tokens;

@@ -6,9 +6,9 @@ use crate::decision::{Decision, ScoreEntry, StateChange};
 use crate::error::PolicyError;
 use crate::fallthrough::{TurnClass, classify_with, is_first_turn};
 use crate::footprint::footprint_tokens;
-use crate::index::{BlockView, WorkerSet};
+use crate::index::{BlockView, Depths, WorkerSet};
 use crate::state::{RouterState, SessionRoute};
-use crate::view::{ClusterView, MAX_WORKERS, RouteRequest, WorkerView};
+use crate::view::{ClusterView, RouteRequest, WorkerView};
 use crate::{cache_aware, kv_aware_v0, kvc, kvc_v2, round_robin};
 use kvc_core::{
     BlockSize, ExecutionMode, FallThroughReason, Topology, WorkerId, WorkerRole, WorkerState,
@@ -55,8 +55,8 @@ pub(crate) struct Ctx<'a> {
     pub(crate) req: &'a RouteRequest<'a>,
     now_ms: u64,
     workers: &'a [WorkerView],
-    /// Position + 1 in `workers` by id; 0 when absent.
-    pos: [u16; MAX_WORKERS],
+    /// Position + 1 in `workers` by id (0 when absent), up to the largest id in the view.
+    pos: Vec<u16>,
     /// All colocated workers.
     pub(crate) colocated: bool,
     /// Healthy workers that decode transferred KV (or healthy colocated workers): the targets
@@ -75,7 +75,13 @@ impl<'a> Ctx<'a> {
         req: &'a RouteRequest<'a>,
     ) -> Result<Self, PolicyError> {
         let colocated = matches!(cluster.topology()?, Topology::Colocated { .. });
-        let mut pos = [0u16; MAX_WORKERS];
+        let width = cluster
+            .workers
+            .iter()
+            .map(|w| w.id.0 as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut pos = vec![0u16; width];
         let (mut healthy_d, mut healthy_p) = (WorkerSet::EMPTY, WorkerSet::EMPTY);
         let mut healthy_local = WorkerSet::EMPTY;
         for (i, w) in cluster.workers.iter().enumerate() {
@@ -167,12 +173,13 @@ impl<'a> Ctx<'a> {
     }
 
     /// Leading request blocks each worker of `set` holds in `view`.
-    pub(crate) fn depths(&self, set: WorkerSet, view: BlockView) -> [u32; MAX_WORKERS] {
-        let mut out = [0u32; MAX_WORKERS];
-        self.state
-            .index()
-            .depths(self.req.hash_ids, set, view, &mut out);
-        out
+    pub(crate) fn depths(&self, set: WorkerSet, view: BlockView) -> Depths {
+        self.state.index().depths(self.req.hash_ids, set, view)
+    }
+
+    /// One past the largest worker id in the view: the length of per-worker scratch tables.
+    pub(crate) fn width(&self) -> usize {
+        self.pos.len()
     }
 
     /// Tokens of the request covered by `depth` leading blocks.

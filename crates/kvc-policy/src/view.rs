@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 /// Most workers a router may know: every [`WorkerId`] must be below this value (ids are dense
 /// indices, unique across roles).
-pub const MAX_WORKERS: usize = 256;
+pub const MAX_WORKERS: usize = 4_096;
 
 /// One worker as the router sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -266,8 +266,15 @@ fn errors() {
         wrong("prefill workers but no decode worker")
     );
     assert_eq!(
-        go(&[worker(256, WorkerRole::Colocated)], &cfg),
-        Err(PolicyError::WorkerIdOutOfRange(WorkerId(256)))
+        go(&[worker(4_096, WorkerRole::Colocated)], &cfg),
+        Err(PolicyError::WorkerIdOutOfRange(WorkerId(4_096)))
+    );
+    // The largest id is in range.
+    assert_eq!(
+        go(&[worker(4_095, WorkerRole::Colocated)], &cfg)
+            .unwrap()
+            .decode,
+        WorkerId(4_095)
     );
     assert_eq!(
         go(

@@ -1,5 +1,5 @@
 //! The crate stays free of I/O and async runtimes: its normal dependencies are exactly
-//! kvc-core, serde and thiserror.
+//! kvc-core, serde, smallvec (inline vectors: the block view's holder lists) and thiserror.
 
 #[test]
 fn normal_dependencies_are_pure() {
@@ -13,5 +13,5 @@ fn normal_dependencies_are_pure() {
         .filter_map(|l| l.split(['.', '=', ' ']).next())
         .filter(|name| !name.is_empty() && !name.starts_with('#'))
         .collect();
-    assert_eq!(deps, ["kvc-core", "serde", "thiserror"]);
+    assert_eq!(deps, ["kvc-core", "serde", "smallvec", "thiserror"]);
 }

@@ -158,9 +158,9 @@ fn bad_options_fail_with_a_clear_message() {
     assert!(run(&["--knob", "oops"]).contains("KEY=VALUE"));
     assert!(run(&["--time-scale", "0"]).contains("time-scale"));
     assert!(run(&["--local-prefill", "maybe"]).contains("expected on or off"));
-    let too_many = run(&["--topology", "64p256d-hybrid"]);
+    let too_many = run(&["--topology", "1024p3073d-hybrid"]);
     assert!(
-        too_many.contains("320 workers") && too_many.contains("at most 256"),
+        too_many.contains("4097 workers") && too_many.contains("at most 4096"),
         "{too_many}"
     );
     assert!(

@@ -2,7 +2,6 @@
 //! the state's answer to how many sessions are active where.
 
 use super::{RouterState, SessionRoute};
-use crate::view::MAX_WORKERS;
 use kvc_core::{SessionId, WorkerId};
 use std::collections::BTreeMap;
 
@@ -108,7 +107,7 @@ impl RouterState {
         now_ms: u64,
         window_ms: u64,
         exclude: Option<SessionId>,
-        out: &mut [u32; MAX_WORKERS],
+        out: &mut [u32],
     ) {
         let from = now_ms.saturating_sub(window_ms);
         let a = &self.activity;
@@ -116,41 +115,43 @@ impl RouterState {
             self.scan_active(from, exclude, out);
             return;
         }
-        out[..a.per_worker.len()].copy_from_slice(&a.per_worker);
+        let n = a.per_worker.len().min(out.len());
+        out[..n].copy_from_slice(&a.per_worker[..n]);
         if from >= a.watermark {
             // Sessions routed in [watermark, from) went quiet since the latest applied decision.
             for (&(_, slot), &n) in a.entries.range((a.watermark, 0)..(from, 0)) {
-                out[slot as usize] -= n;
+                if let Some(x) = out.get_mut(slot as usize) {
+                    *x -= n;
+                }
             }
         } else {
             // A decision dated before the latest applied one: sessions routed in
             // [from, watermark) are still active for it.
             for (&(_, slot), &n) in a.entries.range((from, 0)..(a.watermark, 0)) {
-                out[slot as usize] += n;
+                if let Some(x) = out.get_mut(slot as usize) {
+                    *x += n;
+                }
             }
         }
         if let Some((t, d)) = exclude
             .and_then(|s| self.sessions.get(&s))
             .and_then(SessionRoute::activity_key)
             && t >= from
+            && let Some(x) = out.get_mut(d.0 as usize)
         {
-            out[d.0 as usize] -= 1;
+            *x -= 1;
         }
     }
 
     /// [`RouterState::active_sessions`] from scratch, over every session.
-    pub(crate) fn scan_active(
-        &self,
-        from: u64,
-        exclude: Option<SessionId>,
-        out: &mut [u32; MAX_WORKERS],
-    ) {
+    pub(crate) fn scan_active(&self, from: u64, exclude: Option<SessionId>, out: &mut [u32]) {
         for (id, r) in &self.sessions {
             if Some(*id) != exclude
                 && let Some((t, d)) = r.activity_key()
                 && t >= from
+                && let Some(x) = out.get_mut(d.0 as usize)
             {
-                out[d.0 as usize] += 1;
+                *x += 1;
             }
         }
     }

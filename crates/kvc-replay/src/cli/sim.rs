@@ -55,7 +55,7 @@ pub(crate) struct RunArgs {
     /// Cluster shape: NpMd (prefill + decode workers, e.g. 1p3d), NpMd-hybrid (the same, with
     /// prefill workers that may also host sessions, e.g. 2p6d-hybrid), Ndp (colocated, e.g.
     /// 4dp) or Nx (all-capable: every worker prefills for others, decodes and serves turns
-    /// alone, e.g. 4x); at most 256 workers in all (the routing policies' limit).
+    /// alone, e.g. 4x); at most 4,096 workers in all (the routing policies' limit).
     #[arg(long, default_value = "1p3d")]
     pub(crate) topology: Topology,
     /// Whether the engines serve turns alone (local prefill), on or off, as vLLM instances of

@@ -169,13 +169,16 @@ mod tests {
         assert!(err.contains("concurrency"), "{err}");
         // A fleet past the policies' worker limit is refused before any request runs, with
         // the limit named (it used to run with every request rejected).
-        let cfg = SimConfig::new("64p256d-hybrid".parse().unwrap(), PolicyConfig::default());
+        let cfg = SimConfig::new(
+            "1024p3073d-hybrid".parse().unwrap(),
+            PolicyConfig::default(),
+        );
         let err = cfg.validate().unwrap_err().to_string();
         assert!(
-            err.contains("320 workers") && err.contains("at most 256"),
+            err.contains("4097 workers") && err.contains("at most 4096"),
             "{err}"
         );
-        let at_limit = SimConfig::new("64p192d".parse().unwrap(), PolicyConfig::default());
+        let at_limit = SimConfig::new("1024p3072d".parse().unwrap(), PolicyConfig::default());
         assert!(at_limit.validate().is_ok());
     }
 

@@ -402,8 +402,12 @@ fn rejects_bad_configs() {
         Err(ConfigError::Invalid(_))
     ));
     let range =
-        "[[workers]]\nid = 999\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/x\"\n";
-    assert!(error_of(range).contains("out of range"));
+        "[[workers]]\nid = 4096\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/x\"\n";
+    assert!(
+        error_of(range).contains("worker id 4096 out of range (ids must be below 4096)"),
+        "{}",
+        error_of(range)
+    );
     let capacity = format!("{}snapshot = \"/x\"\n", base.replace("10", "0"));
     assert!(error_of(&capacity).contains("worker 1 capacity-tokens must be positive"));
     // Left out: only where vLLM's /metrics reports the pool.

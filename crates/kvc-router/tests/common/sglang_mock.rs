@@ -126,7 +126,8 @@ async fn mock_health(State(m): State<Arc<Mock>>) -> StatusCode {
     }
 }
 
-async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
+/// A [`Mock`] named `name` (answering), serving on a fresh loopback port.
+pub async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
     let mock = Arc::new(Mock {
         name: name.to_owned(),
         received: Mutex::new(Vec::new()),
