@@ -140,6 +140,12 @@ pub struct RouterService {
 /// back for longer.
 pub const KV_EVENTS_CATCH_UP_MS: u64 = 10_000;
 
+/// Expired sessions a decision forgets at most (the background tick forgets the rest).
+pub const EXPIRE_PER_DECISION: usize = 64;
+
+/// Expired sessions forgotten per hold of the state's lock by the background tick.
+pub const EXPIRE_CHUNK: usize = 4_096;
+
 impl std::fmt::Debug for RouterService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RouterService")
@@ -472,13 +478,22 @@ impl RouterService {
             .is_some_and(|e| e.http_down.load(Ordering::Relaxed))
     }
 
-    /// Drops sessions idle longer than the TTL (also done on every `Route`).
+    /// Drops sessions idle longer than the TTL, [`EXPIRE_CHUNK`] at a time with the lock
+    /// released in between, so decisions go on while many expire (every `Route` also drops a
+    /// few, and a session whose turn comes is checked itself).
     pub fn expire_sessions(&self) {
         let now = self.now_ms();
-        let mut core = self.core.lock();
-        let core = &mut *core;
-        core.sessions.expire(now, &mut core.forgotten);
-        self.forget(core);
+        loop {
+            let mut core = self.core.lock();
+            let core = &mut *core;
+            let more = core
+                .sessions
+                .expire_some(now, EXPIRE_CHUNK, &mut core.forgotten);
+            self.forget(core);
+            if !more {
+                return;
+            }
+        }
     }
 
     fn forget(&self, core: &mut Core) {

@@ -73,11 +73,47 @@ impl SessionTable {
     /// Removes the sessions not seen for more than the TTL at `now_ms`, pushing them onto
     /// `forgotten`.
     pub fn expire(&mut self, now_ms: u64, forgotten: &mut Vec<(SessionId, Forgotten)>) {
-        while let Some(&(seen, session)) = self.by_age.first() {
-            if now_ms.saturating_sub(seen) <= self.ttl_ms {
-                break;
+        while self.expire_some(now_ms, usize::MAX, forgotten) {}
+    }
+
+    /// Removes at most `limit` of the sessions not seen for more than the TTL at `now_ms`,
+    /// oldest first, pushing them onto `forgotten`; `true` when more remain to expire. The
+    /// router expires a few on every decision and the rest in chunks from its background tick,
+    /// so a million sessions going idle together never stall one decision.
+    pub fn expire_some(
+        &mut self,
+        now_ms: u64,
+        limit: usize,
+        forgotten: &mut Vec<(SessionId, Forgotten)>,
+    ) -> bool {
+        for _ in 0..limit {
+            match self.by_age.first() {
+                Some(&(seen, session)) if now_ms.saturating_sub(seen) > self.ttl_ms => {
+                    self.by_age.pop_first();
+                    self.last_seen.remove(&session);
+                    forgotten.push((session, Forgotten::Expired));
+                }
+                _ => return false,
             }
-            self.by_age.pop_first();
+        }
+        self.by_age
+            .first()
+            .is_some_and(|&(seen, _)| now_ms.saturating_sub(seen) > self.ttl_ms)
+    }
+
+    /// Removes `session` if it was not seen for more than the TTL at `now_ms` (pushing it onto
+    /// `forgotten`): a session whose turn arrives before its expiry was swept is still
+    /// forgotten first, and routed as a new one.
+    pub fn expire_if_stale(
+        &mut self,
+        session: SessionId,
+        now_ms: u64,
+        forgotten: &mut Vec<(SessionId, Forgotten)>,
+    ) {
+        if let Some(&seen) = self.last_seen.get(&session)
+            && now_ms.saturating_sub(seen) > self.ttl_ms
+        {
+            self.by_age.remove(&(seen, session));
             self.last_seen.remove(&session);
             forgotten.push((session, Forgotten::Expired));
         }
@@ -144,5 +180,47 @@ mod tests {
         t.expire(1_000, &mut gone);
         assert_eq!(gone.len(), 2);
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn expiry_in_chunks_forgets_each_session_once_oldest_first() {
+        let mut t = SessionTable::new(20_000, 100);
+        let mut gone = Vec::new();
+        for i in 0..10_000u64 {
+            t.touch(SessionId(i), i / 10, &mut gone);
+        }
+        t.touch(SessionId(99_999), 2_000, &mut gone);
+        assert!(gone.is_empty());
+        // At 2,000 every session but the last is past the TTL.
+        assert!(t.expire_some(2_000, 64, &mut gone));
+        assert_eq!(gone.len(), 64);
+        assert_eq!(gone[0], (SessionId(0), Forgotten::Expired));
+        assert_eq!(t.len(), 10_001 - 64);
+        let mut chunks = 1;
+        while t.expire_some(2_000, 4_096, &mut gone) {
+            chunks += 1;
+        }
+        assert_eq!(chunks, 3, "64, then 4,096, 4,096 and the last 1,744");
+        let ids: Vec<u64> = gone.iter().map(|(s, _)| s.0).collect();
+        assert_eq!(ids, (0..10_000).collect::<Vec<_>>());
+        assert_eq!(t.len(), 1);
+        assert!(!t.expire_some(2_000, 1, &mut gone));
+        assert_eq!(t.last_seen(SessionId(99_999)), Some(2_000));
+    }
+
+    #[test]
+    fn a_stale_session_is_expired_before_its_next_touch() {
+        let mut t = SessionTable::new(10, 100);
+        let mut gone = Vec::new();
+        t.touch(SessionId(1), 0, &mut gone);
+        t.touch(SessionId(2), 90, &mut gone);
+        t.expire_if_stale(SessionId(1), 100, &mut gone);
+        assert!(gone.is_empty(), "idle exactly the TTL is not stale");
+        t.expire_if_stale(SessionId(1), 101, &mut gone);
+        t.expire_if_stale(SessionId(2), 101, &mut gone);
+        t.expire_if_stale(SessionId(3), 101, &mut gone);
+        assert_eq!(gone, [(SessionId(1), Forgotten::Expired)]);
+        assert_eq!(t.len(), 1);
+        assert_eq!(t.by_age.len(), 1);
     }
 }

@@ -2,7 +2,9 @@
 //! direct-to-D with its re-route through P, and the bounded table of decisions awaiting their
 //! outcome.
 
-use super::{Core, Pending, RouterDecision, RouterService, feedback::probe_entry};
+use super::{
+    Core, EXPIRE_PER_DECISION, Pending, RouterDecision, RouterService, feedback::probe_entry,
+};
 use crate::error::RequestError;
 use kvc_core::{ExecutionMode, Outcome, SessionId, WorkerId};
 use kvc_policy::{
@@ -119,8 +121,11 @@ impl RouterService {
 
         let mut core = self.core.lock();
         let core = &mut *core;
-        core.sessions.expire(now, &mut core.forgotten);
+        // A few of the expired sessions per decision, the rest from the background tick.
+        core.sessions
+            .expire_some(now, EXPIRE_PER_DECISION, &mut core.forgotten);
         if let Some(s) = session {
+            core.sessions.expire_if_stale(s, now, &mut core.forgotten);
             core.sessions.touch(s, now, &mut core.forgotten);
         }
         self.forget(core);
