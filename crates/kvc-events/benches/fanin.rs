@@ -20,7 +20,10 @@
 //! speaks (its subscriber's handshake times out, again and again), and a port that refuses
 //! from the start. The `dead` run's healthy engines are those of a `base` run of the same
 //! size; the ratio of their per-core rates (medians of three alternating pairs of runs) is
-//! `ingest_with_dead_engines_ratio`.
+//! `ingest_with_dead_engines_ratio`, measured while every backoff is still short (publishing
+//! starts once the healthy engines are connected). `ingest_with_dead_engines_settled_ratio`
+//! is the same with publishing 20 s later, the dead engines' subscribers retrying at their
+//! longest backoff, as they are once an engine has been dead a while.
 //!
 //! Figures are printed and, for `cargo xtask bench`, written as JSON to the file named by
 //! `KVC_BENCH_OUT`. `KVC_FANIN_QUICK=1` publishes a quarter of the batches.
@@ -43,6 +46,9 @@ const BLOCKS: u32 = 16;
 const TOPIC: &str = "kv@bench";
 /// The longest any phase of a run may take.
 const PHASE_LIMIT: Duration = Duration::from_secs(240);
+/// How long the `settled` runs wait between connecting and publishing: the dead engines'
+/// subscribers are then at their longest backoff (5 s, reached after about 18 s).
+const SETTLE: Duration = Duration::from_secs(20);
 /// Alternating base and dead runs whose medians the dead-engine ratio compares.
 const PAIRS: usize = 3;
 /// `USER_HZ`, the unit of `/proc/self/stat`'s CPU times (100 on every Linux target).
@@ -336,7 +342,13 @@ async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn run(rt: &tokio::runtime::Runtime, name: &str, plan: Plan, messages: usize) -> Outcome {
+fn run(
+    rt: &tokio::runtime::Runtime,
+    name: &str,
+    plan: Plan,
+    messages: usize,
+    settle: Duration,
+) -> Outcome {
     let mut engines = Engines::start(plan, messages);
     let index: SharedIndex = Arc::new(parking_lot::RwLock::new(KvIndex::new()));
     let cancel = CancellationToken::new();
@@ -375,6 +387,7 @@ fn run(rt: &tokio::runtime::Runtime, name: &str, plan: Plan, messages: usize) ->
     let tasks_per_subscriber = (metrics.num_alive_tasks() - tasks0) as f64 / n;
 
     let healthy: Vec<_> = subs.iter().filter(|(k, _)| k == "healthy").collect();
+    rt.block_on(tokio::time::sleep(settle));
     let cpu0 = cpu_seconds();
     let t0 = Instant::now();
     engines.say("go");
@@ -438,7 +451,11 @@ fn ingest_main() {
         .expect("messages");
     let name = std::env::var("KVC_FANIN_NAME").unwrap_or_default();
     let rt = one_thread_runtime();
-    let o = run(&rt, &name, plan, messages);
+    let settle = std::env::var("KVC_FANIN_SETTLE_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::ZERO, Duration::from_secs);
+    let o = run(&rt, &name, plan, messages, settle);
     println!(
         "outcome {} {} {} {} {} {} {} {}",
         o.connect_all_s,
@@ -453,12 +470,13 @@ fn ingest_main() {
 }
 
 /// Runs one ingest process and reads its outcome.
-fn measure(name: &str, plan: Plan, messages: usize) -> Outcome {
+fn measure(name: &str, plan: Plan, messages: usize, settle: Duration) -> Outcome {
     let out = Command::new(std::env::current_exe().expect("current_exe"))
         .env("KVC_FANIN_ROLE", "ingest")
         .env("KVC_FANIN_NAME", name)
         .env("KVC_FANIN_PLAN", plan.to_env())
         .env("KVC_FANIN_MESSAGES", messages.to_string())
+        .env("KVC_FANIN_SETTLE_S", settle.as_secs().to_string())
         .stderr(Stdio::inherit())
         .output()
         .expect("run the ingest");
@@ -514,7 +532,7 @@ fn main() {
     };
     let mut figures = Vec::new();
     for (n, messages) in [(64, 1600), (512, 200), (4096, 25)] {
-        let o = measure(&format!("{n}"), healthy(n), scale(messages));
+        let o = measure(&format!("{n}"), healthy(n), scale(messages), Duration::ZERO);
         figures.push((format!("ingest_blocks_per_s_{n}_engines"), o.per_core()));
         figures.push((
             format!("ingest_wall_blocks_per_s_{n}_engines"),
@@ -538,10 +556,17 @@ fn main() {
     };
     let messages = scale(25);
     // Alternating pairs, medians: the machine's other load moves between runs.
-    let (mut base, mut dead) = (Vec::new(), Vec::new());
+    let (mut base, mut dead, mut settled) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..PAIRS {
-        base.push(measure("base", healthy(unhealthy.healthy), messages));
-        dead.push(measure("dead", unhealthy, messages));
+        let at_once = Duration::ZERO;
+        base.push(measure(
+            "base",
+            healthy(unhealthy.healthy),
+            messages,
+            at_once,
+        ));
+        dead.push(measure("dead", unhealthy, messages, at_once));
+        settled.push(measure("settled", unhealthy, messages, SETTLE));
     }
     let median = |runs: &[Outcome], f: fn(&Outcome) -> f64| {
         let mut v: Vec<f64> = runs.iter().map(f).collect();
@@ -555,6 +580,10 @@ fn main() {
     figures.push((
         "ingest_wall_with_dead_engines_ratio".into(),
         median(&dead, Outcome::per_wall_s) / median(&base, Outcome::per_wall_s),
+    ));
+    figures.push((
+        "ingest_with_dead_engines_settled_ratio".into(),
+        median(&settled, Outcome::per_core) / median(&base, Outcome::per_core),
     ));
     figures.push((
         "connect_all_with_dead_engines_s".into(),
