@@ -205,7 +205,7 @@ fn events_index(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
 }
 
 /// Keys `kvc-events`' fan-in harness (`benches/fanin.rs`) writes into `KVC_BENCH_OUT`.
-const EVENTS_FANIN_KEYS: [&str; 18] = [
+const EVENTS_FANIN_KEYS: [&str; 19] = [
     "ingest_blocks_per_s_64_engines",
     "ingest_blocks_per_s_512_engines",
     "ingest_blocks_per_s_4096_engines",
@@ -223,6 +223,7 @@ const EVENTS_FANIN_KEYS: [&str; 18] = [
     "connect_all_with_dead_engines_s",
     "ingest_with_dead_engines_ratio",
     "ingest_with_dead_engines_settled_ratio",
+    "dead_engine_retry_cpu_us_per_s",
     "ingest_wall_with_dead_engines_ratio",
 ];
 

@@ -88,6 +88,9 @@ COMMANDS:
                  events.ingest_with_dead_engines_settled_ratio
                      the per-core ratio again, publishing 20 s after connecting (the dead
                      engines' subscribers then retry at their longest backoff)
+                 events.dead_engine_retry_cpu_us_per_s
+                     CPU µs per second the ingest spends on each unhealthy engine (its
+                     subscriber's retries), averaged over the 20 s before that publishing
                  router.route_rps, router.noop_rps, router.route_vs_noop
                      Route (policy kvc, 4,096 sessions) and no-op (Ping) requests/s on
                      loopback at 32 concurrent streams against the same server, in one

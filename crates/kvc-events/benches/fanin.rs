@@ -23,7 +23,9 @@
 //! `ingest_with_dead_engines_ratio`, measured while every backoff is still short (publishing
 //! starts once the healthy engines are connected). `ingest_with_dead_engines_settled_ratio`
 //! is the same with publishing 20 s later, the dead engines' subscribers retrying at their
-//! longest backoff, as they are once an engine has been dead a while.
+//! longest backoff, as they are once an engine has been dead a while; the CPU the ingest
+//! spends during those 20 s, per unhealthy engine and second, is
+//! `dead_engine_retry_cpu_us_per_s` (their retries: nothing else runs then).
 //!
 //! Figures are printed and, for `cargo xtask bench`, written as JSON to the file named by
 //! `KVC_BENCH_OUT`. `KVC_FANIN_QUICK=1` publishes a quarter of the batches.
@@ -231,6 +233,8 @@ struct Outcome {
     cpu_s: f64,
     wall_s: f64,
     replays: u64,
+    /// CPU time spent while waiting `settle` (nothing published), s.
+    idle_cpu_s: f64,
 }
 
 impl Outcome {
@@ -387,8 +391,10 @@ fn run(
     let tasks_per_subscriber = (metrics.num_alive_tasks() - tasks0) as f64 / n;
 
     let healthy: Vec<_> = subs.iter().filter(|(k, _)| k == "healthy").collect();
-    rt.block_on(tokio::time::sleep(settle));
+    let idle0 = cpu_seconds();
+    rt.block_on(async { tokio::time::sleep(settle).await });
     let cpu0 = cpu_seconds();
+    let idle_cpu_s = cpu0 - idle0;
     let t0 = Instant::now();
     engines.say("go");
     let last = messages as u64 - 1;
@@ -421,6 +427,7 @@ fn run(
         cpu_s,
         wall_s,
         replays,
+        idle_cpu_s,
     };
     eprintln!(
         "{name:>12}: {} engines ({} healthy): connect all {:.2} s, {:.0} B, {:.2} fds, {:.2} tasks per subscriber; \
@@ -457,7 +464,7 @@ fn ingest_main() {
         .map_or(Duration::ZERO, Duration::from_secs);
     let o = run(&rt, &name, plan, messages, settle);
     println!(
-        "outcome {} {} {} {} {} {} {} {}",
+        "outcome {} {} {} {} {} {} {} {} {}",
         o.connect_all_s,
         o.bytes_per_subscriber,
         o.fds_per_subscriber,
@@ -465,7 +472,8 @@ fn ingest_main() {
         o.block_events,
         o.cpu_s,
         o.wall_s,
-        o.replays
+        o.replays,
+        o.idle_cpu_s
     );
 }
 
@@ -496,6 +504,7 @@ fn measure(name: &str, plan: Plan, messages: usize, settle: Duration) -> Outcome
         cpu_s: f[5],
         wall_s: f[6],
         replays: f[7] as u64,
+        idle_cpu_s: f[8],
     }
 }
 
@@ -584,6 +593,13 @@ fn main() {
     figures.push((
         "ingest_with_dead_engines_settled_ratio".into(),
         median(&settled, Outcome::per_core) / median(&base, Outcome::per_core),
+    ));
+    // What the unhealthy engines' subscribers cost while nothing is published: their
+    // retries, per engine, averaged over the first 20 s after starting.
+    let unhealthy_n = (unhealthy.total() - unhealthy.healthy) as f64;
+    figures.push((
+        "dead_engine_retry_cpu_us_per_s".into(),
+        median(&settled, |o| o.idle_cpu_s) / SETTLE.as_secs_f64() / unhealthy_n * 1e6,
     ));
     figures.push((
         "connect_all_with_dead_engines_s".into(),
