@@ -222,6 +222,51 @@ fn events_index(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
         .as_f64()
         .ok_or_else(|| format!("{}: no bytes_per_block", extra.display()))?;
     figures.insert("events.bytes_per_block".into(), bytes);
+    events_fanin(ctx, figures)
+}
+
+/// Keys `kvc-events`' fan-in harness (`benches/fanin.rs`) writes into `KVC_BENCH_OUT`.
+const EVENTS_FANIN_KEYS: [&str; 19] = [
+    "ingest_blocks_per_s_64_engines",
+    "ingest_blocks_per_s_512_engines",
+    "ingest_blocks_per_s_4096_engines",
+    "ingest_wall_blocks_per_s_64_engines",
+    "ingest_wall_blocks_per_s_512_engines",
+    "ingest_wall_blocks_per_s_4096_engines",
+    "subscriber_bytes_64",
+    "subscriber_bytes_512",
+    "subscriber_bytes_4096",
+    "subscriber_fds_4096",
+    "subscriber_tasks_4096",
+    "connect_all_64_s",
+    "connect_all_512_s",
+    "connect_all_4096_s",
+    "connect_all_with_dead_engines_s",
+    "ingest_with_dead_engines_ratio",
+    "ingest_with_dead_engines_settled_ratio",
+    "dead_engine_retry_cpu_us_per_s",
+    "ingest_wall_with_dead_engines_ratio",
+];
+
+/// kvc-events' subscribers at fan-in (64, 512 and 4,096 engines on loopback, and 4,096
+/// with a tenth of them stalled, dead, silent or refusing): a bounded harness, not criterion.
+fn events_fanin(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
+    let extra = ctx.out.join("events_fanin.json");
+    let _ = std::fs::remove_file(&extra);
+    let mut cmd = ctx.cargo();
+    cmd.args(["bench", "--locked", "-p", "kvc-events", "--bench", "fanin"])
+        .env("KVC_BENCH_OUT", &extra);
+    if ctx.quick {
+        cmd.env("KVC_FANIN_QUICK", "1");
+    }
+    run("kvc-events fan-in", &mut cmd)?;
+    let r = read_json(&extra)?;
+    for key in EVENTS_FANIN_KEYS {
+        let v = r[key]
+            .as_f64()
+            .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
+        figures.insert(format!("events.{key}"), v);
+    }
     Ok(())
 }
 

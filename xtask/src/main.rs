@@ -72,6 +72,36 @@ COMMANDS:
                  events.bytes_per_block
                      bytes the index has allocated per indexed block, 8 workers filled to a
                      10,000-block pool with distinct blocks
+                 events.ingest_blocks_per_s_64_engines, events.ingest_blocks_per_s_512_engines,
+                 events.ingest_blocks_per_s_4096_engines
+                     block events (16 stored + 16 removed per vLLM-format batch) one ingest
+                     applies per second of its own CPU time (one tokio worker thread), N
+                     engines publishing on loopback from another process, one subscriber each
+                 events.ingest_wall_blocks_per_s_64_engines,
+                 events.ingest_wall_blocks_per_s_512_engines,
+                 events.ingest_wall_blocks_per_s_4096_engines
+                     the same per second of wall time (bounded by the engines' process too)
+                 events.subscriber_bytes_64, events.subscriber_bytes_512,
+                 events.subscriber_bytes_4096, events.subscriber_fds_4096,
+                 events.subscriber_tasks_4096
+                     resident bytes, open descriptors and tokio tasks the ingest process
+                     gains per subscriber, all connected and caught up
+                 events.connect_all_64_s, events.connect_all_512_s, events.connect_all_4096_s
+                     seconds from starting N subscribers until all are connected and their
+                     catch-up replay has ended
+                 events.ingest_with_dead_engines_ratio, events.ingest_wall_with_dead_engines_ratio,
+                 events.connect_all_with_dead_engines_s
+                     4,096 engines of which a tenth are stalled, killed, accept-and-silent or
+                     refusing, publishing as soon as the healthy ones are connected: the
+                     healthy ones' per-core (and wall) ingest rate over that of the healthy
+                     ones alone (medians of 3 runs each; target >= 0.9), and their connect-all
+                     time
+                 events.ingest_with_dead_engines_settled_ratio
+                     the per-core ratio again, publishing 20 s after connecting (the dead
+                     engines' subscribers then retry at their longest backoff)
+                 events.dead_engine_retry_cpu_us_per_s
+                     CPU µs per second the ingest spends on each unhealthy engine (its
+                     subscriber's retries), averaged over the 20 s before that publishing
                  router.route_rps, router.noop_rps, router.route_vs_noop
                      Route (policy kvc, 4,096 sessions) and no-op (Ping) requests/s on
                      loopback at 32 concurrent streams against the same server, in one

@@ -17,8 +17,8 @@
 //! - [`seq`]: [`SeqTracker`], what to do with each sequence number (apply, ignore, replay,
 //!   reset).
 //! - [`frames`]: the ZeroMQ framing of live messages, replay requests and replies.
-//! - [`subscriber`]: one tokio task per worker (SUB + replay DEALER) writing the shared index;
-//!   counters in [`WorkerStats`].
+//! - [`subscriber`]: one tokio task per worker (a SUB socket, and a replay DEALER while a
+//!   replay runs) writing the shared index; counters in [`WorkerStats`].
 //! - [`publisher`]: PUB + replay ROUTER with a ring buffer, as an engine publishes.
 //!
 //! ## Use

@@ -9,9 +9,14 @@
 //! ([`WorkerStats`]' `synced` says when that catch-up has ended). Each message goes through
 //! the worker's [`SeqTracker`]: the next one is decoded and applied to the shared index; a gap
 //! (or a first message above 0) sends `["", start_seq]` on a DEALER to the `kv-events-replay`
-//! endpoint and applies the replies up to the end marker while live messages are held; a lost
-//! history (no replay endpoint, a replay that starts too late, fails or times out, a publisher
-//! restart) resets the worker's index first.
+//! endpoint (connected for that replay only, closed when it ends) and applies the replies up
+//! to the end marker while live messages are held; a lost history (no replay endpoint, a
+//! replay that starts too late, fails or times out, a publisher restart) resets the worker's
+//! index first.
+//!
+//! Per worker, between replays: this task, the SUB socket's own reconnect task and one
+//! descriptor (`benches/fanin.rs` measures about 12 KB of resident memory per subscriber at
+//! 4,096 engines). The index is write-locked once per message, for its events only.
 //!
 //! Nothing stops the task but its [`CancellationToken`]: an unreachable endpoint or a dropped
 //! connection is retried with bounded exponential backoff; malformed frames, undecodable
