@@ -129,6 +129,12 @@ async fn a_fleet_of_4096_workers_routes_over_grpc_and_http() {
     assert_eq!(r.headers["x-kvc-mode"], "direct-to-d");
     assert_eq!(r.headers["x-kvc-decode-worker"], ROOMY.to_string());
     s.settle().await;
+    let m = s.cluster.service().metrics();
+    println!(
+        "4,096 workers: decision p50 {:?}, p99 {:?}",
+        m.decision_latency(0.5),
+        m.decision_latency(0.99)
+    );
     // P0 once, the roomy decode worker twice, all through the one mock.
     assert_eq!(mock.received.lock().len(), 3);
     assert_eq!(
