@@ -184,7 +184,11 @@ impl Engine {
         let reserve = self.profile.fit.pressure.decode_reserve_tokens;
         let share = (reserve as f64 * wk.token_ratio).ceil() as u64;
         let headroom = reserve + share.min(reserve) * running;
-        (alloc + headroom).min(wk.capacity)
+        // The request never needs room past the pool beside the KV it already holds there:
+        // its output stops at the context limit, so its reserve is cut to what the pool has
+        // left (a session whose context nearly fills the pool is admitted alone on it).
+        let own = wk.residents.get(&requester).map_or(0, |r| r.tokens);
+        (alloc + headroom).min(wk.capacity.saturating_sub(own).max(alloc))
     }
 
     /// Why job `id` fails now at `stage`, waiting on `worker` for `need` tokens of room:
