@@ -7,7 +7,7 @@ use crate::error::PolicyError;
 use crate::fallthrough::{TurnClass, classify_with, is_first_turn};
 use crate::footprint::footprint_tokens;
 use crate::index::{BlockView, WorkerSet};
-use crate::state::{Residency, RouterState, SessionRoute};
+use crate::state::{RouterState, SessionRoute};
 use crate::view::{ClusterView, MAX_WORKERS, RouteRequest, WorkerView};
 use crate::{cache_aware, kv_aware_v0, kvc, kvc_v2, round_robin};
 use kvc_core::{
@@ -242,7 +242,9 @@ impl<'a> Ctx<'a> {
         }
         let own = self
             .session()
-            .filter(|s| s.current_d == Some(plan.decode) && s.residency == Residency::Resident)
+            .filter(|s| {
+                s.current_d == Some(plan.decode) && s.residency == crate::state::Residency::Resident
+            })
             .map_or(0, |s| s.resident_tokens);
         plan.cached_on_d.max(own)
     }
