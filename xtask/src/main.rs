@@ -127,6 +127,14 @@ COMMANDS:
                  sim.large.requests, sim.large.wall_s, sim.large.peak_rss_mib
                      the ~100,000-request trace (1,170 sessions) on 8p24d: process wall time
                      (load + simulate + write) and peak resident memory
+                 sim.kvc_ts10_2p6d_seeds
+                     generator seeds of the mechanism-error sweep (30: seeds 0-29)
+                 sim.kvc_ts10_2p6d_hybrid_mechanism_errors_max, ..._total,
+                 sim.kvc_ts10_2p6d_mechanism_errors_max, ..._total
+                     kvc at its defaults at time-scale 10 on 2p6d-hybrid and 2p6d, each
+                     seed's own SWE trace: the most mechanism errors of any seed (target 0)
+                     and their sum; each failed request's record in metrics.jsonl says why
+                     (its `failure`)
                  matrix.<topology>.<policy>.ts<N>.<metric>
                      metric: ttft_mean_s ttft_p50_s ttft_p90_s ttft_p99_s latency_mean_s
                      latency_p50_s latency_p90_s latency_p99_s direct_to_d_rate

@@ -53,9 +53,9 @@ mod worker;
 pub use hash_ids::HashIds;
 pub use ids::{BlockHash, BlockSize, RequestId, SessionId, TurnId, WorkerId};
 pub use names::{
-    BreakerState, CommitKind, EngineKind, EvictionMode, ExecutionMode, FallThroughReason,
-    Forgotten, Health, Outcome, PrefillPolicy, ProbeKind, StableName, StateSource, UnknownName,
-    WorkerRole,
+    BreakerState, CommitKind, EngineKind, EvictionMode, ExecutionMode, FailureStage,
+    FallThroughReason, Forgotten, Health, Outcome, PrefillPolicy, ProbeKind, StableName,
+    StateSource, UnknownName, WorkerRole,
 };
 pub use topology::{Topology, TopologyError};
 pub use trace::TraceRecord;

@@ -222,6 +222,30 @@ impl Outcome {
 }
 
 stable_enum! {
+    /// Where a failed request was when it failed: what it was waiting for, on which worker
+    /// (the per-request `failure` of the simulator's records).
+    FailureStage, "failure stage" {
+        /// Waiting in the decode worker's queue for room to preallocate its KV (the
+        /// transfer timeout ran out there).
+        DecodeRoom => "decode-room",
+        /// Room preallocated on D; waiting for room to prefill on its prefill worker.
+        PrefillRoom => "prefill-room",
+        /// Room preallocated on D; still prefilling on P when D gave up on its KV.
+        Prefill => "prefill",
+        /// On the wire from P to D when D gave up on it.
+        Transfer => "transfer",
+        /// Sent over a (P, D) pair whose transfer session P holds for dead.
+        FailedPair => "failed-pair",
+        /// Retracted from its decode worker; waited past the timeout for room to come back.
+        Retracted => "retracted",
+        /// Retracted once more than its worker allows.
+        RetractionLimit => "retraction-limit",
+        /// Retracted on a decode-only worker whose host pool had no room to back its KV up.
+        HostPoolFull => "host-pool-full",
+    }
+}
+
+stable_enum! {
     /// How the prefill worker of a P→D path is chosen (the `prefill` knob of `kvc-policy`'s
     /// policies).
     PrefillPolicy, "prefill policy" {

@@ -82,7 +82,8 @@
 //! });
 //!
 //! // Turn 2 extends the context: its first two full blocks are resident on D, so it goes
-//! // direct-to-D and D needs room only for the uncached append plus the output.
+//! // direct-to-D and D needs room only for what it adds to the session's 1,340 resident
+//! // tokens (the recomputed tail replaces the session's own KV there) plus the output.
 //! let turn2: Vec<BlockHash> = [11, 12, 14, 15].map(BlockHash).to_vec();
 //! let req = RouteRequest::new(RequestId(2), 1_900, 40, &turn2).in_session(session, TurnId(2));
 //! let d2 = route(&config, &state, &ClusterView::new(2_500, &workers), &req)?;
@@ -90,7 +91,7 @@
 //! assert_eq!(d2.decode, d.decode);
 //! assert_eq!(d2.prefill, None);
 //! assert_eq!(d2.cached_tokens, 1_024);
-//! assert_eq!(d2.need_tokens, 1_900 - 1_024 + 40);
+//! assert_eq!(d2.need_tokens, 1_900 - 1_340 + 40);
 //! state.apply(&d2.change);
 //! # Ok::<(), kvc_policy::PolicyError>(())
 //! ```

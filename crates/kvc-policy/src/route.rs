@@ -235,16 +235,50 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// Tokens of the input a plan's worker needs no new room for: what it holds of the
+    /// input, and, for a turn that extends the session's own resident KV in place (direct-to-D,
+    /// or a local turn on the session's D), all of that KV as last reported. The part past the
+    /// reused prefix is the session's own and the append replaces it (the engine frees those
+    /// blocks as it writes the new ones), so it is room for the append, not a cost beside it.
+    /// Without this, a session near the pool's size whose D holds nothing else was refused an
+    /// append that fits, and its only path left, P→D, needed the whole context on both
+    /// workers and timed out (`docs/kvc-policy.md`, "Footprint").
+    fn held_for(&self, plan: &Plan) -> u64 {
+        if plan.cached_on_d == 0 {
+            return 0;
+        }
+        let own = self
+            .session()
+            .filter(|s| {
+                s.current_d == Some(plan.decode) && s.residency == crate::state::Residency::Resident
+            })
+            .map_or(0, |s| s.resident_tokens);
+        plan.cached_on_d.max(own)
+    }
+
     /// Builds the decision and its state change from a plan.
     pub(crate) fn finish(&self, plan: Plan, knobs: Knobs) -> Decision {
         let req = self.req;
+        let held = self.held_for(&plan);
         let need_tokens = footprint_tokens(
             req.input_length,
             req.output_hint,
-            plan.cached_on_d,
+            held,
             self.first_turn(),
             knobs.incremental_footprint,
         );
+        // Output past the pool is never allocated (the engine cuts generation at its context
+        // limit), so no request needs more than the pool beside what it already holds there.
+        let capacity = self.worker_state(plan.decode).capacity_tokens;
+        let need_tokens = if capacity > 0 && knobs.incremental_footprint {
+            need_tokens.min(
+                capacity
+                    .saturating_sub(held)
+                    .max(req.input_length.saturating_sub(held)),
+            )
+        } else {
+            need_tokens
+        };
         let recommended_pause_ms = recommended_pause_ms(
             self.worker_state(plan.decode),
             self.state.oldest_kv_wait_ms(plan.decode, self.now_ms),

@@ -132,16 +132,38 @@ fn cached_tokens_count_only_full_blocks_of_the_input() {
     let t1 = ctx_blocks(3, 0, 6);
     r.serve(&ws, Some((3, 1)), &t1);
     // Same 10 blocks plus a partial one: 10 full blocks reused; an input ending inside block 9
-    // reuses only 9.
+    // reuses only 9. The room it needs is what the input adds to the session's own KV on D
+    // (10 blocks, as the completion reported): the recomputed tail of block 9 replaces KV the
+    // session already holds there.
     let t2 = ctx_blocks(3, 0, 7);
-    for (input, cached) in [(10 * BS + 100, 10 * BS), (9 * BS + 300, 9 * BS)] {
+    for (input, cached, need) in [(10 * BS + 100, 10 * BS, 100), (9 * BS + 300, 9 * BS, 0)] {
         let req = RouteRequest::new(RequestId(50), input, 0, &t2).in_session(sid(3), TurnId(2));
         let d = r.decide(&ws, &req).unwrap();
         assert_eq!(
             (d.mode, d.cached_tokens),
             (ExecutionMode::DirectToD, cached)
         );
-        assert_eq!(d.need_tokens, input - cached);
+        assert_eq!(d.need_tokens, need);
+    }
+}
+
+#[test]
+fn an_append_never_needs_more_than_the_pool_beside_its_own_kv() {
+    // A session of 190 blocks (97,280 tokens) resident on a 100,000-token D: its next turn,
+    // 300 tokens longer with 5,000 tokens of output, needs the 300 tokens and what the pool
+    // has left for output, never the 5,000 (output past the pool is never allocated).
+    let ws = pd(1, 1);
+    for name in ["kvc", "kvc-v2"] {
+        let mut r = Router::named(name, &ws);
+        let t1 = ctx_blocks(5, 0, 186);
+        r.serve(&ws, Some((5, 1)), &t1);
+        let resident = t1.len() as u64 * BS;
+        let t2 = ctx_blocks(5, 0, 187);
+        let input = resident + 300;
+        let req = RouteRequest::new(RequestId(60), input, 5_000, &t2).in_session(sid(5), TurnId(2));
+        let d = r.decide(&ws, &req).unwrap();
+        assert_eq!(d.mode, ExecutionMode::DirectToD, "{name}");
+        assert_eq!(d.need_tokens, CAP - resident, "{name}");
     }
 }
 

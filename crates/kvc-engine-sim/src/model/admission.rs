@@ -4,7 +4,7 @@
 use super::engine::Engine;
 use super::types::{DirectAdmission, Job, LocalAdmission, Micros, Wake, micros};
 use super::worker::{Active, ResidentEntry, Stage};
-use kvc_core::{SessionId, WorkerId};
+use kvc_core::{FailureStage, SessionId, WorkerId};
 
 impl Engine {
     /// Starts a job on the P→D path: prefill on `p`, transfer to `d`.
@@ -362,7 +362,7 @@ impl Engine {
             .get(&(p, d))
             .is_some_and(|until| now < *until)
         {
-            self.abort_p_to_d(id, false, now);
+            self.abort_p_to_d(id, false, FailureStage::FailedPair, now);
             return;
         }
         let secs = self.profile.transfer_seconds(input);

@@ -2,10 +2,10 @@
 //! commit-evict, and the prefix-cache reservations of prefills.
 
 use super::engine::Engine;
-use super::types::{Event, Micros, Wake, micros};
+use super::types::{Event, Failure, Micros, Wake, micros};
 use super::worker::Stage;
 use kvc_admission::{Resident, ResidentState, plan_eviction};
-use kvc_core::{SessionId, WorkerId};
+use kvc_core::{FailureStage, SessionId, WorkerId};
 use std::cmp::Reverse;
 
 impl Engine {
@@ -158,6 +158,18 @@ impl Engine {
         now: Micros,
         hot: bool,
     ) -> bool {
+        let need = self.admit_need(w, alloc, (requester, others));
+        self.make_room_tiers(w, need, Some(requester), now, hot)
+    }
+
+    /// The free room [`Self::make_room_admit`] asks of worker `w` for a request that
+    /// allocates `alloc` tokens now: `alloc` plus the decode reserve.
+    pub(super) fn admit_need(
+        &self,
+        w: WorkerId,
+        alloc: u64,
+        (requester, others): (SessionId, bool),
+    ) -> u64 {
         let wk = &self.workers[w.0 as usize];
         let running = if others {
             wk.residents
@@ -172,8 +184,39 @@ impl Engine {
         let reserve = self.profile.fit.pressure.decode_reserve_tokens;
         let share = (reserve as f64 * wk.token_ratio).ceil() as u64;
         let headroom = reserve + share.min(reserve) * running;
-        let need = (alloc + headroom).min(wk.capacity);
-        self.make_room_tiers(w, need, Some(requester), now, hot)
+        // The request never needs room past the pool beside the KV it already holds there:
+        // its output stops at the context limit, so its reserve is cut to what the pool has
+        // left (a session whose context nearly fills the pool is admitted alone on it).
+        let own = wk.residents.get(&requester).map_or(0, |r| r.tokens);
+        (alloc + headroom).min(wk.capacity.saturating_sub(own).max(alloc))
+    }
+
+    /// Why job `id` fails now at `stage`, waiting on `worker` for `need` tokens of room:
+    /// that worker's pool and queue as they are (call it before the job leaves them).
+    pub(super) fn failure(
+        &self,
+        id: usize,
+        stage: FailureStage,
+        worker: WorkerId,
+        need: u64,
+        now: Micros,
+    ) -> Failure {
+        let wk = &self.workers[worker.0 as usize];
+        let timeout = micros(self.profile.fit.transfer_timeout_s);
+        let since = match stage {
+            FailureStage::RetractionLimit | FailureStage::HostPoolFull => now,
+            _ => self.jobs[&id].deadline.saturating_sub(timeout).min(now),
+        };
+        let queued = wk.waiting.len() + usize::from(!wk.waiting.contains(&id));
+        Failure {
+            stage,
+            worker,
+            need_tokens: need,
+            free_tokens: self.pool_free(worker),
+            evictable_tokens: wk.idle_tokens + wk.cache.evictable() as u64 * self.block_tokens(),
+            queue_depth: u32::try_from(queued).unwrap_or(u32::MAX),
+            since,
+        }
     }
 
     /// Takes job `id`'s KV off its decode worker for want of room. The job waits at the head
@@ -216,17 +259,29 @@ impl Engine {
         if !fail {
             a.backup = backup;
         }
+        let failure = fail.then(|| {
+            let stage = if recompute {
+                FailureStage::RetractionLimit
+            } else {
+                FailureStage::HostPoolFull
+            };
+            self.failure(id, stage, d, backup, now)
+        });
         let wk = &mut self.workers[d.0 as usize];
         wk.running.retain(|x| *x != id);
         wk.prefill_q.retain(|x| *x != id);
         // The bet on running requests' output was lost: admission is cautious again.
         wk.token_ratio = self.profile.fit.pressure.init_new_token_ratio;
         self.drop_resident(d, session);
-        if fail {
+        if let Some(failure) = failure {
             let p = self.jobs[&id].prefill_on;
             self.release_prefill(id, now);
             self.jobs.remove(&id);
-            self.events.push(Event::DecodeOom { id, at: now });
+            self.events.push(Event::DecodeOom {
+                id,
+                at: now,
+                failure,
+            });
             if p != d {
                 self.retry_waiting(p, now);
             }

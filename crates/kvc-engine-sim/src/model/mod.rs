@@ -48,4 +48,6 @@ mod worker;
 
 pub use engine::Engine;
 pub use profile::Profile;
-pub use types::{DirectAdmission, EngineOptions, Event, Job, LocalAdmission, Micros, Wake, micros};
+pub use types::{
+    DirectAdmission, EngineOptions, Event, Failure, Job, LocalAdmission, Micros, Wake, micros,
+};

@@ -4,7 +4,7 @@
 use super::engine::Engine;
 use super::types::{Event, Micros, Wake, micros};
 use super::worker::{Iteration, Stage};
-use kvc_core::WorkerId;
+use kvc_core::{FailureStage, WorkerId};
 
 impl Engine {
     /// Starts an iteration on `w` if it is idle and has work.
@@ -165,9 +165,23 @@ impl Engine {
     /// ([`PressureFacts::failed_pair_recovery_s`]).
     ///
     /// [`PressureFacts::failed_pair_recovery_s`]: super::profile::PressureFacts
-    pub(super) fn abort_p_to_d(&mut self, id: usize, sending: bool, now: Micros) {
+    pub(super) fn abort_p_to_d(
+        &mut self,
+        id: usize,
+        sending: bool,
+        stage: FailureStage,
+        now: Micros,
+    ) {
         let a = &self.jobs[&id];
         let (p, d, session) = (a.prefill_on, a.decode_on, a.job.session);
+        let failure = match stage {
+            FailureStage::PrefillRoom => {
+                let need = self.prefill_need(id, p);
+                self.failure(id, stage, p, need, now)
+            }
+            FailureStage::Prefill => self.failure(id, stage, p, 0, now),
+            _ => self.failure(id, stage, d, 0, now),
+        };
         let wp = &mut self.workers[p.0 as usize];
         wp.waiting.retain(|x| *x != id);
         wp.prefill_q.retain(|x| *x != id);
@@ -184,9 +198,21 @@ impl Engine {
         if sending && recovery > 0.0 {
             self.failed_pairs.insert((p, d), now + micros(recovery));
         }
-        self.events.push(Event::TransferTimedOut { id, at: now });
+        self.events.push(Event::TransferTimedOut {
+            id,
+            at: now,
+            failure,
+        });
         self.retry_waiting(p, now);
         self.retry_waiting(d, now);
+    }
+
+    /// Tokens of room job `id` waits for on prefill worker `p`: its blocks not in `p`'s
+    /// prefix cache.
+    fn prefill_need(&self, id: usize, p: WorkerId) -> u64 {
+        let hashes = &self.jobs[&id].job.hashes;
+        let matched = self.workers[p.0 as usize].cache.match_len(hashes);
+        (hashes.len() - matched) as u64 * self.block_tokens()
     }
 
     pub(super) fn transfer_timeout(&mut self, id: usize, now: Micros) {
@@ -206,27 +232,44 @@ impl Engine {
             // Preallocated on D, but the KV has not arrived in time: D gives up on it. If P
             // had started on it, P's send goes to a room D no longer holds and fails.
             let sending = matches!(a.stage, Stage::Prefill | Stage::Transfer);
-            self.abort_p_to_d(id, sending, now);
+            let stage = match a.stage {
+                Stage::WaitingPool => FailureStage::PrefillRoom,
+                Stage::Prefill => FailureStage::Prefill,
+                _ => FailureStage::Transfer,
+            };
+            self.abort_p_to_d(id, sending, stage, now);
             return;
         }
         if a.stage == Stage::Retracted {
             // Retracted and never given room back: out of memory as far as the client knows.
-            let (d, backup) = (a.decode_on, a.backup);
+            let (d, backup, session) = (a.decode_on, a.backup, a.job.session);
+            let need = self.admit_need(d, a.job.input + a.generated, (session, true));
+            let failure = self.failure(id, FailureStage::Retracted, d, need, now);
             let wk = &mut self.workers[d.0 as usize];
             wk.waiting.retain(|x| *x != id);
             wk.host_backup -= backup;
             self.jobs.remove(&id);
-            self.events.push(Event::DecodeOom { id, at: now });
+            self.events.push(Event::DecodeOom {
+                id,
+                at: now,
+                failure,
+            });
             self.retry_waiting(d, now);
             return;
         }
         let (p, d, session) = (a.prefill_on, a.decode_on, a.job.session);
         if a.stage == Stage::WaitingPool && p != d && self.workers[p.0 as usize].hosts {
             // Waiting for prefill room on a worker that hosts sessions: D's room goes back.
+            let need = self.prefill_need(id, p);
+            let failure = self.failure(id, FailureStage::PrefillRoom, p, need, now);
             self.workers[p.0 as usize].waiting.retain(|x| *x != id);
             self.drop_resident(d, session);
             self.jobs.remove(&id);
-            self.events.push(Event::TransferTimedOut { id, at: now });
+            self.events.push(Event::TransferTimedOut {
+                id,
+                at: now,
+                failure,
+            });
             self.retry_waiting(p, now);
             self.retry_waiting(d, now);
             return;
@@ -234,12 +277,18 @@ impl Engine {
         if a.stage != Stage::WaitingD {
             return;
         }
+        let need = self.admit_need(d, a.job.input, (session, true));
+        let failure = self.failure(id, FailureStage::DecodeRoom, d, need, now);
         self.workers[d.0 as usize].waiting.retain(|x| *x != id);
         self.release_prefill(id, now);
         // The session's old KV on D (if any) is no longer trusted.
         self.release_session(d, session, now);
         self.jobs.remove(&id);
-        self.events.push(Event::TransferTimedOut { id, at: now });
+        self.events.push(Event::TransferTimedOut {
+            id,
+            at: now,
+            failure,
+        });
         self.retry_waiting(p, now);
         self.retry_waiting(d, now);
     }

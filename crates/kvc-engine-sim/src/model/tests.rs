@@ -240,7 +240,7 @@ fn a_transfer_without_room_times_out() {
     let mut timed_out = None;
     for _ in 0..1_000_000 {
         events.extend(e.take_events());
-        if let Some(Event::TransferTimedOut { id, at }) = events
+        if let Some(Event::TransferTimedOut { id, at, .. }) = events
             .iter()
             .find(|x| matches!(x, Event::TransferTimedOut { .. }))
         {
@@ -557,7 +557,7 @@ fn kv_that_does_not_arrive_in_time_fails_and_breaks_the_pair_on_p() {
     let failed_at = ev
         .iter()
         .find_map(|x| match x {
-            Event::TransferTimedOut { id: 2, at } => Some(*at),
+            Event::TransferTimedOut { id: 2, at, .. } => Some(*at),
             _ => None,
         })
         .expect("the transfer over the dead pair fails");

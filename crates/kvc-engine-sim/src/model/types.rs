@@ -1,7 +1,7 @@
 //! The model's vocabulary: time, jobs, wake-ups, events, options and admission answers.
 
 use kvc_admission::EvictionConfig;
-use kvc_core::{BlockSize, HashIds, SessionId, WorkerId};
+use kvc_core::{BlockSize, FailureStage, HashIds, SessionId, WorkerId};
 
 /// Microseconds of simulated (or real) time.
 pub type Micros = u64;
@@ -63,12 +63,15 @@ pub enum Event {
         /// Prompt tokens served from a cache.
         cached: u64,
     },
-    /// A job's KV transfer timed out waiting for room on D.
+    /// A job's KV transfer timed out: waiting for room on D, for room or compute on P, or
+    /// on the wire (`failure` says which).
     TransferTimedOut {
         /// Job.
         id: usize,
         /// When.
         at: Micros,
+        /// Where it was waiting, and the state of that worker then.
+        failure: Failure,
     },
     /// A request failed for want of KV room on its decode worker: retracted more often than
     /// the profile allows, retracted on a decode-only worker whose host pool had no room for
@@ -78,6 +81,8 @@ pub enum Event {
         id: usize,
         /// When.
         at: Micros,
+        /// Which of those, and the state of the decode worker then.
+        failure: Failure,
     },
     /// A running request's KV was freed for want of room; it waits on its decode worker and
     /// recomputes its context when room returns.
@@ -94,6 +99,28 @@ pub enum Event {
         /// Worker.
         worker: WorkerId,
     },
+}
+
+/// Why a job failed: what it was waiting for, on which worker, and that worker's pool and
+/// queue at the moment it failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failure {
+    /// What the job was waiting for.
+    pub stage: FailureStage,
+    /// The worker it was waiting on (D for room on D, a retraction or the wire; P for room
+    /// or compute on P).
+    pub worker: WorkerId,
+    /// Tokens of room it needed on that worker (0 where it was not waiting for room).
+    pub need_tokens: u64,
+    /// Tokens of that worker's pool that nothing occupied.
+    pub free_tokens: u64,
+    /// Tokens of that worker's pool that idle sessions and unpinned prefix-cache blocks
+    /// held (what eviction could have taken without retracting anyone).
+    pub evictable_tokens: u64,
+    /// Requests waiting in that worker's queue for room, this one included.
+    pub queue_depth: u32,
+    /// When the wait that ran out began (the decision, a retraction, or D's room granted).
+    pub since: Micros,
 }
 
 /// Engine-side eviction behaviour of decode workers.

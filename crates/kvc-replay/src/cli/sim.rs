@@ -33,8 +33,13 @@ Outputs (in --out):
                   scheduled_s, dispatch_s, first_token_s, done_s, ttft_s, latency_s, wait_s,
                   mode, reason, prefill, decode, input_tokens, cached_tokens, uncached_tokens,
                   output_tokens, outcome, and retractions when a decode worker retracted the
-                  request for want of KV room. Times are seconds from the start of the replay;
-                  TTFT and latency count from when the turn was ready.
+                  request for want of KV room. A request that failed in the engine
+                  (kv-transfer-timeout, decode-oom) also has failure{stage, worker, waited_s,
+                  need_tokens, free_tokens, evictable_tokens, queue_depth}: what it waited for
+                  (decode-room, prefill-room, prefill, transfer, failed-pair, retracted,
+                  retraction-limit, host-pool-full), on which worker, for how long, and that
+                  worker's pool and queue when it failed. Times are seconds from the start of
+                  the replay; TTFT and latency count from when the turn was ready.
   summary.json    requests, outcomes{name: count}, mechanism_errors, ttft_s / latency_s / wait_s
                   {mean, p50, p90, p99} over ok requests, direct_to_d_rate,
                   modes{mode: {requests, share, ttft_p50_s, latency_p50_s}}, reasons{reason: count},

@@ -542,6 +542,7 @@ fn build_records(
             output_tokens: r.output_length,
             outcome,
             retractions: 0,
+            failure: None,
         });
     }
     let report = HttpReport {
@@ -579,6 +580,7 @@ fn lost_record(i: usize, r: &crate::trace::TraceRequest) -> RequestRecord {
         output_tokens: r.output_length,
         outcome: Outcome::WorkerFailed,
         retractions: 0,
+        failure: None,
     }
 }
 

@@ -1,7 +1,9 @@
 //! Per-request records (`metrics.jsonl`) and the run summary (`summary.json`).
 
 use kvc_core::stats::{P50, P90, P99, percentile};
-use kvc_core::{ExecutionMode, FallThroughReason, Outcome, SessionId, StableName, TurnId};
+use kvc_core::{
+    ExecutionMode, FailureStage, FallThroughReason, Outcome, SessionId, StableName, TurnId,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -51,6 +53,30 @@ pub struct RequestRecord {
     /// Times its decode worker retracted it for want of KV room (absent when 0).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub retractions: u32,
+    /// Why a request that failed in the engine failed (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<FailureRecord>,
+}
+
+/// Why one request failed: what it was waiting for when its time ran out, on which worker,
+/// and that worker's pool and queue at that moment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailureRecord {
+    /// What it was waiting for (`decode-room`, `prefill-room`, `prefill`, `transfer`,
+    /// `failed-pair`, `retracted`, `retraction-limit`, `host-pool-full`).
+    pub stage: FailureStage,
+    /// The worker it was waiting on.
+    pub worker: String,
+    /// How long that wait lasted (the transfer timeout for a wait that ran out).
+    pub waited_s: f64,
+    /// Tokens of room it needed there (with the decode reserve; 0 when not waiting for room).
+    pub need_tokens: u64,
+    /// Tokens of that worker's pool nothing occupied.
+    pub free_tokens: u64,
+    /// Tokens that idle sessions and unpinned prefix-cache blocks held there.
+    pub evictable_tokens: u64,
+    /// Requests waiting in that worker's queue for room, this one included.
+    pub queue_depth: u32,
 }
 
 fn is_zero(n: &u32) -> bool {

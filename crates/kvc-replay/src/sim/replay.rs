@@ -8,12 +8,12 @@
 
 use super::cluster::{host_names, initial_views, layout_names, worker_layout};
 use super::decider::{Decider, Hooks, LocalPolicy, Routed, Virtual};
-use super::metrics::{RequestRecord, Summary};
+use super::metrics::{FailureRecord, RequestRecord, Summary};
 use super::{Occupancy, SimConfig, SimError, SimOutput, run_config};
 use crate::trace::{Trace, TraceRequest};
 use kvc_core::{Capabilities, ExecutionMode, Outcome, RequestId, SessionId, WorkerId, WorkerRole};
 use kvc_engine_sim::model::{
-    DirectAdmission, Engine, Event, Job, LocalAdmission, Micros, Wake, micros,
+    DirectAdmission, Engine, Event, Failure, Job, LocalAdmission, Micros, Wake, micros,
 };
 use kvc_policy::{ClusterView, Observation, RouteRequest, WorkerView};
 use std::cmp::Reverse;
@@ -44,6 +44,7 @@ struct RequestProgress {
     decision: Option<Routed>,
     cached: u64,
     retractions: u32,
+    failure: Option<Failure>,
 }
 
 /// Occupancy is sampled this often (simulated µs).
@@ -376,11 +377,13 @@ impl Replay<'_> {
                     self.observe_done(id, Outcome::Ok, resident_tokens);
                     self.finish(id, Outcome::Ok);
                 }
-                Event::TransferTimedOut { id, .. } => {
+                Event::TransferTimedOut { id, failure, .. } => {
+                    self.requests[id].failure = Some(failure);
                     self.observe_done(id, Outcome::KvTransferTimeout, 0);
                     self.finish(id, Outcome::KvTransferTimeout);
                 }
-                Event::DecodeOom { id, .. } => {
+                Event::DecodeOom { id, failure, .. } => {
+                    self.requests[id].failure = Some(failure);
                     self.observe_done(id, Outcome::DecodeOom, 0);
                     self.finish(id, Outcome::DecodeOom);
                 }
@@ -450,6 +453,15 @@ impl Replay<'_> {
             output_tokens: r.output_length,
             outcome,
             retractions: st.retractions,
+            failure: st.failure.map(|f| FailureRecord {
+                stage: f.stage,
+                worker: self.names[f.worker.0 as usize].clone(),
+                waited_s: secs(self.now.saturating_sub(f.since)),
+                need_tokens: f.need_tokens,
+                free_tokens: f.free_tokens,
+                evictable_tokens: f.evictable_tokens,
+                queue_depth: f.queue_depth,
+            }),
         });
         self.in_flight -= 1;
         self.completed += 1;
