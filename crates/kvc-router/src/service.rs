@@ -141,10 +141,10 @@ pub struct RouterService {
 pub const KV_EVENTS_CATCH_UP_MS: u64 = 10_000;
 
 /// Expired sessions a decision forgets at most (the background tick forgets the rest).
-pub const EXPIRE_PER_DECISION: usize = 64;
+pub(crate) const EXPIRE_PER_DECISION: usize = 64;
 
 /// Expired sessions forgotten per hold of the state's lock by the background tick.
-pub const EXPIRE_CHUNK: usize = 4_096;
+pub(crate) const EXPIRE_CHUNK: usize = 4_096;
 
 impl std::fmt::Debug for RouterService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -478,7 +478,7 @@ impl RouterService {
             .is_some_and(|e| e.http_down.load(Ordering::Relaxed))
     }
 
-    /// Drops sessions idle longer than the TTL, [`EXPIRE_CHUNK`] at a time with the lock
+    /// Drops sessions idle longer than the TTL, 4,096 at a time with the lock
     /// released in between, so decisions go on while many expire (every `Route` also drops a
     /// few, and a session whose turn comes is checked itself).
     pub fn expire_sessions(&self) {
