@@ -96,7 +96,7 @@ impl CacheAwareConfig {
 fn pick(
     ctx: &Ctx<'_>,
     cfg: &CacheAwareConfig,
-    set: WorkerSet,
+    set: &WorkerSet,
     role: WorkerRole,
     scores: &mut Vec<ScoreEntry>,
 ) -> (WorkerId, u32) {
@@ -152,20 +152,20 @@ pub(crate) fn route(cfg: &CacheAwareConfig, ctx: &Ctx<'_>) -> Result<Decision, P
     ctx.require_d()?;
     let knobs = Knobs::new(cfg.incremental_footprint, cfg.backpressure);
     let mut scores = ctx.score_list();
-    let (d, d_depth) = pick(ctx, cfg, ctx.healthy_d, ctx.d_role(), &mut scores);
+    let (d, d_depth) = pick(ctx, cfg, &ctx.healthy_d, ctx.d_role(), &mut scores);
     if ctx.colocated {
         let cached = ctx.reusable(d_depth, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(d, cached, scores), knobs));
     }
     // A worker never ships KV to itself (an all-capable worker is a candidate on both sides).
-    let mut prefill = ctx.healthy_p;
+    let mut prefill = ctx.healthy_p.clone();
     prefill.remove(d.0 as usize);
     if prefill.is_empty() {
         return Err(PolicyError::NoHealthyWorker {
             role: WorkerRole::Prefill,
         });
     }
-    let (p, p_depth) = pick(ctx, cfg, prefill, WorkerRole::Prefill, &mut scores);
+    let (p, p_depth) = pick(ctx, cfg, &prefill, WorkerRole::Prefill, &mut scores);
     let (mode, reason) = ctx.sessionless_path();
     let cached = ctx.reusable(p_depth, cfg.block_size);
     let plan = Plan::p_to_d((mode, reason), d, (p, cached), scores, None);

@@ -27,33 +27,45 @@ use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-const WORDS: usize = MAX_WORKERS / 64;
+/// A set of worker ids (each below [`MAX_WORKERS`]): a bitset as long as its largest member
+/// needs (inline up to 256 workers), for the sets a decision builds (healthy workers of a role,
+/// candidates), so a small fleet pays for four words and not for the limit's sixty-four. The
+/// index stores its holders in the compact [`Holders`] instead.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct WorkerSet(SmallVec<[u64; 4]>);
 
-/// A set of worker ids (each below [`MAX_WORKERS`]): a fixed bitset, for the sets a decision
-/// builds (healthy workers of a role, candidates). The index stores its holders in the
-/// compact [`Holders`] instead.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct WorkerSet([u64; WORDS]);
-
-impl Default for WorkerSet {
-    fn default() -> Self {
-        WorkerSet::EMPTY
+impl PartialEq for WorkerSet {
+    fn eq(&self, other: &Self) -> bool {
+        let n = self.0.len().max(other.0.len());
+        (0..n).all(|i| self.word(i) == other.word(i))
     }
 }
 
+impl Eq for WorkerSet {}
+
 impl WorkerSet {
-    pub(crate) const EMPTY: WorkerSet = WorkerSet([0; WORDS]);
+    pub(crate) const EMPTY: WorkerSet = WorkerSet(SmallVec::new_const());
+
+    fn word(&self, i: usize) -> u64 {
+        self.0.get(i).copied().unwrap_or(0)
+    }
 
     pub(crate) fn insert(&mut self, slot: usize) {
-        self.0[slot / 64] |= 1 << (slot % 64);
+        let w = slot / 64;
+        if self.0.len() <= w {
+            self.0.resize(w + 1, 0);
+        }
+        self.0[w] |= 1 << (slot % 64);
     }
 
     pub(crate) fn remove(&mut self, slot: usize) {
-        self.0[slot / 64] &= !(1 << (slot % 64));
+        if let Some(w) = self.0.get_mut(slot / 64) {
+            *w &= !(1 << (slot % 64));
+        }
     }
 
     pub(crate) fn contains(&self, slot: usize) -> bool {
-        slot < MAX_WORKERS && self.0[slot / 64] & (1 << (slot % 64)) != 0
+        self.word(slot / 64) & (1 << (slot % 64)) != 0
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -64,10 +76,21 @@ impl WorkerSet {
         self.0.iter().map(|w| w.count_ones() as usize).sum()
     }
 
-    pub(crate) fn and_not(self, other: WorkerSet) -> WorkerSet {
-        let mut out = self;
-        for (a, b) in out.0.iter_mut().zip(other.0) {
-            *a &= !b;
+    pub(crate) fn and(&self, other: &WorkerSet) -> WorkerSet {
+        let n = self.0.len().min(other.0.len());
+        WorkerSet(
+            self.0[..n]
+                .iter()
+                .zip(&other.0[..n])
+                .map(|(a, b)| a & b)
+                .collect(),
+        )
+    }
+
+    pub(crate) fn and_not(&self, other: &WorkerSet) -> WorkerSet {
+        let mut out = self.clone();
+        for (i, a) in out.0.iter_mut().enumerate() {
+            *a &= !other.word(i);
         }
         out
     }
@@ -85,16 +108,13 @@ impl WorkerSet {
     /// The smallest member `>= from`, if any.
     pub(crate) fn first_at_or_after(&self, from: usize) -> Option<usize> {
         let mut word = from / 64;
-        if word >= WORDS {
-            return None;
-        }
-        let mut bits = self.0[word] & (u64::MAX << (from % 64));
+        let mut bits = self.word(word) & (u64::MAX << (from % 64));
         loop {
             if bits != 0 {
                 return Some(word * 64 + bits.trailing_zeros() as usize);
             }
             word += 1;
-            if word == WORDS {
+            if word >= self.0.len() {
                 return None;
             }
             bits = self.0[word];
@@ -102,7 +122,7 @@ impl WorkerSet {
     }
 
     /// Members in increasing order.
-    pub(crate) fn iter(self) -> impl Iterator<Item = usize> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = usize> + '_ {
         let mut next = 0usize;
         std::iter::from_fn(move || {
             let found = self.first_at_or_after(next)?;
@@ -112,51 +132,89 @@ impl WorkerSet {
     }
 }
 
-/// The workers holding one block in one view, as sorted ids: most blocks are held by one
-/// worker or a few (a session's blocks, on its worker), which fit inline; a block every
-/// worker holds (a shared system prompt) takes two bytes per worker.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Holders(SmallVec<[u16; 4]>);
+/// Holders past which a block's holder list becomes a bitset.
+const LIST_MAX: usize = 8;
+
+/// The workers holding one block in one view. Most blocks are held by one worker or a few (a
+/// session's blocks, on its worker): sorted ids, up to four inline. A block many workers hold
+/// (a shared system prompt) switches to a bitset, so intersecting it with a decision's
+/// candidates costs a few words, not a search per candidate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Holders {
+    /// At most [`LIST_MAX`] ids, sorted.
+    List(SmallVec<[u16; 4]>),
+    /// Any number.
+    Bits(Box<WorkerSet>),
+}
+
+impl Default for Holders {
+    fn default() -> Self {
+        Holders::List(SmallVec::new())
+    }
+}
 
 impl Holders {
     fn insert(&mut self, slot: usize) {
-        let slot = slot as u16;
-        if let Err(at) = self.0.binary_search(&slot) {
-            self.0.insert(at, slot);
+        match self {
+            Holders::List(ids) => {
+                let id = slot as u16;
+                if let Err(at) = ids.binary_search(&id) {
+                    if ids.len() < LIST_MAX {
+                        ids.insert(at, id);
+                    } else {
+                        let mut bits = WorkerSet::EMPTY;
+                        for &h in ids.iter() {
+                            bits.insert(usize::from(h));
+                        }
+                        bits.insert(slot);
+                        *self = Holders::Bits(Box::new(bits));
+                    }
+                }
+            }
+            Holders::Bits(bits) => bits.insert(slot),
         }
     }
 
     fn remove(&mut self, slot: usize) {
-        if let Ok(at) = self.0.binary_search(&(slot as u16)) {
-            self.0.remove(at);
+        match self {
+            Holders::List(ids) => {
+                if let Ok(at) = ids.binary_search(&(slot as u16)) {
+                    ids.remove(at);
+                }
+            }
+            Holders::Bits(bits) => bits.remove(slot),
         }
     }
 
     pub(crate) fn contains(&self, slot: usize) -> bool {
-        u16::try_from(slot).is_ok_and(|s| self.0.binary_search(&s).is_ok())
+        match self {
+            Holders::List(ids) => u16::try_from(slot).is_ok_and(|s| ids.binary_search(&s).is_ok()),
+            Holders::Bits(bits) => bits.contains(slot),
+        }
     }
 
     fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        match self {
+            Holders::List(ids) => ids.is_empty(),
+            Holders::Bits(bits) => bits.is_empty(),
+        }
     }
 
-    /// The members of `set` that hold the block, at a cost of the smaller of the two.
-    fn and(&self, set: &WorkerSet, set_len: usize) -> WorkerSet {
-        let mut out = WorkerSet::EMPTY;
-        if set_len < self.0.len() {
-            for slot in set.iter() {
-                if self.contains(slot) {
-                    out.insert(slot);
+    /// The members of `set` that hold the block: a test per listed holder, or a word-wise
+    /// intersection.
+    fn and(&self, set: &WorkerSet) -> WorkerSet {
+        match self {
+            Holders::List(ids) => {
+                let mut out = WorkerSet::EMPTY;
+                for &slot in ids {
+                    if set.contains(usize::from(slot)) {
+                        out.insert(usize::from(slot));
+                    }
                 }
+                out
             }
-        } else {
-            for &slot in &self.0 {
-                if set.contains(usize::from(slot)) {
-                    out.insert(usize::from(slot));
-                }
-            }
+            Holders::Bits(bits) => bits.and(set),
         }
-        out
     }
 }
 
@@ -596,9 +654,9 @@ impl BlockIndex {
         let mid = lo + (hi - lo).div_ceil(2);
         let have = self
             .holders(blocks[mid - 1], view)
-            .map_or(WorkerSet::EMPTY, |h| h.and(&set, len));
+            .map_or(WorkerSet::EMPTY, |h| h.and(&set));
         let have_len = have.len();
-        let rest = set.and_not(have);
+        let rest = set.and_not(&have);
         self.split(blocks, lo, mid - 1, rest, len - have_len, view, out);
         self.split(blocks, mid, hi, have, have_len, view, out);
     }
@@ -658,22 +716,43 @@ mod tests {
         assert!(s.contains(200) && !s.contains(199) && !s.contains(300) && !s.contains(4_096));
         let t = set(&[3, 200, 7]);
         assert_eq!(
-            s.and_not(t).iter().collect::<Vec<_>>(),
+            s.and_not(&t).iter().collect::<Vec<_>>(),
             vec![0, 64, 255, 4_095]
         );
+        assert_eq!(t.and_not(&s).iter().collect::<Vec<_>>(), vec![7]);
+        // Equality ignores trailing empty words.
+        let mut grown = set(&[3, 4_000]);
+        grown.remove(4_000);
+        assert_eq!(grown, set(&[3]));
+        assert_ne!(grown, set(&[4]));
         assert!(WorkerSet::EMPTY.is_empty());
         // Holders against a set, from either side.
         let mut h = Holders::default();
         for slot in [4_000, 3, 200, 9, 3] {
             h.insert(slot);
         }
-        assert_eq!(h.0.as_slice(), &[3, 9, 200, 4_000]);
+        assert_eq!(h, Holders::List([3, 9, 200, 4_000].into_iter().collect()));
         assert!(h.contains(4_000) && !h.contains(4_001) && !h.contains(70_000));
-        assert_eq!(h.and(&t, t.len()).iter().collect::<Vec<_>>(), vec![3, 200]);
-        assert_eq!(h.and(&s, s.len()).iter().collect::<Vec<_>>(), vec![3, 200]);
+        assert_eq!(h.and(&t).iter().collect::<Vec<_>>(), vec![3, 200]);
+        assert_eq!(h.and(&s).iter().collect::<Vec<_>>(), vec![3, 200]);
         h.remove(9);
         h.remove(10);
-        assert_eq!(h.0.as_slice(), &[3, 200, 4_000]);
+        assert_eq!(h, Holders::List([3, 200, 4_000].into_iter().collect()));
+        // Past eight holders the list becomes a bitset, with the same answers.
+        for slot in [1, 2, 4, 5, 6] {
+            h.insert(slot);
+        }
+        assert!(matches!(h, Holders::List(_)), "eight listed");
+        h.insert(7);
+        h.insert(64);
+        assert!(matches!(h, Holders::Bits(_)));
+        assert!(h.contains(64) && h.contains(4_000) && !h.contains(8));
+        assert_eq!(h.and(&t).iter().collect::<Vec<_>>(), vec![3, 7, 200]);
+        assert_eq!(h.and(&s).iter().collect::<Vec<_>>(), vec![3, 64, 200]);
+        for slot in [1, 2, 3, 4, 5, 6, 7, 64, 200, 4_000] {
+            h.remove(slot);
+        }
+        assert!(h.is_empty());
         let mut u = s;
         u.remove(0);
         assert_eq!(u.first_at_or_after(0), Some(3));
@@ -681,9 +760,9 @@ mod tests {
 
     #[test]
     fn an_entry_is_small_whatever_the_fleet() {
-        // Hash, and two holder lists of four ids inline: the size of one distinct block in
-        // the docs' memory table, the same at 8 workers as at 4,096.
-        assert_eq!(std::mem::size_of::<Entry>(), 56);
+        // Hash, and two holder lists of four ids inline (or a boxed bitset each): the size of
+        // one distinct block in the docs' memory table, the same at 8 workers as at 4,096.
+        assert_eq!(std::mem::size_of::<Entry>(), 72);
         assert_eq!(std::mem::size_of::<Member>(), 20);
     }
 

@@ -212,12 +212,12 @@ impl V2<'_, '_> {
         self.ctx.worker_state(d).committed_fraction() > self.cfg.hard_cap
     }
 
-    fn any_under(&self, set: WorkerSet) -> bool {
+    fn any_under(&self, set: &WorkerSet) -> bool {
         set.iter().any(|s| !self.over_cap(WorkerId(s as u32)))
     }
 
-    fn without(set: WorkerSet, d: WorkerId) -> WorkerSet {
-        let mut s = set;
+    fn without(set: &WorkerSet, d: WorkerId) -> WorkerSet {
+        let mut s = set.clone();
         s.remove(d.0 as usize);
         s
     }
@@ -234,8 +234,8 @@ impl V2<'_, '_> {
     ) -> Option<WorkerId> {
         let (ctx, cfg) = (self.ctx, self.cfg);
         let mut candidates = match exclude {
-            Some(x) => Self::without(self.hosts, x),
-            None => self.hosts,
+            Some(x) => Self::without(&self.hosts, x),
+            None => self.hosts.clone(),
         };
         if let Some(paths) = paths {
             for slot in self.hosts.iter() {
@@ -244,8 +244,8 @@ impl V2<'_, '_> {
                 }
             }
         }
-        let any_under = self.any_under(candidates);
-        let depths = ctx.depths(self.hosts, BlockView::Live);
+        let any_under = self.any_under(&candidates);
+        let depths = ctx.depths(&self.hosts, BlockView::Live);
         // Sessions active on each D: the decode batch a new session would join.
         let mut active = vec![0u32; ctx.width()];
         if let Some(p) = self.placement {
@@ -341,7 +341,7 @@ impl V2<'_, '_> {
             .filter(|d| self.hosts.contains(d.0 as usize));
         let best = self.pick(healthy_current, None, paths, scores);
         if let Some(d) = self.resident_d(session)
-            && (!self.over_cap(d) || !self.any_under(self.hosts))
+            && (!self.over_cap(d) || !self.any_under(&self.hosts))
         {
             return d;
         }
@@ -369,7 +369,8 @@ impl V2<'_, '_> {
         };
         // What each prefill worker would cost, whatever the host (the transfer aside).
         let transfer = l.transfer_s(req.input_length);
-        let order = crate::round_robin::order(ctx.healthy_p, ctx.state.cursor(WorkerRole::Prefill));
+        let order =
+            crate::round_robin::order(&ctx.healthy_p, ctx.state.cursor(WorkerRole::Prefill));
         // What a worker holds of the prompt for a prefill it runs for another: a prefill
         // worker's prefix cache (the grow-only view, as `d-health-aware` reads it); a worker
         // that hosts sessions, what is resident there (its live view).
@@ -479,7 +480,7 @@ pub(crate) fn route_with(
     // may host it.
     let hosts = match local {
         Some(_) if !rejected => ctx.hosts(),
-        _ => ctx.healthy_d,
+        _ => ctx.healthy_d.clone(),
     };
     let v2 = V2 {
         cfg,
@@ -523,8 +524,8 @@ pub(crate) fn route_with(
             },
             _,
         ) => {
-            let others = V2::without(v2.hosts, decode);
-            if v2.over_cap(decode) && v2.any_under(others) {
+            let others = V2::without(&v2.hosts, decode);
+            if v2.over_cap(decode) && v2.any_under(&others) {
                 let d = v2
                     .pick(None, Some(decode), paths, &mut scores)
                     .unwrap_or(WorkerId(0));
@@ -545,11 +546,11 @@ pub(crate) fn route_with(
         }
         (TurnClass::FallThrough { reason, .. }, Some(r)) if ctx.req.session.is_some() => {
             let n = session.map_or(1, |s| s.rejects_after(r));
-            let others = V2::without(v2.hosts, r);
+            let others = V2::without(&v2.hosts, r);
             let r_unusable = !v2.hosts.contains(r.0 as usize) || v2.over_cap(r);
             let can_migrate = n >= cfg.migrate_after_rejects
                 && !others.is_empty()
-                && (v2.any_under(others) || r_unusable);
+                && (v2.any_under(&others) || r_unusable);
             if can_migrate {
                 reject_count = Some((r, 0));
                 let d = v2

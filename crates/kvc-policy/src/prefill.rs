@@ -39,7 +39,7 @@ pub(crate) fn choose(
     scores: &mut Vec<ScoreEntry>,
 ) -> Result<(WorkerId, u64), PolicyError> {
     // A worker never ships KV to itself (an all-capable worker is a candidate on both sides).
-    let mut candidates = ctx.healthy_p;
+    let mut candidates = ctx.healthy_p.clone();
     candidates.remove(decode.0 as usize);
     if candidates.is_empty() {
         return Err(PolicyError::NoHealthyWorker {
@@ -48,9 +48,9 @@ pub(crate) fn choose(
     }
     let p = match policy {
         PrefillPolicy::RoundRobin => {
-            round_robin::pick(ctx, candidates, WorkerRole::Prefill, scores)
+            round_robin::pick(ctx, &candidates, WorkerRole::Prefill, scores)
         }
-        PrefillPolicy::DHealthAware => d_health_aware(ctx, candidates, decode, scores),
+        PrefillPolicy::DHealthAware => d_health_aware(ctx, &candidates, decode, scores),
     };
     Ok((p, ctx.cached_on(p, BlockView::Seen, block_size)))
 }
@@ -61,7 +61,7 @@ const PAIR_FAILURE_COST: u64 = 8;
 
 fn d_health_aware(
     ctx: &Ctx<'_>,
-    candidates: WorkerSet,
+    candidates: &WorkerSet,
     decode: WorkerId,
     scores: &mut Vec<ScoreEntry>,
 ) -> WorkerId {

@@ -60,7 +60,7 @@ impl RoundRobinConfig {
 }
 
 /// Members of `set` in round-robin order: those after `last` by id, then the rest.
-pub(crate) fn order(set: WorkerSet, last: Option<WorkerId>) -> impl Iterator<Item = usize> {
+pub(crate) fn order(set: &WorkerSet, last: Option<WorkerId>) -> impl Iterator<Item = usize> + '_ {
     let start = last.map_or(0, |w| w.0 as usize + 1);
     set.iter()
         .filter(move |s| *s >= start)
@@ -70,7 +70,7 @@ pub(crate) fn order(set: WorkerSet, last: Option<WorkerId>) -> impl Iterator<Ite
 /// Picks the next worker of `set` (not empty) for `role`; appends its score entries.
 pub(crate) fn pick(
     ctx: &Ctx<'_>,
-    set: WorkerSet,
+    set: &WorkerSet,
     role: WorkerRole,
     scores: &mut Vec<ScoreEntry>,
 ) -> WorkerId {
@@ -91,7 +91,7 @@ pub(crate) fn route(cfg: &RoundRobinConfig, ctx: &Ctx<'_>) -> Result<Decision, P
     ctx.require_d()?;
     let knobs = Knobs::new(cfg.incremental_footprint, cfg.backpressure);
     let mut scores = ctx.score_list();
-    let d = pick(ctx, ctx.healthy_d, ctx.d_role(), &mut scores);
+    let d = pick(ctx, &ctx.healthy_d, ctx.d_role(), &mut scores);
     if ctx.colocated {
         let cached = ctx.cached_on(d, BlockView::Seen, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(d, cached, scores), knobs));

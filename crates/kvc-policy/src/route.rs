@@ -116,7 +116,7 @@ impl<'a> Ctx<'a> {
     /// Healthy workers that host sessions: those that decode transferred KV and those that
     /// serve turns alone.
     pub(crate) fn hosts(&self) -> WorkerSet {
-        let mut set = self.healthy_d;
+        let mut set = self.healthy_d.clone();
         for slot in self.healthy_local.iter() {
             set.insert(slot);
         }
@@ -173,8 +173,10 @@ impl<'a> Ctx<'a> {
     }
 
     /// Leading request blocks each worker of `set` holds in `view`.
-    pub(crate) fn depths(&self, set: WorkerSet, view: BlockView) -> Depths {
-        self.state.index().depths(self.req.hash_ids, set, view)
+    pub(crate) fn depths(&self, set: &WorkerSet, view: BlockView) -> Depths {
+        self.state
+            .index()
+            .depths(self.req.hash_ids, set.clone(), view)
     }
 
     /// One past the largest worker id in the view: the length of per-worker scratch tables.

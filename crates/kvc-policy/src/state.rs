@@ -67,7 +67,7 @@ struct Pending {
 /// |---|---|---|
 /// | sessions | the caller's, through [`RouterState::forget_session`] (the router's session table) | 150–260, plus 8 per kept block of its last request (at most [`StateBounds::max_session_blocks`], default 256), plus 8 per D with a reject count |
 /// | active-session aggregate | one entry per session resident on its D and routed within two `active-window-ms` of the latest decision | 30 |
-/// | block view: distinct blocks | at most the memberships below | 75–90, plus 2 per holder past four |
+/// | block view: distinct blocks | at most the memberships below | 90–110, more for a block held by over four workers |
 /// | block view: (block, worker, view) memberships | [`StateBounds::blocks_per_worker`] per worker and view (default 4 × the worker's pool in blocks) | 40–60 |
 /// | pending decisions | [`StateBounds::max_pending`] (default 65,536) | 90, with its P/D pair count |
 /// | per-worker counters, round-robin cursors | [`MAX_WORKERS`] | 16 |
