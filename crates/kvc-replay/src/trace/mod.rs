@@ -303,12 +303,12 @@ pub fn parse(
 }
 
 /// Writes records as JSON Lines (one object per line, fields in [`TraceRecord`] order).
-pub fn write_jsonl<'a>(
+pub fn write_jsonl<R: std::borrow::Borrow<TraceRecord>>(
     mut w: impl Write,
-    records: impl IntoIterator<Item = &'a TraceRecord>,
+    records: impl IntoIterator<Item = R>,
 ) -> io::Result<()> {
     for r in records {
-        serde_json::to_writer(&mut w, r).map_err(io::Error::other)?;
+        serde_json::to_writer(&mut w, r.borrow()).map_err(io::Error::other)?;
         w.write_all(b"\n")?;
     }
     w.flush()
