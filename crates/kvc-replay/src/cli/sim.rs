@@ -41,7 +41,8 @@ pub(crate) struct Args {
 const SIM_AFTER_HELP: &str = "\
 Memory: the trace is read as the run goes and records are written as requests complete, so
 the run holds the requests in flight (and those that finished ahead of an earlier one), a few
-bytes per request for the summary's percentiles and a few per session, not the trace. A trace
+bytes per request for the summary's percentiles, a few per session and the policy's session
+table (which no TTL trims in a simulated run), not the trace. A trace
 that cannot be read in order (not sorted by timestamp, requests with and without session_id
 mixed, or a session's turns out of order) is loaded whole instead, with a note on stderr; the
 outputs are the same either way.
