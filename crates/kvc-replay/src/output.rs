@@ -160,9 +160,20 @@ pub struct RunDirWriter {
 }
 
 impl RunDirWriter {
-    /// Creates `dir` (if missing) and its `metrics.jsonl`.
+    /// Creates `dir` (if missing), its `metrics.jsonl` and `occupancy.csv`; a `summary.json`
+    /// or `committed.csv` left by an earlier run is removed, so a run that fails part way
+    /// never leaves a summary of other records.
     pub fn create(dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        for stale in ["summary.json", "committed.csv"] {
+            let path = dir.join(stale);
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e).with_context(|| format!("cannot remove {}", path.display()));
+                }
+                _ => {}
+            }
+        }
         Ok(RunDirWriter {
             dir: dir.to_owned(),
             metrics: create_file(&dir.join("metrics.jsonl"))?,
