@@ -395,6 +395,73 @@ fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     Ok(())
 }
 
+/// The fleet-scale streamed run: this cluster (1,024 workers) …
+const STREAM_TOPOLOGY: &str = "256p768d-hybrid";
+/// … its worker count (the trace's session rate and the concurrency scale with it) …
+const STREAM_WORKERS: usize = 1_024;
+/// … and the requests of its generated trace (with `--quick`: a tenth).
+const STREAM_REQUESTS: usize = 10_000_000;
+
+/// `sim.stream_<N>m.*`: a generated SWE trace of `STREAM_REQUESTS` requests, its sessions
+/// started at the reference rate per worker (four workers per 5,600 s × sessions / 52) and
+/// up to eight requests per worker in flight, simulated with the default policy on
+/// `STREAM_TOPOLOGY` while it is read: process wall time, peak RSS, requests per second.
+fn sim_stream_scale(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
+    let requests = if ctx.quick {
+        STREAM_REQUESTS / 10
+    } else {
+        STREAM_REQUESTS
+    };
+    let key = format!("sim.stream_{}m", requests / 1_000_000);
+    let dir = ctx.out.join("sim-stream");
+    let _ = std::fs::create_dir_all(&dir);
+    let trace = dir.join(format!("swe-{requests}.jsonl"));
+    let t = trace.to_string_lossy().into_owned();
+    let sessions = (requests * 52 + 4_449 / 2) / 4_449;
+    let span = 5_600.0 * sessions as f64 / 52.0 / (STREAM_WORKERS as f64 / 4.0);
+    let (n, s, span) = (
+        requests.to_string(),
+        sessions.to_string(),
+        format!("{span:.0}"),
+    );
+    run(
+        &format!("generate the {requests}-request SWE trace"),
+        ctx.replay().args([
+            "gen",
+            "swe",
+            "--seed",
+            "11",
+            "--sessions",
+            &s,
+            "--requests",
+            &n,
+            "--start-span",
+            &span,
+            "--quiet",
+            "--out",
+            &t,
+        ]),
+    )?;
+    let out = dir.join("run").to_string_lossy().into_owned();
+    let concurrency = (8 * STREAM_WORKERS).to_string();
+    let mut args = sim_args(&t, STREAM_TOPOLOGY, "kvc", &out);
+    args.extend(["--concurrency", concurrency.as_str()]);
+    let (wall, rss) = timed(ctx, "streamed simulation", &args)?;
+    let summary = read_json(&dir.join("run/summary.json"))?;
+    let done = summary["requests"].as_f64().unwrap_or(0.0);
+    figures.insert(format!("{key}.wall_s"), wall);
+    figures.insert(format!("{key}.requests_per_sec"), done / wall);
+    match rss {
+        Some(rss) => {
+            figures.insert(format!("{key}.peak_rss_mib"), rss);
+        }
+        None => eprintln!("xtask bench: /usr/bin/time not found; {key}.peak_rss_mib left out"),
+    }
+    // The trace is gigabytes; it is generated again next time.
+    let _ = std::fs::remove_file(&trace);
+    Ok(())
+}
+
 fn matrix(ctx: &Ctx, figures: &mut Figures) -> Result<Vec<PathBuf>, String> {
     let dir = ctx.out.join("matrix");
     let _ = std::fs::create_dir_all(&dir);
@@ -577,6 +644,7 @@ pub(crate) fn bench(opts: &Options) -> Result<(), String> {
     let mut figures = Figures::new();
     micro_benches(&ctx, &mut figures)?;
     sim_speed(&ctx, &mut figures)?;
+    sim_stream_scale(&ctx, &mut figures)?;
     let dirs = matrix(&ctx, &mut figures)?;
     seed_sweep(&ctx, &mut figures)?;
     report(&ctx, &figures, &dirs)?;

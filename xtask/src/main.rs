@@ -135,6 +135,12 @@ COMMANDS:
                      seed's own SWE trace: the most mechanism errors of any seed (target 0)
                      and their sum; each failed request's record in metrics.jsonl says why
                      (its `failure`)
+                 sim.stream_10m.wall_s, sim.stream_10m.peak_rss_mib,
+                 sim.stream_10m.requests_per_sec (sim.stream_1m.* with --quick)
+                     a generated 10,000,000-request trace (1,000,000 with --quick) on
+                     256p768d-hybrid (1,024 workers; sessions started at the reference rate
+                     per worker, 8,192 in flight) with kvc, read as the run goes: process
+                     wall time, peak resident memory, requests per second
                  matrix.<topology>.<policy>.ts<N>.<metric>
                      metric: ttft_mean_s ttft_p50_s ttft_p90_s ttft_p99_s latency_mean_s
                      latency_p50_s latency_p90_s latency_p99_s direct_to_d_rate

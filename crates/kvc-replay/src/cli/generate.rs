@@ -40,6 +40,12 @@ struct SweArgs {
     #[arg(long)]
     requests: Option<usize>,
 
+    /// Seconds over which session starts are spread [default: 5,600 × sessions / 52, the
+    /// reference rate of new sessions]; a smaller span packs more sessions at once (e.g. for a
+    /// cluster larger than the reference's four workers).
+    #[arg(long, value_name = "SECONDS")]
+    start_span: Option<f64>,
+
     /// Output file (`-` for stdout).
     #[arg(long, value_name = "FILE")]
     out: PathBuf,
@@ -60,25 +66,33 @@ fn swe(a: SweArgs) -> anyhow::Result<()> {
         seed: a.seed,
         sessions: a.sessions,
         requests: a.requests,
+        start_span_s: a.start_span,
         ..generate::SweConfig::default()
     };
-    let records = generate::swe(&cfg);
+    if let Some(span) = a.start_span
+        && !(span.is_finite() && span >= 0.0)
+    {
+        anyhow::bail!("--start-span must be a number of seconds, not {span}");
+    }
+    // Records are written as they are generated; the trace is never held whole.
+    let mut written = 0usize;
+    let records = generate::swe_stream(&cfg).inspect(|_| written += 1);
     if a.out.as_os_str() == "-" {
         let mut out = BufWriter::new(std::io::stdout().lock());
-        trace::write_jsonl(&mut out, &records).context("cannot write to stdout")?;
+        trace::write_jsonl(&mut out, records).context("cannot write to stdout")?;
         out.flush()?;
     } else {
         let file =
             File::create(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
-        trace::write_jsonl(&mut out, &records)
+        trace::write_jsonl(&mut out, records)
             .and_then(|()| out.flush())
             .with_context(|| format!("cannot write {}", a.out.display()))?;
     }
     if !a.output.quiet {
         eprintln!(
             "kvc-replay: generated {} requests in {} sessions (seed {}) to {}",
-            records.len(),
+            written,
             cfg.sessions,
             cfg.seed,
             a.out.display()

@@ -51,22 +51,7 @@ impl TraceArgs {
         let started = Instant::now();
         let (trace, report) = trace::load(path, &self.options())
             .with_context(|| format!("cannot load trace {}", path.display()))?;
-        if report.skipped > 0 {
-            eprintln!(
-                "kvc-replay: skipped {} invalid line(s) of {}",
-                report.skipped,
-                path.display()
-            );
-            for err in &report.first_errors {
-                eprintln!("  {err}");
-            }
-            if report.skipped > report.first_errors.len() {
-                eprintln!(
-                    "  ... and {} more",
-                    report.skipped - report.first_errors.len()
-                );
-            }
-        }
+        report_skipped(path, &report);
         if !quiet {
             eprintln!(
                 "kvc-replay: loaded {} requests in {} sessions from {} ({:.2} s)",
@@ -77,6 +62,27 @@ impl TraceArgs {
             );
         }
         Ok(trace)
+    }
+}
+
+/// Reports skipped lines of `path` on stderr, if any.
+pub(crate) fn report_skipped(path: &Path, report: &trace::LoadReport) {
+    if report.skipped == 0 {
+        return;
+    }
+    eprintln!(
+        "kvc-replay: skipped {} invalid line(s) of {}",
+        report.skipped,
+        path.display()
+    );
+    for err in &report.first_errors {
+        eprintln!("  {err}");
+    }
+    if report.skipped > report.first_errors.len() {
+        eprintln!(
+            "  ... and {} more",
+            report.skipped - report.first_errors.len()
+        );
     }
 }
 

@@ -1,12 +1,15 @@
 //! `kvc-replay sim`: simulate one cluster and policy on a trace.
 
-use super::TraceArgs;
+use super::{TraceArgs, report_skipped};
 use anyhow::{Context, Result, bail};
-use kvc_core::Topology;
+use kvc_core::{BlockSize, Topology};
 use kvc_policy::PolicyConfig;
-use kvc_replay::output;
-use kvc_replay::sim::{EvictionMode, Profile, SimConfig};
+use kvc_replay::output::{self, ProgressMode};
+use kvc_replay::sim::metrics::Summary;
+use kvc_replay::sim::{EvictionMode, Profile, SimConfig, SimError};
+use kvc_replay::trace::{SourceError, TraceStream};
 use std::path::PathBuf;
+use std::time::Instant;
 
 /// Options of `kvc-replay sim`.
 #[derive(Debug, clap::Args)]
@@ -25,9 +28,25 @@ pub(crate) struct Args {
     /// No progress bar.
     #[arg(long, short)]
     pub(crate) quiet: bool,
+    /// Also print a progress line (requests simulated, share of the trace read, rate) every
+    /// 5 s on stderr, terminal or not; without it a bar shows on a terminal only.
+    #[arg(long, conflicts_with = "quiet")]
+    pub(crate) progress: bool,
+    /// Load the whole trace before simulating instead of reading it as the run goes (what a
+    /// trace that cannot be streamed gets anyway); the outputs are the same.
+    #[arg(long)]
+    pub(crate) in_memory: bool,
 }
 
 const SIM_AFTER_HELP: &str = "\
+Memory: the trace is read as the run goes and records are written as requests complete, so
+the run holds the requests in flight (and those that finished ahead of an earlier one), a few
+bytes per request for the summary's percentiles, a few per session and the policy's session
+table (which no TTL trims in a simulated run), not the trace. A trace
+that cannot be read in order (not sorted by timestamp, requests with and without session_id
+mixed, or a session's turns out of order) is loaded whole instead, with a note on stderr; the
+outputs are the same either way.
+
 Outputs (in --out):
   metrics.jsonl   one JSON object per trace request, in trace order: index, session, turn,
                   scheduled_s, dispatch_s, first_token_s, done_s, ttft_s, latency_s, wait_s,
@@ -102,8 +121,13 @@ impl RunArgs {
     /// The config for `trace`: the policy counts blocks of the trace's size unless a
     /// `block-size` knob says otherwise.
     pub(crate) fn config_for(&self, trace: &kvc_replay::trace::Trace) -> Result<SimConfig> {
+        self.config_for_block_size(trace.block_size())
+    }
+
+    /// The config for a trace of `block_size`-token blocks (see [`RunArgs::config_for`]).
+    pub(crate) fn config_for_block_size(&self, block_size: BlockSize) -> Result<SimConfig> {
         let mut args = self.clone();
-        let bs = trace.block_size().tokens();
+        let bs = block_size.tokens();
         if bs != kvc_core::DEFAULT_BLOCK_SIZE
             && !args.knobs.iter().any(|k| k.starts_with("block-size="))
         {
@@ -178,12 +202,63 @@ pub(crate) fn policy_config(
 
 /// Runs `kvc-replay sim`.
 pub(crate) fn run(args: Args) -> Result<()> {
-    let trace = args.trace_opts.load(&args.trace, args.quiet)?;
-    let cfg = args.run.config_for(&trace)?;
-    let out = output::run_and_write(&trace, &cfg, &args.out, args.quiet)?;
-    print!("{}", output::summary_table(&[(label(&cfg), &out.summary)]));
+    let mode = if args.quiet {
+        ProgressMode::Quiet
+    } else if args.progress {
+        ProgressMode::Lines
+    } else {
+        ProgressMode::Bar
+    };
+    let (cfg, summary) = if args.in_memory {
+        run_whole(&args, mode)?
+    } else {
+        match run_streamed(&args, mode)? {
+            Some(done) => done,
+            None => run_whole(&args, mode)?,
+        }
+    };
+    print!("{}", output::summary_table(&[(label(&cfg), &summary)]));
     eprintln!("wrote {}", args.out.display());
     Ok(())
+}
+
+/// The run with the trace read as it goes; `None` if the trace must be loaded whole.
+fn run_streamed(args: &Args, mode: ProgressMode) -> Result<Option<(SimConfig, Summary)>> {
+    let started = Instant::now();
+    let opts = args.trace_opts.options();
+    let cannot = || format!("cannot load trace {}", args.trace.display());
+    let mut stream = TraceStream::open(&args.trace, &opts).with_context(cannot)?;
+    let cfg = args.run.config_for_block_size(opts.block_size)?;
+    let summary = match output::stream_and_write(&mut stream, &cfg, &args.out, mode) {
+        Ok(summary) => summary,
+        Err(SimError::Source(e @ SourceError::NeedsWholeTrace { .. })) => {
+            eprintln!("kvc-replay: {e}; loading the whole trace");
+            return Ok(None);
+        }
+        Err(SimError::Source(SourceError::Trace(e))) => {
+            return Err(anyhow::Error::from(e).context(cannot()));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    report_skipped(&args.trace, stream.report());
+    if !args.quiet {
+        eprintln!(
+            "kvc-replay: read {} requests in {} sessions from {} as the run went ({:.2} s)",
+            stream.report().records,
+            stream.sessions(),
+            args.trace.display(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(Some((cfg, summary)))
+}
+
+/// The run with the whole trace loaded first.
+fn run_whole(args: &Args, mode: ProgressMode) -> Result<(SimConfig, Summary)> {
+    let trace = args.trace_opts.load(&args.trace, args.quiet)?;
+    let cfg = args.run.config_for(&trace)?;
+    let summary = output::run_and_write(&trace, &cfg, &args.out, mode == ProgressMode::Quiet)?;
+    Ok((cfg, summary))
 }
 
 /// A short label for a run: `1p3d+kvc-v2 ts1`.

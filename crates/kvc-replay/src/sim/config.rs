@@ -107,11 +107,16 @@ impl SimConfig {
     /// Checks that the policy counts blocks of the trace's size (block ids of another size
     /// would be compared as if they covered the same tokens).
     pub fn check_block_size(&self, trace: &Trace) -> Result<(), SimError> {
-        if self.policy.block_size() != trace.block_size() {
+        self.check_block_size_of(trace.block_size())
+    }
+
+    /// Checks that the policy counts blocks of `block_size` tokens (a trace's).
+    pub fn check_block_size_of(&self, block_size: BlockSize) -> Result<(), SimError> {
+        if self.policy.block_size() != block_size {
             return Err(SimError::Invalid(format!(
                 "the trace has {}-token blocks but the policy counts {}-token blocks \
                  (set the policy knob block-size)",
-                trace.block_size().tokens(),
+                block_size.tokens(),
                 self.policy.block_size().tokens()
             )));
         }

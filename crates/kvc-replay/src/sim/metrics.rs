@@ -227,52 +227,168 @@ impl Summary {
         config: RunConfig,
         sim_wall_s: f64,
     ) -> Summary {
+        // A session's figures follow its turns in turn order (ties in record order); the
+        // other figures do not depend on the order records are added in.
+        let mut by_session: BTreeMap<SessionId, Vec<&RequestRecord>> = BTreeMap::new();
+        for r in records {
+            by_session.entry(r.session).or_default().push(r);
+        }
+        let mut builder = SummaryBuilder::new(decode_workers);
+        for turns in by_session.values_mut() {
+            turns.sort_by_key(|r| r.turn);
+            for r in turns.iter() {
+                builder.add(r);
+            }
+        }
+        builder.finish(config, sim_wall_s)
+    }
+}
+
+/// The summary built as records come, holding a few bytes per request (the served requests'
+/// TTFT, latency and wait, exactly, for the percentiles) and a few per session: what a run
+/// that streams its records keeps instead of the records. Records must come in turn order
+/// within each session (the replay writes them in trace order, where that holds); it gives
+/// the same summary as [`Summary::build`] over the same records.
+#[derive(Debug, Clone)]
+pub struct SummaryBuilder {
+    requests: usize,
+    outcomes: BTreeMap<String, usize>,
+    reasons: BTreeMap<String, usize>,
+    workers: BTreeMap<String, WorkerSummary>,
+    /// Worker name → index into `worker_names` (for the per-session tally).
+    worker_index: BTreeMap<String, u32>,
+    mechanism_errors: usize,
+    routed: usize,
+    /// Requests per execution mode (routed ones).
+    mode_requests: BTreeMap<ExecutionMode, usize>,
+    /// Per served request, in the order added: its mode (`NO_MODE` if none), TTFT, latency
+    /// and wait.
+    served_mode: Vec<u8>,
+    ttft: Column,
+    latency: Column,
+    wait: Column,
+    span_start: f64,
+    span_end: f64,
+    sessions: std::collections::HashMap<SessionId, SessionTally>,
+}
+
+/// `served_mode` of a served request that took no path.
+const NO_MODE: u8 = u8::MAX;
+
+/// What a session's summary needs of the turns added so far.
+#[derive(Debug, Clone, Copy)]
+struct SessionTally {
+    /// Decode worker of its last routed turn (`u32::MAX`: none yet).
+    last_decode: u32,
+    changes: u32,
+    /// Turns after the first, and how many of them went direct-to-D.
+    later: u32,
+    direct: u32,
+}
+
+impl SummaryBuilder {
+    /// A builder for a run on `decode_workers` (listed so idle ones show up with zero
+    /// requests).
+    pub fn new(decode_workers: &[String]) -> SummaryBuilder {
         let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
         for o in Outcome::ALL {
             outcomes.insert(o.as_str().to_owned(), 0);
         }
-        let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
-        let mut workers: BTreeMap<String, WorkerSummary> = decode_workers
-            .iter()
-            .map(|w| (w.clone(), WorkerSummary { requests: 0 }))
-            .collect();
-        let mut per_mode: BTreeMap<ExecutionMode, (usize, Vec<f64>, Vec<f64>)> = BTreeMap::new();
-        let (mut ttft, mut lat, mut wait) = (vec![], vec![], vec![]);
-        let mut routed = 0usize;
-        let mut span_end: f64 = 0.0;
-        let mut span_start = f64::INFINITY;
-        for r in records {
-            *outcomes.entry(r.outcome.as_str().to_owned()).or_default() += 1;
-            span_start = span_start.min(r.scheduled_s);
-            span_end = span_end.max(r.done_s);
-            if let Some(reason) = r.reason {
-                *reasons.entry(reason.as_str().to_owned()).or_default() += 1;
-            }
-            if let Some(d) = &r.decode {
-                workers
-                    .entry(d.clone())
-                    .or_insert(WorkerSummary { requests: 0 })
-                    .requests += 1;
-            }
-            if let Some(mode) = r.mode {
-                routed += 1;
-                let e = per_mode.entry(mode).or_default();
-                e.0 += 1;
-                if r.outcome.is_served() {
-                    e.1.push(r.ttft_s.unwrap_or(r.latency_s));
-                    e.2.push(r.latency_s);
+        SummaryBuilder {
+            requests: 0,
+            outcomes,
+            reasons: BTreeMap::new(),
+            workers: decode_workers
+                .iter()
+                .map(|w| (w.clone(), WorkerSummary { requests: 0 }))
+                .collect(),
+            worker_index: BTreeMap::new(),
+            mechanism_errors: 0,
+            routed: 0,
+            mode_requests: BTreeMap::new(),
+            served_mode: Vec::new(),
+            ttft: Column::default(),
+            latency: Column::default(),
+            wait: Column::default(),
+            span_start: f64::INFINITY,
+            span_end: 0.0,
+            sessions: std::collections::HashMap::new(),
+        }
+    }
+
+    /// Counts one record.
+    pub fn add(&mut self, r: &RequestRecord) {
+        self.requests += 1;
+        *self
+            .outcomes
+            .entry(r.outcome.as_str().to_owned())
+            .or_default() += 1;
+        if r.outcome.is_mechanism_error() {
+            self.mechanism_errors += 1;
+        }
+        self.span_start = self.span_start.min(r.scheduled_s);
+        self.span_end = self.span_end.max(r.done_s);
+        if let Some(reason) = r.reason {
+            *self.reasons.entry(reason.as_str().to_owned()).or_default() += 1;
+        }
+        let mut decode_index = None;
+        if let Some(d) = &r.decode {
+            match self.workers.get_mut(d) {
+                Some(w) => w.requests += 1,
+                None => {
+                    self.workers
+                        .insert(d.clone(), WorkerSummary { requests: 1 });
                 }
             }
-            if r.outcome.is_served() {
-                ttft.push(r.ttft_s.unwrap_or(r.latency_s));
-                lat.push(r.latency_s);
-                wait.push(r.wait_s);
+            let next = self.worker_index.len() as u32;
+            decode_index = Some(match self.worker_index.get(d) {
+                Some(&k) => k,
+                None => {
+                    self.worker_index.insert(d.clone(), next);
+                    next
+                }
+            });
+        }
+        if let Some(mode) = r.mode {
+            self.routed += 1;
+            *self.mode_requests.entry(mode).or_default() += 1;
+        }
+        if r.outcome.is_served() {
+            let mode = r.mode.map_or(NO_MODE, mode_code);
+            self.served_mode.push(mode);
+            self.ttft.push(r.ttft_s.unwrap_or(r.latency_s));
+            self.latency.push(r.latency_s);
+            self.wait.push(r.wait_s);
+        }
+        let direct = r.mode == Some(ExecutionMode::DirectToD);
+        match self.sessions.get_mut(&r.session) {
+            None => {
+                self.sessions.insert(
+                    r.session,
+                    SessionTally {
+                        last_decode: decode_index.unwrap_or(u32::MAX),
+                        changes: 0,
+                        later: 0,
+                        direct: 0,
+                    },
+                );
+            }
+            Some(t) => {
+                if let Some(d) = decode_index {
+                    if t.last_decode != u32::MAX && t.last_decode != d {
+                        t.changes += 1;
+                    }
+                    t.last_decode = d;
+                }
+                t.later += 1;
+                t.direct += u32::from(direct);
             }
         }
-        let mechanism_errors = records
-            .iter()
-            .filter(|r| r.outcome.is_mechanism_error())
-            .count();
+    }
+
+    /// The summary of the records added.
+    pub fn finish(self, config: RunConfig, sim_wall_s: f64) -> Summary {
+        let routed = self.routed;
         let share = |n: usize| {
             if routed == 0 {
                 0.0
@@ -280,16 +396,19 @@ impl Summary {
                 round6(n as f64 / routed as f64)
             }
         };
-        let modes: BTreeMap<String, ModeSummary> = per_mode
-            .into_iter()
-            .map(|(mode, (n, t, l))| {
+        let modes: BTreeMap<String, ModeSummary> = self
+            .mode_requests
+            .iter()
+            .map(|(&mode, &n)| {
+                let code = mode_code(mode);
+                let pick = |c: &Column| c.select(&self.served_mode, code);
                 (
                     mode.as_str().to_owned(),
                     ModeSummary {
                         requests: n,
                         share: share(n),
-                        ttft_p50_s: Dist::of(t).p50,
-                        latency_p50_s: Dist::of(l).p50,
+                        ttft_p50_s: pick(&self.ttft).dist().p50,
+                        latency_p50_s: pick(&self.latency).dist().p50,
                     },
                 )
             })
@@ -297,7 +416,7 @@ impl Summary {
         let direct_to_d_rate = modes
             .get(ExecutionMode::DirectToD.as_str())
             .map_or(0.0, |m| m.share);
-        let counts: Vec<usize> = workers.values().map(|w| w.requests).collect();
+        let counts: Vec<usize> = self.workers.values().map(|w| w.requests).collect();
         let worker_spread = match (counts.iter().max(), counts.iter().min()) {
             (Some(&max), Some(&min)) if !counts.is_empty() => {
                 let mean = counts.iter().sum::<usize>() as f64 / counts.len() as f64;
@@ -309,76 +428,150 @@ impl Summary {
             }
             _ => 0.0,
         };
-        Summary {
-            requests: records.len(),
-            outcomes,
-            mechanism_errors,
-            ttft_s: Dist::of(ttft),
-            latency_s: Dist::of(lat),
-            wait_s: Dist::of(wait),
-            direct_to_d_rate,
-            modes,
-            reasons,
-            workers,
-            worker_spread,
-            sessions: session_summary(records),
-            config,
-            sim_span_s: if records.is_empty() {
+        let count = self.sessions.len();
+        let (mut changes_sum, mut changes_max, mut low, mut high) = (0usize, 0usize, 0, 0);
+        for t in self.sessions.values() {
+            changes_sum += t.changes as usize;
+            changes_max = changes_max.max(t.changes as usize);
+            if t.later > 0 {
+                let rate = f64::from(t.direct) / f64::from(t.later);
+                if rate <= 0.2 {
+                    low += 1;
+                }
+                if rate >= 0.8 {
+                    high += 1;
+                }
+            }
+        }
+        let sessions = SessionSummary {
+            count,
+            d_changes_mean: if count == 0 {
                 0.0
             } else {
-                round6(span_end - span_start)
+                round6(changes_sum as f64 / count as f64)
+            },
+            d_changes_max: changes_max,
+            direct_rate_0_20: low,
+            direct_rate_80_100: high,
+        };
+        Summary {
+            requests: self.requests,
+            outcomes: self.outcomes,
+            mechanism_errors: self.mechanism_errors,
+            ttft_s: self.ttft.dist(),
+            latency_s: self.latency.dist(),
+            wait_s: self.wait.dist(),
+            direct_to_d_rate,
+            modes,
+            reasons: self.reasons,
+            workers: self.workers,
+            worker_spread,
+            sessions,
+            config,
+            sim_span_s: if self.requests == 0 {
+                0.0
+            } else {
+                round6(self.span_end - self.span_start)
             },
             sim_wall_s,
         }
     }
 }
 
-fn session_summary(records: &[RequestRecord]) -> SessionSummary {
-    // Records are in trace order; group by session keeping turn order.
-    let mut by_session: BTreeMap<SessionId, Vec<&RequestRecord>> = BTreeMap::new();
-    for r in records {
-        by_session.entry(r.session).or_default().push(r);
+/// A compact code of an execution mode (its position in [`ExecutionMode::ALL`]).
+fn mode_code(mode: ExecutionMode) -> u8 {
+    ExecutionMode::ALL
+        .iter()
+        .position(|&m| m == mode)
+        .map_or(NO_MODE, |p| p as u8)
+}
+
+/// Seconds kept exactly in little room: whole microseconds as `u32` while every value is
+/// one (as the simulator's are), every value as `f64` once one is not.
+#[derive(Debug, Clone)]
+enum Column {
+    Micros(Vec<u32>),
+    Seconds(Vec<f64>),
+}
+
+impl Default for Column {
+    fn default() -> Self {
+        Column::Micros(Vec::new())
     }
-    let mut changes = Vec::with_capacity(by_session.len());
-    let (mut low, mut high) = (0, 0);
-    for turns in by_session.values_mut() {
-        turns.sort_by_key(|r| r.turn);
-        let mut last: Option<&str> = None;
-        let mut n = 0usize;
-        for r in turns.iter() {
-            if let Some(d) = r.decode.as_deref() {
-                if last.is_some_and(|l| l != d) {
-                    n += 1;
+}
+
+/// `x` as whole microseconds, if that is exactly what it is.
+fn exact_micros(x: f64) -> Option<u32> {
+    let m = (x * 1e6).round();
+    if !(0.0..=f64::from(u32::MAX)).contains(&m) {
+        return None;
+    }
+    let m = m as u32;
+    (micros_to_seconds(m).to_bits() == x.to_bits()).then_some(m)
+}
+
+fn micros_to_seconds(m: u32) -> f64 {
+    f64::from(m) / 1e6
+}
+
+impl Column {
+    fn push(&mut self, x: f64) {
+        match self {
+            Column::Micros(v) => match exact_micros(x) {
+                Some(m) => v.push(m),
+                None => {
+                    let mut wide: Vec<f64> = v.iter().map(|&m| micros_to_seconds(m)).collect();
+                    wide.push(x);
+                    *self = Column::Seconds(wide);
                 }
-                last = Some(d);
-            }
-        }
-        changes.push(n);
-        let later: Vec<&&RequestRecord> = turns.iter().skip(1).collect();
-        if !later.is_empty() {
-            let direct = later
-                .iter()
-                .filter(|r| r.mode == Some(ExecutionMode::DirectToD))
-                .count();
-            let rate = direct as f64 / later.len() as f64;
-            if rate <= 0.2 {
-                low += 1;
-            }
-            if rate >= 0.8 {
-                high += 1;
-            }
+            },
+            Column::Seconds(v) => v.push(x),
         }
     }
-    let count = changes.len();
-    SessionSummary {
-        count,
-        d_changes_mean: if count == 0 {
-            0.0
-        } else {
-            round6(changes.iter().sum::<usize>() as f64 / count as f64)
-        },
-        d_changes_max: changes.iter().copied().max().unwrap_or(0),
-        direct_rate_0_20: low,
-        direct_rate_80_100: high,
+
+    /// The values whose `codes` entry is `code`.
+    fn select(&self, codes: &[u8], code: u8) -> Column {
+        let keep = |k: usize| codes[k] == code;
+        match self {
+            Column::Micros(v) => Column::Micros(
+                v.iter()
+                    .enumerate()
+                    .filter(|&(k, _)| keep(k))
+                    .map(|(_, &m)| m)
+                    .collect(),
+            ),
+            Column::Seconds(v) => Column::Seconds(
+                v.iter()
+                    .enumerate()
+                    .filter(|&(k, _)| keep(k))
+                    .map(|(_, &x)| x)
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Mean and nearest-rank percentiles, as [`Dist::of`] gives them over the same seconds.
+    fn dist(&self) -> Dist {
+        match self {
+            Column::Seconds(v) => Dist::of(v.clone()),
+            Column::Micros(v) => {
+                if v.is_empty() {
+                    return Dist::default();
+                }
+                // Whole microseconds sort as their seconds do, and the mean sums the seconds
+                // in the same (sorted) order as `Dist::of`.
+                let mut sorted = v.clone();
+                sorted.sort_unstable();
+                let mean =
+                    sorted.iter().map(|&m| micros_to_seconds(m)).sum::<f64>() / sorted.len() as f64;
+                let at = |p| micros_to_seconds(percentile(&sorted, p).unwrap_or(0));
+                Dist {
+                    mean: round6(mean),
+                    p50: round6(at(P50)),
+                    p90: round6(at(P90)),
+                    p99: round6(at(P99)),
+                }
+            }
+        }
     }
 }

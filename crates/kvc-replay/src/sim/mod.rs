@@ -3,14 +3,15 @@
 //!
 //! | module | job |
 //! |---|---|
-//! | [`replay`] | the replay loop: pacing, routing, carrying decisions out, one record per request ([`simulate`], [`run`]) |
+//! | [`replay`] | the replay loop: requests read as it goes, pacing, routing, carrying decisions out, one record per request in trace order ([`simulate`], [`run`] for a trace in memory; [`simulate_stream`], [`run_stream`] for any [`RequestSource`](crate::trace::RequestSource) into a [`RunSink`]) |
 //! | [`decider`] | the loop's seams: [`Decider`] (decisions; [`LocalPolicy`] in process) and [`Hooks`] (the clock; [`Virtual`]) |
 //! | [`config`] | run configuration ([`SimConfig`], [`EvictionMode`]), its checks, the summary's `config` block |
 //! | [`cluster`] | a topology's workers: roles, capabilities, names, the initial view |
 //!
+//! | [`metrics`] | per-request records and the run summary ([`metrics::SummaryBuilder`]: built as records come) |
+//!
 //! The worker model the loop drives (engine, profiles and their timing physics) is
 //! [`kvc_engine_sim::model`].
-//! | [`metrics`] | per-request records and the run summary |
 //!
 //! Replay semantics are in [`replay`]; the invariants (determinism, one record per request,
 //! policies unchanged) in ARCHITECTURE.md.
@@ -29,7 +30,7 @@ pub use cluster::{initial_views, worker_names, worker_roles};
 pub use config::{EvictionMode, SimConfig, run_config};
 pub use decider::{Decider, Hooks, LocalPolicy, Routed, Virtual};
 pub use kvc_engine_sim::model::Profile;
-pub use replay::{run, simulate};
+pub use replay::{Progress, RunSink, StreamOutput, run, run_stream, simulate, simulate_stream};
 
 use metrics::{RequestRecord, Summary};
 
@@ -50,6 +51,12 @@ pub enum SimError {
         /// Trace index of the first of them.
         first: usize,
     },
+    /// The trace could not be read as the run went.
+    #[error(transparent)]
+    Source(#[from] crate::trace::SourceError),
+    /// A run output could not be written.
+    #[error("{0}")]
+    Output(String),
 }
 
 /// Pool occupancy samples: (time in s, used fraction of every worker's pool by worker index).

@@ -1,23 +1,32 @@
-//! The replay loop: a trace's requests, paced by the run's clock, routed by a [`Decider`] and
-//! carried out by the engine, one record per request.
+//! The replay loop: a trace's requests, read as the run goes and paced by the run's clock,
+//! routed by a [`Decider`] and carried out by the engine, one record per request.
 //!
 //! A session's turns run in order; turn k+1 is ready at `max(timestamp / time_scale,
 //! completion of turn k)`; at most `concurrency` requests are in flight and the rest wait in
 //! ready order. TTFT and latency are measured from the ready time. Events are ordered by
-//! (time in µs, sequence number).
+//! (time in µs, sequence number), a session's first turn before any other event of its
+//! microsecond (first turns among themselves by session id).
+//!
+//! Requests come from a [`RequestSource`] in trace order; the loop reads one ahead of the
+//! clock, so it holds the requests that have arrived and not finished, never the trace. A
+//! finished turn whose session's next turn is not read yet keeps the sequence number that
+//! turn's readiness would have had, so the order of events is the one a loop that knew the
+//! whole trace would follow. Records go to a [`RunSink`] in trace order as they complete
+//! (those that complete early wait for the ones before them), and the summary is built as
+//! they go ([`SummaryBuilder`]).
 
 use super::cluster::{host_names, initial_views, layout_names, worker_layout};
 use super::decider::{Decider, Hooks, LocalPolicy, Routed, Virtual};
-use super::metrics::{FailureRecord, RequestRecord, Summary};
+use super::metrics::{FailureRecord, RequestRecord, Summary, SummaryBuilder};
 use super::{Occupancy, SimConfig, SimError, SimOutput, run_config};
-use crate::trace::{Trace, TraceRequest};
-use kvc_core::{Capabilities, ExecutionMode, Outcome, RequestId, SessionId, WorkerId, WorkerRole};
+use crate::trace::{Arrival, RequestSource, Trace, TraceArrivals, TraceRequest};
+use kvc_core::{Capabilities, ExecutionMode, Outcome, RequestId, WorkerId, WorkerRole};
 use kvc_engine_sim::model::{
     DirectAdmission, Engine, Event, Failure, Job, LocalAdmission, Micros, Wake, micros,
 };
 use kvc_policy::{ClusterView, Observation, RouteRequest, WorkerView};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 
 /// Something the loop does at a point of simulated time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -34,6 +43,11 @@ enum Scheduled {
     Tick,
 }
 
+/// Order of events within one microsecond: a session's first turn (by session id) before
+/// every other event (by sequence number).
+const FIRST_TURN: u8 = 0;
+const SEQUENCED: u8 = 1;
+
 /// What the loop knows of one trace request while it runs.
 #[derive(Debug, Clone, Default)]
 struct RequestProgress {
@@ -47,29 +61,108 @@ struct RequestProgress {
     failure: Option<Failure>,
 }
 
+/// A request read from the source and not finished yet.
+#[derive(Debug)]
+struct Live {
+    request: TraceRequest,
+    may_continue: bool,
+    progress: RequestProgress,
+}
+
 /// Occupancy is sampled this often (simulated µs).
 const SAMPLE_EVERY: Micros = 10_000_000;
 
+/// Where a run's results go as it runs: the records in trace order, the pool samples in time
+/// order.
+pub trait RunSink {
+    /// Called once, before anything else, with the names of the workers (by worker index)
+    /// whose pools are sampled.
+    fn start(&mut self, worker_names: &[String]) -> Result<(), SimError>;
+    /// The next record in trace order.
+    fn record(&mut self, record: &RequestRecord) -> Result<(), SimError>;
+    /// One sample (time in s) of every pool's used and committed fractions, by worker index.
+    fn sample(&mut self, time_s: f64, used: &[f64], committed: &[f64]) -> Result<(), SimError>;
+}
+
+/// Where a streamed run stands, for a progress display.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// Requests finished.
+    pub completed: usize,
+    /// Requests read from the source.
+    pub read: usize,
+    /// Requests in the trace, when the source knows.
+    pub total: Option<usize>,
+    /// Share of the source read, when the source knows.
+    pub fraction_read: Option<f64>,
+}
+
+/// What a streamed run returns besides what its sink received.
+#[derive(Debug, Clone)]
+pub struct StreamOutput {
+    /// The summary.
+    pub summary: Summary,
+    /// Worker names, by worker index.
+    pub worker_names: Vec<String>,
+}
+
+/// The records and samples of a run, kept in memory.
+#[derive(Debug, Default)]
+struct Collect {
+    records: Vec<RequestRecord>,
+    occupancy: Occupancy,
+    committed: Occupancy,
+}
+
+impl RunSink for Collect {
+    fn start(&mut self, _worker_names: &[String]) -> Result<(), SimError> {
+        Ok(())
+    }
+
+    fn record(&mut self, record: &RequestRecord) -> Result<(), SimError> {
+        self.records.push(record.clone());
+        Ok(())
+    }
+
+    fn sample(&mut self, time_s: f64, used: &[f64], committed: &[f64]) -> Result<(), SimError> {
+        self.occupancy.push((time_s, used.to_vec()));
+        self.committed.push((time_s, committed.to_vec()));
+        Ok(())
+    }
+}
+
 struct Replay<'a> {
     cfg: &'a SimConfig,
-    trace: &'a Trace,
     engine: Engine,
     layout: Vec<(WorkerRole, Capabilities)>,
     names: Vec<String>,
     decider: &'a mut dyn Decider,
-    queue: BinaryHeap<Reverse<(Micros, u64, Scheduled)>>,
+    source: &'a mut dyn RequestSource,
+    /// The next request of the source, read ahead; `None` once the source is exhausted.
+    peeked: Option<Arrival>,
+    queue: BinaryHeap<Reverse<(Micros, u8, u64, Scheduled)>>,
     seq: u64,
     now: Micros,
     /// Ready requests waiting for a slot, by (ready time, index).
     waiting: BTreeSet<(Micros, usize)>,
     in_flight: usize,
-    /// Per trace index: index of the session's next turn.
-    next_turn: Vec<Option<usize>>,
-    requests: Vec<RequestProgress>,
-    records: Vec<Option<RequestRecord>>,
-    occupancy: Occupancy,
-    committed: Occupancy,
+    /// Requests read and not finished, by trace index.
+    live: HashMap<usize, Live>,
+    /// A turn read before the turn it follows finished: that turn's index → its index.
+    awaiting: HashMap<usize, usize>,
+    /// A finished turn whose session's next turn is not read yet: its index → (finish time,
+    /// the sequence number the next turn's readiness takes).
+    finished: HashMap<usize, (Micros, u64)>,
+    /// Records finished ahead of an earlier one, by trace index.
+    early: BTreeMap<usize, RequestRecord>,
+    /// Trace index of the next record to hand to the sink.
+    next_record: usize,
+    sink: &'a mut dyn RunSink,
+    summary: SummaryBuilder,
+    read: usize,
     completed: usize,
+    /// A sink error met where the loop cannot return it; returned after the event.
+    failed: Option<SimError>,
 }
 
 /// Runs the simulation with the config's policy in process, on the virtual clock.
@@ -83,7 +176,8 @@ pub fn simulate(
     run(trace, cfg, &mut policy, &mut Virtual, progress)
 }
 
-/// Runs the replay with decisions from `decider` and the clock hooks `hooks`.
+/// Runs the replay of a trace in memory with decisions from `decider` and the clock hooks
+/// `hooks`, keeping every record.
 pub fn run(
     trace: &Trace,
     cfg: &SimConfig,
@@ -91,64 +185,103 @@ pub fn run(
     hooks: &mut dyn Hooks,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimOutput, SimError> {
+    let wall = std::time::Instant::now();
+    let n = trace.len();
+    let mut source = TraceArrivals::new(trace);
+    let mut sink = Collect::default();
+    let out = run_stream(&mut source, cfg, decider, hooks, &mut sink, &mut |p| {
+        progress(p.completed, n)
+    })?;
+    // Built from the records themselves: exact whatever the order of a session's turns.
+    let summary = Summary::build(
+        &sink.records,
+        &host_names(&worker_layout(cfg), &out.worker_names),
+        run_config(cfg),
+        wall.elapsed().as_secs_f64(),
+    );
+    Ok(SimOutput {
+        records: sink.records,
+        summary,
+        worker_names: out.worker_names,
+        occupancy: sink.occupancy,
+        committed: sink.committed,
+    })
+}
+
+/// Runs the simulation of the requests of `source` with the config's policy in process, on
+/// the virtual clock, handing records and samples to `sink` as they come.
+pub fn simulate_stream(
+    source: &mut dyn RequestSource,
+    cfg: &SimConfig,
+    sink: &mut dyn RunSink,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<StreamOutput, SimError> {
+    let mut policy = LocalPolicy::new(cfg.policy.clone(), &initial_views(cfg));
+    run_stream(source, cfg, &mut policy, &mut Virtual, sink, progress)
+}
+
+/// Runs the replay of the requests of `source` with decisions from `decider` and the clock
+/// hooks `hooks`, handing records (in trace order) and samples to `sink` as they come. The
+/// summary assumes each session's turns come in trace order (a file stream checks it; see
+/// [`TraceArrivals::turns_in_trace_order`] for a trace in memory).
+pub fn run_stream(
+    source: &mut dyn RequestSource,
+    cfg: &SimConfig,
+    decider: &mut dyn Decider,
+    hooks: &mut dyn Hooks,
+    sink: &mut dyn RunSink,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<StreamOutput, SimError> {
     cfg.validate()?;
-    cfg.check_block_size(trace)?;
+    cfg.check_block_size_of(source.block_size())?;
     let wall = std::time::Instant::now();
     let layout = worker_layout(cfg);
     let names = layout_names(&layout);
-    let engine = cfg.engine(trace);
-    let n = trace.requests.len();
-    // Link each request to its session's next turn (trace order is timestamp order; turns of
-    // a session are sorted by turn number).
-    let mut next_turn = vec![None; n];
-    let mut by_session: BTreeMap<SessionId, Vec<usize>> = BTreeMap::new();
-    for (i, r) in trace.requests.iter().enumerate() {
-        by_session.entry(r.session).or_default().push(i);
-    }
-    let mut firsts = Vec::with_capacity(by_session.len());
-    for idxs in by_session.values_mut() {
-        idxs.sort_by_key(|&i| (trace.requests[i].turn, i));
-        for w in idxs.windows(2) {
-            next_turn[w[0]] = Some(w[1]);
-        }
-        firsts.push(idxs[0]);
-    }
+    let engine = cfg.cluster(source.block_size()).engine();
+    let summary = SummaryBuilder::new(&host_names(&layout, &names));
+    sink.start(&names)?;
     let mut sim = Replay {
         cfg,
-        trace,
         engine,
         decider,
         layout,
         names,
+        source,
+        peeked: None,
         queue: BinaryHeap::new(),
         seq: 0,
         now: 0,
         waiting: BTreeSet::new(),
         in_flight: 0,
-        next_turn,
-        requests: vec![RequestProgress::default(); n],
-        records: vec![None; n],
-        occupancy: Vec::new(),
-        committed: Vec::new(),
+        live: HashMap::new(),
+        awaiting: HashMap::new(),
+        finished: HashMap::new(),
+        early: BTreeMap::new(),
+        next_record: 0,
+        sink,
+        summary,
+        read: 0,
         completed: 0,
+        failed: None,
     };
-    for i in firsts {
-        let t = sim.scaled(&trace.requests[i]);
-        sim.push(t, Scheduled::Ready(i));
-    }
-    if n > 0 {
+    sim.peeked = sim.source.next_arrival()?;
+    if sim.peeked.is_some() {
         sim.push(0, Scheduled::Sample);
         if hooks.tick_every().is_some() {
             sim.push(0, Scheduled::Tick);
         }
     }
     let mut reported = 0;
-    while let Some(Reverse((t, _, next))) = sim.queue.pop() {
+    loop {
+        sim.read_arrived()?;
+        let Some(Reverse((t, _, _, next))) = sim.queue.pop() else {
+            break;
+        };
         hooks.before(t);
         sim.now = t;
         match next {
             Scheduled::Ready(i) => {
-                sim.requests[i].ready = t;
+                sim.live_mut(i).progress.ready = t;
                 sim.waiting.insert((t, i));
                 sim.dispatch_waiting();
             }
@@ -159,15 +292,15 @@ pub fn run(
             }
             Scheduled::Sample => {
                 // Sample while anything else is pending; an empty queue means the run is over.
-                if sim.completed < n && !sim.queue.is_empty() {
-                    sim.occupancy.push((t as f64 / 1e6, sim.engine.occupancy()));
-                    sim.committed.push((t as f64 / 1e6, sim.engine.committed()));
+                if sim.unfinished() && (!sim.queue.is_empty() || sim.peeked.is_some()) {
+                    let (used, committed) = (sim.engine.occupancy(), sim.engine.committed());
+                    sim.sink.sample(t as f64 / 1e6, &used, &committed)?;
                     sim.push(t + SAMPLE_EVERY, Scheduled::Sample);
                 }
             }
             Scheduled::Tick => {
                 if let Some(every) = hooks.tick_every()
-                    && sim.completed < n
+                    && sim.unfinished()
                 {
                     sim.push(t + every.max(1), Scheduled::Tick);
                 }
@@ -175,31 +308,27 @@ pub fn run(
         }
         hooks.after(t, &mut sim.engine);
         sim.drain_engine();
+        if let Some(e) = sim.failed.take() {
+            return Err(e);
+        }
         if sim.completed >= reported + 64 {
             reported = sim.completed;
-            progress(sim.completed, n);
+            progress(&sim.progress());
         }
     }
-    progress(sim.completed, n);
-    if let Some(stuck) = sim.records.iter().position(Option::is_none) {
+    progress(&sim.progress());
+    if !sim.live.is_empty() {
         return Err(SimError::Stalled {
-            unfinished: sim.records.iter().filter(|r| r.is_none()).count(),
-            first: stuck,
+            unfinished: sim.live.len(),
+            first: sim.next_record,
         });
     }
-    let records: Vec<RequestRecord> = sim.records.into_iter().flatten().collect();
-    let summary = Summary::build(
-        &records,
-        &host_names(&sim.layout, &sim.names),
-        run_config(cfg),
-        wall.elapsed().as_secs_f64(),
-    );
-    Ok(SimOutput {
-        records,
+    let summary = sim
+        .summary
+        .finish(run_config(cfg), wall.elapsed().as_secs_f64());
+    Ok(StreamOutput {
         summary,
         worker_names: sim.names,
-        occupancy: sim.occupancy,
-        committed: sim.committed,
     })
 }
 
@@ -210,7 +339,75 @@ impl Replay<'_> {
 
     fn push(&mut self, t: Micros, next: Scheduled) {
         self.seq += 1;
-        self.queue.push(Reverse((t, self.seq, next)));
+        self.queue.push(Reverse((t, SEQUENCED, self.seq, next)));
+    }
+
+    fn live_mut(&mut self, i: usize) -> &mut Live {
+        self.live.get_mut(&i).expect("a live request")
+    }
+
+    fn request(&self, i: usize) -> &TraceRequest {
+        &self.live[&i].request
+    }
+
+    /// Whether a request is read and not finished, or not read yet.
+    fn unfinished(&self) -> bool {
+        !self.live.is_empty() || self.peeked.is_some()
+    }
+
+    fn progress(&self) -> Progress {
+        Progress {
+            completed: self.completed,
+            read: self.read,
+            total: self.peeked.is_none().then_some(self.read),
+            fraction_read: self.source.fraction_read(),
+        }
+    }
+
+    /// Reads every request whose scaled timestamp is not after the next event (all of them
+    /// when no event is pending), so that event is the earliest there is.
+    fn read_arrived(&mut self) -> Result<(), SimError> {
+        while let Some(a) = &self.peeked {
+            let t = self.scaled(&a.request);
+            if let Some(Reverse((head, ..))) = self.queue.peek()
+                && *head < t
+            {
+                break;
+            }
+            let next = self.source.next_arrival()?;
+            let a = std::mem::replace(&mut self.peeked, next).expect("peeked");
+            self.arrive(a, t);
+        }
+        Ok(())
+    }
+
+    /// Takes in a request read from the source, ready at `t` unless it follows a turn.
+    fn arrive(&mut self, a: Arrival, t: Micros) {
+        let i = a.request.index;
+        let session = a.request.session;
+        self.read += 1;
+        self.live.insert(
+            i,
+            Live {
+                request: a.request,
+                may_continue: a.may_continue,
+                progress: RequestProgress::default(),
+            },
+        );
+        match a.after {
+            None => self
+                .queue
+                .push(Reverse((t, FIRST_TURN, session.0, Scheduled::Ready(i)))),
+            Some(prev) => match self.finished.remove(&prev) {
+                Some((done, seq)) => {
+                    self.queue
+                        .push(Reverse((t.max(done), SEQUENCED, seq, Scheduled::Ready(i))))
+                }
+                None => {
+                    self.awaiting.insert(prev, i);
+                }
+            },
+        }
     }
 
     fn dispatch_waiting(&mut self) {
@@ -219,7 +416,8 @@ impl Replay<'_> {
                 break;
             };
             self.in_flight += 1;
-            self.requests[i].dispatch = self.now;
+            let now = self.now;
+            self.live_mut(i).progress.dispatch = now;
             self.route_and_start(i);
         }
     }
@@ -236,8 +434,8 @@ impl Replay<'_> {
     }
 
     fn route(&mut self, i: usize, rejected_by: Option<WorkerId>) -> Option<Routed> {
-        let r = &self.trace.requests[i];
         let views = self.cluster_views();
+        let r = &self.live[&i].request;
         let cluster = ClusterView {
             now_ms: self.now / 1000,
             workers: &views,
@@ -255,7 +453,7 @@ impl Replay<'_> {
     }
 
     fn route_and_start(&mut self, i: usize) {
-        let r = &self.trace.requests[i];
+        let r = self.request(i);
         if r.input_length > self.cfg.profile.model.max_input_tokens {
             self.finish(i, Outcome::InputTooLong);
             return;
@@ -269,7 +467,7 @@ impl Replay<'_> {
         } else {
             0
         };
-        self.requests[i].decision = Some(decision);
+        self.live_mut(i).progress.decision = Some(decision);
         if pause > 0 {
             self.push(self.now + pause, Scheduled::Start(i));
         } else {
@@ -278,7 +476,7 @@ impl Replay<'_> {
     }
 
     fn job(&self, i: usize) -> Job {
-        let r = &self.trace.requests[i];
+        let r = self.request(i);
         Job {
             id: i,
             session: r.session,
@@ -289,8 +487,10 @@ impl Replay<'_> {
     }
 
     fn start(&mut self, i: usize) {
-        self.requests[i].started = self.now;
-        let mut decision = self.requests[i].decision.take().expect("decision");
+        let now = self.now;
+        let st = &mut self.live_mut(i).progress;
+        st.started = now;
+        let mut decision = st.decision.take().expect("decision");
         // A worker serves the turn alone (direct-to-D, local prefill) if it admits it; if it
         // does not, the policy routes again with `rejected_by` and gives a P→D path.
         if matches!(
@@ -313,8 +513,9 @@ impl Replay<'_> {
             match admission {
                 DirectAdmission::Admitted { cached } => {
                     self.decider.carried_out(&decision);
-                    self.requests[i].cached = cached;
-                    self.requests[i].decision = Some(decision);
+                    let st = &mut self.live_mut(i).progress;
+                    st.cached = cached;
+                    st.decision = Some(decision);
                     self.drain_engine();
                     return;
                 }
@@ -349,7 +550,7 @@ impl Replay<'_> {
                 return;
             }
         }
-        self.requests[i].decision = Some(decision);
+        self.live_mut(i).progress.decision = Some(decision);
         self.drain_engine();
     }
 
@@ -360,7 +561,9 @@ impl Replay<'_> {
         for event in self.engine.take_events() {
             match event {
                 Event::FirstToken { id, at } => {
-                    self.requests[id].first = Some(at);
+                    if let Some(l) = self.live.get_mut(&id) {
+                        l.progress.first = Some(at);
+                    }
                     let done = Observation::PrefillDone {
                         request_id: RequestId(id as u64),
                     };
@@ -373,21 +576,31 @@ impl Replay<'_> {
                     cached,
                 } => {
                     debug_assert_eq!(at, self.now);
-                    self.requests[id].cached = cached;
+                    if let Some(l) = self.live.get_mut(&id) {
+                        l.progress.cached = cached;
+                    }
                     self.observe_done(id, Outcome::Ok, resident_tokens);
                     self.finish(id, Outcome::Ok);
                 }
                 Event::TransferTimedOut { id, failure, .. } => {
-                    self.requests[id].failure = Some(failure);
+                    if let Some(l) = self.live.get_mut(&id) {
+                        l.progress.failure = Some(failure);
+                    }
                     self.observe_done(id, Outcome::KvTransferTimeout, 0);
                     self.finish(id, Outcome::KvTransferTimeout);
                 }
                 Event::DecodeOom { id, failure, .. } => {
-                    self.requests[id].failure = Some(failure);
+                    if let Some(l) = self.live.get_mut(&id) {
+                        l.progress.failure = Some(failure);
+                    }
                     self.observe_done(id, Outcome::DecodeOom, 0);
                     self.finish(id, Outcome::DecodeOom);
                 }
-                Event::Retracted { id, .. } => self.requests[id].retractions += 1,
+                Event::Retracted { id, .. } => {
+                    if let Some(l) = self.live.get_mut(&id) {
+                        l.progress.retractions += 1;
+                    }
+                }
                 Event::Evicted { session, worker } => {
                     self.decider
                         .observe(&Observation::Evicted { session, worker }, None);
@@ -397,12 +610,15 @@ impl Replay<'_> {
     }
 
     fn observe_done(&mut self, i: usize, outcome: Outcome, resident_tokens: u64) {
-        let Some(d) = &self.requests[i].decision else {
+        let Some(l) = self.live.get(&i) else {
+            return;
+        };
+        let Some(d) = &l.progress.decision else {
             return;
         };
         let completed = Observation::Completed {
             request_id: RequestId(i as u64),
-            session: Some(self.trace.requests[i].session),
+            session: Some(l.request.session),
             worker: d.decode,
             outcome,
             resident_tokens,
@@ -413,8 +629,11 @@ impl Replay<'_> {
     }
 
     fn finish(&mut self, i: usize, outcome: Outcome) {
-        let r = &self.trace.requests[i];
-        let st = &self.requests[i];
+        let Some(live) = self.live.remove(&i) else {
+            debug_assert!(false, "request {i} finished twice");
+            return;
+        };
+        let (r, st) = (&live.request, &live.progress);
         let secs = |t: Micros| t as f64 / 1e6;
         let (mode, reason, prefill, decode, cached) = match &st.decision {
             Some(d) => (
@@ -428,7 +647,7 @@ impl Replay<'_> {
         };
         let first = st.first.filter(|_| outcome == Outcome::Ok);
         let reason = reason.filter(|_| mode != Some(ExecutionMode::DirectToD));
-        self.records[i] = Some(RequestRecord {
+        let record = RequestRecord {
             index: i,
             session: r.session,
             turn: r.turn,
@@ -462,13 +681,40 @@ impl Replay<'_> {
                 evictable_tokens: f.evictable_tokens,
                 queue_depth: f.queue_depth,
             }),
-        });
+        };
+        self.emit(record);
         self.in_flight -= 1;
         self.completed += 1;
-        if let Some(next) = self.next_turn[i] {
-            let t = self.scaled(&self.trace.requests[next]).max(self.now);
+        if let Some(next) = self.awaiting.remove(&i) {
+            let t = self.scaled(self.request(next)).max(self.now);
             self.push(t, Scheduled::Ready(next));
+        } else if live.may_continue {
+            // The next turn, when it is read, is ready at this sequence number.
+            self.seq += 1;
+            self.finished.insert(i, (self.now, self.seq));
         }
         self.dispatch_waiting();
+    }
+
+    /// Hands records to the sink in trace order.
+    fn emit(&mut self, record: RequestRecord) {
+        if record.index != self.next_record {
+            self.early.insert(record.index, record);
+            return;
+        }
+        self.write(&record);
+        while let Some(r) = self.early.remove(&self.next_record) {
+            self.write(&r);
+        }
+    }
+
+    fn write(&mut self, record: &RequestRecord) {
+        self.next_record += 1;
+        self.summary.add(record);
+        if let Err(e) = self.sink.record(record)
+            && self.failed.is_none()
+        {
+            self.failed = Some(e);
+        }
     }
 }

@@ -262,21 +262,38 @@ enum Ending {
 type Piece = (u64, u64, u64);
 
 /// Interns blocks: a block's id is determined by its predecessor and the pieces it covers.
+///
+/// Only blocks made of the shared system prompt alone (segment uid 0; their predecessors are
+/// such blocks too) can be equal across sessions, since every other segment's uid is its
+/// session's own: those get ids from one table shared by all sessions (marked with
+/// [`Interner::SHARED`]), the others from a table of their session, dropped when it ends. Two
+/// blocks get the same id exactly when one table for all would give them the same id, and
+/// ids are renumbered by first appearance in the output, so the output does not depend on
+/// which table numbered a block.
 #[derive(Default)]
 struct Interner {
-    ids: HashMap<(u64, Vec<Piece>), u64>,
+    shared: HashMap<(u64, Vec<Piece>), u64>,
+    session: HashMap<(u64, Vec<Piece>), u64>,
 }
 
 impl Interner {
     const ROOT: u64 = u64::MAX;
+    /// Marks the ids of shared blocks.
+    const SHARED: u64 = 1 << 62;
 
     fn id(&mut self, parent: u64, pieces: Vec<Piece>) -> u64 {
-        let next = self.ids.len() as u64;
-        *self.ids.entry((parent, pieces)).or_insert(next)
+        if pieces.iter().all(|p| p.0 == 0) {
+            let next = Self::SHARED | self.shared.len() as u64;
+            *self.shared.entry((parent, pieces)).or_insert(next)
+        } else {
+            let next = self.session.len() as u64;
+            *self.session.entry((parent, pieces)).or_insert(next)
+        }
     }
 
-    fn len(&self) -> usize {
-        self.ids.len()
+    /// Starts a session: its own blocks are numbered afresh.
+    fn new_session(&mut self) {
+        self.session.clear();
     }
 }
 
@@ -470,11 +487,20 @@ fn block_ids(
 
 /// Generates a SWE-agent-like trace (see the module docs); records are sorted by timestamp,
 /// ties broken by session and turn, and carry `session_id` (0-based, in order of session
-/// start) and `turn_id` (from 1).
+/// start) and `turn_id` (from 1). [`swe_stream`] gives the same records one at a time.
 pub fn swe(cfg: &SweConfig) -> Vec<TraceRecord> {
+    swe_stream(cfg).collect()
+}
+
+/// Turns, growth factor, ending and start of every session.
+fn plan(cfg: &SweConfig) -> SwePlan {
     let n = cfg.sessions;
     if n == 0 {
-        return Vec::new();
+        return SwePlan {
+            growth: Vec::new(),
+            ending: Vec::new(),
+            starts_ms: Vec::new(),
+        };
     }
     let mut plan = Draw::stream(cfg.seed, 0);
 
@@ -571,55 +597,152 @@ pub fn swe(cfg: &SweConfig) -> Vec<TraceRecord> {
         ending[s] = Ending::Turns(final_turns[s].unwrap_or(MIN_TURNS));
     }
 
-    // Simulate with block hashing, session by session.
-    let mut interner = Interner::default();
-    let mut rows: Vec<(u64, usize, usize, Turn)> = Vec::new();
-    for s in 0..n {
+    SwePlan {
+        growth,
+        ending,
+        starts_ms,
+    }
+}
+
+/// What the generator decides for every session before generating any turn.
+struct SwePlan {
+    growth: Vec<f64>,
+    ending: Vec<Ending>,
+    starts_ms: Vec<u64>,
+}
+
+/// The records of [`swe`], generated as they are taken: sessions are generated when the
+/// output reaches their start and dropped once their last turn is out, so memory grows with
+/// the sessions that overlap in time, not with the trace.
+pub struct SweStream<'a> {
+    cfg: &'a SweConfig,
+    plan: SwePlan,
+    interner: Interner,
+    /// The next session to generate.
+    next_session: usize,
+    /// Generated sessions with turns left: their turns, the next one's position, its
+    /// timestamp, and the output ids of the session's own blocks.
+    open: HashMap<usize, OpenSession>,
+    /// (timestamp, session) of the next turn of every open session.
+    heads: std::collections::BinaryHeap<std::cmp::Reverse<(u64, usize)>>,
+    /// Output id of every shared block, by its index (`u64::MAX`: not out yet).
+    shared_ids: Vec<u64>,
+    next_id: u64,
+}
+
+struct OpenSession {
+    turns: std::vec::IntoIter<Turn>,
+    /// 1-based number of the next turn.
+    turn: usize,
+    ts: u64,
+    ids: Vec<u64>,
+}
+
+/// Generates a SWE-agent-like trace as a stream of records (see [`swe`]).
+pub fn swe_stream(cfg: &SweConfig) -> SweStream<'_> {
+    SweStream {
+        cfg,
+        plan: plan(cfg),
+        interner: Interner::default(),
+        next_session: 0,
+        open: HashMap::new(),
+        heads: std::collections::BinaryHeap::new(),
+        shared_ids: Vec::new(),
+        next_id: 0,
+    }
+}
+
+impl SweStream<'_> {
+    /// Generates session `s` with block hashing and queues its first turn.
+    fn open_session(&mut self, s: usize) {
         let sim = SessionSim {
-            cfg,
+            cfg: self.cfg,
             session: s,
-            growth: growth[s],
+            growth: self.plan.growth[s],
             compact: true,
         };
-        let mut ts = starts_ms[s];
-        for (k, t) in sim
-            .run(ending[s], Some(&mut interner))
-            .into_iter()
-            .enumerate()
-        {
-            ts = ts.saturating_add(t.gap_ms);
-            rows.push((ts, s, k + 1, t));
-        }
+        self.interner.new_session();
+        let turns = sim.run(self.plan.ending[s], Some(&mut self.interner));
+        let Some(first) = turns.first() else {
+            return;
+        };
+        let ts = self.plan.starts_ms[s].saturating_add(first.gap_ms);
+        self.open.insert(
+            s,
+            OpenSession {
+                turns: turns.into_iter(),
+                turn: 1,
+                ts,
+                ids: Vec::new(),
+            },
+        );
+        self.heads.push(std::cmp::Reverse((ts, s)));
     }
-    rows.sort_by_key(|(ts, s, k, _)| (*ts, *s, *k));
+}
 
-    // Renumber block ids by first appearance.
-    let mut renumber = vec![u64::MAX; interner.len()];
-    let mut next = 0u64;
-    rows.into_iter()
-        .map(|(ts, s, k, t)| {
-            let hash_ids = t
-                .ids
-                .iter()
-                .map(|&id| {
-                    let slot = &mut renumber[id as usize];
-                    if *slot == u64::MAX {
-                        *slot = next;
-                        next += 1;
+impl Iterator for SweStream<'_> {
+    type Item = TraceRecord;
+
+    fn next(&mut self) -> Option<TraceRecord> {
+        // Records are in (timestamp, session, turn) order; sessions start in session order, so
+        // a session is generated before the first record that would follow its first turn.
+        while self.next_session < self.cfg.sessions
+            && self.heads.peek().is_none_or(|std::cmp::Reverse((ts, _))| {
+                self.plan.starts_ms[self.next_session] < *ts
+            })
+        {
+            self.open_session(self.next_session);
+            self.next_session += 1;
+        }
+        let std::cmp::Reverse((ts, s)) = self.heads.pop()?;
+        let open = self.open.get_mut(&s)?;
+        let t = open.turns.next()?;
+        let k = open.turn;
+        let hash_ids = t
+            .ids
+            .iter()
+            .map(|&id| {
+                let slot = if id & Interner::SHARED != 0 {
+                    let at = (id & !Interner::SHARED) as usize;
+                    if self.shared_ids.len() <= at {
+                        self.shared_ids.resize(at + 1, u64::MAX);
                     }
-                    BlockHash(*slot)
-                })
-                .collect();
-            TraceRecord {
-                timestamp: ts,
-                session_id: Some(SessionId(s as u64)),
-                turn_id: Some(TurnId(u32::try_from(k).unwrap_or(u32::MAX))),
-                input_length: t.input,
-                output_length: t.output,
-                hash_ids,
+                    &mut self.shared_ids[at]
+                } else {
+                    let at = id as usize;
+                    if open.ids.len() <= at {
+                        open.ids.resize(at + 1, u64::MAX);
+                    }
+                    &mut open.ids[at]
+                };
+                if *slot == u64::MAX {
+                    *slot = self.next_id;
+                    self.next_id += 1;
+                }
+                BlockHash(*slot)
+            })
+            .collect();
+        let record = TraceRecord {
+            timestamp: ts,
+            session_id: Some(SessionId(s as u64)),
+            turn_id: Some(TurnId(u32::try_from(k).unwrap_or(u32::MAX))),
+            input_length: t.input,
+            output_length: t.output,
+            hash_ids,
+        };
+        // The session's next turn, if any (its gap is known only once it is taken).
+        match open.turns.as_slice().first() {
+            Some(next) => {
+                open.ts = ts.saturating_add(next.gap_ms);
+                open.turn += 1;
+                self.heads.push(std::cmp::Reverse((open.ts, s)));
             }
-        })
-        .collect()
+            None => {
+                self.open.remove(&s);
+            }
+        }
+        Some(record)
+    }
 }
 
 /// Smallest growth factor (by bisection) with which session `s`, never compacted, has an

@@ -58,10 +58,12 @@ mod hash_ids;
 mod record;
 mod sessions;
 pub mod stats;
+pub mod stream;
 
 pub use error::TraceError;
 pub use kvc_core::HashIds;
 pub use kvc_core::{BlockHash, BlockSize, SessionId, TraceRecord, TurnId};
+pub use stream::{Arrival, RequestSource, SourceError, TraceArrivals, TraceStream};
 
 /// Alias of [`generate`] under the name `gen`, which is a reserved word since Rust 2024 and
 /// must be written `r#gen`:
@@ -301,12 +303,12 @@ pub fn parse(
 }
 
 /// Writes records as JSON Lines (one object per line, fields in [`TraceRecord`] order).
-pub fn write_jsonl<'a>(
+pub fn write_jsonl<R: std::borrow::Borrow<TraceRecord>>(
     mut w: impl Write,
-    records: impl IntoIterator<Item = &'a TraceRecord>,
+    records: impl IntoIterator<Item = R>,
 ) -> io::Result<()> {
     for r in records {
-        serde_json::to_writer(&mut w, r).map_err(io::Error::other)?;
+        serde_json::to_writer(&mut w, r.borrow()).map_err(io::Error::other)?;
         w.write_all(b"\n")?;
     }
     w.flush()
@@ -407,25 +409,12 @@ fn assign_sessions(lines: &[LineRecord], ids: &[BlockHash], opts: &LoadOptions) 
         })
         .collect();
     if opts.infer_sessions {
-        let open: Vec<usize> = (0..lines.len())
-            .filter(|&i| lines[i].session_id.is_none())
-            .collect();
-        let roots = sessions::infer_roots(
-            open.iter().map(|&i| {
-                let l = &lines[i];
-                (&ids[l.ids_start..l.ids_start + l.ids_len], l.input_length)
-            }),
-            opts.block_size,
-        );
-        // Sessions numbered by first request: a root always precedes its follow-ups.
-        let mut number = vec![u64::MAX; open.len()];
-        let mut next = 0u64;
-        for (k, &root) in roots.iter().enumerate() {
-            if root == k {
-                number[k] = next;
-                next += 1;
+        let mut inference = sessions::SessionInference::new(opts.block_size);
+        for (l, slot) in lines.iter().zip(out.iter_mut()) {
+            if l.session_id.is_none() {
+                let list = &ids[l.ids_start..l.ids_start + l.ids_len];
+                *slot = SessionId(base.wrapping_add(inference.push(list, l.input_length)));
             }
-            out[open[k]] = SessionId(base.wrapping_add(number[root]));
         }
     }
     out

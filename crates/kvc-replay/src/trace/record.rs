@@ -139,11 +139,11 @@ impl<'de> de::Deserialize<'de> for RawIds {
                 let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
                 let mut bad: Option<String> = None;
                 let mut i = 0usize;
-                while let Some(v) = seq.next_element::<Value>()? {
-                    match v.as_u64() {
-                        Some(id) if bad.is_none() => ids.push(BlockHash(id)),
-                        Some(_) => {}
-                        None => {
+                while let Some(v) = seq.next_element::<IdEntry>()? {
+                    match v {
+                        IdEntry::Id(id) if bad.is_none() => ids.push(BlockHash(id)),
+                        IdEntry::Id(_) => {}
+                        IdEntry::Other(v) => {
                             if bad.is_none() {
                                 bad = Some(format!(
                                     "entry {i} is {}, expected a non-negative integer",
@@ -186,6 +186,58 @@ impl<'de> de::Deserialize<'de> for RawIds {
             }
         }
         d.deserialize_any(IdsVisitor)
+    }
+}
+
+/// One entry of `hash_ids`: an id read straight from the number, or any other value kept (as
+/// much of it as its description needs) for the error message.
+enum IdEntry {
+    Id(u64),
+    Other(Value),
+}
+
+impl<'de> de::Deserialize<'de> for IdEntry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct EntryVisitor;
+        impl<'de> Visitor<'de> for EntryVisitor {
+            type Value = IdEntry;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a block id")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<IdEntry, E> {
+                Ok(IdEntry::Id(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<IdEntry, E> {
+                Ok(match u64::try_from(v) {
+                    Ok(id) => IdEntry::Id(id),
+                    Err(_) => IdEntry::Other(Value::from(v)),
+                })
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<IdEntry, E> {
+                Ok(IdEntry::Other(Value::from(v)))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<IdEntry, E> {
+                Ok(IdEntry::Other(Value::Bool(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<IdEntry, E> {
+                Ok(IdEntry::Other(Value::String(v.to_owned())))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<IdEntry, E> {
+                Ok(IdEntry::Other(Value::Null))
+            }
+            fn visit_none<E: de::Error>(self) -> Result<IdEntry, E> {
+                Ok(IdEntry::Other(Value::Null))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<IdEntry, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(IdEntry::Other(Value::Array(Vec::new())))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<IdEntry, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(IdEntry::Other(Value::Object(serde_json::Map::new())))
+            }
+        }
+        d.deserialize_any(EntryVisitor)
     }
 }
 

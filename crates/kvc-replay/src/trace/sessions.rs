@@ -10,50 +10,73 @@
 use kvc_core::{BlockHash, BlockSize};
 use std::collections::{HashMap, HashSet};
 
-/// For requests given in arrival order (`lists[i]`, `inputs[i]`), the root request of each
-/// one's session (a request with no predecessor is its own root).
-pub(crate) fn infer_roots<'a>(
-    requests: impl ExactSizeIterator<Item = (&'a [BlockHash], u64)>,
+/// Session inference over requests given in arrival order, one at a time: what it keeps is
+/// every block id seen and, per block id, the request whose last newly introduced full block
+/// it is (that request's input and session), never the requests themselves.
+#[derive(Debug)]
+pub(crate) struct SessionInference {
     block_size: BlockSize,
-) -> Vec<usize> {
-    let n = requests.len();
-    let mut roots: Vec<usize> = Vec::with_capacity(n);
-    let mut inputs: Vec<u64> = Vec::with_capacity(n);
-    // Every block id seen so far.
-    let mut seen: HashSet<BlockHash> = HashSet::new();
-    // Block id -> the request whose last newly introduced full block it is.
-    let mut key_of: HashMap<BlockHash, usize> = HashMap::new();
-    for (i, (list, input)) in requests.enumerate() {
+    /// Every block id seen so far.
+    seen: HashSet<BlockHash>,
+    /// Block id -> (input, session) of the request whose last newly introduced full block it is.
+    key_of: HashMap<BlockHash, (u64, u64)>,
+    /// Sessions found so far (numbered `0, 1, …` in order of their first request).
+    sessions: u64,
+}
+
+impl SessionInference {
+    pub(crate) fn new(block_size: BlockSize) -> Self {
+        SessionInference {
+            block_size,
+            seen: HashSet::new(),
+            key_of: HashMap::new(),
+            sessions: 0,
+        }
+    }
+
+    /// Sessions found so far.
+    pub(crate) fn sessions(&self) -> u64 {
+        self.sessions
+    }
+
+    /// The session of the next request: the number of the session it continues, or a new one.
+    pub(crate) fn push(&mut self, list: &[BlockHash], input: u64) -> u64 {
         let mut parent = None;
         for id in list {
-            if let Some(&a) = key_of.get(id)
-                && inputs[a] < input
+            if let Some(&(a_input, a_session)) = self.key_of.get(id)
+                && a_input < input
             {
-                parent = Some(a);
+                parent = Some(a_session);
             }
         }
-        roots.push(parent.map_or(i, |a| roots[a]));
-        inputs.push(input);
-
-        let full = usize::try_from(block_size.full_blocks(input))
+        let session = parent.unwrap_or_else(|| {
+            self.sessions += 1;
+            self.sessions - 1
+        });
+        let full = usize::try_from(self.block_size.full_blocks(input))
             .unwrap_or(usize::MAX)
             .min(list.len());
         let mut last_new = None;
         for (k, id) in list.iter().enumerate() {
-            if seen.insert(*id) && k < full {
+            if self.seen.insert(*id) && k < full {
                 last_new = Some(*id);
             }
         }
         if let Some(id) = last_new {
-            key_of.insert(id, i);
+            self.key_of.insert(id, (input, session));
         }
+        session
     }
-    roots
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sessions(lists: &[(&[BlockHash], u64)], bs: BlockSize) -> Vec<u64> {
+        let mut inference = SessionInference::new(bs);
+        lists.iter().map(|(l, n)| inference.push(l, *n)).collect()
+    }
 
     fn ids(v: &[u64]) -> Vec<BlockHash> {
         v.iter().copied().map(BlockHash).collect()
@@ -69,8 +92,7 @@ mod tests {
         let c = ids(&[7, 8]);
         let d = ids(&[1, 9, 10, 11, 12]);
         let lists = [(&a[..], 14), (&b[..], 18), (&c[..], 8), (&d[..], 20)];
-        let roots = infer_roots(lists.iter().map(|(l, n)| (*l, *n)), bs);
-        assert_eq!(roots, vec![0, 0, 2, 3]);
+        assert_eq!(sessions(&lists, bs), vec![0, 0, 1, 2]);
     }
 
     #[test]
@@ -78,7 +100,6 @@ mod tests {
         let bs = BlockSize::new(4).unwrap();
         let a = ids(&[1, 2, 3]);
         let b = ids(&[1, 2, 3]);
-        let roots = infer_roots([(&a[..], 12), (&b[..], 12)].into_iter(), bs);
-        assert_eq!(roots, vec![0, 1]);
+        assert_eq!(sessions(&[(&a[..], 12), (&b[..], 12)], bs), vec![0, 1]);
     }
 }
