@@ -399,6 +399,20 @@ impl V2<'_, '_> {
                 )
             })
             .collect();
+        // Cheapest first, round-robin order among equal costs: a host's best prefill worker
+        // is the first it may use, found in a step or two instead of a pass over all of them
+        // (the same choice as that pass: strictly cheaper wins, ties keep round-robin order).
+        // (Sorted once per room term a host may add, so rounding ties break as that pass does.)
+        let sorted = |extra: f64| {
+            let mut k: Vec<usize> = (0..prefillers.len()).collect();
+            k.sort_by(|&a, &b| {
+                (prefillers[a].3 + extra)
+                    .total_cmp(&(prefillers[b].3 + extra))
+                    .then(a.cmp(&b))
+            });
+            k
+        };
+        let by_cost = [sorted(0.0), sorted(l.no_room_s)];
         let mut out = vec![None; ctx.width()];
         for slot in self.hosts.iter() {
             let h = WorkerId(slot as u32);
@@ -430,18 +444,23 @@ impl V2<'_, '_> {
             if ctx.healthy_d.contains(slot) {
                 let room_pd = room(need(0));
                 let local_capable = ctx.healthy_local.contains(slot);
-                for &(p, cached, pf, cost) in &prefillers {
-                    // A worker that hosts sessions prefills for a host that cannot serve
-                    // alone only: its queue and pool are its sessions' too, and the transfer
-                    // needs room on both sides. A prefill worker is used by a turn with a
-                    // local path only while it has headroom.
+                // A worker that hosts sessions prefills for a host that cannot serve alone
+                // only: its queue and pool are its sessions' too, and the transfer needs room
+                // on both sides. A prefill worker is used by a turn with a local path only
+                // while it has headroom.
+                let usable = |p: WorkerId| {
                     let hosting = self.hosts.contains(p.0 as usize) && local_capable;
                     let busy = has_local && ctx.state.prefill_backlog_s(p) > l.p_headroom_s;
-                    if p == h || hosting || busy {
-                        continue;
-                    }
+                    p != h && !hosting && !busy
+                };
+                let order = &by_cost[usize::from(room_pd != 0.0)];
+                let cheapest = order
+                    .iter()
+                    .map(|&k| prefillers[k])
+                    .find(|&(p, ..)| usable(p));
+                if let Some((p, cached, pf, cost)) = cheapest {
                     let cost = cost + room_pd;
-                    // Strictly cheaper wins: ties keep local, then round-robin order.
+                    // Strictly cheaper wins: a tie keeps local.
                     if best.is_none_or(|b| cost < b.cost_s) {
                         best = Some(Path {
                             via: Via::Prefill(p, cached),
@@ -503,8 +522,14 @@ pub(crate) fn route_with(
         return Ok(ctx.finish(Plan::colocated(w, cached, scores), knobs));
     }
 
-    let paths = local.map(|l| v2.paths(&l, !rejected));
-    let paths = paths.as_deref();
+    // Every host's cheapest path, worked out only for a decision that weighs them (not for a
+    // direct turn that stays on its worker).
+    let all_paths = std::cell::OnceCell::new();
+    let paths = || {
+        all_paths
+            .get_or_init(|| local.map(|l| v2.paths(&l, !rejected)))
+            .as_deref()
+    };
     let migrated = (ExecutionMode::Reseed, Some(FallThroughReason::Migrated));
     let mut reject_count = None;
     let (mode, reason, d) = match (
@@ -513,7 +538,7 @@ pub(crate) fn route_with(
     ) {
         (TurnClass::FirstTurn, _) => {
             let d = v2
-                .pick(None, None, paths, &mut scores)
+                .pick(None, None, paths(), &mut scores)
                 .unwrap_or(WorkerId(0));
             (ExecutionMode::Turn1Seed, None, d)
         }
@@ -527,7 +552,7 @@ pub(crate) fn route_with(
             let others = V2::without(&v2.hosts, decode);
             if v2.over_cap(decode) && v2.any_under(&others) {
                 let d = v2
-                    .pick(None, Some(decode), paths, &mut scores)
+                    .pick(None, Some(decode), paths(), &mut scores)
                     .unwrap_or(WorkerId(0));
                 (migrated.0, migrated.1, d)
             } else {
@@ -554,11 +579,11 @@ pub(crate) fn route_with(
             if can_migrate {
                 reject_count = Some((r, 0));
                 let d = v2
-                    .pick(None, Some(r), paths, &mut scores)
+                    .pick(None, Some(r), paths(), &mut scores)
                     .unwrap_or(WorkerId(0));
                 (migrated.0, migrated.1, d)
             } else {
-                let d = v2.sticky_or_best(session, paths, &mut scores);
+                let d = v2.sticky_or_best(session, paths(), &mut scores);
                 if v2.resident_d(session).is_some_and(|cur| cur != d) {
                     // Moved off a D over the hard cap: a migration, which releases `r`.
                     reject_count = Some((r, 0));
@@ -570,7 +595,7 @@ pub(crate) fn route_with(
             }
         }
         (TurnClass::FallThrough { reason, .. }, _) => {
-            let d = v2.sticky_or_best(session, paths, &mut scores);
+            let d = v2.sticky_or_best(session, paths(), &mut scores);
             if v2.resident_d(session).is_some_and(|cur| cur != d) {
                 (migrated.0, migrated.1, d)
             } else {
@@ -578,7 +603,7 @@ pub(crate) fn route_with(
             }
         }
     };
-    let Some(path) = paths.and_then(|p| p[d.0 as usize]) else {
+    let Some(path) = paths().and_then(|p| p[d.0 as usize]) else {
         let chosen_p = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
         let plan = Plan::p_to_d((mode, reason), d, chosen_p, scores, reject_count);
         return Ok(ctx.finish(plan, knobs));
