@@ -53,7 +53,9 @@ async fn session_turns_seed_then_go_direct_to_d() {
     assert_eq!(d2.decode_worker, d1.decode_worker);
     assert_eq!(d2.prefill_worker, None);
     assert_eq!(d2.cached_tokens, 1_024);
-    assert_eq!(d2.need_tokens, 1_900 - 1_024 + 40);
+    // The append extends the session in place: what it needs beyond the 1,340 tokens the
+    // session holds there (its KV past the reused blocks is replaced), plus the output.
+    assert_eq!(d2.need_tokens, 1_900 - 1_340 + 40);
     assert_eq!(d2.probe_rejected_by, None);
     assert!(d2.decision_id > d1.decision_id);
 
