@@ -7,10 +7,9 @@ mod common;
 use common::front::{Front, options};
 use common::sglang_mock::{generate_body, spawn_mock};
 use common::{CAPACITY, route_req};
-use kvc_core::{ExecutionMode, Outcome, WorkerRole};
+use kvc_core::{ExecutionMode, WorkerRole};
 use kvc_policy::MAX_WORKERS;
 use kvc_proto::convert::ProtoEnum;
-use kvc_proto::pb;
 use kvc_router::{RouterConfig, RouterService, WorkerConfig};
 use std::time::Duration;
 
@@ -79,16 +78,7 @@ async fn a_fleet_of_4096_workers_routes_over_grpc_and_http() {
         ExecutionMode::Turn1Seed
     );
     assert_eq!((d1.prefill_worker, d1.decode_worker), (Some(0), ROOMY));
-    s.cluster
-        .client
-        .report_outcome(pb::OutcomeReport {
-            decision_id: d1.decision_id,
-            request_id: 1,
-            outcome: Outcome::Ok.to_proto(),
-            resident_tokens: 1_340,
-        })
-        .await
-        .unwrap();
+    s.cluster.report_ok(d1.decision_id, 1, 1_340).await;
     let d2 = s
         .cluster
         .client
@@ -102,16 +92,7 @@ async fn a_fleet_of_4096_workers_routes_over_grpc_and_http() {
     );
     assert_eq!((d2.prefill_worker, d2.decode_worker), (None, ROOMY));
     assert_eq!(d2.cached_tokens, 1_024);
-    s.cluster
-        .client
-        .report_outcome(pb::OutcomeReport {
-            decision_id: d2.decision_id,
-            request_id: 2,
-            outcome: Outcome::Ok.to_proto(),
-            resident_tokens: 1_940,
-        })
-        .await
-        .unwrap();
+    s.cluster.report_ok(d2.decision_id, 2, 1_940).await;
 
     // HTTP: the same for a session of the front, forwarded and answered.
     let session = [("x-session-id", "agent-4096")];

@@ -10,6 +10,7 @@ pub mod sglang_mock;
 
 use kvc_admission::{ManualClock, SnapshotWriter};
 use kvc_core::WorkerId;
+use kvc_proto::convert::ProtoEnum;
 use kvc_proto::pb;
 use kvc_proto::pb::router_client::RouterClient;
 use kvc_router::{RouterConfig, RouterService, RunningRouter, WorkerConfig};
@@ -170,6 +171,20 @@ impl Cluster {
 
     pub fn service(&self) -> &Arc<RouterService> {
         self.router.service()
+    }
+
+    /// Reports decision `decision_id` (request `request_id`) served, `resident` tokens left
+    /// on its worker.
+    pub async fn report_ok(&mut self, decision_id: u64, request_id: u64, resident: u64) {
+        self.client
+            .report_outcome(pb::OutcomeReport {
+                decision_id,
+                request_id,
+                outcome: kvc_core::Outcome::Ok.to_proto(),
+                resident_tokens: resident,
+            })
+            .await
+            .unwrap();
     }
 }
 
