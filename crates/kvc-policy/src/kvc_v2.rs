@@ -413,6 +413,27 @@ impl V2<'_, '_> {
             k
         };
         let by_cost = [sorted(0.0), sorted(l.no_room_s)];
+        // The prefill workers a host may use, in cost order, by what rules some out for it:
+        // whether the host serves alone (a worker that hosts sessions is then not used) and
+        // whether it has a local path (a prefill worker over its headroom is then not used).
+        // Filtered once per kind of host, so each host's choice is a step or two, not a pass.
+        let usable_orders: [[[std::cell::OnceCell<Vec<usize>>; 2]; 2]; 2] = Default::default();
+        let usable_order = |room: usize, local_capable: bool, has_local: bool| {
+            usable_orders[room][usize::from(local_capable)][usize::from(has_local)].get_or_init(
+                || {
+                    by_cost[room]
+                        .iter()
+                        .copied()
+                        .filter(|&k| {
+                            let p = prefillers[k].0;
+                            let hosting = self.hosts.contains(p.0 as usize) && local_capable;
+                            let busy = has_local && ctx.state.prefill_backlog_s(p) > l.p_headroom_s;
+                            !hosting && !busy
+                        })
+                        .collect()
+                },
+            )
+        };
         let mut out = vec![None; ctx.width()];
         for slot in self.hosts.iter() {
             let h = WorkerId(slot as u32);
@@ -448,16 +469,8 @@ impl V2<'_, '_> {
                 // only: its queue and pool are its sessions' too, and the transfer needs room
                 // on both sides. A prefill worker is used by a turn with a local path only
                 // while it has headroom.
-                let usable = |p: WorkerId| {
-                    let hosting = self.hosts.contains(p.0 as usize) && local_capable;
-                    let busy = has_local && ctx.state.prefill_backlog_s(p) > l.p_headroom_s;
-                    p != h && !hosting && !busy
-                };
-                let order = &by_cost[usize::from(room_pd != 0.0)];
-                let cheapest = order
-                    .iter()
-                    .map(|&k| prefillers[k])
-                    .find(|&(p, ..)| usable(p));
+                let order = usable_order(usize::from(room_pd != 0.0), local_capable, has_local);
+                let cheapest = order.iter().map(|&k| prefillers[k]).find(|&(p, ..)| p != h);
                 if let Some((p, cached, pf, cost)) = cheapest {
                     let cost = cost + room_pd;
                     // Strictly cheaper wins: a tie keeps local.
