@@ -46,8 +46,9 @@ COMMANDS:
                      180-block request scoring every D, 1,000+ known blocks per worker
                  policy.select_ns.<dN>.kvc-v2-direct, policy.select_ns.<dN>.kvc-direct
                      the same for a later turn of a resident session (direct-to-D: one
-                     candidate), kvc-v2 and kvc: what grows from d8 to d4094 is the
-                     per-decision pass over the fleet's views
+                     candidate), kvc-v2 and kvc; decisions on a prepared fleet, as the
+                     router and the simulator make them (a direct turn's cost does not
+                     grow with the fleet)
                  policy.sessions.decision_p99_us_1k, policy.sessions.decision_p99_us_1m,
                  policy.sessions.p99_1m_vs_1k, policy.sessions.bytes_per_session_1m
                      kvc decision (route + apply + completion, 2p8d) timed one by one,

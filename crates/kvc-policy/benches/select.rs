@@ -12,6 +12,9 @@
 //! - `select/dN/kvc-v2-direct`, `select/dN/kvc-direct`: `kvc-v2` and `kvc` on a later turn of a
 //!   resident session (the direct-to-D path, the common case: one candidate, whatever the
 //!   fleet).
+//!
+//! Decisions are made as the router and the simulator make them: on a prepared [`Fleet`]
+//! (`route_in`), so what is measured is the decision, not a pass over the fleet's views.
 #![forbid(unsafe_code)]
 
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -19,8 +22,8 @@ use kvc_core::{
     BlockHash, Outcome, RequestId, SessionId, TurnId, WorkerId, WorkerRole, WorkerState,
 };
 use kvc_policy::{
-    ClusterView, Observation, PolicyConfig, RouteRequest, RouterState, StateBounds, StateChange,
-    WorkerView, route,
+    Fleet, Observation, PolicyConfig, RouteRequest, RouterState, StateBounds, StateChange,
+    WorkerView, route_in,
 };
 use std::hint::black_box;
 
@@ -104,7 +107,7 @@ fn bench_select(c: &mut Criterion) {
         next.extend((0..4).map(|k| BlockHash(8_000_000_000 + k)));
         let direct_req = RouteRequest::new(RequestId(1_000_001), 154 * BLOCK - 100, 50, &next)
             .in_session(SessionId(3), TurnId(2));
-        let view = ClusterView::new(0, &workers);
+        let fleet = Fleet::new(&workers).unwrap();
 
         for name in ["kvc-v2", "kvc", "kv-aware-v0", "cache-aware", "round-robin"] {
             let config = PolicyConfig::from_name(name).unwrap();
@@ -116,14 +119,32 @@ fn bench_select(c: &mut Criterion) {
                 format!("d{d}/{name}")
             };
             group.bench_function(id, |b| {
-                b.iter(|| route(&config, &state, black_box(&view), black_box(&fork_req)).unwrap())
+                b.iter(|| {
+                    route_in(
+                        &config,
+                        &state,
+                        black_box(&fleet),
+                        &fleet,
+                        0,
+                        black_box(&fork_req),
+                    )
+                    .unwrap()
+                })
             });
             if name == "kvc-v2" || name == "kvc" {
-                let decision = route(&config, &state, &view, &direct_req).unwrap();
+                let decision = route_in(&config, &state, &fleet, &fleet, 0, &direct_req).unwrap();
                 assert!(decision.is_direct());
                 group.bench_function(format!("d{d}/{name}-direct"), |b| {
                     b.iter(|| {
-                        route(&config, &state, black_box(&view), black_box(&direct_req)).unwrap()
+                        route_in(
+                            &config,
+                            &state,
+                            black_box(&fleet),
+                            &fleet,
+                            0,
+                            black_box(&direct_req),
+                        )
+                        .unwrap()
                     })
                 });
             }

@@ -152,7 +152,7 @@ pub(crate) fn route(cfg: &CacheAwareConfig, ctx: &Ctx<'_>) -> Result<Decision, P
     ctx.require_d()?;
     let knobs = Knobs::new(cfg.incremental_footprint, cfg.backpressure);
     let mut scores = ctx.score_list();
-    let (d, d_depth) = pick(ctx, cfg, &ctx.healthy_d, ctx.d_role(), &mut scores);
+    let (d, d_depth) = pick(ctx, cfg, ctx.healthy_d, ctx.d_role(), &mut scores);
     if ctx.colocated {
         let cached = ctx.reusable(d_depth, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(d, cached, scores), knobs));

@@ -87,6 +87,20 @@ impl WorkerSet {
         )
     }
 
+    /// The workers in either set.
+    pub(crate) fn or(&self, other: &WorkerSet) -> WorkerSet {
+        let (long, short) = if self.0.len() >= other.0.len() {
+            (self, other)
+        } else {
+            (other, self)
+        };
+        let mut out = long.clone();
+        for (w, s) in out.0.iter_mut().zip(short.0.iter()) {
+            *w |= s;
+        }
+        out
+    }
+
     pub(crate) fn and_not(&self, other: &WorkerSet) -> WorkerSet {
         let mut out = self.clone();
         for (i, a) in out.0.iter_mut().enumerate() {
@@ -479,9 +493,9 @@ impl BlockIndex {
         }
     }
 
-    /// The member for `h` on `slot` in `view`, created (with no reference, most recently
-    /// used) if missing.
-    fn member(&mut self, slot: usize, view: BlockView, h: BlockHash) -> u32 {
+    /// The member for `h` on `slot` in `view`, and whether it is new: created (with no
+    /// reference, not yet among the entry's holders, most recently used) if missing.
+    fn member(&mut self, slot: usize, view: BlockView, h: BlockHash) -> (u32, bool) {
         let next_entry = match self.free_entries.last() {
             Some(&e) => e,
             None => self.slab.len() as u32,
@@ -500,9 +514,10 @@ impl BlockIndex {
             }
         }
         let key = member_key(entry, slot, view);
-        if let Some(&m) = self.members.get(&key) {
-            return m;
-        }
+        let vacant = match self.members.entry(key) {
+            std::collections::hash_map::Entry::Occupied(o) => return (*o.get(), false),
+            std::collections::hash_map::Entry::Vacant(v) => v,
+        };
         let link = Member {
             entry,
             slot: slot as u16,
@@ -521,10 +536,10 @@ impl BlockIndex {
                 (self.links.len() - 1) as u32
             }
         };
-        self.members.insert(key, m);
+        vacant.insert(m);
         self.list_mut(slot, view);
         self.push_tail(m);
-        m
+        (m, true)
     }
 
     /// Removes member `m`: its worker no longer holds the block in that view.
@@ -566,11 +581,14 @@ impl BlockIndex {
     pub(crate) fn record_seen(&mut self, slot: usize, blocks: &[BlockHash]) {
         // Deepest first, so the prefix is the most recently used.
         for &h in blocks.iter().rev() {
-            let m = self.member(slot, BlockView::Seen, h);
-            let link = &mut self.links[m as usize];
-            link.refs = 1;
-            let entry = link.entry as usize;
-            self.slab[entry].seen.insert(slot);
+            let (m, fresh) = self.member(slot, BlockView::Seen, h);
+            if fresh {
+                // (A seen member is among its entry's holders from its creation on.)
+                let link = &mut self.links[m as usize];
+                link.refs = 1;
+                let entry = link.entry as usize;
+                self.slab[entry].seen.insert(slot);
+            }
             self.touch(m);
         }
         self.trim(slot, BlockView::Seen);
@@ -579,7 +597,7 @@ impl BlockIndex {
     /// Adds one live reference of worker `slot` to each of `blocks`.
     pub(crate) fn add_live(&mut self, slot: usize, blocks: &[BlockHash]) {
         for &h in blocks.iter().rev() {
-            let m = self.member(slot, BlockView::Live, h);
+            let (m, _) = self.member(slot, BlockView::Live, h);
             let link = &mut self.links[m as usize];
             link.refs += 1;
             let entry = link.entry as usize;

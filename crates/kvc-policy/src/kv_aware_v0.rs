@@ -101,7 +101,7 @@ fn pick(
     sticky_to: Option<WorkerId>,
     scores: &mut Vec<ScoreEntry>,
 ) -> (WorkerId, u32) {
-    let depths = ctx.depths(&ctx.healthy_d, BlockView::Seen);
+    let depths = ctx.depths(ctx.healthy_d, BlockView::Seen);
     let use_overlap = cfg.first_turn_overlap || !ctx.first_turn();
     let mut best = None;
     for slot in ctx.healthy_d.iter() {

@@ -263,6 +263,7 @@ impl V2<'_, '_> {
             (None, _) => 0.0,
         };
         let cap = f64::from(cfg.overlap_cap_blocks);
+        scores.reserve(self.hosts.len());
         let mut best: Option<RankKey> = None;
         for slot in self.hosts.iter() {
             let id = WorkerId(slot as u32);
@@ -369,8 +370,7 @@ impl V2<'_, '_> {
         };
         // What each prefill worker would cost, whatever the host (the transfer aside).
         let transfer = l.transfer_s(req.input_length);
-        let order =
-            crate::round_robin::order(&ctx.healthy_p, ctx.state.cursor(WorkerRole::Prefill));
+        let order = crate::round_robin::order(ctx.healthy_p, ctx.state.cursor(WorkerRole::Prefill));
         // What a worker holds of the prompt for a prefill it runs for another: a prefill
         // worker's prefix cache (the grow-only view, as `d-health-aware` reads it); a worker
         // that hosts sessions, what is resident there (its live view).

@@ -103,6 +103,7 @@ mod config;
 mod decision;
 mod error;
 mod fallthrough;
+mod fleet;
 mod footprint;
 mod index;
 mod kv_aware_v0;
@@ -121,6 +122,7 @@ pub use config::PolicyConfig;
 pub use decision::{Component, Decision, ScoreEntry, StateChange};
 pub use error::PolicyError;
 pub use fallthrough::{TurnClass, classify_turn, is_first_turn};
+pub use fleet::{Fleet, WorkerStates};
 pub use footprint::footprint_tokens;
 pub use kv_aware_v0::KvAwareV0Config;
 pub use kvc::KvcConfig;
@@ -128,7 +130,7 @@ pub use kvc_core::PrefillPolicy;
 pub use kvc_v2::KvcV2Config;
 pub use local::LocalPrefillConfig;
 pub use round_robin::RoundRobinConfig;
-pub use route::route;
+pub use route::{route, route_in};
 pub use state::{
     MAX_RESERVED, Observation, Residency, RouterState, SessionRoute, StateBounds, reserved,
 };

@@ -91,7 +91,7 @@ pub(crate) fn route(cfg: &RoundRobinConfig, ctx: &Ctx<'_>) -> Result<Decision, P
     ctx.require_d()?;
     let knobs = Knobs::new(cfg.incremental_footprint, cfg.backpressure);
     let mut scores = ctx.score_list();
-    let d = pick(ctx, &ctx.healthy_d, ctx.d_role(), &mut scores);
+    let d = pick(ctx, ctx.healthy_d, ctx.d_role(), &mut scores);
     if ctx.colocated {
         let cached = ctx.cached_on(d, BlockView::Seen, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(d, cached, scores), knobs));

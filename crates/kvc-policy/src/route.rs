@@ -5,14 +5,13 @@ use crate::config::PolicyConfig;
 use crate::decision::{Decision, ScoreEntry, StateChange};
 use crate::error::PolicyError;
 use crate::fallthrough::{TurnClass, classify_with, is_first_turn};
+use crate::fleet::{Fleet, WorkerStates};
 use crate::footprint::footprint_tokens;
 use crate::index::{BlockView, Depths, WorkerSet};
 use crate::state::{RouterState, SessionRoute};
-use crate::view::{ClusterView, RouteRequest, WorkerView};
+use crate::view::{ClusterView, RouteRequest};
 use crate::{cache_aware, kv_aware_v0, kvc, kvc_v2, round_robin};
-use kvc_core::{
-    BlockSize, ExecutionMode, FallThroughReason, Topology, WorkerId, WorkerRole, WorkerState,
-};
+use kvc_core::{BlockSize, ExecutionMode, FallThroughReason, WorkerId, WorkerRole, WorkerState};
 
 /// Decides where `req` goes.
 ///
@@ -39,7 +38,27 @@ pub fn route(
     req: &RouteRequest<'_>,
 ) -> Result<Decision, PolicyError> {
     config.validate()?;
-    let ctx = Ctx::new(state, cluster, req)?;
+    let fleet = Fleet::new(cluster.workers)?;
+    route_in(config, state, &fleet, &fleet, cluster.now_ms, req)
+}
+
+/// [`route`] on a prepared [`Fleet`], reading the published state of only the workers the
+/// decision weighs from `states` (the fleet itself, or the caller's live source): a decision
+/// costs what its candidates cost, not what the fleet is. `now_ms` is the caller's clock.
+///
+/// The same decision as [`route`] on a cluster view of the fleet's workers with the states
+/// `states` gives and the health the fleet holds. Errors: as [`route`] (the fleet's topology
+/// was checked when it was made).
+pub fn route_in(
+    config: &PolicyConfig,
+    state: &RouterState,
+    fleet: &Fleet,
+    states: &dyn WorkerStates,
+    now_ms: u64,
+    req: &RouteRequest<'_>,
+) -> Result<Decision, PolicyError> {
+    config.validate()?;
+    let ctx = Ctx::new(state, fleet, states, now_ms, req);
     match config {
         PolicyConfig::RoundRobin(c) => round_robin::route(c, &ctx),
         PolicyConfig::CacheAware(c) => cache_aware::route(c, &ctx),
@@ -54,16 +73,15 @@ pub(crate) struct Ctx<'a> {
     pub(crate) state: &'a RouterState,
     pub(crate) req: &'a RouteRequest<'a>,
     now_ms: u64,
-    workers: &'a [WorkerView],
-    /// Position + 1 in `workers` by id (0 when absent), up to the largest id in the view.
-    pos: Vec<u16>,
+    fleet: &'a Fleet,
+    states: &'a dyn WorkerStates,
     /// All colocated workers.
     pub(crate) colocated: bool,
     /// Healthy workers that decode transferred KV (or healthy colocated workers): the targets
     /// of P→D paths.
-    pub(crate) healthy_d: WorkerSet,
+    pub(crate) healthy_d: &'a WorkerSet,
     /// Healthy workers that prefill for others.
-    pub(crate) healthy_p: WorkerSet,
+    pub(crate) healthy_p: &'a WorkerSet,
     /// Healthy workers of a P/D cluster that serve turns alone and take direct turns.
     pub(crate) healthy_local: WorkerSet,
 }
@@ -71,56 +89,28 @@ pub(crate) struct Ctx<'a> {
 impl<'a> Ctx<'a> {
     fn new(
         state: &'a RouterState,
-        cluster: &'a ClusterView<'a>,
+        fleet: &'a Fleet,
+        states: &'a dyn WorkerStates,
+        now_ms: u64,
         req: &'a RouteRequest<'a>,
-    ) -> Result<Self, PolicyError> {
-        let colocated = matches!(cluster.topology()?, Topology::Colocated { .. });
-        let width = cluster
-            .workers
-            .iter()
-            .map(|w| w.id.0 as usize + 1)
-            .max()
-            .unwrap_or(0);
-        let mut pos = vec![0u16; width];
-        let (mut healthy_d, mut healthy_p) = (WorkerSet::EMPTY, WorkerSet::EMPTY);
-        let mut healthy_local = WorkerSet::EMPTY;
-        for (i, w) in cluster.workers.iter().enumerate() {
-            let slot = w.id.0 as usize;
-            pos[slot] = (i + 1) as u16;
-            if !w.is_routable() {
-                continue;
-            }
-            if colocated || w.caps.decode {
-                healthy_d.insert(slot);
-            }
-            if !colocated && w.caps.prefill {
-                healthy_p.insert(slot);
-            }
-            if !colocated && w.caps.local && state.accepts_direct(w.id) {
-                healthy_local.insert(slot);
-            }
-        }
-        Ok(Ctx {
+    ) -> Self {
+        Ctx {
             state,
             req,
-            now_ms: cluster.now_ms,
-            workers: cluster.workers,
-            pos,
-            colocated,
-            healthy_d,
-            healthy_p,
-            healthy_local,
-        })
+            now_ms,
+            fleet,
+            states,
+            colocated: fleet.is_colocated(),
+            healthy_d: fleet.healthy_d(),
+            healthy_p: fleet.healthy_p(),
+            healthy_local: fleet.healthy_local().and_not(state.no_direct()),
+        }
     }
 
     /// Healthy workers that host sessions: those that decode transferred KV and those that
     /// serve turns alone.
     pub(crate) fn hosts(&self) -> WorkerSet {
-        let mut set = self.healthy_d.clone();
-        for slot in self.healthy_local.iter() {
-            set.insert(slot);
-        }
-        set
+        self.healthy_d.or(&self.healthy_local)
     }
 
     /// The role of the worker that decodes: `decode`, or `colocated`.
@@ -144,9 +134,12 @@ impl<'a> Ctx<'a> {
     }
 
     /// The published state of a worker present in the view.
-    pub(crate) fn worker_state(&self, id: WorkerId) -> &'a WorkerState {
-        let p = self.pos[id.0 as usize] as usize;
-        &self.workers[p - 1].state
+    pub(crate) fn worker_state(&self, id: WorkerId) -> WorkerState {
+        debug_assert!(
+            self.fleet.worker(id).is_some(),
+            "worker {id:?} not in the fleet"
+        );
+        self.states.state(id)
     }
 
     /// In-flight requests on a worker: the larger of the published count and the router's own
@@ -181,7 +174,7 @@ impl<'a> Ctx<'a> {
 
     /// One past the largest worker id in the view: the length of per-worker scratch tables.
     pub(crate) fn width(&self) -> usize {
-        self.pos.len()
+        self.fleet.width()
     }
 
     /// Tokens of the request covered by `depth` leading blocks.
@@ -203,9 +196,10 @@ impl<'a> Ctx<'a> {
         self.reusable(depth, block_size)
     }
 
-    /// An empty score list with room for every healthy worker.
+    /// An empty score list (each policy reserves room for the candidates it scores: a direct
+    /// turn scores one worker, not the fleet).
     pub(crate) fn score_list(&self) -> Vec<ScoreEntry> {
-        Vec::with_capacity(self.healthy_d.len() + self.healthy_p.len())
+        Vec::new()
     }
 
     /// Classifies a later turn in a P/D topology (see [`crate::classify_turn`]).
@@ -282,7 +276,7 @@ impl<'a> Ctx<'a> {
             need_tokens
         };
         let recommended_pause_ms = recommended_pause_ms(
-            self.worker_state(plan.decode),
+            &self.worker_state(plan.decode),
             self.state.oldest_kv_wait_ms(plan.decode, self.now_ms),
             &knobs.backpressure,
         );

@@ -260,6 +260,11 @@ impl RouterState {
         }
     }
 
+    /// Workers that take no direct-to-D turns.
+    pub(crate) fn no_direct(&self) -> &WorkerSet {
+        &self.no_direct
+    }
+
     /// Whether `worker` takes direct-to-D turns (see [`RouterState::set_direct_append`]).
     pub fn accepts_direct(&self, worker: WorkerId) -> bool {
         !self.no_direct.contains(worker.0 as usize)

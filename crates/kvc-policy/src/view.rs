@@ -83,46 +83,7 @@ impl<'a> ClusterView<'a> {
     /// without one that decodes transferred KV;
     /// [`PolicyError::WorkerIdOutOfRange`] and [`PolicyError::DuplicateWorker`] for bad ids.
     pub fn topology(&self) -> Result<Topology, PolicyError> {
-        let (mut p, mut d, mut c) = (0u32, 0u32, 0u32);
-        let (mut can_p, mut can_d, mut all, mut hosting_p) = (false, false, true, false);
-        let mut ids = crate::index::WorkerSet::EMPTY;
-        for w in self.workers {
-            let slot = w.id.0 as usize;
-            if slot >= MAX_WORKERS {
-                return Err(PolicyError::WorkerIdOutOfRange(w.id));
-            }
-            if ids.contains(slot) {
-                return Err(PolicyError::DuplicateWorker(w.id));
-            }
-            ids.insert(slot);
-            can_p |= w.caps.prefill;
-            can_d |= w.caps.decode;
-            all &= w.caps.prefill && w.caps.decode;
-            hosting_p |= w.role == WorkerRole::Prefill && w.caps.hosts_sessions();
-            match w.role {
-                WorkerRole::Prefill => p += 1,
-                WorkerRole::Decode => d += 1,
-                WorkerRole::Colocated => c += 1,
-            }
-        }
-        match (p, d, c) {
-            (0, 0, 0) => Err(PolicyError::WrongTopology {
-                detail: "the cluster view has no workers",
-            }),
-            (0, 0, workers) => Ok(Topology::Colocated { workers }),
-            (_, _, 1..) => Err(PolicyError::WrongTopology {
-                detail: "colocated workers mixed with prefill/decode workers",
-            }),
-            _ if !can_p => Err(PolicyError::WrongTopology {
-                detail: "decode workers but no prefill worker",
-            }),
-            _ if !can_d => Err(PolicyError::WrongTopology {
-                detail: "prefill workers but no decode worker",
-            }),
-            (0, workers, 0) if all && workers >= 2 => Ok(Topology::AllCapable { workers }),
-            (prefill, decode, 0) if hosting_p => Ok(Topology::Hybrid { prefill, decode }),
-            (prefill, decode, 0) => Ok(Topology::Disaggregated { prefill, decode }),
-        }
+        crate::fleet::topology_of(self.workers)
     }
 }
 

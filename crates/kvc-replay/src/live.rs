@@ -25,7 +25,7 @@ use kvc_core::{ExecutionMode, FallThroughReason, StateSource, WorkerId};
 use kvc_engine_sim::model::{Engine, Micros};
 use kvc_engine_sim::publish::{Publisher, engine_signals, kv_events};
 use kvc_engine_sim::{WorkerError, check_pacing, check_router_state};
-use kvc_policy::{ClusterView, Observation, RouteRequest};
+use kvc_policy::{Fleet, Observation, RouteRequest, WorkerStates};
 use kvc_proto::convert::ProtoEnum;
 use kvc_proto::pb;
 use kvc_proto::pb::router_client::RouterClient;
@@ -248,7 +248,13 @@ impl RemoteDecider {
 }
 
 impl Decider for RemoteDecider {
-    fn route(&mut self, _cluster: &ClusterView<'_>, req: &RouteRequest<'_>) -> Option<Routed> {
+    fn route(
+        &mut self,
+        _fleet: &Fleet,
+        _states: &dyn WorkerStates,
+        _now_ms: u64,
+        req: &RouteRequest<'_>,
+    ) -> Option<Routed> {
         let mut msg = pb::RouteRequest::from(req);
         if self.keyed_sessions {
             msg.session_id = req

@@ -6,6 +6,7 @@
 //! (outcomes, `CommitEvict`, probes).
 
 mod feedback;
+mod fleet;
 mod route;
 
 use crate::config::RouterConfig;
@@ -44,6 +45,7 @@ struct Core {
     /// Decision ids in creation order (may hold ids already reported; compacted when long).
     pending_order: VecDeque<u64>,
     forgotten: Vec<(SessionId, Forgotten)>,
+    fleet: fleet::FleetCache,
 }
 
 /// What a probe of a worker said.
@@ -131,6 +133,8 @@ pub struct RouterService {
     kv_index: kvc_events::SharedIndex,
     /// When the service was made, on its clock (the KV-event catch-up window starts here).
     started_ms: u64,
+    /// Changes of any worker's health ([`fleet::FleetCache`]).
+    health_epoch: Arc<AtomicU64>,
 }
 
 /// How long after start readiness waits for each worker's KV-cache events to catch up (the
@@ -165,11 +169,17 @@ impl RouterService {
     /// writers must stamp their publishes with the same clock).
     pub fn with_clock(config: RouterConfig, clock: SharedClock) -> Result<Self, ConfigError> {
         config.validate()?;
+        let health_epoch = Arc::new(AtomicU64::new(0));
         let workers: Vec<WorkerEntry> = config
             .workers
             .iter()
-            .map(|w| WorkerEntry::new(w, &config))
+            .map(|w| {
+                let mut entry = WorkerEntry::new(w, &config);
+                entry.share_health_epoch(&health_epoch);
+                entry
+            })
             .collect();
+        let fleet = fleet::FleetCache::new(&workers);
         let mut slots = vec![None; MAX_WORKERS];
         for (i, w) in workers.iter().enumerate() {
             slots[w.id.0 as usize] = Some(i);
@@ -194,6 +204,7 @@ impl RouterService {
                 pending: HashMap::with_capacity(kvc_policy::reserved(config.max_pending_decisions)),
                 pending_order: VecDeque::new(),
                 forgotten: Vec::new(),
+                fleet,
             }),
             config,
             clock,
@@ -205,6 +216,7 @@ impl RouterService {
             scrape_client: crate::worker_http::WorkerClient::new(Default::default()),
             kv_index: Arc::new(RwLock::new(kvc_events::KvIndex::new())),
             started_ms,
+            health_epoch,
         };
         service.refresh_workers();
         Ok(service)
@@ -417,17 +429,13 @@ impl RouterService {
     /// Where the engines' KV-cache events place `session`: the worker that hosts sessions
     /// holding the most of its blocks (a decode worker on a tie), and how many; `None` when
     /// no such worker holds any.
-    pub(crate) fn events_placement(
-        &self,
-        session: SessionId,
-        views: &[kvc_policy::WorkerView],
-    ) -> Option<(WorkerId, u32)> {
+    pub(crate) fn events_placement(&self, session: SessionId) -> Option<(WorkerId, u32)> {
         let residency = self.kv_index.read().session_residency(session);
         residency
             .into_iter()
             .filter(|(_, n)| *n > 0)
             .filter_map(|(w, n)| {
-                let v = views.iter().find(|v| v.id == w)?;
+                let v = self.entry(w.0)?;
                 v.caps
                     .hosts_sessions()
                     .then_some((n, v.role == kvc_core::WorkerRole::Decode, w))
@@ -452,6 +460,14 @@ impl RouterService {
             .any(|w| w.source == StateSource::Service && w.has_service())
     }
 
+    /// How many decisions worked out every worker's health: the healthy workers of each kind
+    /// are kept between decisions and worked out again only when some worker's health changed
+    /// (a failed poll or scrape, an unreadable snapshot, a worker answering again, the HTTP
+    /// front's circuit breaker) or a state may have grown stale since.
+    pub fn fleet_health_passes(&self) -> u64 {
+        self.core.lock().fleet.passes()
+    }
+
     /// Every worker as a policy sees it now.
     pub fn worker_views(&self) -> Vec<WorkerView> {
         let now = self.now_ms();
@@ -465,7 +481,7 @@ impl RouterService {
     pub fn set_http_down(&self, worker: WorkerId, down: bool) -> bool {
         match self.entry(worker.0) {
             Some(e) => {
-                e.http_down.store(down, Ordering::Relaxed);
+                e.set_http_down(down);
                 true
             }
             None => false,

@@ -36,6 +36,38 @@ struct Live {
     released_at_scrape: u64,
 }
 
+/// A write of a worker's last state ([`WorkerEntry::live_write`]).
+struct LiveWrite<'a> {
+    entry: &'a WorkerEntry,
+    guard: parking_lot::RwLockWriteGuard<'a, Live>,
+    before: Health,
+    now_ms: u64,
+}
+
+impl std::ops::Deref for LiveWrite<'_> {
+    type Target = Live;
+
+    fn deref(&self) -> &Live {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for LiveWrite<'_> {
+    fn deref_mut(&mut self) -> &mut Live {
+        &mut self.guard
+    }
+}
+
+impl Drop for LiveWrite<'_> {
+    fn drop(&mut self) {
+        if self.entry.health_of(&self.guard, self.now_ms).0 != self.before {
+            self.entry
+                .health_epoch
+                .fetch_add(1, std::sync::atomic::Ordering::Release);
+        }
+    }
+}
+
 /// One worker.
 #[derive(Debug)]
 pub(crate) struct WorkerEntry {
@@ -58,6 +90,10 @@ pub(crate) struct WorkerEntry {
     address: Option<String>,
     client: OnceLock<WorkerClient>,
     live: RwLock<Live>,
+    /// Counts changes of any worker's health (shared by the router's workers): a write of a
+    /// worker's state that changes its health, judged when written, adds one, so the router
+    /// knows when the healthy sets it keeps must be worked out again.
+    health_epoch: Arc<std::sync::atomic::AtomicU64>,
     /// Out of rotation by the HTTP front's circuit breaker (overrides any other health).
     pub(crate) http_down: std::sync::atomic::AtomicBool,
     /// The engine's `/metrics`, when the state comes from it.
@@ -140,6 +176,7 @@ impl WorkerEntry {
                 reported: Health::Healthy,
                 released_at_scrape: 0,
             }),
+            health_epoch: Arc::default(),
             http_down: std::sync::atomic::AtomicBool::new(false),
             scraped,
             kv_events: cfg.kv_events.as_ref().map(|endpoint| KvEventsSource {
@@ -185,26 +222,64 @@ impl WorkerEntry {
                 .saturating_sub(live.released_at_scrape);
             s.used_tokens = s.used_tokens.saturating_sub(since);
         }
-        match live.last_ok_ms {
-            None => {
-                s.health = Health::Down;
-                s.state_age_ms = u64::MAX;
-            }
-            Some(ok) => {
-                s.state_age_ms = now_ms.saturating_sub(ok);
-                s.health = if live.failing {
-                    Health::Down
-                } else if s.state_age_ms > self.stale_after_ms {
-                    Health::Stale
-                } else {
-                    live.reported
-                };
-            }
-        }
-        if self.http_down.load(std::sync::atomic::Ordering::Relaxed) {
-            s.health = Health::Down;
-        }
+        s.state_age_ms = live
+            .last_ok_ms
+            .map_or(u64::MAX, |ok| now_ms.saturating_sub(ok));
+        s.health = self.health_of(&live, now_ms).0;
         s
+    }
+
+    /// The health of `live` at `now_ms`, and the time from which it changes by itself (the
+    /// state grows stale) if nothing is written: `None` when only a write can change it.
+    fn health_of(&self, live: &Live, now_ms: u64) -> (Health, Option<u64>) {
+        if self.http_down.load(std::sync::atomic::Ordering::Relaxed) {
+            return (Health::Down, None);
+        }
+        match live.last_ok_ms {
+            None => (Health::Down, None),
+            Some(_) if live.failing => (Health::Down, None),
+            Some(ok) if now_ms.saturating_sub(ok) > self.stale_after_ms => (Health::Stale, None),
+            Some(ok) => (
+                live.reported,
+                Some(ok.saturating_add(self.stale_after_ms).saturating_add(1)),
+            ),
+        }
+    }
+
+    /// The health at `now_ms` and when it changes by itself ([`WorkerEntry::health_of`]).
+    pub(crate) fn health_until(&self, now_ms: u64) -> (Health, Option<u64>) {
+        self.health_of(&self.live.read(), now_ms)
+    }
+
+    /// Shares the counter of health changes the router's workers add to.
+    pub(crate) fn share_health_epoch(&mut self, epoch: &Arc<std::sync::atomic::AtomicU64>) {
+        self.health_epoch = Arc::clone(epoch);
+    }
+
+    /// Takes the HTTP front's circuit breaker's word (see [`WorkerEntry::http_down`]); a change
+    /// of it counts as a change of health.
+    pub(crate) fn set_http_down(&self, down: bool) {
+        if self
+            .http_down
+            .swap(down, std::sync::atomic::Ordering::Relaxed)
+            != down
+        {
+            self.health_epoch
+                .fetch_add(1, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// The last state, for a write judged at `now_ms`: a write that changes the worker's
+    /// health then counts in the router's health epoch.
+    fn live_write(&self, now_ms: u64) -> LiveWrite<'_> {
+        let guard = self.live.write();
+        let before = self.health_of(&guard, now_ms).0;
+        LiveWrite {
+            entry: self,
+            guard,
+            before,
+            now_ms,
+        }
     }
 
     pub(crate) fn view_at(&self, now_ms: u64) -> WorkerView {
@@ -243,7 +318,7 @@ impl WorkerEntry {
                             self.capacity_tokens
                         ),
                     );
-                    self.live.write().failing = true;
+                    self.live_write(now_ms).failing = true;
                     return None;
                 }
                 if self.open_failure.lock().take().is_some() {
@@ -307,7 +382,7 @@ impl WorkerEntry {
     fn apply_read(&self, reader: &SnapshotReader, now_ms: u64) -> bool {
         match reader.read() {
             Ok(data) => {
-                let mut live = self.live.write();
+                let mut live = self.live_write(now_ms);
                 let newer = live.last_ok_ms.is_none_or(|t| data.publish_ms >= t);
                 if newer {
                     live.state = data.worker_state(now_ms, Health::Healthy);
@@ -321,7 +396,7 @@ impl WorkerEntry {
             Err(ReadError::NotPublished) => false,
             Err(e @ ReadError::Checksum { .. }) => {
                 tracing::warn!(worker = self.id.0, error = %e, "snapshot read failed");
-                self.live.write().failing = true;
+                self.live_write(now_ms).failing = true;
                 false
             }
         }
@@ -352,7 +427,7 @@ impl WorkerEntry {
             Ok(r) => r.map_err(|e| e.to_string()),
             Err(_) => Err("timed out".to_owned()),
         };
-        let mut live = self.live.write();
+        let mut live = self.live_write(now);
         match parsed {
             Ok(state) => {
                 let was_down = live.failing || live.last_ok_ms.is_none();
@@ -402,7 +477,7 @@ impl WorkerEntry {
             Ok(a) => Err(format!("HTTP status {}", a.status)),
             Err(e) => Err(e.to_string()),
         };
-        let mut live = self.live.write();
+        let mut live = self.live_write(now);
         match load {
             Ok(load) => {
                 if let Some(bs) = load.block_size {

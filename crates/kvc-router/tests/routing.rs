@@ -526,3 +526,43 @@ async fn workers_without_an_engine_never_get_a_local_turn() {
     let modes = first_turn_modes(&mut c, 24).await;
     assert!(modes.contains(&ExecutionMode::LocalPrefill), "{modes:?}");
 }
+
+#[tokio::test]
+async fn decisions_keep_the_fleet_health_until_it_changes() {
+    let mut c = Cluster::start(|_| {}).await;
+    c.wait_health(&[0, 1, 2], Health::Healthy).await;
+    let svc = c.service().clone();
+    let route = |i: u64| route_req(500 + i, Some(500 + i), Some(1), 600, &[i, i + 1]);
+    let first = c.client.route(route(0)).await.unwrap().into_inner();
+    assert_eq!(mode(&first), ExecutionMode::Turn1Seed);
+    let after_first = svc.fleet_health_passes();
+    assert!(after_first >= 1);
+    // Snapshots refreshed (every 5 ms) without a change of health: no pass over the fleet.
+    for i in 1..=10 {
+        c.client.route(route(i)).await.unwrap();
+    }
+    assert_eq!(svc.fleet_health_passes(), after_first);
+
+    // The circuit breaker takes worker 1 out: the next decision works the health out again
+    // and no decision names it.
+    assert!(svc.set_http_down(kvc_core::WorkerId(1), true));
+    for i in 11..=20 {
+        let d = c.client.route(route(i)).await.unwrap().into_inner();
+        assert_eq!(
+            d.decode_worker, 2,
+            "decision {i} named the worker taken out"
+        );
+    }
+    assert_eq!(svc.fleet_health_passes(), after_first + 1);
+    assert!(svc.set_http_down(kvc_core::WorkerId(1), false));
+
+    // Worker 2's state grows stale with time alone (no write): judged at the first decision
+    // past its deadline.
+    c.clock.advance(common::STALE_MS + 1);
+    c.heartbeat(&[0, 1]);
+    c.wait_health(&[0, 1], Health::Healthy).await;
+    for i in 21..=30 {
+        let d = c.client.route(route(i)).await.unwrap().into_inner();
+        assert_eq!(d.decode_worker, 1, "decision {i} named the stale worker");
+    }
+}

@@ -6,7 +6,10 @@ use super::types::{EngineOptions, Event, Micros, Wake, micros};
 use super::worker::{Active, Worker};
 use kvc_core::HashIds;
 use kvc_core::{Capabilities, Health, SessionId, WorkerId, WorkerRole, WorkerState};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Jobs by id, with a fixed (unseeded) hash.
+pub(super) type JobMap = HashMap<usize, Active, foldhash::fast::FixedState>;
 
 /// The modelled cluster.
 #[derive(Debug)]
@@ -14,7 +17,9 @@ pub struct Engine {
     pub(super) profile: Profile,
     pub(super) opts: EngineOptions,
     pub(super) workers: Vec<Worker>,
-    pub(super) jobs: BTreeMap<usize, Active>,
+    /// Jobs by id; looked up for every job of every iteration, never iterated (so their
+    /// order cannot reach an output).
+    pub(super) jobs: JobMap,
     /// (P, D) pairs whose transfer session P holds for dead, until when.
     pub(super) failed_pairs: BTreeMap<(WorkerId, WorkerId), Micros>,
     pub(super) events: Vec<Event>,
@@ -79,7 +84,7 @@ impl Engine {
             profile,
             opts,
             workers,
-            jobs: BTreeMap::new(),
+            jobs: JobMap::default(),
             failed_pairs: BTreeMap::new(),
             events: Vec::new(),
             wakes: Vec::new(),

@@ -4,8 +4,8 @@
 use kvc_core::{ExecutionMode, FallThroughReason, WorkerId};
 use kvc_engine_sim::model::{Engine, Micros};
 use kvc_policy::{
-    ClusterView, Decision, Observation, PolicyConfig, RouteRequest, RouterState, StateChange,
-    WorkerView,
+    Decision, Fleet, Observation, PolicyConfig, RouteRequest, RouterState, StateChange,
+    WorkerStates, WorkerView,
 };
 
 /// A routing decision as the replay carries it out.
@@ -47,8 +47,15 @@ impl From<Decision> for Routed {
 /// Where routing decisions come from: the policy in process ([`LocalPolicy`]) or a router
 /// service (the live replay).
 pub trait Decider {
-    /// Routes one request; `None` when no worker can take it.
-    fn route(&mut self, cluster: &ClusterView<'_>, req: &RouteRequest<'_>) -> Option<Routed>;
+    /// Routes one request at `now_ms` on `fleet`, whose workers' published states `states`
+    /// gives; `None` when no worker can take it.
+    fn route(
+        &mut self,
+        fleet: &Fleet,
+        states: &dyn WorkerStates,
+        now_ms: u64,
+        req: &RouteRequest<'_>,
+    ) -> Option<Routed>;
     /// The data plane carried `routed` out (admission passed, work started).
     fn carried_out(&mut self, routed: &Routed);
     /// Feedback from the data plane; `routed` is the decision it concerns, when there is one.
@@ -71,8 +78,14 @@ impl LocalPolicy {
 }
 
 impl Decider for LocalPolicy {
-    fn route(&mut self, cluster: &ClusterView<'_>, req: &RouteRequest<'_>) -> Option<Routed> {
-        kvc_policy::route(&self.config, &self.state, cluster, req)
+    fn route(
+        &mut self,
+        fleet: &Fleet,
+        states: &dyn WorkerStates,
+        now_ms: u64,
+        req: &RouteRequest<'_>,
+    ) -> Option<Routed> {
+        kvc_policy::route_in(&self.config, &self.state, fleet, states, now_ms, req)
             .ok()
             .map(Routed::from)
     }

@@ -20,11 +20,11 @@ use super::decider::{Decider, Hooks, LocalPolicy, Routed, Virtual};
 use super::metrics::{FailureRecord, RequestRecord, Summary, SummaryBuilder};
 use super::{Occupancy, SimConfig, SimError, SimOutput, run_config};
 use crate::trace::{Arrival, RequestSource, Trace, TraceArrivals, TraceRequest};
-use kvc_core::{Capabilities, ExecutionMode, Outcome, RequestId, WorkerId, WorkerRole};
+use kvc_core::{ExecutionMode, Outcome, RequestId, WorkerId, WorkerState};
 use kvc_engine_sim::model::{
     DirectAdmission, Engine, Event, Failure, Job, LocalAdmission, Micros, Wake, micros,
 };
-use kvc_policy::{ClusterView, Observation, RouteRequest, WorkerView};
+use kvc_policy::{Fleet, Observation, RouteRequest, WorkerStates};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 
@@ -131,10 +131,21 @@ impl RunSink for Collect {
     }
 }
 
+/// The engine's worker states, as the policy reads them.
+struct EngineStates<'e>(&'e Engine);
+
+impl WorkerStates for EngineStates<'_> {
+    fn state(&self, id: WorkerId) -> WorkerState {
+        self.0.state(id)
+    }
+}
+
 struct Replay<'a> {
     cfg: &'a SimConfig,
     engine: Engine,
-    layout: Vec<(WorkerRole, Capabilities)>,
+    /// The workers as the policy sees them (roles, capabilities, health: all healthy); their
+    /// published states are read from `engine` for the workers a decision weighs.
+    fleet: Fleet,
     names: Vec<String>,
     decider: &'a mut dyn Decider,
     source: &'a mut dyn RequestSource,
@@ -238,13 +249,15 @@ pub fn run_stream(
     let layout = worker_layout(cfg);
     let names = layout_names(&layout);
     let engine = cfg.cluster(source.block_size()).engine();
+    let fleet = Fleet::new(&initial_views(cfg))
+        .map_err(|e| SimError::Invalid(format!("topology {}: {e}", cfg.topology)))?;
     let summary = SummaryBuilder::new(&host_names(&layout, &names));
     sink.start(&names)?;
     let mut sim = Replay {
         cfg,
         engine,
         decider,
-        layout,
+        fleet,
         names,
         source,
         peeked: None,
@@ -422,24 +435,8 @@ impl Replay<'_> {
         }
     }
 
-    fn cluster_views(&self) -> Vec<WorkerView> {
-        self.layout
-            .iter()
-            .enumerate()
-            .map(|(i, (role, caps))| {
-                let id = WorkerId(i as u32);
-                WorkerView::new(id, *role, self.engine.state(id)).with_caps(*caps)
-            })
-            .collect()
-    }
-
     fn route(&mut self, i: usize, rejected_by: Option<WorkerId>) -> Option<Routed> {
-        let views = self.cluster_views();
         let r = &self.live[&i].request;
-        let cluster = ClusterView {
-            now_ms: self.now / 1000,
-            workers: &views,
-        };
         let req = RouteRequest {
             request_id: RequestId(i as u64),
             session: Some(r.session),
@@ -449,7 +446,9 @@ impl Replay<'_> {
             hash_ids: &r.hash_ids,
             rejected_by,
         };
-        self.decider.route(&cluster, &req)
+        let states = EngineStates(&self.engine);
+        self.decider
+            .route(&self.fleet, &states, self.now / 1000, &req)
     }
 
     fn route_and_start(&mut self, i: usize) {

@@ -2,14 +2,13 @@
 //! direct-to-D with its re-route through P, and the bounded table of decisions awaiting their
 //! outcome.
 
+use super::fleet::LiveStates;
 use super::{
     Core, EXPIRE_PER_DECISION, Pending, RouterDecision, RouterService, feedback::probe_entry,
 };
 use crate::error::RequestError;
 use kvc_core::{ExecutionMode, Outcome, SessionId, WorkerId};
-use kvc_policy::{
-    ClusterView, Decision, Observation, Residency, RouteRequest, RouterState, WorkerView,
-};
+use kvc_policy::{Decision, Observation, Residency, RouteRequest, RouterState};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -110,13 +109,6 @@ impl RouterService {
         self.validate_route(req)?;
         let session = req.session;
         let now = self.now_ms();
-        let mut views: Vec<WorkerView> = self.workers.iter().map(|w| w.view_at(now)).collect();
-        for v in &mut views {
-            if exclude.contains(&v.id) {
-                v.state.health = kvc_core::Health::Down;
-            }
-        }
-        let cluster = ClusterView::new(now, &views);
         let policy = &self.config.policy;
 
         let mut core = self.core.lock();
@@ -130,13 +122,34 @@ impl RouterService {
         }
         self.forget(core);
 
+        let fleet = core.fleet.at(&self.workers, &self.health_epoch, now)?;
+        // Workers excluded for this one decision: a copy of the fleet with them down.
+        let excluded;
+        let fleet = if exclude.is_empty() {
+            fleet
+        } else {
+            let mut f = fleet.clone();
+            for &w in exclude {
+                f.set_health(w, kvc_core::Health::Down);
+            }
+            excluded = f;
+            &excluded
+        };
+        let states = LiveStates {
+            service: self,
+            now_ms: now,
+        };
+        let decide = |state: &RouterState, req: &RouteRequest<'_>| {
+            kvc_policy::route_in(policy, state, fleet, &states, now, req)
+        };
+
         // A session this router has no placement for, which the engines' events show
         // resident on a worker: another replica placed it. Adopt that placement, and route the
         // request as a later turn (this router's turn count started at its own first sight).
         let adopted;
         let req = match session {
             Some(s) if core.state.session(s).is_none_or(|r| r.current_d.is_none()) => {
-                match self.events_placement(s, &views) {
+                match self.events_placement(s) {
                     Some((worker, blocks)) => {
                         let n = (blocks as usize).min(req.hash_ids.len());
                         core.state.observe(&Observation::Adopted {
@@ -158,7 +171,7 @@ impl RouterService {
             }
             _ => req,
         };
-        let mut decision = kvc_policy::route(policy, &core.state, &cluster, req)?;
+        let mut decision = decide(&core.state, req)?;
         // The engine's own events say the session's KV is gone from the worker it would go
         // to: the policy learns the eviction and decides again (reseed or fallback; a local
         // turn planned on the session's host, which counted on that KV, is costed again).
@@ -171,7 +184,7 @@ impl RouterService {
                 worker: decision.decode,
             });
             self.metrics.record_event_eviction();
-            decision = kvc_policy::route(policy, &core.state, &cluster, req)?;
+            decision = decide(&core.state, req)?;
         }
         let mut probe_rejected_by = None;
         if decision.is_direct() {
@@ -192,7 +205,7 @@ impl RouterService {
                     });
                 }
                 self.metrics.record_reroute();
-                decision = kvc_policy::route(policy, &core.state, &cluster, &req.rejected_by(d))?;
+                decision = decide(&core.state, &req.rejected_by(d))?;
                 probe_rejected_by = Some(d);
             }
         }
