@@ -402,9 +402,9 @@ const STREAM_WORKERS: usize = 1_024;
 /// … and the requests of its generated trace (with `--quick`: a tenth).
 const STREAM_REQUESTS: usize = 10_000_000;
 
-/// `sim.stream_<N>m.*`: a generated SWE trace of `STREAM_REQUESTS` requests, its sessions
-/// started at the reference rate per worker (four workers per 5,600 s × sessions / 52) and
-/// up to eight requests per worker in flight, simulated with the default policy on
+/// `sim.stream_<N>m.*`: a generated SWE trace of `STREAM_REQUESTS` requests (75 a session),
+/// its sessions started at the reference rate per worker (four workers per 5,600 s ×
+/// sessions / 52) and up to eight requests per worker in flight, simulated with the default policy on
 /// `STREAM_TOPOLOGY` while it is read: process wall time, peak RSS, requests per second.
 fn sim_stream_scale(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let requests = if ctx.quick {
@@ -417,7 +417,10 @@ fn sim_stream_scale(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let _ = std::fs::create_dir_all(&dir);
     let trace = dir.join(format!("swe-{requests}.jsonl"));
     let t = trace.to_string_lossy().into_owned();
-    let sessions = (requests * 52 + 4_449 / 2) / 4_449;
+    // 75 turns a session on average: the generator keeps every session that stays under the
+    // input limit shorter than the shortest one that passes it (75 turns at this size), so
+    // the reference's 85.6 would leave a tenth of the requests out.
+    let sessions = requests.div_ceil(75);
     let span = 5_600.0 * sessions as f64 / 52.0 / (STREAM_WORKERS as f64 / 4.0);
     let (n, s, span) = (
         requests.to_string(),

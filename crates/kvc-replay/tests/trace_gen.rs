@@ -2,7 +2,7 @@
 //! chained block ids, ordering and determinism.
 
 use kvc_core::{BlockHash, BlockSize, DEFAULT_MAX_INPUT_TOKENS, TraceRecord};
-use kvc_replay::trace::generate::{SweConfig, swe};
+use kvc_replay::trace::generate::{SweConfig, swe, swe_stream};
 use kvc_replay::trace::{LoadOptions, Trace, stats};
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -231,6 +231,43 @@ fn sizes_follow_the_config() {
         ..SweConfig::default()
     });
     assert_eq!(custom.len(), 600);
+    // More requests than the sessions can hold: the stream says how many it will give (and
+    // the longest a session under the limit may be) before giving them.
+    let crowded = SweConfig {
+        seed: 11,
+        sessions: 52,
+        requests: Some(9_000),
+        ..SweConfig::default()
+    };
+    let stream = swe_stream(&crowded);
+    let (planned, cap) = stream.planned();
+    assert!(planned < 9_000, "{planned}");
+    assert_eq!(stream.count(), planned);
+    assert_eq!(swe(&crowded).len(), planned);
+    let longest_under = swe(&crowded)
+        .iter()
+        .filter(|r| r.input_length <= DEFAULT_MAX_INPUT_TOKENS)
+        .fold(HashMap::<_, usize>::new(), |mut m, r| {
+            *m.entry(r.session_id).or_default() += 1;
+            m
+        });
+    assert!(
+        longest_under.values().any(|&n| n == cap),
+        "no session of {cap} turns"
+    );
+    let fits = SweConfig {
+        seed: 3,
+        sessions: 10,
+        requests: Some(600),
+        ..SweConfig::default()
+    };
+    assert_eq!(swe_stream(&fits).planned().0, 600);
+    // Fewer than the sessions' shortest: more are given, and said.
+    let sparse = SweConfig {
+        requests: Some(600),
+        ..crowded.clone()
+    };
+    assert!(swe_stream(&sparse).planned().0 > 600);
     let small_limit = swe(&SweConfig {
         seed: 3,
         sessions: 26,

@@ -76,7 +76,24 @@ fn swe(a: SweArgs) -> anyhow::Result<()> {
     }
     // Records are written as they are generated; the trace is never held whole.
     let mut written = 0usize;
-    let records = generate::swe_stream(&cfg).inspect(|_| written += 1);
+    let stream = generate::swe_stream(&cfg);
+    let (planned, turn_cap) = stream.planned();
+    match cfg.requests {
+        Some(asked) if planned < asked => eprintln!(
+            "kvc-replay: warning: {asked} requests asked for, {planned} in {} sessions: a \
+             session that stays under the input limit has at most {turn_cap} turns (one less \
+             than the shortest session that passes it); give more --sessions for more requests",
+            cfg.sessions
+        ),
+        Some(asked) if planned > asked => eprintln!(
+            "kvc-replay: warning: {asked} requests asked for, {planned} in {} sessions: every \
+             session has a few turns at least and some run past the input limit; give fewer \
+             --sessions for fewer requests",
+            cfg.sessions
+        ),
+        _ => {}
+    }
+    let records = stream.inspect(|_| written += 1);
     if a.out.as_os_str() == "-" {
         let mut out = BufWriter::new(std::io::stdout().lock());
         trace::write_jsonl(&mut out, records).context("cannot write to stdout")?;

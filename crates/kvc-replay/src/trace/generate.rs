@@ -500,6 +500,8 @@ fn plan(cfg: &SweConfig) -> SwePlan {
             growth: Vec::new(),
             ending: Vec::new(),
             starts_ms: Vec::new(),
+            planned: 0,
+            turn_cap: 0,
         };
     }
     let mut plan = Draw::stream(cfg.seed, 0);
@@ -601,6 +603,8 @@ fn plan(cfg: &SweConfig) -> SwePlan {
         growth,
         ending,
         starts_ms,
+        planned: total,
+        turn_cap: cap,
     }
 }
 
@@ -609,6 +613,10 @@ struct SwePlan {
     growth: Vec<f64>,
     ending: Vec<Ending>,
     starts_ms: Vec<u64>,
+    /// Requests planned in all.
+    planned: usize,
+    /// Most turns of a session that does not pass the input limit.
+    turn_cap: usize,
 }
 
 /// The records of [`swe`], generated as they are taken: sessions are generated when the
@@ -653,6 +661,13 @@ pub fn swe_stream(cfg: &SweConfig) -> SweStream<'_> {
 }
 
 impl SweStream<'_> {
+    /// Requests the stream will give, and the most turns of a session that stays under the
+    /// input limit: fewer requests than asked for when the sessions cannot hold them (every
+    /// such session is kept shorter than the shortest one that passes the limit).
+    pub fn planned(&self) -> (usize, usize) {
+        (self.plan.planned, self.plan.turn_cap)
+    }
+
     /// Generates session `s` with block hashing and queues its first turn.
     fn open_session(&mut self, s: usize) {
         let sim = SessionSim {
