@@ -8,8 +8,8 @@ use kvc_core::{
     WorkerId, WorkerRole,
 };
 use kvc_policy::{
-    ClusterView, Decision, KvcV2Config, Observation, PolicyConfig, PolicyError, RouteRequest,
-    RouterState, WorkerView, route,
+    ClusterView, Decision, Fleet, KvcV2Config, Observation, PolicyConfig, PolicyError,
+    RouteRequest, RouterState, WorkerView, route, route_in,
 };
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -178,6 +178,25 @@ fn check_decision(
     rev.reverse();
     let rev_d = route(cfg, state, &ClusterView::new(now_ms, &rev), req).unwrap();
     prop_assert_eq!(&rev_d, d, "{}: depends on view order", name);
+    // On a prepared fleet: the same decision, whether the fleet was made with these healths
+    // or made all healthy and then told them, and whichever source gives the states.
+    let fleet = Fleet::new(ws).unwrap();
+    let prepared = route_in(cfg, state, &fleet, &fleet, now_ms, req).unwrap();
+    prop_assert_eq!(&prepared, d, "{}: differs on a prepared fleet", name);
+    let healthy: Vec<WorkerView> = ws
+        .iter()
+        .map(|w| {
+            let mut h = *w;
+            h.state.health = Health::Healthy;
+            h
+        })
+        .collect();
+    let mut told = Fleet::new(&healthy).unwrap();
+    for w in ws {
+        told.set_health(w.id, w.state.health);
+    }
+    let updated = route_in(cfg, state, &told, &fleet, now_ms, req).unwrap();
+    prop_assert_eq!(&updated, d, "{}: differs after health changes", name);
     if let PolicyConfig::KvcV2(v2) = cfg {
         let over = |w: &WorkerView| w.state.committed_fraction() > v2.hard_cap;
         if over(dw) {
