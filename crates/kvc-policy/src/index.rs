@@ -579,9 +579,16 @@ impl BlockIndex {
 
     /// Records that `blocks` were sent to worker `slot` (grow-only view, within the bound).
     pub(crate) fn record_seen(&mut self, slot: usize, blocks: &[BlockHash]) {
+        // The members already there, looked up first: the lookups do not depend on each
+        // other, so their cache misses overlap, where a lookup between two list moves waits
+        // for its own.
+        let found = self.find_members(slot, BlockView::Seen, blocks);
         // Deepest first, so the prefix is the most recently used.
-        for &h in blocks.iter().rev() {
-            let (m, fresh) = self.member(slot, BlockView::Seen, h);
+        for (&h, known) in blocks.iter().zip(found).rev() {
+            let (m, fresh) = match known {
+                Some(m) => (m, false),
+                None => self.member(slot, BlockView::Seen, h),
+            };
             if fresh {
                 // (A seen member is among its entry's holders from its creation on.)
                 let link = &mut self.links[m as usize];
@@ -592,6 +599,17 @@ impl BlockIndex {
             self.touch(m);
         }
         self.trim(slot, BlockView::Seen);
+    }
+
+    /// The member of each of `blocks` on `slot` in `view`, where there is one.
+    fn find_members(&self, slot: usize, view: BlockView, blocks: &[BlockHash]) -> Vec<Option<u32>> {
+        blocks
+            .iter()
+            .map(|h| {
+                let e = *self.entries.get(h)?;
+                self.members.get(&member_key(e, slot, view)).copied()
+            })
+            .collect()
     }
 
     /// Adds one live reference of worker `slot` to each of `blocks`.
