@@ -210,9 +210,18 @@ pub struct HttpConfig {
     /// session's latest prompt (ending exactly at that prompt's last full block) to continue
     /// it; 0 turns session inference off. Default 4.
     pub infer_min_blocks: u32,
-    /// Longest session id the front accepts (the `x-session-id` header or
+    /// Longest session id the front accepts (a session header, an agent header, or
     /// `session_params.id`), in bytes; a longer one gets 400. Default 256.
     pub max_session_id_bytes: usize,
+    /// Headers a client's session key is read from, in order: the first one present names
+    /// the session (before `session_params.id` in the body). Default
+    /// [`HttpConfig::DEFAULT_SESSION_HEADERS`], the ones common coding agents and benchmark
+    /// clients send; empty: sessions come only from the body or from inference.
+    pub session_headers: Vec<String>,
+    /// Headers naming an agent within a client's session (a subagent, whose conversation is
+    /// its own): when one is present beside a session header, the session is that agent's,
+    /// keyed `<session>/agent/<agent>`. Default [`HttpConfig::DEFAULT_AGENT_HEADERS`].
+    pub session_agent_headers: Vec<String>,
     /// Largest request body accepted, in bytes; a larger one gets 413. Default 16 MiB.
     pub max_body_bytes: usize,
     /// Largest request head (request line and headers), in bytes; a larger one gets 431 and
@@ -252,6 +261,14 @@ impl Default for HttpConfig {
             tokenizer: None,
             infer_min_blocks: 4,
             max_session_id_bytes: 256,
+            session_headers: HttpConfig::DEFAULT_SESSION_HEADERS
+                .iter()
+                .map(|h| (*h).to_owned())
+                .collect(),
+            session_agent_headers: HttpConfig::DEFAULT_AGENT_HEADERS
+                .iter()
+                .map(|h| (*h).to_owned())
+                .collect(),
             max_body_bytes: 16 << 20,
             max_header_bytes: 64 << 10,
             header_read_timeout_ms: 10_000,
@@ -266,6 +283,32 @@ impl Default for HttpConfig {
 impl HttpConfig {
     /// Largest `max-retries` accepted.
     pub const MAX_RETRIES: u32 = 10;
+
+    /// The session headers read by default, in order (each client's own code says which it
+    /// sends; the HTTP front's module doc, `kvc_router::http`, names the versions read):
+    /// - `x-session-id`: kvc's own, the benchmark clients', and OpenCode's (`X-Session-Id`
+    ///   beside `x-session-affinity`, its session id, to providers other than its own);
+    /// - `x-claude-code-session-id`: Claude Code (the session of the CLI run; its subagents
+    ///   add `x-claude-code-agent-id`, see [`HttpConfig::DEFAULT_AGENT_HEADERS`]);
+    /// - `thread-id`, `session-id`: Codex CLI (the conversation thread, and the session it
+    ///   belongs to; a spawned subagent thread has its own thread id), `session_id` in
+    ///   earlier versions;
+    /// - `x-session-affinity`: OpenCode.
+    pub const DEFAULT_SESSION_HEADERS: [&'static str; 6] = [
+        "x-session-id",
+        "x-claude-code-session-id",
+        "thread-id",
+        "session-id",
+        "session_id",
+        "x-session-affinity",
+    ];
+
+    /// The agent headers read by default: `x-claude-code-agent-id` (Claude Code's subagents
+    /// share their parent's session id and name themselves with it).
+    pub const DEFAULT_AGENT_HEADERS: [&'static str; 1] = ["x-claude-code-agent-id"];
+
+    /// Most names in `session-headers` or `session-agent-headers`.
+    pub const MAX_SESSION_HEADERS: usize = 32;
 
     /// Smallest `max-header-bytes` accepted.
     pub const MIN_HEADER_BYTES: usize = 1_024;

@@ -37,6 +37,7 @@
 //! | `kvc_router_http_health_checks_total` | counter | `result` (`ok`, `failed`) |
 //! | `kvc_router_http_admission_rejects_total` | counter | — (answers `503` + `x-kvc-admission: rejected` from a decode worker) |
 //! | `kvc_router_http_inferred_sessions_total` | counter | `result` (`continued`: a request without a session key continued a known session; `new`: it started an inferred session) |
+//! | `kvc_router_http_session_keys_total` | counter | `source` (the header the client's session key came from — each of `http.session-headers` — or `session_params`, the body's) |
 //!
 //! Every label value of a counter exists from the start (at zero). Counters are registered
 //! without their `_total` suffix, which the encoder appends; help texts without their final
@@ -194,6 +195,13 @@ pub struct Metrics {
     http_admission_rejects: Counter,
     /// `continued`, then `new`.
     inferred_sessions: [Counter; 2],
+    /// Requests with a client session key, by where it came from.
+    session_keys: Family<SourceLabel, Counter>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SourceLabel {
+    source: String,
 }
 
 impl Default for Metrics {
@@ -328,6 +336,12 @@ impl Metrics {
                 ResultLabel { result: "new" },
             ],
         );
+        let session_keys = Family::<SourceLabel, Counter>::default();
+        r.register(
+            "kvc_router_http_session_keys",
+            "Requests whose session key the client gave, by the header (or body field) it came from",
+            session_keys.clone(),
+        );
         // 1 ns to 60 s at 3 significant figures.
         let hist = hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 3)
             .expect("constant histogram bounds are valid");
@@ -351,6 +365,7 @@ impl Metrics {
             health_checks,
             http_admission_rejects,
             inferred_sessions,
+            session_keys,
         }
     }
 
@@ -502,6 +517,34 @@ impl Metrics {
     /// an inferred one, so far.
     pub fn inferred_sessions(&self, continued: bool) -> u64 {
         self.inferred_sessions[usize::from(!continued)].get()
+    }
+
+    /// Declares where session keys may come from (each at zero until counted).
+    pub fn declare_session_sources<'a>(&self, sources: impl IntoIterator<Item = &'a str>) {
+        for source in sources {
+            let _ = self.session_keys.get_or_create(&SourceLabel {
+                source: source.to_owned(),
+            });
+        }
+    }
+
+    /// Counts one request whose session key came from `source` (a header name, or
+    /// `session_params`).
+    pub fn record_session_key(&self, source: &str) {
+        self.session_keys
+            .get_or_create(&SourceLabel {
+                source: source.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Requests whose session key came from `source`, so far.
+    pub fn session_keys(&self, source: &str) -> u64 {
+        self.session_keys
+            .get_or_create(&SourceLabel {
+                source: source.to_owned(),
+            })
+            .get()
     }
 
     /// Every circuit breaker's state as last recorded, by worker id.

@@ -139,3 +139,42 @@ fn a_worker_address_given_twice_is_refused_naming_both_workers() {
     );
     RouterConfig::from_toml_str(&toml).unwrap();
 }
+
+#[test]
+fn session_header_lists_are_checked() {
+    let base = [worker(0, "prefill", ""), worker(1, "decode", "")].concat();
+    let with = |http: &str| format!("[http]\n{http}\n{base}");
+    let cfg = RouterConfig::from_toml_str(&base).unwrap();
+    assert_eq!(
+        cfg.http.session_headers,
+        kvc_router::HttpConfig::DEFAULT_SESSION_HEADERS
+    );
+    assert_eq!(
+        cfg.http.session_agent_headers,
+        kvc_router::HttpConfig::DEFAULT_AGENT_HEADERS
+    );
+    let own = RouterConfig::from_toml_str(&with(
+        "session-headers = [\"x-conversation\"]\nsession-agent-headers = []",
+    ))
+    .unwrap();
+    assert_eq!(own.http.session_headers, ["x-conversation"]);
+    assert!(own.http.session_agent_headers.is_empty());
+
+    let m = refused(&with("session-headers = [\"x bad\"]"));
+    assert!(
+        m.contains("http.session-headers: `x bad` is not an HTTP header name"),
+        "{m}"
+    );
+    let m = refused(&with("session-headers = [\"X-A\", \"x-a\"]"));
+    assert!(m.contains("`x-a` is listed twice"), "{m}");
+    let m = refused(&with(
+        "session-headers = [\"x-a\"]\nsession-agent-headers = [\"x-a\"]",
+    ));
+    assert!(
+        m.contains("http.session-agent-headers: `x-a` is listed twice"),
+        "{m}"
+    );
+    let many: Vec<String> = (0..33).map(|i| format!("\"x-{i}\"")).collect();
+    let m = refused(&with(&format!("session-headers = [{}]", many.join(", "))));
+    assert!(m.contains("lists 33 headers, at most 32"), "{m}");
+}

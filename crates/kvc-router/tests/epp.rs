@@ -604,3 +604,74 @@ async fn the_health_services_follow_liveness_and_readiness() {
     );
     assert_eq!(health_status(&mut health, "liveness").await, serving);
 }
+
+#[tokio::test]
+async fn the_picker_reads_the_coding_agents_session_headers() {
+    let c = cluster().await;
+    let answer = |n: u64| {
+        json!({"choices": [{"text": "a b"}], "usage": {"prompt_tokens": n,
+            "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}})
+        .to_string()
+    };
+    // Claude Code's session header names the session the picker routes and forwards.
+    let mut s = Stream::open(&c).await;
+    let sent = json!({"prompt": words(1_300), "max_tokens": 8});
+    s.request(
+        "/v1/completions",
+        &[("X-Claude-Code-Session-Id", "cc-7")],
+        sent.to_string().as_bytes(),
+        None,
+    )
+    .await;
+    let d = s.decision().await;
+    assert_eq!(d.set["x-session-id"], "cc-7");
+    assert!(
+        d.set.contains_key(PREFILLER_HEADER),
+        "a first turn goes P→D"
+    );
+    let decode = d.set[DESTINATION_HEADER].clone();
+    let (set, _) = s
+        .answer(
+            200,
+            "application/json",
+            &[answer(1_300).as_bytes()],
+            Some(&decode),
+        )
+        .await;
+    assert_eq!(set["x-kvc-session"], "cc-7");
+    drop(s);
+    settle(&c).await;
+
+    // Its next turn goes direct to the same D; a subagent of the session is its own.
+    let mut s = Stream::open(&c).await;
+    let sent = json!({"prompt": words(1_900), "max_tokens": 8});
+    s.request(
+        "/v1/completions",
+        &[("x-claude-code-session-id", "cc-7")],
+        sent.to_string().as_bytes(),
+        None,
+    )
+    .await;
+    let d = s.decision().await;
+    assert_eq!(d.set[DESTINATION_HEADER], decode);
+    assert!(!d.set.contains_key(PREFILLER_HEADER), "direct to D");
+    drop(s);
+
+    let mut s = Stream::open(&c).await;
+    s.request(
+        "/v1/completions",
+        &[
+            ("x-claude-code-session-id", "cc-7"),
+            ("x-claude-code-agent-id", "a1"),
+        ],
+        sent.to_string().as_bytes(),
+        None,
+    )
+    .await;
+    let d = s.decision().await;
+    assert_eq!(d.set["x-session-id"], "cc-7/agent/a1");
+    assert!(
+        d.set.contains_key(PREFILLER_HEADER),
+        "the subagent's first turn"
+    );
+}

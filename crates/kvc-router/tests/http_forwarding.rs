@@ -359,7 +359,14 @@ async fn failing_stalled_and_dead_decode_workers_give_json_errors() {
 
 #[tokio::test]
 async fn the_session_header_name_is_configurable() {
-    let s = start_full(|_| {}, |o| o.session_header = "x-conversation".to_owned()).await;
+    let s = start_full(
+        |_| {},
+        |o| {
+            o.session_header = "x-conversation".to_owned();
+            o.session_headers = vec!["x-conversation".to_owned()];
+        },
+    )
+    .await;
     let r = s
         .send(
             "/generate",

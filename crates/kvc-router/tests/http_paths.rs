@@ -251,6 +251,7 @@ async fn direct_turns_carry_the_session_to_the_decode_worker() {
 async fn the_session_header_is_forwarded_under_its_configured_name() {
     let f = start(one_p_one_d, |o| {
         o.session_header = "x-conversation".to_owned();
+        o.session_headers = vec!["x-conversation".to_owned()];
     })
     .await;
     let h = [("x-conversation", "c-9")];
@@ -268,6 +269,164 @@ async fn the_session_header_is_forwarded_under_its_configured_name() {
     f.post("/v1/completions", &[], &json!({"prompt": "one off"}))
         .await;
     assert!(f.received(1)[1].1.is_empty());
+}
+
+/// A chat body whose one user message is `n` words.
+fn chat_words(n: u32) -> Value {
+    let words: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
+    json!({"messages": [{"role": "user", "content": words.join(" ")}], "max_tokens": 8})
+}
+
+#[tokio::test]
+async fn the_coding_agents_session_headers_name_sessions() {
+    let f = start(one_p_one_d, |_| {}).await;
+    // Each agent's own header(s), as its client sends them: two turns of one session, the
+    // second direct to D, and the key forwarded to the workers as `x-session-id`.
+    let agents: [(&str, &[(&str, &str)]); 4] = [
+        ("claude-code", &[("X-Claude-Code-Session-Id", "cc-1")]),
+        (
+            "codex",
+            &[("session-id", "cx-1"), ("thread-id", "cx-thread-1")],
+        ),
+        ("codex-old", &[("session_id", "cx-old")]),
+        (
+            "opencode",
+            &[("x-session-affinity", "ses_1"), ("X-Session-Id", "ses_1")],
+        ),
+    ];
+    for (k, (agent, headers)) in agents.iter().enumerate() {
+        let offset = 10_000 * (k as u32 + 1);
+        let body = |n: u32| {
+            let words: Vec<String> = (0..n).map(|i| format!("{agent}{}", offset + i)).collect();
+            json!({"messages": [{"role": "user", "content": words.join(" ")}], "max_tokens": 8})
+        };
+        let r = f.post("/v1/chat/completions", headers, &body(1_300)).await;
+        assert_eq!(r.status, 200, "{agent}: {}", r.body);
+        assert_eq!(r.header("x-kvc-mode"), "turn1-seed", "{agent}");
+        let r = f.post("/v1/chat/completions", headers, &body(1_900)).await;
+        assert_eq!(r.header("x-kvc-mode"), "direct-to-d", "{agent}");
+        let expected = match *agent {
+            // The conversation thread, ahead of the session it belongs to.
+            "codex" => "cx-thread-1",
+            _ => headers[0].1,
+        };
+        assert_eq!(r.header("x-kvc-session"), expected, "{agent}");
+        let (_, sent, _) = f.received(1).pop().unwrap();
+        assert_eq!(sent["x-session-id"], expected, "{agent}");
+    }
+    let m = f.cluster.service().metrics();
+    for (source, n) in [
+        ("x-claude-code-session-id", 2),
+        ("thread-id", 2),
+        ("session_id", 2),
+        ("x-session-id", 2),
+        ("session-id", 0),
+        ("x-session-affinity", 0),
+    ] {
+        assert_eq!(m.session_keys(source), n, "{source}");
+    }
+    // Every configured source is exported, from the start.
+    let keys = |source| f.metric("kvc_router_http_session_keys_total", &[("source", source)]);
+    assert_eq!(keys("session-id"), 0.0);
+    assert_eq!(keys("x-claude-code-session-id"), 2.0);
+}
+
+#[tokio::test]
+async fn a_claude_code_subagent_is_a_session_of_its_own() {
+    let f = start(one_p_one_d, |_| {}).await;
+    let parent = [("x-claude-code-session-id", "cc-9")];
+    let child = [
+        ("x-claude-code-session-id", "cc-9"),
+        ("x-claude-code-agent-id", "explore-1"),
+    ];
+    let r = f
+        .post("/v1/chat/completions", &parent, &chat_words(1_300))
+        .await;
+    assert_eq!(r.header("x-kvc-session"), "cc-9");
+    // The subagent's conversation is not its parent's: a first turn of its own session.
+    let other: Vec<String> = (0..1_300).map(|i| format!("sub{i}")).collect();
+    let sub = |extra: u32| {
+        let mut words = other.clone();
+        words.extend((0..extra).map(|i| format!("more{i}")));
+        json!({"messages": [{"role": "user", "content": words.join(" ")}], "max_tokens": 8})
+    };
+    let r = f.post("/v1/chat/completions", &child, &sub(0)).await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    assert_eq!(r.header("x-kvc-session"), "cc-9/agent/explore-1");
+    let r = f.post("/v1/chat/completions", &child, &sub(600)).await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    // The parent's next turn is still its own session's later turn.
+    let r = f
+        .post("/v1/chat/completions", &parent, &chat_words(1_900))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    assert_eq!(r.header("x-kvc-session"), "cc-9");
+}
+
+#[tokio::test]
+async fn session_headers_are_read_in_their_configured_order() {
+    let f = start(one_p_one_d, |o| {
+        o.session_headers = vec!["x-b".to_owned(), "x-a".to_owned()];
+        o.agent_headers = Vec::new();
+    })
+    .await;
+    let both = [("x-a", "from-a"), ("x-b", "from-b")];
+    let r = f
+        .post("/v1/chat/completions", &both, &chat_words(1_300))
+        .await;
+    assert_eq!(r.header("x-kvc-session"), "from-b");
+    let r = f
+        .post(
+            "/v1/chat/completions",
+            &[("x-a", "from-a")],
+            &chat_words(1_300),
+        )
+        .await;
+    assert_eq!(r.header("x-kvc-session"), "from-a");
+    // A header the list does not name names nothing; the body's `session_params` comes after
+    // every header.
+    let r = f
+        .post(
+            "/v1/completions",
+            &[("x-session-id", "ignored")],
+            &json!({"prompt": "one off"}),
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.find_header("x-kvc-session"), None);
+    let mut body = generate(0..1_300);
+    body["session_params"] = json!({"id": "from-body"});
+    let r = f.post("/generate", &[("x-a", "from-a")], &body).await;
+    assert_eq!(r.header("x-kvc-session"), "from-a");
+    let r = f.post("/generate", &[], &body).await;
+    assert_eq!(r.header("x-kvc-session"), "from-body");
+    assert_eq!(
+        f.cluster.service().metrics().session_keys("session_params"),
+        1
+    );
+    // An empty header is refused, naming it; so is an agent id past the limit.
+    let r = f
+        .post("/v1/completions", &[("x-b", " ")], &json!({"prompt": "hi"}))
+        .await;
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("`x-b`"), "{}", r.body);
+}
+
+#[tokio::test]
+async fn an_agent_id_is_bounded_like_a_session_id() {
+    let f = start(one_p_one_d, |o| o.max_session_id_bytes = 16).await;
+    let long = "a".repeat(17);
+    let h = [
+        ("x-claude-code-session-id", "cc-1"),
+        ("x-claude-code-agent-id", long.as_str()),
+    ];
+    let r = f
+        .post("/v1/completions", &h, &json!({"prompt": "hi"}))
+        .await;
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("x-claude-code-agent-id"), "{}", r.body);
+    assert!(r.body.contains("16 bytes"), "{}", r.body);
+    assert_eq!(f.count(0) + f.count(1), 0, "nothing forwarded");
 }
 
 #[tokio::test]

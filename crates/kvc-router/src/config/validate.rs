@@ -68,6 +68,32 @@ impl HttpConfig {
                 "http.breaker-max-cooldown-ms must be at least http.breaker-cooldown-ms".into(),
             ));
         }
+        let mut seen = std::collections::BTreeSet::new();
+        for (key, names) in [
+            ("http.session-headers", &self.session_headers),
+            ("http.session-agent-headers", &self.session_agent_headers),
+        ] {
+            if names.len() > Self::MAX_SESSION_HEADERS {
+                return Err(ConfigError::Invalid(format!(
+                    "{key} lists {} headers, at most {} are read",
+                    names.len(),
+                    Self::MAX_SESSION_HEADERS
+                )));
+            }
+            for name in names {
+                if axum::http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                    return Err(ConfigError::Invalid(format!(
+                        "{key}: `{name}` is not an HTTP header name"
+                    )));
+                }
+                if !seen.insert(name.to_ascii_lowercase()) {
+                    return Err(ConfigError::Invalid(format!(
+                        "{key}: `{name}` is listed twice (header names are case-insensitive; \
+                         a header is a session header or an agent header, not both)"
+                    )));
+                }
+            }
+        }
         Ok(())
     }
 }

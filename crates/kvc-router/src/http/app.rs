@@ -35,6 +35,13 @@ impl App {
         options: HttpOptions,
     ) -> App {
         let sessions = Sessions::new(service.config().sessions, options.infer_min_blocks);
+        service.metrics().declare_session_sources(
+            options
+                .session_headers
+                .iter()
+                .map(String::as_str)
+                .chain([super::session::BODY_SESSION_SOURCE]),
+        );
         App {
             client: WorkerClient::new(options.pool),
             breakers: Breakers::new(options.breaker, options.request_timeout),

@@ -100,10 +100,30 @@
 //! (used for hashing only; the worker gets the messages and applies its own template), then
 //! the same tokenizer. The input length is the number of tokens.
 //!
-//! **Session and turn.** The session key is the `x-session-id` header (name configurable in
-//! [`HttpOptions::session_header`]) or, for `/generate`, `session_params.id`; it maps to a
-//! session id with [`kvc_core::SessionId::from_key`]. The turn is a per-session counter kept
-//! here (bounded by the router's `sessions.ttl-ms` and `sessions.max`).
+//! **Session and turn.** The session key is the first header of [`HttpOptions::session_headers`]
+//! the request has (`http.session-headers`), else, for `/generate`, `session_params.id`; it
+//! maps to a session id with [`kvc_core::SessionId::from_key`]. The default list is what the
+//! common coding agents and benchmark clients send, in this order (read from each client's
+//! own code):
+//!
+//! | header | sent by |
+//! |---|---|
+//! | `x-session-id` | kvc's replay driver and benchmark clients; OpenCode (1.18: `X-Session-Id`, its session id, to providers other than its own) |
+//! | `x-claude-code-session-id` | Claude Code (2.1: `X-Claude-Code-Session-Id`, the session of the run) |
+//! | `thread-id`, `session-id` | Codex CLI (0.171: the conversation thread and its session; a spawned subagent's thread has its own id) |
+//! | `session_id` | Codex CLI, earlier versions (the conversation id) |
+//! | `x-session-affinity` | OpenCode (the same session id) |
+//!
+//! A header of [`HttpOptions::agent_headers`] (`http.session-agent-headers`, default
+//! `x-claude-code-agent-id`: Claude Code's subagents share their parent's session id and name
+//! themselves with it) beside a session header makes the session that agent's own,
+//! `<session>/agent/<agent>`: a subagent's conversation is not its parent's. Each part is
+//! bounded by `http.max-session-id-bytes`; a present header that is empty or not text gets 400
+//! naming it. The key goes to the workers in `x-session-id` ([`HttpOptions::session_header`]).
+//! Where each key came from is counted in
+//! `kvc_router_http_session_keys_total{source=<header>|"session_params"}`. The turn is a
+//! per-session counter kept here (bounded by the router's `sessions.ttl-ms` and
+//! `sessions.max`).
 //!
 //! **Session inference.** A request with neither is placed by its prefix. The front remembers,
 //! for each session it knows (keyed or inferred; same bounds), the chained block hash at the

@@ -11,9 +11,14 @@ use std::time::Duration;
 /// Settings of the HTTP front.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpOptions {
-    /// Header carrying the session key (read from the client, sent to the workers). Default
-    /// `x-session-id`.
+    /// Header carrying the session key to the workers. Default `x-session-id`.
     pub session_header: String,
+    /// Headers the client's session key is read from, in order, lowercase
+    /// (`http.session-headers`; default [`crate::HttpConfig::DEFAULT_SESSION_HEADERS`]).
+    pub session_headers: Vec<String>,
+    /// Headers naming an agent within the client's session, lowercase
+    /// (`http.session-agent-headers`; default [`crate::HttpConfig::DEFAULT_AGENT_HEADERS`]).
+    pub agent_headers: Vec<String>,
     /// Deadline of each worker call (connect, send, whole answer). Default 300 s.
     pub request_timeout: Duration,
     /// The pool of connections to the workers.
@@ -53,6 +58,8 @@ impl Default for HttpOptions {
     fn default() -> Self {
         HttpOptions {
             session_header: "x-session-id".to_owned(),
+            session_headers: lowercase(&crate::HttpConfig::DEFAULT_SESSION_HEADERS),
+            agent_headers: lowercase(&crate::HttpConfig::DEFAULT_AGENT_HEADERS),
             request_timeout: Duration::from_secs(300),
             pool: PoolOptions::default(),
             model: "default".to_owned(),
@@ -99,11 +106,20 @@ impl HttpOptions {
             tokenizer,
             infer_min_blocks: config.infer_min_blocks,
             max_session_id_bytes: config.max_session_id_bytes,
+            session_headers: lowercase(&config.session_headers),
+            agent_headers: lowercase(&config.session_agent_headers),
             max_body_bytes: config.max_body_bytes,
             body_read_timeout: ms(config.body_read_timeout_ms),
             ..HttpOptions::default()
         })
     }
+}
+
+fn lowercase<S: AsRef<str>>(names: &[S]) -> Vec<String> {
+    names
+        .iter()
+        .map(|n| n.as_ref().to_ascii_lowercase())
+        .collect()
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use super::decision::{self, RouteQuery};
 use super::direct::add_continuation_params;
 use super::request::{self, Api, Prompt};
 use super::responses::{error_response, route_error_response, with_decision_headers};
-use super::session::header_key;
+use super::session::{BODY_SESSION_SOURCE, client_key};
 use super::stream::forward_stream;
 use super::tokens::block_hashes;
 use super::trust::{check_session_id, strip_router_fields};
@@ -64,12 +64,17 @@ pub(crate) async fn prepare_request(
         ));
     }
     let mut req = request::parse(api, &bytes).map_err(|m| bad_request(&m))?;
-    let header_key =
-        header_key(headers, &app.options.session_header).map_err(|m| bad_request(&m))?;
     // Every session id the client sent (both are forwarded: the header as the session key,
     // the body as it is) is bounded before anything is kept or forwarded.
     let limit = app.options.max_session_id_bytes;
-    for key in [&header_key, &req.session_key].into_iter().flatten() {
+    let from_headers = client_key(
+        headers,
+        &app.options.session_headers,
+        &app.options.agent_headers,
+        limit,
+    )
+    .map_err(|m| bad_request(&m))?;
+    if let Some(key) = &req.session_key {
         check_session_id(key, limit).map_err(|m| bad_request(&m))?;
     }
     let client_bytes = if strip_router_fields(&mut req.body) > 0 {
@@ -89,7 +94,17 @@ pub(crate) async fn prepare_request(
     let hash_ids = block_hashes(&tokens, block);
     let full_blocks = tokens.len() / block.tokens() as usize;
     let request_id = app.next_request_id();
-    let client_key = header_key.or_else(|| req.session_key.clone());
+    let client_key = match from_headers {
+        Some((key, source)) => {
+            app.service.metrics().record_session_key(source);
+            Some(key)
+        }
+        None => req.session_key.clone().inspect(|_| {
+            app.service
+                .metrics()
+                .record_session_key(BODY_SESSION_SOURCE);
+        }),
+    };
     let resolved = app.sessions.resolve(
         &app.service,
         client_key.as_deref(),

@@ -20,6 +20,44 @@ pub(super) fn header_key(headers: &HeaderMap, name: &str) -> Result<Option<Strin
     }
 }
 
+/// Where a session key came from when the body gave it (`session_params.id`), in
+/// `kvc_router_http_session_keys_total`.
+pub(crate) const BODY_SESSION_SOURCE: &str = "session_params";
+
+/// The session key a client's headers give, and the header it came from: the first of
+/// `names` present, followed by `/agent/<agent>` when one of `agents` is present too (a
+/// subagent sharing its parent's session id has a conversation of its own). Each part is at
+/// most `limit` bytes. `Ok(None)` without any of `names`; an error message for a present
+/// header that is empty or not text, or too long.
+pub(super) fn client_key<'n>(
+    headers: &HeaderMap,
+    names: &'n [String],
+    agents: &[String],
+    limit: usize,
+) -> Result<Option<(String, &'n str)>, String> {
+    let mut found = None;
+    for name in names {
+        if let Some(key) = header_key(headers, name)? {
+            found = Some((key, name.as_str()));
+            break;
+        }
+    }
+    let Some((mut key, source)) = found else {
+        return Ok(None);
+    };
+    super::trust::check_session_id(&key, limit).map_err(|m| format!("header `{source}`: {m}"))?;
+    for name in agents {
+        if let Some(agent) = header_key(headers, name)? {
+            super::trust::check_session_id(&agent, limit)
+                .map_err(|m| format!("header `{name}`: {m}"))?;
+            key.push_str("/agent/");
+            key.push_str(&agent);
+            break;
+        }
+    }
+    Ok(Some((key, source)))
+}
+
 /// The front's sessions: the book of keys, turns and prefix anchors, and the per-process key
 /// of the hash that names new inferred sessions.
 pub(super) struct Sessions {
