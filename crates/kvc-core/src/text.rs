@@ -49,8 +49,68 @@ pub fn chat_prompt<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -
         text.push_str(content);
         text.push('\n');
     }
-    text.push_str("<|assistant|>\n");
+    text.push_str(GENERATION_PROMPT);
     text
+}
+
+/// The generation prompt that ends a chat request's text ([`chat_prompt`]).
+pub const GENERATION_PROMPT: &str = "<|assistant|>\n";
+
+/// A chat request's tokens, as block hashes and session inference need them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatTokens {
+    /// Every token: each message's, then the generation prompt's (the input length).
+    pub tokens: Vec<u32>,
+    /// How many leading tokens are the messages' (what block hashes cover).
+    pub messages: usize,
+}
+
+impl ChatTokens {
+    /// The tokens block hashes cover: the messages', not the generation prompt's.
+    pub fn hashed(&self) -> &[u32] {
+        &self.tokens[..self.messages]
+    }
+}
+
+/// The tokens of a chat request: each message of [`chat_prompt`]'s template
+/// (`<|role|>\ncontent\n`) tokenized on its own by `tokenize`, in order, then the
+/// [`GENERATION_PROMPT`]. A request that extends a conversation by appending messages — a
+/// user message after a user message, an assistant reply and a user message, a tool result —
+/// then has the earlier request's message tokens as its prefix, whatever the tokenizer would
+/// merge across a message boundary; the generation prompt, which the next request replaces
+/// with a message, is left out of what block hashes cover ([`ChatTokens::hashed`]) and
+/// counted in the input length.
+///
+/// ```
+/// use kvc_core::text::{chat_tokens, fallback_tokens};
+///
+/// let one = chat_tokens([("system", "Be brief."), ("user", "Hi")], fallback_tokens);
+/// let two = chat_tokens(
+///     [("system", "Be brief."), ("user", "Hi"), ("user", "Still there?")],
+///     fallback_tokens,
+/// );
+/// assert_eq!(one.tokens.len(), 6); // <|system|> Be brief. <|user|> Hi <|assistant|>
+/// assert_eq!(one.messages, 5);
+/// assert!(two.hashed().starts_with(one.hashed()));
+/// ```
+pub fn chat_tokens<'a>(
+    messages: impl IntoIterator<Item = (&'a str, &'a str)>,
+    mut tokenize: impl FnMut(&str) -> Vec<u32>,
+) -> ChatTokens {
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    for (role, content) in messages {
+        text.clear();
+        text.push_str("<|");
+        text.push_str(role);
+        text.push_str("|>\n");
+        text.push_str(content);
+        text.push('\n');
+        tokens.extend(tokenize(&text));
+    }
+    let messages = tokens.len();
+    tokens.extend(tokenize(GENERATION_PROMPT));
+    ChatTokens { tokens, messages }
 }
 
 /// The fallback tokenizer for text prompts: one token per whitespace-separated word, its id the

@@ -831,3 +831,85 @@ async fn a_prefill_failure_before_d_answered_is_answered_when_not_retryable() {
     assert_eq!(r.status, 200);
     assert_ne!(r.header("x-kvc-mode"), "direct-to-d");
 }
+
+#[tokio::test]
+async fn headerless_chat_conversations_are_one_inferred_session() {
+    let f = start(one_p_one_d, |_| {}).await;
+    let words = |tag: &str, n: u32| -> String {
+        (0..n)
+            .map(|i| format!("{tag}{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let sys = json!({"role": "system", "content": words("sys", 1_000)});
+    let u1 = json!({"role": "user", "content": words("first", 2_000)});
+    let u2 = json!({"role": "user", "content": words("second", 500)});
+    let a2 = json!({"role": "assistant", "content": words("reply", 200)});
+    let t3 = json!({"role": "tool", "content": words("tool", 300)});
+    let u3 = json!({"role": "user", "content": words("third", 400)});
+    let chat = |messages: Vec<&Value>| json!({"messages": messages, "max_tokens": 8});
+    let turns = [
+        chat(vec![&sys, &u1]),
+        // A user message appended, no reply between (an agent after a cut-off answer).
+        chat(vec![&sys, &u1, &u2]),
+        // The reply, then a user message.
+        chat(vec![&sys, &u1, &u2, &a2, &u3]),
+        // A tool result, then a user message.
+        chat(vec![&sys, &u1, &u2, &a2, &u3, &t3, &u2]),
+    ];
+    let mut session = None;
+    for (k, body) in turns.iter().enumerate() {
+        let r = f.post("/v1/chat/completions", &[], body).await;
+        assert_eq!(r.status, 200, "turn {}: {}", k + 1, r.body);
+        let s = r.header("x-kvc-session").to_owned();
+        assert!(s.starts_with("kvc-inferred-"), "turn {}: {s}", k + 1);
+        let expected = if k == 0 { "turn1-seed" } else { "direct-to-d" };
+        assert_eq!(
+            r.header("x-kvc-mode"),
+            expected,
+            "turn {}: {:?}",
+            k + 1,
+            r.find_header("x-kvc-reason")
+        );
+        match &session {
+            None => session = Some(s),
+            Some(first) => assert_eq!(&s, first, "turn {}", k + 1),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_turn_appended_after_a_prompt_ending_on_a_block_boundary_continues_its_session() {
+    // The first prompt is exactly five blocks (512 tokens each) with the chat's generation
+    // prompt, `<|assistant|>`, its last token; the next request appends a user message where
+    // that generation prompt was. The session continues, and the turn goes direct to D.
+    let f = start(one_p_one_d, |_| {}).await;
+    let words = |tag: &str, n: u32| -> String {
+        (0..n)
+            .map(|i| format!("{tag}{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    // `<|system|>` + 1,000 words + `<|user|>` + 1,557 words + `<|assistant|>` = 2,560 tokens.
+    let sys = json!({"role": "system", "content": words("sys", 1_000)});
+    let u1 = json!({"role": "user", "content": words("first", 1_557)});
+    let u2 = json!({"role": "user", "content": words("second", 500)});
+    let r = f
+        .post(
+            "/v1/chat/completions",
+            &[],
+            &json!({"messages": [&sys, &u1], "max_tokens": 8}),
+        )
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    let first = r.header("x-kvc-session").to_owned();
+    let r = f
+        .post(
+            "/v1/chat/completions",
+            &[],
+            &json!({"messages": [&sys, &u1, &u2], "max_tokens": 8}),
+        )
+        .await;
+    assert_eq!(r.header("x-kvc-session"), first);
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+}

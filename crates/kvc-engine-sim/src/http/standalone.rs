@@ -1,6 +1,6 @@
 //! Standalone simulated workers (`kvc-replay workers`): no trace behind them, so a request is
 //! whatever a client sends. Its prompt is tokenized with the router's rules
-//! ([`kvc_core::text`]: a chat request's messages through [`chat_prompt`], text through
+//! ([`kvc_core::text`]: a chat request's messages through [`chat_tokens`], text through
 //! [`fallback_tokens`], token-id prompts as given) and cut into chained block ids
 //! ([`block_hashes`]) of [`StandaloneOptions::block_size`] tokens, which the engine model's
 //! prefix caches match; the output length is the request's `max_completion_tokens` or
@@ -21,7 +21,7 @@ use crate::publish::SessionLabels;
 use axum::http::HeaderMap;
 use kvc_core::HashIds;
 use kvc_core::text::{
-    DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, block_hashes, chat_prompt, fallback_tokens,
+    DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, block_hashes, chat_tokens, fallback_tokens,
 };
 use kvc_core::{BlockHash, BlockSize, SessionId};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -87,15 +87,22 @@ impl Standalone {
         max_tokens: Option<u64>,
         headers: &HeaderMap,
     ) -> Job {
-        let (tokens, default_output) = match prompt {
-            PromptIn::Text(t) => (fallback_tokens(t), DEFAULT_MAX_TOKENS),
-            PromptIn::Tokens(t) => (t.clone(), DEFAULT_MAX_TOKENS),
-            PromptIn::Chat(m) => (
-                fallback_tokens(&chat_prompt(
+        // Block hashes as the router's: a chat's cover its messages, not the closing
+        // generation prompt.
+        let (tokens, hashed, default_output) = match prompt {
+            PromptIn::Text(t) => {
+                let t = fallback_tokens(t);
+                let n = t.len();
+                (t, n, DEFAULT_MAX_TOKENS)
+            }
+            PromptIn::Tokens(t) => (t.clone(), t.len(), DEFAULT_MAX_TOKENS),
+            PromptIn::Chat(m) => {
+                let c = chat_tokens(
                     m.iter().map(|(r, c)| (r.as_str(), c.as_str())),
-                )),
-                DEFAULT_CHAT_MAX_TOKENS,
-            ),
+                    fallback_tokens,
+                );
+                (c.tokens, c.messages, DEFAULT_CHAT_MAX_TOKENS)
+            }
         };
         let key = headers
             .get(self.opts.session_header.as_str())
@@ -109,7 +116,7 @@ impl Standalone {
             }
             None => self.fresh_session(),
         };
-        let hashes: HashIds = block_hashes(&tokens, self.opts.block_size)
+        let hashes: HashIds = block_hashes(&tokens[..hashed], self.opts.block_size)
             .into_iter()
             .map(BlockHash)
             .collect();

@@ -96,9 +96,15 @@
 //! [`HttpOptions::tokenizer`] first: a Hugging Face `tokenizer.json` (`http.tokenizer` in the
 //! configuration, `--tokenizer` on the command line; loaded at startup, a bad file stops the
 //! start with an error naming it), else [`fallback_tokens`] (one token per whitespace-separated
-//! word). A chat request's text is its messages through the simple template of [`chat_prompt`]
-//! (used for hashing only; the worker gets the messages and applies its own template), then
-//! the same tokenizer. The input length is the number of tokens.
+//! word). A chat request's messages go through the simple template of [`chat_prompt`] (used
+//! for hashing only; the worker gets the messages and applies its own template) and the same
+//! tokenizer *one message at a time*, then its closing generation prompt
+//! ([`kvc_core::text::chat_tokens`]); the block hashes cover the messages' tokens, not the
+//! generation prompt's. A conversation that grows by appended messages (a user message after
+//! a user message, an assistant reply and a user message, a tool result) therefore has its
+//! previous request's hashed tokens as its prefix, whatever the tokenizer merges across a
+//! message boundary and wherever the generation prompt fell in a block. The input length is
+//! the number of tokens, the generation prompt's included.
 //!
 //! **Session and turn.** The session key is the first header of [`HttpOptions::session_headers`]
 //! the request has (`http.session-headers`), else, for `/generate`, `session_params.id`; it

@@ -7,7 +7,7 @@ pub use kvc_core::text::{
     DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS, chat_prompt,
 };
 
-fn chat_messages(body: &Map<String, Value>) -> Result<String, String> {
+fn chat_messages(body: &Map<String, Value>) -> Result<Vec<(String, String)>, String> {
     let Some(messages) = body.get("messages") else {
         return Err("missing `messages`".to_owned());
     };
@@ -28,16 +28,16 @@ fn chat_messages(body: &Map<String, Value>) -> Result<String, String> {
         };
         pairs.push((role, message_text(m.get("content"), i)?));
     }
-    Ok(chat_prompt(
-        pairs.iter().map(|(r, c)| (r.as_str(), c.as_str())),
-    ))
+    Ok(pairs)
 }
 
-/// The prompt of a request: token ids, or text to tokenize.
+/// The prompt of a request: token ids, text to tokenize, or a chat's messages (role, text),
+/// tokenized message by message ([`kvc_core::text::chat_tokens`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Prompt {
     Tokens(Vec<u32>),
     Text(String),
+    Chat(Vec<(String, String)>),
 }
 
 /// A parsed client request: the JSON object to forward, and what routing needs from it.
@@ -177,7 +177,7 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
             (prompt, output_hint, None)
         }
         Api::ChatCompletions => {
-            let prompt = Prompt::Text(chat_messages(&body)?);
+            let prompt = Prompt::Chat(chat_messages(&body)?);
             let output_hint =
                 match optional_u64(&body, "max_completion_tokens", "max_completion_tokens")? {
                     Some(n) => n,
@@ -255,9 +255,14 @@ mod tests {
                 {"role":"assistant","content":null}],"max_tokens":9}"#,
         )
         .unwrap();
+        let pair = |r: &str, c: &str| (r.to_owned(), c.to_owned());
         assert_eq!(
             r.prompt,
-            Prompt::Text("<|system|>\nS\n<|user|>\na b\n<|assistant|>\n\n<|assistant|>\n".into())
+            Prompt::Chat(vec![
+                pair("system", "S"),
+                pair("user", "a b"),
+                pair("assistant", "")
+            ])
         );
         assert_eq!(r.output_hint, 9);
         assert_eq!(r.session_key, None);

@@ -83,16 +83,26 @@ pub(crate) async fn prepare_request(
     } else {
         Some(bytes)
     };
-    let tokens = match &req.prompt {
-        Prompt::Tokens(t) => t.clone(),
-        Prompt::Text(text) => app.options.tokenizer.encode_off_thread(text).await,
+    // Block hashes cover the prompt, but for a chat not its closing generation prompt (which
+    // the conversation's next request replaces with a message).
+    let (tokens, hashed) = match &req.prompt {
+        Prompt::Tokens(t) => (t.clone(), t.len()),
+        Prompt::Text(text) => {
+            let t = app.options.tokenizer.encode_off_thread(text).await;
+            let n = t.len();
+            (t, n)
+        }
+        Prompt::Chat(messages) => {
+            let c = app.options.tokenizer.encode_chat_off_thread(messages).await;
+            (c.tokens, c.messages)
+        }
     };
     if tokens.is_empty() {
         return Err(bad_request("the prompt is empty"));
     }
     let block = app.service.config().policy.block_size();
-    let hash_ids = block_hashes(&tokens, block);
-    let full_blocks = tokens.len() / block.tokens() as usize;
+    let hash_ids = block_hashes(&tokens[..hashed], block);
+    let full_blocks = hashed / block.tokens() as usize;
     let request_id = app.next_request_id();
     let client_key = match from_headers {
         Some((key, source)) => {

@@ -118,6 +118,36 @@ impl Tokenizer {
     }
 }
 
+/// A chat's messages as (role, text) pairs of `&str`.
+fn pairs(m: &[(String, String)]) -> impl Iterator<Item = (&str, &str)> {
+    m.iter().map(|(r, c)| (r.as_str(), c.as_str()))
+}
+
+impl Tokenizer {
+    /// A chat's tokens ([`kvc_core::text::chat_tokens`]: message by message, then the
+    /// generation prompt), off the request thread as [`Tokenizer::encode_off_thread`].
+    pub(crate) async fn encode_chat_off_thread(
+        &self,
+        messages: &[(String, String)],
+    ) -> kvc_core::text::ChatTokens {
+        if self.loaded.is_none() {
+            return kvc_core::text::chat_tokens(pairs(messages), fallback_tokens);
+        }
+        let (tokenizer, owned) = (self.clone(), messages.to_vec());
+        match tokio::task::spawn_blocking(move || {
+            kvc_core::text::chat_tokens(pairs(&owned), |t| tokenizer.encode(t))
+        })
+        .await
+        {
+            Ok(tokens) => tokens,
+            Err(e) => {
+                tracing::warn!(error = %e, "tokenizer task failed; using the whitespace fallback");
+                kvc_core::text::chat_tokens(pairs(messages), fallback_tokens)
+            }
+        }
+    }
+}
+
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.path() {
