@@ -519,23 +519,15 @@ impl Metrics {
         self.inferred_sessions[usize::from(!continued)].get()
     }
 
-    /// Declares where session keys may come from (each at zero until counted).
-    pub fn declare_session_sources<'a>(&self, sources: impl IntoIterator<Item = &'a str>) {
-        for source in sources {
-            let _ = self.session_keys.get_or_create(&SourceLabel {
-                source: source.to_owned(),
-            });
-        }
-    }
-
-    /// Counts one request whose session key came from `source` (a header name, or
-    /// `session_params`).
-    pub fn record_session_key(&self, source: &str) {
+    /// The counter of requests whose session key came from `source` (a header name, or
+    /// `session_params`), exported (at zero) from this call on; a caller counting often keeps
+    /// the handle.
+    pub fn session_key_counter(&self, source: &str) -> Counter {
         self.session_keys
             .get_or_create(&SourceLabel {
                 source: source.to_owned(),
             })
-            .inc();
+            .clone()
     }
 
     /// Requests whose session key came from `source`, so far.

@@ -271,10 +271,17 @@ async fn the_session_header_is_forwarded_under_its_configured_name() {
     assert!(f.received(1)[1].1.is_empty());
 }
 
+/// `n` distinct words, `<tag>0 <tag>1 …`.
+fn words(tag: &str, n: u32) -> String {
+    (0..n)
+        .map(|i| format!("{tag}{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// A chat body whose one user message is `n` words.
 fn chat_words(n: u32) -> Value {
-    let words: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
-    json!({"messages": [{"role": "user", "content": words.join(" ")}], "max_tokens": 8})
+    json!({"messages": [{"role": "user", "content": words("w", n)}], "max_tokens": 8})
 }
 
 #[tokio::test]
@@ -835,12 +842,6 @@ async fn a_prefill_failure_before_d_answered_is_answered_when_not_retryable() {
 #[tokio::test]
 async fn headerless_chat_conversations_are_one_inferred_session() {
     let f = start(one_p_one_d, |_| {}).await;
-    let words = |tag: &str, n: u32| -> String {
-        (0..n)
-            .map(|i| format!("{tag}{i}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
     let sys = json!({"role": "system", "content": words("sys", 1_000)});
     let u1 = json!({"role": "user", "content": words("first", 2_000)});
     let u2 = json!({"role": "user", "content": words("second", 500)});
@@ -884,12 +885,6 @@ async fn a_turn_appended_after_a_prompt_ending_on_a_block_boundary_continues_its
     // prompt, `<|assistant|>`, its last token; the next request appends a user message where
     // that generation prompt was. The session continues, and the turn goes direct to D.
     let f = start(one_p_one_d, |_| {}).await;
-    let words = |tag: &str, n: u32| -> String {
-        (0..n)
-            .map(|i| format!("{tag}{i}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
     // `<|system|>` + 1,000 words + `<|user|>` + 1,557 words + `<|assistant|>` = 2,560 tokens.
     let sys = json!({"role": "system", "content": words("sys", 1_000)});
     let u1 = json!({"role": "user", "content": words("first", 1_557)});

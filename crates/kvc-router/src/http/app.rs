@@ -10,6 +10,7 @@ use crate::RouterService;
 use crate::worker_http::WorkerClient;
 use axum::http::HeaderName;
 use kvc_core::WorkerId;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -25,6 +26,8 @@ pub(crate) struct App {
     /// [`HttpOptions::session_header`] as a header name; `None` when it is not one (then no
     /// worker request carries it).
     pub(crate) session_header: Option<HeaderName>,
+    /// `kvc_router_http_session_keys_total` by source: every session header, and the body.
+    session_keys: HashMap<String, prometheus_client::metrics::counter::Counter>,
     next_request: AtomicU64,
 }
 
@@ -35,13 +38,16 @@ impl App {
         options: HttpOptions,
     ) -> App {
         let sessions = Sessions::new(service.config().sessions, options.infer_min_blocks);
-        service.metrics().declare_session_sources(
-            options
-                .session_headers
-                .iter()
-                .map(String::as_str)
-                .chain([super::session::BODY_SESSION_SOURCE]),
-        );
+        let session_keys = options
+            .session_headers
+            .iter()
+            .map(String::as_str)
+            .chain([super::session::BODY_SESSION_SOURCE])
+            .map(|source| {
+                let counter = service.metrics().session_key_counter(source);
+                (source.to_owned(), counter)
+            })
+            .collect();
         App {
             client: WorkerClient::new(options.pool),
             breakers: Breakers::new(options.breaker, options.request_timeout),
@@ -51,7 +57,16 @@ impl App {
             service,
             workers,
             options,
+            session_keys,
             next_request: AtomicU64::new(1),
+        }
+    }
+
+    /// Counts a request whose session key came from `source` (a session header, or the
+    /// body's [`super::session::BODY_SESSION_SOURCE`]).
+    pub(super) fn count_session_key(&self, source: &str) {
+        if let Some(c) = self.session_keys.get(source) {
+            c.inc();
         }
     }
 

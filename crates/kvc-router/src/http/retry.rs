@@ -106,14 +106,13 @@ pub(crate) async fn prepare_request(
     let request_id = app.next_request_id();
     let client_key = match from_headers {
         Some((key, source)) => {
-            app.service.metrics().record_session_key(source);
+            app.count_session_key(source);
             Some(key)
         }
-        None => req.session_key.clone().inspect(|_| {
-            app.service
-                .metrics()
-                .record_session_key(BODY_SESSION_SOURCE);
-        }),
+        None => req
+            .session_key
+            .clone()
+            .inspect(|_| app.count_session_key(BODY_SESSION_SOURCE)),
     };
     let resolved = app.sessions.resolve(
         &app.service,
