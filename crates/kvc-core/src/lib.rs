@@ -22,8 +22,9 @@
 //! - the nearest-rank percentile every kvc summary reports ([`stats`]) and the scanner and
 //!   framing of Server-Sent Events streams ([`sse`]);
 //! - how a text or chat prompt becomes token ids and chained block ids ([`text`]);
-//! - OpenAI-style bodies as vLLM reads them: a chat message's text and NixlConnector's
-//!   prefill body ([`openai`]).
+//! - OpenAI-style bodies as vLLM reads them: a chat message's text, NixlConnector's prefill
+//!   body and an answer's token counts in each API ([`openai`]); the coding agents' APIs
+//!   (Anthropic Messages, OpenAI Responses) as chat messages ([`agent_apis`]).
 //!
 //! Every enum serializes to a **stable kebab-case name** ([`StableName`]); the same string is
 //! used in JSON, in metrics labels and on the command line.
@@ -38,6 +39,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod agent_apis;
 mod hash_ids;
 mod ids;
 mod names;

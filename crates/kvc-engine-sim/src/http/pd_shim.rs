@@ -152,8 +152,13 @@ impl PdShim {
         request_id: &str,
         body: &Map<String, Value>,
     ) -> Result<Value, PrefillError> {
-        let payload =
-            Bytes::from(Value::Object(kvc_core::openai::nixl_prefill_body(body)).to_string());
+        let payload = Bytes::from(
+            Value::Object(kvc_core::openai::nixl_prefill_body(
+                body,
+                kvc_core::openai::VllmApi::ChatCompletions,
+            ))
+            .to_string(),
+        );
         let request = hyper::Request::post(format!("http://{p}{path}"))
             .header("content-type", "application/json")
             .header("x-request-id", request_id)

@@ -42,7 +42,7 @@ impl App {
             .session_headers
             .iter()
             .map(String::as_str)
-            .chain([super::session::BODY_SESSION_SOURCE])
+            .chain(super::request::BODY_SESSION_SOURCES)
             .map(|source| {
                 let counter = service.metrics().session_key_counter(source);
                 (source.to_owned(), counter)
@@ -63,7 +63,7 @@ impl App {
     }
 
     /// Counts a request whose session key came from `source` (a session header, or the
-    /// body's [`super::session::BODY_SESSION_SOURCE`]).
+    /// body's [`super::request::BODY_SESSION_SOURCES`]).
     pub(super) fn count_session_key(&self, source: &str) {
         if let Some(c) = self.session_keys.get(source) {
             c.inc();

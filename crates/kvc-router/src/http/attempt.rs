@@ -142,28 +142,23 @@ pub(super) fn is_success(r: &Result<WorkerAnswer, ForwardError>) -> bool {
     matches!(r, Ok(a) if (200..300).contains(&a.status))
 }
 
-/// Tokens generated, as the worker's answer reports them (SGLang `meta_info` or OpenAI
-/// `usage`).
+/// Tokens generated, as the worker's answer reports them (SGLang `meta_info`, OpenAI
+/// `usage`, or the agents' APIs' `usage.output_tokens`: [`kvc_core::openai::completion_tokens_of`]).
 pub(crate) fn completion_tokens(body: &[u8]) -> Option<u64> {
     let v: Value = serde_json::from_slice(body).ok()?;
-    v.pointer("/meta_info/completion_tokens")
-        .or_else(|| v.pointer("/usage/completion_tokens"))
-        .and_then(Value::as_u64)
+    kvc_core::openai::completion_tokens_of(&v)
 }
 
-/// Prompt tokens the worker's answer says it served from its prefix cache: vLLM's (OpenAI's)
-/// `usage.prompt_tokens_details.cached_tokens`, or SGLang's `meta_info.cached_tokens`.
+/// Prompt tokens the worker's answer says it served from its prefix cache, in any API's
+/// shape ([`kvc_core::openai::cached_tokens_of`]: vLLM's (OpenAI's)
+/// `usage.prompt_tokens_details.cached_tokens`, Messages' `usage.cache_read_input_tokens`,
+/// Responses' `usage.input_tokens_details.cached_tokens`, SGLang's `meta_info.cached_tokens`).
 pub(crate) fn cached_tokens(body: &[u8]) -> Option<u64> {
     let v: Value = serde_json::from_slice(body).ok()?;
     cached_tokens_of(&v)
 }
 
-/// [`cached_tokens`] of a parsed answer (or stream chunk).
-pub(super) fn cached_tokens_of(v: &Value) -> Option<u64> {
-    v.pointer("/usage/prompt_tokens_details/cached_tokens")
-        .or_else(|| v.pointer("/meta_info/cached_tokens"))
-        .and_then(Value::as_u64)
-}
+pub(super) use kvc_core::openai::cached_tokens_of;
 
 /// What a decode worker's call adds to the common forwarding (the vLLM dialect); the default
 /// adds nothing.

@@ -1,6 +1,7 @@
 //! Parsing of the client request bodies the HTTP front accepts.
 
-use kvc_core::openai::message_text;
+use kvc_core::agent_apis::{messages_chat, responses_chat};
+use kvc_core::openai::{VllmApi, message_text};
 use serde_json::{Map, Value};
 
 pub use kvc_core::text::{
@@ -46,10 +47,31 @@ pub(crate) struct ClientRequest {
     pub(crate) body: Map<String, Value>,
     pub(crate) prompt: Prompt,
     pub(crate) output_hint: u64,
-    /// SGLang `session_params.id`, as text.
-    pub(crate) session_key: Option<String>,
+    /// A session key the body carries, as text, and the field it came from
+    /// ([`SESSION_PARAMS_SOURCE`] or [`PROMPT_CACHE_KEY_SOURCE`]).
+    pub(crate) session_key: Option<(String, &'static str)>,
     /// `stream: true`: the answer is relayed as it arrives.
     pub(crate) stream: bool,
+}
+
+/// SGLang's `session_params.id` (`/generate`), as a session key's source.
+pub(crate) const SESSION_PARAMS_SOURCE: &str = "session_params";
+
+/// OpenAI's `prompt_cache_key` (Chat Completions, Completions, Responses; Codex CLI sets it to
+/// its conversation id), as a session key's source.
+pub(crate) const PROMPT_CACHE_KEY_SOURCE: &str = "prompt_cache_key";
+
+/// Every body field a session key can come from, as counted in
+/// `kvc_router_http_session_keys_total`.
+pub(crate) const BODY_SESSION_SOURCES: [&str; 2] = [SESSION_PARAMS_SOURCE, PROMPT_CACHE_KEY_SOURCE];
+
+/// `prompt_cache_key`, when the body has a non-empty one.
+fn prompt_cache_key(body: &Map<String, Value>) -> Result<Option<(String, &'static str)>, String> {
+    match body.get(PROMPT_CACHE_KEY_SOURCE) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some((s.clone(), PROMPT_CACHE_KEY_SOURCE))),
+        Some(_) => Err("`prompt_cache_key` must be a non-empty string".to_owned()),
+    }
 }
 
 /// Which API a request came through.
@@ -61,6 +83,10 @@ pub(crate) enum Api {
     Completions,
     /// OpenAI `POST /v1/chat/completions`.
     ChatCompletions,
+    /// Anthropic `POST /v1/messages` (Claude Code's API; vLLM workers only).
+    Messages,
+    /// OpenAI `POST /v1/responses` (Codex CLI's API; vLLM workers only).
+    Responses,
 }
 
 impl Api {
@@ -69,7 +95,31 @@ impl Api {
             Api::Generate => "/generate",
             Api::Completions => "/v1/completions",
             Api::ChatCompletions => "/v1/chat/completions",
+            Api::Messages => "/v1/messages",
+            Api::Responses => "/v1/responses",
         }
+    }
+
+    /// The API as a vLLM server's (SGLang's `/generate` has no vLLM counterpart: a cluster
+    /// with vLLM workers refuses it before anything is forwarded).
+    pub(crate) fn vllm(self) -> VllmApi {
+        match self {
+            Api::Generate | Api::Completions => VllmApi::Completions,
+            Api::ChatCompletions => VllmApi::ChatCompletions,
+            Api::Messages => VllmApi::Messages,
+            Api::Responses => VllmApi::Responses,
+        }
+    }
+
+    /// Whether the API is one only vLLM workers serve here (the coding agents' APIs).
+    pub(crate) fn vllm_only(self) -> bool {
+        matches!(self, Api::Messages | Api::Responses)
+    }
+
+    /// Whether the client's errors are in Anthropic's shape
+    /// (`{"type": "error", "error": {"type", "message"}}`) rather than OpenAI's.
+    pub(crate) fn anthropic_errors(self) -> bool {
+        self == Api::Messages
     }
 }
 
@@ -155,8 +205,10 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
                 None | Some(Value::Null) => None,
                 Some(Value::Object(sp)) => match sp.get("id") {
                     None | Some(Value::Null) => None,
-                    Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
-                    Some(Value::Number(n)) => Some(n.to_string()),
+                    Some(Value::String(s)) if !s.is_empty() => {
+                        Some((s.clone(), SESSION_PARAMS_SOURCE))
+                    }
+                    Some(Value::Number(n)) => Some((n.to_string(), SESSION_PARAMS_SOURCE)),
                     Some(_) => {
                         return Err(
                             "`session_params.id` must be a non-empty string or a number".to_owned()
@@ -174,7 +226,7 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
             };
             let output_hint =
                 optional_u64(&body, "max_tokens", "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS);
-            (prompt, output_hint, None)
+            (prompt, output_hint, prompt_cache_key(&body)?)
         }
         Api::ChatCompletions => {
             let prompt = Prompt::Chat(chat_messages(&body)?);
@@ -184,7 +236,20 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
                     None => optional_u64(&body, "max_tokens", "max_tokens")?
                         .unwrap_or(DEFAULT_CHAT_MAX_TOKENS),
                 };
+            (prompt, output_hint, prompt_cache_key(&body)?)
+        }
+        Api::Messages => {
+            let prompt = Prompt::Chat(messages_chat(&body)?);
+            // Required by the API (vLLM refuses a request without it).
+            let output_hint =
+                optional_u64(&body, "max_tokens", "max_tokens")?.ok_or("missing `max_tokens`")?;
             (prompt, output_hint, None)
+        }
+        Api::Responses => {
+            let prompt = Prompt::Chat(responses_chat(&body)?);
+            let output_hint = optional_u64(&body, "max_output_tokens", "max_output_tokens")?
+                .unwrap_or(DEFAULT_CHAT_MAX_TOKENS);
+            (prompt, output_hint, prompt_cache_key(&body)?)
         }
     };
     Ok(ClientRequest {
@@ -209,7 +274,10 @@ mod tests {
         .unwrap();
         assert_eq!(r.prompt, Prompt::Text("a b".into()));
         assert_eq!(r.output_hint, 7);
-        assert_eq!(r.session_key.as_deref(), Some("s1"));
+        assert_eq!(
+            r.session_key,
+            Some(("s1".to_owned(), SESSION_PARAMS_SOURCE))
+        );
 
         let r = parse(
             Api::Generate,
@@ -218,7 +286,10 @@ mod tests {
         .unwrap();
         assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
         assert_eq!(r.output_hint, DEFAULT_MAX_NEW_TOKENS);
-        assert_eq!(r.session_key.as_deref(), Some("42"));
+        assert_eq!(
+            r.session_key,
+            Some(("42".to_owned(), SESSION_PARAMS_SOURCE))
+        );
         assert!(!r.stream);
         let r = parse(Api::Generate, br#"{"text":"a","stream":true}"#).unwrap();
         assert!(r.stream);

@@ -24,12 +24,58 @@ pub(super) fn json_response(status: StatusCode, body: &Value) -> Response {
         .into_response()
 }
 
+/// An error the front answered itself, kept with its response so that an API with errors of
+/// another shape can write it anew ([`in_anthropic_shape`]).
+#[derive(Debug, Clone)]
+pub(super) struct FrontError {
+    message: String,
+}
+
 /// `{"error": {"message", "type", "code"}}` with `status`.
 pub(super) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
-    json_response(
+    let mut r = json_response(
         status,
         &json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }),
-    )
+    );
+    r.extensions_mut().insert(FrontError {
+        message: message.to_owned(),
+    });
+    r
+}
+
+/// The Anthropic error type of an error answered with `status` (the types of Anthropic's
+/// API reference).
+fn anthropic_error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        504 => "timeout_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    }
+}
+
+/// `{"type": "error", "error": {"type", "message"}}`: an Anthropic client's error body.
+pub(super) fn anthropic_error_body(status: StatusCode, message: &str) -> serde_json::Value {
+    json!({ "type": "error",
+            "error": { "type": anthropic_error_type(status), "message": message } })
+}
+
+/// An answer to a Messages API client: an error the front answered itself written anew in
+/// Anthropic's shape, with its status and headers; anything else (a worker's own answer,
+/// already in that shape from vLLM's Messages endpoint) as it is.
+pub(super) fn in_anthropic_shape(response: Response) -> Response {
+    let Some(e) = response.extensions().get::<FrontError>().cloned() else {
+        return response;
+    };
+    let (mut parts, _) = response.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let body = anthropic_error_body(parts.status, &e.message).to_string();
+    Response::from_parts(parts, axum::body::Body::from(body))
 }
 
 /// A body that could not be read (too large, cut short) as a JSON error.
@@ -137,6 +183,48 @@ mod tests {
         assert_eq!(h[SESSION_RESPONSE_HEADER], "s-1");
         let r = with_decision_headers(StatusCode::OK.into_response(), &decision, Some("bad\nkey"));
         assert!(!r.headers().contains_key(SESSION_RESPONSE_HEADER));
+    }
+
+    #[tokio::test]
+    async fn front_errors_are_rewritten_for_anthropic_clients_and_worker_answers_are_not() {
+        let r = in_anthropic_shape(error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "missing `max_tokens`",
+        ));
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        let body = body_json(r).await;
+        assert_eq!(
+            body,
+            json!({"type": "error", "error": {"type": "invalid_request_error",
+                "message": "missing `max_tokens`"}})
+        );
+        for (status, kind) in [
+            (StatusCode::NOT_FOUND, "not_found_error"),
+            (StatusCode::PAYLOAD_TOO_LARGE, "request_too_large"),
+            (StatusCode::SERVICE_UNAVAILABLE, "overloaded_error"),
+            (StatusCode::GATEWAY_TIMEOUT, "timeout_error"),
+            (StatusCode::BAD_GATEWAY, "api_error"),
+            (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error"),
+        ] {
+            let body = body_json(in_anthropic_shape(error_response(status, "x", "m"))).await;
+            assert_eq!(body["error"]["type"], kind, "{status}");
+        }
+        let worker = worker_answer(WorkerAnswer {
+            status: 400,
+            content_type: None,
+            admission_rejected: false,
+            body: axum::body::Bytes::from_static(b"{\"type\":\"error\"}"),
+        });
+        assert_eq!(
+            body_json(in_anthropic_shape(worker)).await,
+            json!({"type": "error"})
+        );
+    }
+
+    async fn body_json(r: Response) -> Value {
+        let bytes = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+        serde_json::from_slice(&bytes).unwrap()
     }
 
     #[test]

@@ -9,7 +9,7 @@ use super::decision::{self, RouteQuery};
 use super::direct::add_continuation_params;
 use super::request::{self, Api, Prompt};
 use super::responses::{error_response, route_error_response, with_decision_headers};
-use super::session::{BODY_SESSION_SOURCE, client_key};
+use super::session::client_key;
 use super::stream::forward_stream;
 use super::tokens::block_hashes;
 use super::trust::{check_session_id, strip_router_fields};
@@ -74,7 +74,7 @@ pub(crate) async fn prepare_request(
         limit,
     )
     .map_err(|m| bad_request(&m))?;
-    if let Some(key) = &req.session_key {
+    if let Some((key, _)) = &req.session_key {
         check_session_id(key, limit).map_err(|m| bad_request(&m))?;
     }
     let client_bytes = if strip_router_fields(&mut req.body) > 0 {
@@ -109,10 +109,10 @@ pub(crate) async fn prepare_request(
             app.count_session_key(source);
             Some(key)
         }
-        None => req
-            .session_key
-            .clone()
-            .inspect(|_| app.count_session_key(BODY_SESSION_SOURCE)),
+        None => req.session_key.clone().map(|(key, source)| {
+            app.count_session_key(source);
+            key
+        }),
     };
     let resolved = app.sessions.resolve(
         &app.service,

@@ -20,10 +20,6 @@ pub(super) fn header_key(headers: &HeaderMap, name: &str) -> Result<Option<Strin
     }
 }
 
-/// Where a session key came from when the body gave it (`session_params.id`), in
-/// `kvc_router_http_session_keys_total`.
-pub(crate) const BODY_SESSION_SOURCE: &str = "session_params";
-
 /// The session key a client's headers give, and the header it came from: the first of
 /// `names` present, followed by `/agent/<agent>` when one of `agents` is present too (a
 /// subagent sharing its parent's session id has a conversation of its own). Each part is at

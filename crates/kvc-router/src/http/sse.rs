@@ -3,6 +3,8 @@
 //! event that ends a client's stream when the worker failed mid-stream.
 
 use super::attempt::{cached_tokens_of, completion_tokens};
+use super::request::Api;
+use super::responses::anthropic_error_body;
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use kvc_core::sse::{self, SseEvent, SseScanner};
@@ -137,16 +139,36 @@ impl UsageFilter {
     }
 }
 
-/// The SSE event that ends a client's stream when the worker failed mid-stream; after a cut
-/// event (`after_partial_event`) that event is closed first.
-pub(super) fn sse_error_event(message: &str, after_partial_event: bool) -> Bytes {
-    let event = json!({ "error": {
-        "message": message,
-        "type": "worker_error",
-        "code": StatusCode::BAD_GATEWAY.as_u16(),
-    } });
+/// The SSE event that ends a client's stream of `api` when the worker failed mid-stream, in
+/// that API's shape: OpenAI's `data: {"error": {...}}`; for Messages an `error` event
+/// (`{"type": "error", "error": {"type": "api_error", ...}}`), for Responses an `error` event
+/// (`{"type": "error", "code", "message"}`). After a cut event (`after_partial_event`) that
+/// event is closed first.
+pub(super) fn sse_error_event(api: Api, message: &str, after_partial_event: bool) -> Bytes {
     let lead = if after_partial_event { "\n\n" } else { "" };
-    Bytes::from(format!("{lead}{}", sse::event(&event.to_string())))
+    let event = match api {
+        Api::Messages => format!(
+            "event: error\n{}",
+            sse::event(&anthropic_error_body(StatusCode::BAD_GATEWAY, message).to_string())
+        ),
+        Api::Responses => format!(
+            "event: error\n{}",
+            sse::event(
+                &json!({ "type": "error", "code": "worker_error", "message": message,
+                         "param": null })
+                .to_string()
+            )
+        ),
+        Api::Generate | Api::Completions | Api::ChatCompletions => sse::event(
+            &json!({ "error": {
+                "message": message,
+                "type": "worker_error",
+                "code": StatusCode::BAD_GATEWAY.as_u16(),
+            } })
+            .to_string(),
+        ),
+    };
+    Bytes::from(format!("{lead}{event}"))
 }
 
 #[cfg(test)]
@@ -215,7 +237,7 @@ mod tests {
 
     #[test]
     fn sse_error_events_are_well_formed() {
-        let e = sse_error_event("decode worker: gone", false);
+        let e = sse_error_event(Api::ChatCompletions, "decode worker: gone", false);
         let text = std::str::from_utf8(&e).unwrap();
         let json = text
             .strip_prefix("data: ")
@@ -226,10 +248,31 @@ mod tests {
         assert_eq!(v["error"]["message"], "decode worker: gone");
         assert_eq!(v["error"]["type"], "worker_error");
         assert_eq!(v["error"]["code"], 502);
-        let after = sse_error_event("x", true);
+        let after = sse_error_event(Api::Completions, "x", true);
         assert!(
             after.starts_with(b"\n\ndata: "),
             "a cut event is closed first"
         );
+        // The agents' APIs: an `error` event in each one's shape.
+        let data_of = |b: Bytes| -> Value {
+            let text = String::from_utf8(b.to_vec()).unwrap();
+            let data = text
+                .strip_prefix("event: error\ndata: ")
+                .and_then(|t| t.strip_suffix("\n\n"))
+                .unwrap_or_else(|| panic!("not an error event: {text:?}"))
+                .to_owned();
+            serde_json::from_str(&data).unwrap()
+        };
+        let m = data_of(sse_error_event(Api::Messages, "gone", false));
+        assert_eq!(
+            m,
+            serde_json::json!({"type": "error", "error": {"type": "api_error", "message": "gone"}})
+        );
+        let r = data_of(sse_error_event(Api::Responses, "gone", false));
+        assert_eq!(
+            (r["type"].as_str(), r["message"].as_str()),
+            (Some("error"), Some("gone"))
+        );
+        assert!(sse_error_event(Api::Messages, "x", true).starts_with(b"\n\nevent: error\n"));
     }
 }

@@ -9,6 +9,7 @@ use super::attempt::{
 };
 use super::decision::{self, Decision};
 use super::pairing::PrefillLeg;
+use super::request::Api;
 use super::responses::{error_response, forward_error_response};
 use super::sse::{CompletionScan, UsageFilter, sse_error_event};
 use crate::worker_http::{ForwardError, WorkerAnswer, WorkerStream};
@@ -125,6 +126,7 @@ pub(super) async fn forward_stream(
         app: Arc::clone(app),
         decision: decision.id,
         request_id: request.request_id,
+        api: request.api,
         input_length: request.input_length,
         decode: d_id,
         head_failed,
@@ -145,6 +147,8 @@ struct Relay {
     app: Arc<App>,
     decision: u64,
     request_id: u64,
+    /// The client's API (the shape of a mid-stream error event).
+    api: Api,
     input_length: u64,
     decode: WorkerId,
     /// D's head was a failure status (relayed: no retry was left).
@@ -217,7 +221,9 @@ impl Relay {
                 Err(message) => {
                     worker_broke = true;
                     tracing::warn!(request = self.request_id, error = %message, "stream ended early");
-                    let _ = tx.send(Ok(sse_error_event(&message, !ends_event))).await;
+                    let _ = tx
+                        .send(Ok(sse_error_event(self.api, &message, !ends_event)))
+                        .await;
                     break false;
                 }
             }

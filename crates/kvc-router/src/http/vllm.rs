@@ -83,7 +83,7 @@ async fn prefill(
     };
     app.breakers
         .on_dispatch(&app.service, p, app.service.now_ms());
-    let payload = super::attempt::payload(&prefill_body(body));
+    let payload = super::attempt::payload(&prefill_body(body, request.api.vllm()));
     let answer = app
         .client
         .post_whole(Call {
