@@ -4,10 +4,16 @@
 //!
 //! One test walks the whole contract on one pair of engines (they take a minute each to start
 //! and 2 GB of memory each, so they are started once):
-//! 1. multi-turn sessions through the HTTP front — `/v1/chat/completions` and
-//!    `/v1/completions`, streamed and not: turn 1 through P→D, later turns `direct-to-d` with
-//!    D reporting at least 90% of each prompt cached, and the engine counting the same prompt
-//!    tokens for each request as for the same request sent to it directly;
+//! 1. multi-turn sessions through the HTTP front — `/v1/chat/completions`, `/v1/completions`,
+//!    Anthropic's `/v1/messages` (keyed by Claude Code's session header) and OpenAI's
+//!    `/v1/responses` (keyed by Codex's `prompt_cache_key`), streamed and not — and chat
+//!    conversations with no key at all, grown by a user message alone, an answer and a user
+//!    message, or a tool call, its result and a user message, under the chat template with
+//!    and without its generation prompt (each one inferred session): turn 1 through P→D,
+//!    later turns `direct-to-d` with D reporting at least 90% of each prompt cached, and the
+//!    engine counting the same prompt tokens for each request as for the same request sent
+//!    to it directly; Anthropic's token count passed through, the router's own errors there
+//!    in Anthropic's shape;
 //! 2. a router started after the engines served traffic has D's blocks indexed (by replay,
 //!    no reset) before it answers ready, and adopts a session another router placed;
 //! 3. D's prefix cache cleared → the next direct turn is `direct-cache-miss` (vLLM publishes
@@ -273,16 +279,68 @@ fn words(seed: u64, n: usize) -> String {
 enum Api {
     Chat,
     Completions,
+    /// Anthropic's Messages API (Claude Code's).
+    Messages,
+    /// OpenAI's Responses API (Codex CLI's).
+    Responses,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+            Api::Messages => "/v1/messages",
+            Api::Responses => "/v1/responses",
+        }
+    }
+
+    /// The field of the output limit.
+    fn limit_field(self) -> &'static str {
+        match self {
+            Api::Responses => "max_output_tokens",
+            _ => "max_tokens",
+        }
+    }
+}
+
+/// How a chat conversation grows from one request to the next.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Growth {
+    /// The answer is taken in, then the next user message.
+    AssistantThenUser,
+    /// Another user message after the previous one, the answer left out (what an agent does
+    /// after an answer it cut off).
+    UserOnly,
+    /// The answer as an assistant tool call, its tool result, then the next user message.
+    ToolResultThenUser,
+}
+
+/// Where a session's key travels.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum KeyIn {
+    /// No key at all: the router infers the session from the prompt.
+    Nowhere,
+    /// A session header of that name.
+    Header(&'static str),
+    /// The body's `prompt_cache_key` (what Codex CLI sets).
+    PromptCacheKey,
 }
 
 /// One agent-like session: a long shared system prompt, then user turns, each carrying the
-/// model's previous answer back.
+/// model's previous answer back (as `growth` says).
 struct Session {
     key: String,
+    key_in: KeyIn,
     api: Api,
     stream: bool,
     seed: u64,
-    /// Chat: the messages so far. Completions: the prompt so far (in `prompt`).
+    growth: Growth,
+    /// Chat templates render a closing generation prompt unless asked not to.
+    generation_prompt: bool,
+    system: String,
+    /// Chat, Messages: the messages so far; Responses: the input items so far;
+    /// Completions: the prompt so far (in `prompt`).
     messages: Vec<Value>,
     prompt: String,
     turn: usize,
@@ -295,22 +353,45 @@ struct Turn {
     mode: String,
     decode: String,
     prefill: Option<String>,
+    /// The router's session key (`x-kvc-session`).
+    session: Option<String>,
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// The answer's text (a stream's deltas joined).
+    text: String,
     body: Value,
 }
 
 impl Session {
     fn new(key: &str, api: Api, stream: bool, seed: u64) -> Session {
         let system = format!("You are a coding agent.\n{}", words(seed, 2000));
+        let messages = if api == Api::Chat {
+            vec![json!({"role": "system", "content": system.clone()})]
+        } else {
+            Vec::new()
+        };
         Session {
             key: key.to_owned(),
+            key_in: KeyIn::Header("x-session-id"),
             api,
             stream,
             seed,
-            messages: vec![json!({"role": "system", "content": system.clone()})],
-            prompt: system,
+            growth: Growth::AssistantThenUser,
+            generation_prompt: true,
+            prompt: system.clone(),
+            system,
+            messages,
             turn: 0,
+        }
+    }
+
+    /// A chat session without any key, growing as `growth` says.
+    fn headerless(name: &str, growth: Growth, generation_prompt: bool, seed: u64) -> Session {
+        Session {
+            key_in: KeyIn::Nowhere,
+            growth,
+            generation_prompt,
+            ..Session::new(name, Api::Chat, false, seed)
         }
     }
 
@@ -321,7 +402,11 @@ impl Session {
         let mut body = match self.api {
             Api::Chat => {
                 self.messages.push(json!({"role": "user", "content": user}));
-                json!({"model": "kvc-tiny", "messages": self.messages})
+                let mut b = json!({"model": "kvc-tiny", "messages": self.messages});
+                if !self.generation_prompt {
+                    b["add_generation_prompt"] = json!(false);
+                }
+                b
             }
             Api::Completions => {
                 self.prompt.push_str("\nuser: ");
@@ -329,58 +414,116 @@ impl Session {
                 self.prompt.push_str("\nassistant:");
                 json!({"model": "kvc-tiny", "prompt": self.prompt})
             }
+            Api::Messages => {
+                self.messages
+                    .push(json!({"role": "user", "content": [{"type": "text", "text": user}]}));
+                json!({"model": "kvc-tiny", "system": self.system, "messages": self.messages})
+            }
+            Api::Responses => {
+                self.messages.push(json!({"type": "message", "role": "user",
+                    "content": [{"type": "input_text", "text": user}]}));
+                json!({"model": "kvc-tiny", "instructions": self.system,
+                       "input": self.messages, "store": false})
+            }
         };
-        body["max_tokens"] = json!(16);
+        body[self.api.limit_field()] = json!(16);
         body["temperature"] = json!(0);
-        body["ignore_eos"] = json!(true);
+        if matches!(self.api, Api::Chat | Api::Completions) {
+            body["ignore_eos"] = json!(true);
+        }
+        if self.key_in == KeyIn::PromptCacheKey {
+            body["prompt_cache_key"] = json!(self.key);
+        }
         if self.stream {
             body["stream"] = json!(true);
-            body["stream_options"] = json!({"include_usage": true});
+            if matches!(self.api, Api::Chat | Api::Completions) {
+                body["stream_options"] = json!({"include_usage": true});
+            }
         }
         body
     }
 
     /// Takes the answer's text into the conversation.
     fn take_answer(&mut self, text: &str) {
-        match self.api {
-            Api::Chat => self
+        match (self.api, self.growth) {
+            (Api::Chat, Growth::AssistantThenUser) => self
                 .messages
                 .push(json!({"role": "assistant", "content": text})),
-            Api::Completions => self.prompt.push_str(text),
+            (Api::Chat, Growth::UserOnly) => {}
+            (Api::Chat, Growth::ToolResultThenUser) => {
+                let id = format!("call_{}", self.turn);
+                self.messages
+                    .push(json!({"role": "assistant", "content": text,
+                    "tool_calls": [{"id": id, "type": "function", "function": {
+                        "name": "read_file",
+                        "arguments": format!("{{\"path\": \"src/f{}.rs\"}}", self.turn)}}]}));
+                self.messages
+                    .push(json!({"role": "tool", "tool_call_id": id,
+                    "content": words(self.seed * 7000 + self.turn as u64, 120)}));
+            }
+            (Api::Completions, _) => self.prompt.push_str(text),
+            (Api::Messages, _) => self
+                .messages
+                .push(json!({"role": "assistant", "content": [{"type": "text", "text": text}]})),
+            (Api::Responses, _) => self.messages.push(json!({"type": "message",
+                "role": "assistant", "content": [{"type": "output_text", "text": text}]})),
         }
     }
 
     fn path(&self) -> &'static str {
-        match self.api {
-            Api::Chat => "/v1/chat/completions",
-            Api::Completions => "/v1/completions",
-        }
+        self.api.path()
     }
 
     /// Sends the next turn to `addr` and takes its answer into the conversation.
     fn send(&mut self, addr: &str) -> (Turn, Value) {
         let body = self.next_body();
-        let answer = post_within(
-            addr,
-            self.path(),
-            &[("x-session-id", self.key.as_str())],
-            &body.to_string(),
-            CALL_TIMEOUT,
-        );
+        let headers: Vec<(&str, &str)> = match self.key_in {
+            KeyIn::Header(name) => vec![(name, self.key.as_str())],
+            KeyIn::Nowhere | KeyIn::PromptCacheKey => Vec::new(),
+        };
+        let answer = post_within(addr, self.path(), &headers, &body.to_string(), CALL_TIMEOUT);
         let turn = read_turn(&answer, self.api, self.stream);
         if turn.status == 200 {
-            let text = answer_text(&turn.body, self.api);
+            let text = turn.text.clone();
             self.take_answer(&text);
         }
         (turn, body)
     }
 }
 
-/// The answer's text (whole, or the stream's deltas joined).
+/// The prompt tokens and the cached ones an answer's usage reports, in `api`'s shape
+/// (Messages counts the cached tokens apart from `input_tokens`).
+fn usage_counts(usage: &Value, api: Api) -> (u64, u64) {
+    let n = |p: &str| usage.pointer(p).and_then(Value::as_u64).unwrap_or(0);
+    match api {
+        Api::Chat | Api::Completions => (
+            n("/prompt_tokens"),
+            n("/prompt_tokens_details/cached_tokens"),
+        ),
+        Api::Messages => (
+            n("/input_tokens") + n("/cache_read_input_tokens") + n("/cache_creation_input_tokens"),
+            n("/cache_read_input_tokens"),
+        ),
+        Api::Responses => (n("/input_tokens"), n("/input_tokens_details/cached_tokens")),
+    }
+}
+
+/// A whole answer's text.
 fn answer_text(body: &Value, api: Api) -> String {
     let pointer = match api {
         Api::Chat => "/choices/0/message/content",
         Api::Completions => "/choices/0/text",
+        Api::Messages => "/content/0/text",
+        Api::Responses => {
+            let message = body["output"]
+                .as_array()
+                .and_then(|o| o.iter().find(|i| i["type"] == "message"));
+            return message
+                .and_then(|m| m.pointer("/content/0/text"))
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
+        }
     };
     body.pointer(pointer)
         .and_then(Value::as_str)
@@ -388,11 +531,11 @@ fn answer_text(body: &Value, api: Api) -> String {
         .to_owned()
 }
 
-/// A turn's answer: for a stream, the deltas joined into one whole-answer shape with the
-/// final usage chunk's usage.
+/// A turn's answer: for a stream, the deltas joined and the last usage the stream reported
+/// (OpenAI's usage chunk, Messages' `message_delta`, Responses' `response.completed`).
 fn read_turn(answer: &Answer, api: Api, stream: bool) -> Turn {
     let header = |n: &str| answer.find_header(n).map(str::to_owned);
-    let body = if stream && answer.status == 200 {
+    let (text, usage, body) = if stream && answer.status == 200 {
         let mut text = String::new();
         let mut usage = Value::Null;
         for e in answer.events() {
@@ -400,57 +543,64 @@ fn read_turn(answer: &Answer, api: Api, stream: bool) -> Turn {
                 continue;
             }
             let v: Value = serde_json::from_str(&e).unwrap_or_else(|err| panic!("{err}: {e}"));
-            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            let found = match api {
+                Api::Responses => v.pointer("/response/usage"),
+                _ => v.get("usage"),
+            };
+            if let Some(u) = found.filter(|u| !u.is_null()) {
                 usage = u.clone();
             }
             let delta = match api {
                 Api::Chat => v.pointer("/choices/0/delta/content"),
                 Api::Completions => v.pointer("/choices/0/text"),
+                Api::Messages => v.pointer("/delta/text"),
+                Api::Responses => (v["type"] == "response.output_text.delta")
+                    .then(|| v.get("delta"))
+                    .flatten(),
             };
             if let Some(t) = delta.and_then(Value::as_str) {
                 text.push_str(t);
             }
         }
-        match api {
-            Api::Chat => json!({"choices": [{"message": {"content": text}}], "usage": usage}),
-            Api::Completions => json!({"choices": [{"text": text}], "usage": usage}),
-        }
+        (text, usage, Value::Null)
     } else {
-        serde_json::from_str(&answer.body).unwrap_or(Value::Null)
+        let body: Value = serde_json::from_str(&answer.body).unwrap_or(Value::Null);
+        (answer_text(&body, api), body["usage"].clone(), body)
     };
+    let (prompt_tokens, cached_tokens) = usage_counts(&usage, api);
     Turn {
         status: answer.status,
         mode: header("x-kvc-mode").unwrap_or_default(),
         decode: header("x-kvc-decode-worker").unwrap_or_default(),
         prefill: header("x-kvc-prefill-worker"),
-        prompt_tokens: body
-            .pointer("/usage/prompt_tokens")
-            .and_then(Value::as_u64)
-            .unwrap_or(0),
-        cached_tokens: body
-            .pointer("/usage/prompt_tokens_details/cached_tokens")
-            .and_then(Value::as_u64)
-            .unwrap_or(0),
-        body,
+        session: header("x-kvc-session"),
+        prompt_tokens,
+        cached_tokens,
+        text,
+        body: if body.is_null() {
+            answer.body.clone().into()
+        } else {
+            body
+        },
     }
 }
 
-/// The prompt tokens the engine counts for `body` sent to it directly (one token asked for,
-/// not streamed).
-fn direct_prompt_tokens(engine: &str, path: &str, body: &Value) -> u64 {
+/// The prompt tokens the engine counts for `body` (of `api`) sent to it directly (one token
+/// asked for, not streamed).
+fn direct_prompt_tokens(engine: &str, api: Api, body: &Value) -> u64 {
     let mut body = body.clone();
-    body["max_tokens"] = json!(1);
+    body[api.limit_field()] = json!(1);
     body["stream"] = json!(false);
     if let Some(o) = body.as_object_mut() {
         o.remove("stream_options");
     }
-    let answer = post_within(engine, path, &[], &body.to_string(), CALL_TIMEOUT);
+    let answer = post_within(engine, api.path(), &[], &body.to_string(), CALL_TIMEOUT);
     assert_eq!(
         answer.status, 200,
         "direct call to {engine}: {}",
         answer.body
     );
-    answer.json()["usage"]["prompt_tokens"].as_u64().unwrap()
+    usage_counts(&answer.json()["usage"], api).0
 }
 
 fn post_json(addr: &str, path: &str, body: &Value) -> Answer {
@@ -476,18 +626,62 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
     let pd = engines.router_config("pd", &[]);
     let router = start_router(&pd, &engines.dir.join("router-a.log"));
 
-    // 1. Multi-turn sessions on both APIs, streamed and not.
+    // 1. Multi-turn sessions on every API, streamed and not, each keyed the way its clients
+    // key it: a session header, Claude Code's header on Messages, Codex's `prompt_cache_key`
+    // on Responses.
+    let keyed = |mut s: Session, key_in: KeyIn| {
+        s.key_in = key_in;
+        s
+    };
     let mut sessions = vec![
         Session::new("chat-whole", Api::Chat, false, 1),
         Session::new("chat-stream", Api::Chat, true, 2),
         Session::new("completions-whole", Api::Completions, false, 3),
         Session::new("completions-stream", Api::Completions, true, 4),
+        keyed(
+            Session::new("messages-whole", Api::Messages, false, 5),
+            KeyIn::Header("x-claude-code-session-id"),
+        ),
+        keyed(
+            Session::new("messages-stream", Api::Messages, true, 6),
+            KeyIn::Header("x-claude-code-session-id"),
+        ),
+        keyed(
+            Session::new("responses-whole", Api::Responses, false, 7),
+            KeyIn::PromptCacheKey,
+        ),
+        keyed(
+            Session::new("responses-stream", Api::Responses, true, 8),
+            KeyIn::PromptCacheKey,
+        ),
     ];
-    let mut sent: Vec<(String, &'static str, Value, u64)> = Vec::new();
-    for s in &mut sessions {
-        for t in 1..=4 {
+    // Chat conversations without any key, growing in each of the ways agents grow them, under
+    // the chat template with and without its closing generation prompt: each one inferred
+    // session, its later turns direct-to-D.
+    let mut headerless = Vec::new();
+    for (i, growth) in [
+        Growth::UserOnly,
+        Growth::AssistantThenUser,
+        Growth::ToolResultThenUser,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for generation_prompt in [true, false] {
+            let seed = 20 + 2 * i as u64 + u64::from(generation_prompt);
+            let name = format!("headerless-{growth:?}-generation-prompt-{generation_prompt}");
+            headerless.push(Session::headerless(&name, growth, generation_prompt, seed));
+        }
+    }
+    let mut sent: Vec<(String, Api, Value, u64)> = Vec::new();
+    let mut requests = 0;
+    for s in sessions.iter_mut().chain(headerless.iter_mut()) {
+        let turns = if s.key_in == KeyIn::Nowhere { 3 } else { 4 };
+        let mut inferred: Option<String> = None;
+        for t in 1..=turns {
             let started = Instant::now();
             let (turn, body) = s.send(&router.http);
+            requests += 1;
             eprintln!(
                 "real_vllm: {} turn {t}: {} {} prompt {} cached {} in {:.2} s",
                 s.key,
@@ -499,6 +693,18 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
             );
             assert_eq!(turn.status, 200, "{}: {:?}", s.key, turn.body);
             assert_eq!(turn.decode, d_id, "{} turn {t}", s.key);
+            if s.key_in == KeyIn::Nowhere {
+                let key = turn.session.clone().expect("an inferred session");
+                assert!(key.starts_with("kvc-inferred-"), "{}: {key}", s.key);
+                assert_eq!(
+                    inferred.get_or_insert_with(|| key.clone()),
+                    &key,
+                    "{} turn {t}: one inferred session",
+                    s.key
+                );
+            } else {
+                assert_eq!(turn.session.as_deref(), Some(s.key.as_str()), "{}", s.key);
+            }
             if t == 1 {
                 assert_eq!(turn.mode, "turn1-seed", "{}", s.key);
                 assert_eq!(turn.prefill.as_deref(), Some(p_id.as_str()));
@@ -514,21 +720,67 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
                 );
             }
             assert!(turn.prompt_tokens > 1000, "{turn:?}");
-            sent.push((s.key.clone(), s.path(), body, turn.prompt_tokens));
+            sent.push((s.key.clone(), s.api, body, turn.prompt_tokens));
         }
     }
     // The engine counts the same prompt for each request sent to it directly (P: D's cache
     // is left as the sessions left it).
-    for (key, path, body, through_router) in &sent {
+    for (key, api, body, through_router) in &sent {
         assert_eq!(
-            direct_prompt_tokens(&p0, path, body),
+            direct_prompt_tokens(&p0, *api, body),
             *through_router,
             "{key}: prompt tokens through the router and directly differ"
         );
     }
     assert_eq!(
         router.metric("kvc_router_outcomes_total", &["outcome=\"ok\""]),
-        Some(16.0)
+        Some(f64::from(requests))
+    );
+    for (source, n) in [
+        ("x-claude-code-session-id", 8.0),
+        ("prompt_cache_key", 8.0),
+        ("x-session-id", 16.0),
+    ] {
+        assert_eq!(
+            router.metric(
+                "kvc_router_http_session_keys_total",
+                &[&format!("source=\"{source}\"")]
+            ),
+            Some(n),
+            "{source}"
+        );
+    }
+    // Anthropic's token count goes to an engine as it is.
+    let count = post_json(
+        &router.http,
+        "/v1/messages/count_tokens",
+        &json!({"model": "kvc-tiny", "messages": [{"role": "user", "content": words(30, 50)}]}),
+    );
+    assert_eq!(count.status, 200, "{}", count.body);
+    assert!(
+        count.json()["input_tokens"].as_u64().unwrap_or(0) > 40,
+        "{}",
+        count.body
+    );
+    // The router's own errors on the Messages API are in Anthropic's shape.
+    let refused = post_json(
+        &router.http,
+        "/v1/messages",
+        &json!({"model": "kvc-tiny", "messages": [{"role": "user", "content": "q"}]}),
+    );
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    let e = refused.json();
+    assert_eq!(
+        (e["type"].as_str(), e["error"]["type"].as_str()),
+        (Some("error"), Some("invalid_request_error")),
+        "{e}"
+    );
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_tokens"),
+        "{e}"
     );
 
     // 2. A router started now replays what D holds before it answers ready, and adopts the
@@ -717,7 +969,7 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
     assert_eq!(first.decode, d_id, "{first:?}");
     assert_eq!(first.prefill, None, "{first:?}");
     served += 1;
-    assert_eq!(served, 5);
+    assert_eq!(served, sessions.len() + 1);
     assert_eq!(
         router.metric("kvc_router_outcomes_total", &["outcome=\"worker-failed\""]),
         Some(0.0)

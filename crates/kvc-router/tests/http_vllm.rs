@@ -117,6 +117,11 @@ async fn handler(
     } else {
         Value::Null
     };
+    match uri.path() {
+        "/v1/messages" => return messages_answer(&value, cached, *m.details.lock()),
+        "/v1/responses" => return responses_answer(&value, cached),
+        _ => {}
+    }
     let usage = json!({"prompt_tokens": 2_000, "completion_tokens": 2, "total_tokens": 2_002,
         "prompt_tokens_details": details});
     if value["stream"] == true {
@@ -136,6 +141,79 @@ async fn handler(
         &json!({"choices": [{"index": 0, "text": "a b", "finish_reason": "length"}],
         "usage": usage, "kv_transfer_params": null}),
     )
+}
+
+/// SSE events with `event:` lines, as vLLM's Messages and Responses streams write them.
+fn named_events(events: &[(&str, Value)]) -> String {
+    events
+        .iter()
+        .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
+        .collect()
+}
+
+/// A Messages answer as vLLM writes it: `input_tokens` without the cached ones, which are
+/// `cache_read_input_tokens` (absent without prompt-token details); a stream's last usage in
+/// its `message_delta`.
+fn messages_answer(request: &Value, cached: u64, details: bool) -> Response {
+    let mut usage = json!({"input_tokens": 2_000u64.saturating_sub(cached), "output_tokens": 2});
+    if details {
+        usage["cache_read_input_tokens"] = json!(cached);
+    }
+    if request["stream"] == true {
+        return sse_response(named_events(&[
+            (
+                "message_start",
+                json!({"type": "message_start", "message": {"id": "msg_1",
+                "type": "message", "role": "assistant", "content": [],
+                "usage": {"input_tokens": 2_000, "output_tokens": 0}}}),
+            ),
+            (
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": "a b"}}),
+            ),
+            (
+                "message_delta",
+                json!({"type": "message_delta",
+                "delta": {"stop_reason": "max_tokens"}, "usage": usage}),
+            ),
+            ("message_stop", json!({"type": "message_stop"})),
+        ]));
+    }
+    json_response(
+        StatusCode::OK,
+        &json!({"id": "msg_1", "type": "message", "role": "assistant",
+            "content": [{"type": "text", "text": "a b"}], "stop_reason": "max_tokens",
+            "usage": usage, "kv_transfer_params": null}),
+    )
+}
+
+/// A Responses answer as vLLM writes it; a stream's usage in its `response.completed`.
+fn responses_answer(request: &Value, cached: u64) -> Response {
+    let response = json!({"id": "resp_1", "object": "response", "status": "completed",
+        "output": [{"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "a b"}]}],
+        "usage": {"input_tokens": 2_000, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": 2, "total_tokens": 2_002}});
+    if request["stream"] == true {
+        return sse_response(named_events(&[
+            (
+                "response.created",
+                json!({"type": "response.created",
+                "response": {"id": "resp_1", "status": "in_progress"}}),
+            ),
+            (
+                "response.output_text.delta",
+                json!({"type": "response.output_text.delta",
+                "delta": "a b"}),
+            ),
+            (
+                "response.completed",
+                json!({"type": "response.completed", "response": response}),
+            ),
+        ]));
+    }
+    json_response(StatusCode::OK, &response)
 }
 
 async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
@@ -648,4 +726,170 @@ async fn a_local_turn_is_the_client_s_body_to_the_chosen_worker_and_p_gets_nothi
     assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
     assert_eq!(r.header("x-kvc-decode-worker"), "1");
     assert!(f.received(0).is_empty());
+}
+
+/// A Messages body of `n` words in one user message (`max_tokens` 8).
+fn messages(n: u32, stream: bool) -> Value {
+    json!({"model": "m", "max_tokens": 8, "stream": stream,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"},
+                   {"type": "text", "text": "You code."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": words(n)}]}]})
+}
+
+/// A Responses body of `n` words keyed by Codex's `prompt_cache_key`.
+fn responses(n: u32, stream: bool) -> Value {
+    json!({"model": "m", "max_output_tokens": 8, "stream": stream, "store": false,
+        "prompt_cache_key": "codex-thread-1", "instructions": "You code.",
+        "input": [{"type": "message", "role": "user",
+                   "content": [{"type": "input_text", "text": words(n)}]}]})
+}
+
+#[tokio::test]
+async fn the_coding_agents_apis_go_p_to_d_then_direct_and_are_judged_by_their_own_usage() {
+    let f = start().await;
+    let claude = [("x-claude-code-session-id", "cc-1")];
+    // Messages, turn 1: P gets the API's own output limit, D P's parameters verbatim.
+    let r = f
+        .post("/v1/messages", &claude, &messages(1_300, false))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    assert_eq!(r.header("x-kvc-session"), "cc-1");
+    let (p_path, p_headers, p_body) = f.received(0).pop().unwrap();
+    assert_eq!(p_path, "/v1/messages");
+    let mut want_p = as_object(&messages(1_300, false));
+    want_p.insert(
+        "kv_transfer_params".into(),
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+            "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+    );
+    want_p.insert("max_tokens".into(), json!(1));
+    assert_eq!(p_body, Value::Object(want_p));
+    let (d_path, _, d_body) = f.received(1).pop().unwrap();
+    assert_eq!(d_path, "/v1/messages");
+    let mut want_d = as_object(&messages(1_300, false));
+    want_d.insert(
+        "kv_transfer_params".into(),
+        p_params(&p_headers["x-request-id"]),
+    );
+    assert_eq!(d_body, Value::Object(want_d));
+    // Turn 2 (the conversation grown), streamed: direct to D, nothing added to the body, the
+    // events relayed with their names; D's `cache_read_input_tokens` says it held the session.
+    let mut grown = messages(1_300, true);
+    grown["messages"].as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": [{"type": "text", "text": "a b"}]}),
+        json!({"role": "user", "content": words(400)}),
+    ]);
+    let r = f.post("/v1/messages", &claude, &grown).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    assert!(
+        r.body.starts_with("event: message_start\ndata: "),
+        "{}",
+        r.body
+    );
+    assert!(r.body.contains("event: message_stop\n"), "{}", r.body);
+    let (_, _, d_body) = f.received(1).pop().unwrap();
+    assert_eq!(d_body, grown, "a Messages stream is not asked for usage");
+    f.settle().await;
+    assert_eq!(f.outcomes("ok"), 2.0);
+    // D's count of its cache says the session was gone: a cache miss, in this API's shape.
+    *f.mocks[&1].cached.lock() = 0;
+    let mut again = grown.clone();
+    again["stream"] = json!(false);
+    again["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role": "user", "content": words(30)}));
+    let r = f.post("/v1/messages", &claude, &again).await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    f.settle().await;
+    assert_eq!(f.outcomes("direct-cache-miss"), 1.0);
+    *f.mocks[&1].cached.lock() = 100_000;
+
+    // Responses, keyed by the body's `prompt_cache_key`: P gets `max_output_tokens: 1` and is
+    // not asked to store its one-token response.
+    let r = f.post("/v1/responses", &[], &responses(1_300, false)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    assert_eq!(r.header("x-kvc-session"), "codex-thread-1");
+    let (p_path, _, p_body) = f.received(0).pop().unwrap();
+    assert_eq!(p_path, "/v1/responses");
+    assert_eq!(
+        (
+            &p_body["max_output_tokens"],
+            &p_body["store"],
+            &p_body["stream"]
+        ),
+        (&json!(1), &json!(false), &json!(false))
+    );
+    assert!(p_body.get("max_tokens").is_none(), "{p_body}");
+    let mut grown = responses(1_300, true);
+    grown["input"].as_array_mut().unwrap().extend([
+        json!({"type": "function_call", "name": "shell", "arguments": "{}", "call_id": "c1"}),
+        json!({"type": "function_call_output", "call_id": "c1", "output": words(300)}),
+    ]);
+    let r = f.post("/v1/responses", &[], &grown).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    assert!(r.body.contains("event: response.completed\n"), "{}", r.body);
+    let (_, _, d_body) = f.received(1).pop().unwrap();
+    assert_eq!(d_body, grown);
+    f.settle().await;
+    assert_eq!(f.outcomes("ok"), 4.0);
+    assert_eq!(f.outcomes("direct-cache-miss"), 1.0);
+    let source = |s: &str| f.metric("kvc_router_http_session_keys_total", &[("source", s)]);
+    assert_eq!(source("x-claude-code-session-id"), 3.0);
+    assert_eq!(source("prompt_cache_key"), 2.0);
+}
+
+#[tokio::test]
+async fn the_agents_apis_answer_the_front_s_own_errors_in_their_own_shapes() {
+    let f = start().await;
+    // Messages: Anthropic's `{"type": "error", "error": {"type", "message"}}`, whatever the
+    // error: a malformed body, a wrong method.
+    let mut no_limit = messages(10, false);
+    no_limit.as_object_mut().unwrap().remove("max_tokens");
+    let r = f.post("/v1/messages", &[], &no_limit).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json(),
+        json!({"type": "error", "error": {"type": "invalid_request_error",
+            "message": "missing `max_tokens`"}})
+    );
+    let r = f
+        .post(
+            "/v1/messages",
+            &[],
+            &json!({"max_tokens": 1, "messages": [{"role": "user",
+            "content": [{"type": "text"}]}]}),
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("messages[0].content[0].text"),
+        "{}",
+        r.body
+    );
+    let r = f.get("GET", "/v1/messages").await;
+    assert_eq!(r.status, 405);
+    assert_eq!(r.json()["type"], "error", "{}", r.body);
+    // Responses: OpenAI's shape; a stored conversation is refused, saying why.
+    let mut stored = responses(10, false);
+    stored["previous_response_id"] = json!("resp_0");
+    let r = f.post("/v1/responses", &[], &stored).await;
+    assert_eq!(r.status, 400);
+    let e = r.json();
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("previous_response_id"),
+        "{e}"
+    );
+    assert_eq!(f.count(0) + f.count(1), 0, "no worker was called");
 }

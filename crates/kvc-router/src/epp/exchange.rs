@@ -9,9 +9,9 @@ use super::wire::{
 use crate::RequestError;
 use crate::http::{
     Api, App, CompletionScan, Decision, Prepared, UsageFilter, add_continuation_params,
-    ask_for_usage, cached_tokens, client_wants_usage, completion_tokens, judge_cache,
-    prepare_request, readiness_of, refusal_outcome, report_outcome, route_error_response,
-    route_query,
+    ask_for_usage, cached_tokens, client_wants_usage, completion_tokens, in_anthropic_shape,
+    judge_cache, prepare_request, readiness_of, refusal_outcome, report_outcome,
+    route_error_response, route_query,
 };
 use crate::worker_http::{ADMISSION_HEADER, MAX_RESPONSE_BYTES};
 use axum::http::HeaderMap;
@@ -154,6 +154,8 @@ impl Exchange {
         let api = match path.split('?').next().unwrap_or_default() {
             "/v1/completions" => Api::Completions,
             "/v1/chat/completions" => Api::ChatCompletions,
+            "/v1/messages" => Api::Messages,
+            "/v1/responses" => Api::Responses,
             "/generate" => Api::Generate,
             // A path the router does not route (e.g. a cache flush): any ready endpoint.
             _ => {
@@ -166,6 +168,9 @@ impl Exchange {
         };
         let prepared = match prepare_request(&self.app, api, &headers, body).await {
             Ok(p) => p,
+            Err(response) if api.anthropic_errors() => {
+                return vec![immediate_from(in_anthropic_shape(response)).await];
+            }
             Err(response) => return vec![immediate_from(response).await],
         };
         match self.decide(prepared, &subset) {
@@ -212,7 +217,9 @@ impl Exchange {
         }
         let vllm = app.workers.is_vllm(decision.decode);
         let mut filter = None;
-        if vllm && p.stream {
+        // Only the OpenAI APIs need asking for a stream's usage (see `crate::http`'s vLLM
+        // dialect).
+        if vllm && p.stream && matches!(p.request.api, Api::Completions | Api::ChatCompletions) {
             if !client_wants_usage(&body) {
                 filter = Some(UsageFilter::default());
             }

@@ -87,6 +87,15 @@ impl WorkerEndpoints {
             .any(|w| w.engine == Some(EngineKind::Vllm))
     }
 
+    /// Whether every worker is a vLLM engine (then the coding agents' APIs are served).
+    pub fn all_vllm(&self) -> bool {
+        !self.workers.is_empty()
+            && self
+                .workers
+                .values()
+                .all(|w| w.engine == Some(EngineKind::Vllm))
+    }
+
     /// Worker `id`'s endpoint.
     pub fn get(&self, id: WorkerId) -> Option<&HttpWorker> {
         self.workers.get(&id)

@@ -395,7 +395,7 @@ pub(crate) use attempt::{cached_tokens, completion_tokens, judge_cache, refusal_
 pub(crate) use decision::{Decision, report as report_outcome, route as route_query};
 pub(crate) use direct::add_continuation_params;
 pub(crate) use request::Api;
-pub(crate) use responses::route_error_response;
+pub(crate) use responses::{in_anthropic_shape, route_error_response};
 pub(crate) use retry::{Prepared, prepare_request};
 pub(crate) use routes::readiness_of;
 pub(crate) use sse::{CompletionScan, UsageFilter};

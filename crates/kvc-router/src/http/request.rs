@@ -61,9 +61,30 @@ pub(crate) const SESSION_PARAMS_SOURCE: &str = "session_params";
 /// its conversation id), as a session key's source.
 pub(crate) const PROMPT_CACHE_KEY_SOURCE: &str = "prompt_cache_key";
 
+/// Anthropic's `metadata.user_id` (Messages), as a session key's source: Claude Code writes
+/// there a JSON object whose `session_id` is the run's session (2.1: `{"device_id",
+/// "account_uuid", "session_id"}`; earlier versions `user_<…>_session_<id>`). Any other user
+/// id names a user, not a conversation, and is not taken.
+pub(crate) const METADATA_USER_ID_SOURCE: &str = "metadata.user_id";
+
 /// Every body field a session key can come from, as counted in
 /// `kvc_router_http_session_keys_total`.
-pub(crate) const BODY_SESSION_SOURCES: [&str; 2] = [SESSION_PARAMS_SOURCE, PROMPT_CACHE_KEY_SOURCE];
+pub(crate) const BODY_SESSION_SOURCES: [&str; 3] = [
+    SESSION_PARAMS_SOURCE,
+    PROMPT_CACHE_KEY_SOURCE,
+    METADATA_USER_ID_SOURCE,
+];
+
+/// The session a Messages request's `metadata.user_id` names, if it names one (see
+/// [`METADATA_USER_ID_SOURCE`]).
+fn metadata_session(body: &Map<String, Value>) -> Option<(String, &'static str)> {
+    let user_id = body.get("metadata")?.get("user_id")?.as_str()?;
+    let session = match serde_json::from_str::<Value>(user_id) {
+        Ok(Value::Object(o)) => o.get("session_id")?.as_str()?.to_owned(),
+        _ => user_id.rsplit_once("_session_")?.1.to_owned(),
+    };
+    (!session.is_empty()).then_some((session, METADATA_USER_ID_SOURCE))
+}
 
 /// `prompt_cache_key`, when the body has a non-empty one.
 fn prompt_cache_key(body: &Map<String, Value>) -> Result<Option<(String, &'static str)>, String> {
@@ -243,7 +264,7 @@ pub(crate) fn parse(api: Api, bytes: &[u8]) -> Result<ClientRequest, String> {
             // Required by the API (vLLM refuses a request without it).
             let output_hint =
                 optional_u64(&body, "max_tokens", "max_tokens")?.ok_or("missing `max_tokens`")?;
-            (prompt, output_hint, None)
+            (prompt, output_hint, metadata_session(&body))
         }
         Api::Responses => {
             let prompt = Prompt::Chat(responses_chat(&body)?);
@@ -349,6 +370,71 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.output_hint, DEFAULT_CHAT_MAX_TOKENS);
+    }
+
+    #[test]
+    fn agent_api_bodies_give_their_prompt_limit_and_session() {
+        let r = parse(
+            Api::Messages,
+            br#"{"model":"m","max_tokens":64,"system":"S","stream":true,
+                "metadata":{"user_id":"{\"device_id\":\"d\",\"account_uuid\":\"\",\"session_id\":\"c0ffee\"}"},
+                "messages":[{"role":"user","content":[{"type":"text","text":"q"}]}]}"#,
+        )
+        .unwrap();
+        let pair = |r: &str, c: &str| (r.to_owned(), c.to_owned());
+        assert_eq!(
+            r.prompt,
+            Prompt::Chat(vec![pair("system", "S"), pair("user", "q")])
+        );
+        assert_eq!((r.output_hint, r.stream), (64, true));
+        assert_eq!(
+            r.session_key,
+            Some(("c0ffee".to_owned(), METADATA_USER_ID_SOURCE))
+        );
+        let old_style = br#"{"max_tokens":1,"metadata":{"user_id":"user_ab_account__session_s-9"},
+            "messages":[{"role":"user","content":"q"}]}"#;
+        assert_eq!(
+            parse(Api::Messages, old_style).unwrap().session_key,
+            Some(("s-9".to_owned(), METADATA_USER_ID_SOURCE))
+        );
+        let a_user = br#"{"max_tokens":1,"metadata":{"user_id":"alice"},
+            "messages":[{"role":"user","content":"q"}]}"#;
+        assert_eq!(parse(Api::Messages, a_user).unwrap().session_key, None);
+        let e = parse(
+            Api::Messages,
+            br#"{"messages":[{"role":"user","content":"q"}]}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("max_tokens"), "{e}");
+
+        let r = parse(
+            Api::Responses,
+            br#"{"model":"m","instructions":"S","input":"q","max_output_tokens":9,
+                "prompt_cache_key":"thread-1","store":false}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.prompt,
+            Prompt::Chat(vec![pair("system", "S"), pair("user", "q")])
+        );
+        assert_eq!(r.output_hint, 9);
+        assert_eq!(
+            r.session_key,
+            Some(("thread-1".to_owned(), PROMPT_CACHE_KEY_SOURCE))
+        );
+        let r = parse(Api::Responses, br#"{"input":"q"}"#).unwrap();
+        assert_eq!(r.output_hint, DEFAULT_CHAT_MAX_TOKENS);
+        let e = parse(Api::Responses, br#"{"input":"q","prompt_cache_key":7}"#).unwrap_err();
+        assert!(e.contains("prompt_cache_key"), "{e}");
+        let r = parse(
+            Api::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"q"}],"prompt_cache_key":"c"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.session_key,
+            Some(("c".to_owned(), PROMPT_CACHE_KEY_SOURCE))
+        );
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub(super) fn json_response(status: StatusCode, body: &Value) -> Response {
 /// An error the front answered itself, kept with its response so that an API with errors of
 /// another shape can write it anew ([`in_anthropic_shape`]).
 #[derive(Debug, Clone)]
-pub(super) struct FrontError {
+pub(super) struct OwnError {
     message: String,
 }
 
@@ -37,7 +37,7 @@ pub(super) fn error_response(status: StatusCode, kind: &str, message: &str) -> R
         status,
         &json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }),
     );
-    r.extensions_mut().insert(FrontError {
+    r.extensions_mut().insert(OwnError {
         message: message.to_owned(),
     });
     r
@@ -68,8 +68,8 @@ pub(super) fn anthropic_error_body(status: StatusCode, message: &str) -> serde_j
 /// An answer to a Messages API client: an error the front answered itself written anew in
 /// Anthropic's shape, with its status and headers; anything else (a worker's own answer,
 /// already in that shape from vLLM's Messages endpoint) as it is.
-pub(super) fn in_anthropic_shape(response: Response) -> Response {
-    let Some(e) = response.extensions().get::<FrontError>().cloned() else {
+pub(crate) fn in_anthropic_shape(response: Response) -> Response {
+    let Some(e) = response.extensions().get::<OwnError>().cloned() else {
         return response;
     };
     let (mut parts, _) = response.into_parts();

@@ -63,6 +63,9 @@ pub(crate) async fn prepare_request(
              send /v1/completions or /v1/chat/completions",
         ));
     }
+    if api.vllm_only() && !app.workers.all_vllm() {
+        return Err(super::routes::not_vllm(api));
+    }
     let mut req = request::parse(api, &bytes).map_err(|m| bad_request(&m))?;
     // Every session id the client sent (both are forwarded: the header as the session key,
     // the body as it is) is bounded before anything is kept or forwarded.

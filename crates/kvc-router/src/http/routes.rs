@@ -1,18 +1,22 @@
-//! The axum routes of the front and their handlers: the three POST APIs (body read within its
-//! deadline, or refused as a JSON error), readiness (`GET /health`, `GET /readyz`), liveness
+//! The axum routes of the front and their handlers: the POST APIs (body read within its
+//! deadline, or refused as a JSON error in the API's shape), Anthropic's token count, readiness (`GET /health`, `GET /readyz`), liveness
 //! (`GET /livez`), `GET /v1/models`, and JSON answers for unknown paths and methods.
 
 use super::app::App;
 use super::request::Api;
-use super::responses::{body_error_response, error_response, json_response};
+use super::responses::{
+    answer_or_error, body_error_response, error_response, in_anthropic_shape, json_response,
+    no_address,
+};
 use super::retry::serve_request;
+use crate::worker_http::Call;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::Response;
 use axum::routing::{MethodRouter, get, post};
-use kvc_core::WorkerRole;
+use kvc_core::{WorkerId, WorkerRole};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +32,9 @@ pub(super) fn router(app: Arc<App>) -> Router {
         .route("/generate", post_endpoint(Api::Generate))
         .route("/v1/completions", post_endpoint(Api::Completions))
         .route("/v1/chat/completions", post_endpoint(Api::ChatCompletions))
+        .route("/v1/messages", post_endpoint(Api::Messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/responses", post_endpoint(Api::Responses))
         .route("/health", get(readiness))
         .route("/readyz", get(readiness))
         .route("/livez", get(liveness))
@@ -40,18 +47,90 @@ pub(super) fn router(app: Arc<App>) -> Router {
 
 /// The axum handler of the POST endpoint for `api`: the body read within
 /// [`super::HttpOptions::body_read_timeout`] (or refused by axum, e.g. too large), served as
-/// `api`.
+/// `api`; the front's own errors in the API's shape.
 fn post_endpoint(api: Api) -> MethodRouter<Arc<App>> {
     post(
         move |State(app): State<Arc<App>>, request: Request| async move {
             let headers = request.headers().clone();
-            let deadline = app.options.body_read_timeout;
-            match tokio::time::timeout(deadline, Bytes::from_request(request, &app)).await {
-                Ok(Ok(body)) => serve_request(&app, api, &headers, body).await,
-                Ok(Err(e)) => body_error_response(&e),
-                Err(_) => body_timeout(deadline),
+            let response = match read_body(&app, request).await {
+                Ok(body) => serve_request(&app, api, &headers, body).await,
+                Err(response) => response,
+            };
+            if api.anthropic_errors() {
+                in_anthropic_shape(response)
+            } else {
+                response
             }
         },
+    )
+}
+
+/// A request's body, read within [`super::HttpOptions::body_read_timeout`]; else the error
+/// to answer (axum's refusal, e.g. too large, or the 408).
+async fn read_body(app: &Arc<App>, request: Request) -> Result<Bytes, Response> {
+    let deadline = app.options.body_read_timeout;
+    match tokio::time::timeout(deadline, Bytes::from_request(request, app)).await {
+        Ok(Ok(body)) => Ok(body),
+        Ok(Err(e)) => Err(body_error_response(&e)),
+        Err(_) => Err(body_timeout(deadline)),
+    }
+}
+
+/// `POST /v1/messages/count_tokens` (Anthropic): nothing to route (no generation, no KV), so
+/// the body goes as it is to one routable vLLM worker, taken in turn, and its answer back;
+/// the front's own errors in Anthropic's shape.
+async fn count_tokens(State(app): State<Arc<App>>, request: Request) -> Response {
+    let response = match read_body(&app, request).await {
+        Ok(body) => forward_count_tokens(&app, body).await,
+        Err(response) => response,
+    };
+    in_anthropic_shape(response)
+}
+
+async fn forward_count_tokens(app: &Arc<App>, body: Bytes) -> Response {
+    if !app.workers.all_vllm() {
+        return not_vllm(Api::Messages);
+    }
+    let views = app.service.worker_views();
+    let routable: Vec<WorkerId> = views
+        .iter()
+        .filter(|v| v.is_routable() && app.workers.get(v.id).is_some())
+        .map(|v| v.id)
+        .collect();
+    if routable.is_empty() {
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "no routable worker to count the tokens",
+        );
+    }
+    let id = routable[app.next_request_id() as usize % routable.len()];
+    let Some(endpoint) = app.endpoint(id) else {
+        return no_address(id);
+    };
+    let answer = app
+        .client
+        .post_whole(Call {
+            base: endpoint.url,
+            path: "/v1/messages/count_tokens",
+            headers: &[],
+            body,
+            timeout: app.options.request_timeout,
+        })
+        .await;
+    answer_or_error(&format!("worker {}", id.0), answer)
+}
+
+/// 400 for an API only vLLM workers serve here, on a cluster with other workers.
+pub(super) fn not_vllm(api: Api) -> Response {
+    error_response(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        &format!(
+            "{} is served through vLLM workers only (engine = \"vllm\" on every [[workers]] \
+             entry): this cluster has workers of another engine",
+            api.path()
+        ),
     )
 }
 
@@ -176,11 +255,16 @@ async fn not_found(uri: Uri) -> Response {
     )
 }
 
-/// 405 for a method a served path does not take.
+/// 405 for a method a served path does not take (in Anthropic's shape on the Messages paths).
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
-    error_response(
+    let r = error_response(
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
         &format!("{method} is not allowed on {}", uri.path()),
-    )
+    );
+    if uri.path().starts_with(Api::Messages.path()) {
+        in_anthropic_shape(r)
+    } else {
+        r
+    }
 }

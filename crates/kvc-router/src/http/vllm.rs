@@ -9,6 +9,7 @@ use super::attempt::{
     AttemptResult, DecodeLeg, ForwardedRequest, counts_against_breaker, refusal_outcome,
 };
 use super::decision::{self, Decision};
+use super::request::Api;
 use super::responses::worker_answer;
 use super::stream::forward_stream;
 use super::whole::forward_whole;
@@ -156,8 +157,11 @@ pub(super) async fn forward_vllm(
             }
         }
     }
-    let strip_usage = stream && !client_wants_usage(&d_body);
-    if stream {
+    // The OpenAI APIs report usage in a stream only when asked; vLLM's Messages stream always
+    // carries it (its `message_delta`), a Responses stream in its `response.completed`.
+    let usage_option = matches!(request.api, Api::Completions | Api::ChatCompletions);
+    let strip_usage = stream && usage_option && !client_wants_usage(&d_body);
+    if stream && usage_option {
         ask_for_usage(&mut d_body);
     }
     let leg = DecodeLeg {

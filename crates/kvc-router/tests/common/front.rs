@@ -169,7 +169,9 @@ where
     axum::Router::new()
         .route("/generate", post(handler.clone()))
         .route("/v1/completions", post(handler.clone()))
-        .route("/v1/chat/completions", post(handler))
+        .route("/v1/chat/completions", post(handler.clone()))
+        .route("/v1/messages", post(handler.clone()))
+        .route("/v1/responses", post(handler))
 }
 
 /// A JSON answer with `status`.
