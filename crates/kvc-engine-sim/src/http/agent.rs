@@ -443,4 +443,33 @@ mod tests {
         );
         assert_eq!(done["response"]["tools"], json!([]));
     }
+
+    #[test]
+    fn a_failed_stream_ends_with_an_error_event_in_its_api_s_shape() {
+        let (name, e) = data(&messages_error_event(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy",
+        ));
+        assert_eq!(name, "error");
+        assert_eq!(
+            e,
+            json!({"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})
+        );
+        let ids = ResponseIds {
+            id: "resp_1".into(),
+            item_id: "msg_1".into(),
+            model: "m".into(),
+            echo: Map::new(),
+            created_at: 0,
+        };
+        let mut s = ResponsesStream::new(ids, 2);
+        let opened = s.opening().len() as u64;
+        let (name, e) = data(&s.error("gone"));
+        assert_eq!(name, "error");
+        assert_eq!(
+            e,
+            json!({"type": "error", "code": "worker_error", "message": "gone", "param": null,
+                   "sequence_number": opened})
+        );
+    }
 }
