@@ -34,7 +34,7 @@ pub(super) async fn generate(State(ctx): State<Arc<WorkerContext>>, body: Bytes)
     let shared = &ctx.shared;
     let index = match find_prompt(&ctx, &req.text, ctx.role != WorkerRole::Prefill, arrived) {
         Ok(i) => i,
-        Err(answer) => return *answer,
+        Err(refusal) => return refusal.into_response(),
     };
     let job = shared.job(index, req.max_new_tokens);
     let output = job.output;

@@ -1,6 +1,7 @@
 //! Simulated workers that speak SGLang's HTTP API — or, with [`WorkerOptions::engine`] `vllm`,
-//! vLLM's OpenAI API with NixlConnector P/D (module `vllm`: `POST /v1/completions` and
-//! `/v1/chat/completions` instead of `/generate`, no bootstrap servers) — on a real clock.
+//! vLLM's with NixlConnector P/D (module `vllm`: `POST /v1/completions`,
+//! `/v1/chat/completions`, Anthropic's `/v1/messages` and `/v1/messages/count_tokens`, OpenAI's
+//! `/v1/responses` instead of `/generate`, no bootstrap servers) — on a real clock.
 //!
 //! One engine model (the simulator's [`crate::model::Engine`]) runs on its own thread, paced to wall time
 //! (`speedup` times faster). Each worker serves, on its own loopback port:
@@ -48,10 +49,12 @@
 //! | `sglang` | the SGLang routes, informational answers, `/generate` body and answer shapes |
 //! | `generate` | `POST /generate` |
 //! | `stream` | streamed answers as SSE events |
-//! | `vllm` | the vLLM dialect: OpenAI bodies and answers, P's holds pulled by D |
+//! | `vllm` | the vLLM dialect: OpenAI, Messages and Responses bodies and answers, P's holds pulled by D |
+//! | `agent` | the Messages and Responses answers, stream events and errors, in vLLM's shapes |
 //! | `pd_shim` | the decode side's P/D sidecar behind an endpoint picker (llm-d's `x-prefiller-host-port`) |
 //! | `standalone` | workers without a trace ([`HttpWorkers::start_standalone`], `kvc-replay workers`): any prompt, tokenized with the router's rules, sessions named by the session header |
 
+mod agent;
 mod bootstrap;
 mod engine_thread;
 mod generate;

@@ -6,18 +6,22 @@
 //! - No header: the decode worker serves the request itself (a direct-to-D turn, or a turn
 //!   it prefills alone), exactly as a plain request.
 //! - A header naming a known prefill worker: the header is removed, the prefill worker gets
-//!   the client's body with `kv_transfer_params.do_remote_decode: true`, `stream: false`,
-//!   `max_tokens: 1` (and `max_completion_tokens: 1` when set), without `stream_options` and
-//!   `min_tokens`, under the same `X-Request-Id` (the client's, else a fresh one); then the
-//!   decode worker serves the client's body with the `kv_transfer_params` of P's answer (it
-//!   pulls the KV). A 4xx answer of P other than 408 and 429 (e.g. a prompt over the model's
+//!   the client's body on the same route (completions, chat, Messages or Responses) with
+//!   `kv_transfer_params.do_remote_decode: true`, `stream: false`, an output limit of one
+//!   token in the API's own field (`max_tokens`, and `max_completion_tokens: 1` when set;
+//!   Responses `max_output_tokens: 1` and `store: false`), without `stream_options` and
+//!   `min_tokens` ([`kvc_core::openai::nixl_prefill_body`]), under the same `X-Request-Id`
+//!   (the client's, else a fresh one); then the decode worker serves the client's body with
+//!   the top-level `kv_transfer_params` of P's answer (it pulls the KV). A 4xx answer of P other than 408 and 429 (e.g. a prompt over the model's
 //!   limit) goes to the client as it is. When P fails otherwise (no answer within
 //!   [`PREFILL_TIMEOUT`], a 5xx, 408 or 429, an answer without parameters), the decode worker
 //!   serves the request alone and its answer carries `x-kvc-prefill-failed: <ip:port>`.
 //! - A header naming anything but a known prefill worker (the allow-list guards against a
-//!   request forged to make the decode worker call an arbitrary host): 400, nothing called.
+//!   request forged to make the decode worker call an arbitrary host): 400 (in the API's
+//!   error shape), nothing called.
 
-use super::sglang::{WorkerContext, invalid};
+use super::sglang::WorkerContext;
+use super::vllm::Api;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -80,12 +84,13 @@ impl PdShim {
         self.prefill.get()?.contains(&addr).then_some(addr)
     }
 
-    /// Runs the prefill step of a request to `path` with `headers` and `body`, when its
-    /// headers name a prefill worker (the header is removed from `headers`).
+    /// Runs the prefill step of a request through `api` with `headers` and `body`, when its
+    /// headers name a prefill worker (the header is removed from `headers`); the sidecar's own
+    /// errors are in `api`'s shape.
     pub(super) async fn before_serve(
         &self,
         ctx: &WorkerContext,
-        path: &str,
+        api: Api,
         headers: &mut HeaderMap,
         body: Bytes,
     ) -> Step {
@@ -97,13 +102,13 @@ impl PdShim {
         };
         let named = value.to_str().unwrap_or_default().to_owned();
         let Some(p) = self.allowed(&named) else {
-            return Step::Answer(invalid(&format!(
+            return Step::Answer(api.invalid(format!(
                 "{}: `{PREFILLER_HEADER}: {named}` is not a known prefill worker",
                 ctx.name
             )));
         };
         let Ok(Value::Object(client_body)) = serde_json::from_slice::<Value>(&body) else {
-            return Step::Answer(invalid("the body must be a JSON object"));
+            return Step::Answer(api.invalid("the body must be a JSON object"));
         };
         let request_id = match headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
             Some(id) => id.to_owned(),
@@ -119,7 +124,7 @@ impl PdShim {
                 id
             }
         };
-        match self.prefill_call(p, path, &request_id, &client_body).await {
+        match self.prefill_call(p, api, &request_id, &client_body).await {
             Ok(params) => {
                 let mut d = client_body;
                 d.insert("kv_transfer_params".into(), params);
@@ -144,22 +149,19 @@ impl PdShim {
         }
     }
 
-    /// P's call: its `kv_transfer_params`, or why there are none.
+    /// P's call (the same route, the API's prefill body): its top-level
+    /// `kv_transfer_params`, or why there are none.
     async fn prefill_call(
         &self,
         p: SocketAddr,
-        path: &str,
+        api: Api,
         request_id: &str,
         body: &Map<String, Value>,
     ) -> Result<Value, PrefillError> {
         let payload = Bytes::from(
-            Value::Object(kvc_core::openai::nixl_prefill_body(
-                body,
-                kvc_core::openai::VllmApi::ChatCompletions,
-            ))
-            .to_string(),
+            Value::Object(kvc_core::openai::nixl_prefill_body(body, api.vllm())).to_string(),
         );
-        let request = hyper::Request::post(format!("http://{p}{path}"))
+        let request = hyper::Request::post(format!("http://{p}{}", api.path()))
             .header("content-type", "application/json")
             .header("x-request-id", request_id)
             .body(Full::new(payload))

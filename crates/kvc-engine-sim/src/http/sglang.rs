@@ -92,22 +92,59 @@ pub(super) fn invalid(message: &str) -> Response {
     error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message)
 }
 
+/// An error answer before it is written in the shape of the API a request came through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Refusal {
+    pub(super) status: StatusCode,
+    /// The OpenAI `error.type`.
+    pub(super) kind: &'static str,
+    pub(super) message: String,
+}
+
+impl Refusal {
+    /// A `400` for a request the worker cannot take.
+    pub(super) fn invalid(message: impl Into<String>) -> Self {
+        Refusal {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+        }
+    }
+
+    /// A `400` for an input over the model's limit.
+    pub(super) fn too_long(input: u64, max_input: u64) -> Self {
+        Refusal {
+            status: StatusCode::BAD_REQUEST,
+            kind: "input_too_long",
+            message: format!(
+                "The input ({input} tokens) is longer than the model's context length \
+                 ({max_input} tokens)."
+            ),
+        }
+    }
+
+    /// The answer in the OpenAI shape SGLang uses ([`error_response`]).
+    pub(super) fn into_response(self) -> Response {
+        error_response(self.status, self.kind, &self.message)
+    }
+}
+
 /// The trace request in flight whose prompt is `text`, its first arrival (`arrived`: when the
 /// worker held its whole body) recorded (`attempt`:
-/// the worker serves or decodes it, so the attempt counts); else the worker's answer: `400`
-/// for a prompt this replay has not in flight, or one longer than the model's input limit.
+/// the worker serves or decodes it, so the attempt counts); else why not: `400` for a prompt
+/// this replay has not in flight, or one longer than the model's input limit.
 pub(super) fn find_prompt(
     ctx: &WorkerContext,
     text: &str,
     attempt: bool,
     arrived: std::time::Instant,
-) -> Result<usize, Box<Response>> {
+) -> Result<usize, Refusal> {
     let shared = &ctx.shared;
     let Some(index) = shared.find(crate::prompt::prompt_key(text)) else {
-        return Err(Box::new(invalid(&format!(
+        return Err(Refusal::invalid(format!(
             "{}: unknown prompt (not one this replay has in flight)",
             ctx.name
-        ))));
+        )));
     };
     shared.with_served(index, |s| {
         s.arrived = Some(s.arrived.map_or(arrived, |a| a.min(arrived)));
@@ -117,14 +154,7 @@ pub(super) fn find_prompt(
     });
     let r = &shared.script.requests[index];
     if r.input_length > shared.max_input {
-        return Err(Box::new(error_response(
-            StatusCode::BAD_REQUEST,
-            "input_too_long",
-            &format!(
-                "The input ({} tokens) is longer than the model's context length ({} tokens).",
-                r.input_length, shared.max_input
-            ),
-        )));
+        return Err(Refusal::too_long(r.input_length, shared.max_input));
     }
     Ok(index)
 }

@@ -60,7 +60,8 @@ pub(super) enum PromptIn {
     Text(String),
     /// Token ids (`/v1/completions`' `prompt` as an array).
     Tokens(Vec<u32>),
-    /// Chat messages, (role, content text).
+    /// Chat messages, (role, content text): `/v1/chat/completions`' `messages`, or those
+    /// of a Messages or Responses request ([`kvc_core::agent_apis`]).
     Chat(Vec<(String, String)>),
 }
 
@@ -79,17 +80,11 @@ impl Standalone {
         SessionId::from_key(&format!("kvc-sim-anonymous-{n}"))
     }
 
-    /// The engine job of a request: `prompt` tokenized, `max_tokens` (else the API's default)
-    /// to generate, the session of `headers`.
-    pub(super) fn job(
-        &self,
-        prompt: &PromptIn,
-        max_tokens: Option<u64>,
-        headers: &HeaderMap,
-    ) -> Job {
-        // Block hashes as the router's: a chat's cover its messages, not the closing
-        // generation prompt.
-        let (tokens, hashed, default_output) = match prompt {
+    /// A prompt's tokens, how many of them its block hashes cover (a chat's cover its
+    /// messages, not the closing generation prompt, as the router's do), and the output
+    /// length of its API when the request names none.
+    fn tokens(prompt: &PromptIn) -> (Vec<u32>, usize, u64) {
+        match prompt {
             PromptIn::Text(t) => {
                 let t = fallback_tokens(t);
                 let n = t.len();
@@ -103,7 +98,23 @@ impl Standalone {
                 );
                 (c.tokens, c.messages, DEFAULT_CHAT_MAX_TOKENS)
             }
-        };
+        }
+    }
+
+    /// How many tokens `prompt` is (a job's input), without a job.
+    pub(super) fn input_tokens(prompt: &PromptIn) -> u64 {
+        Self::tokens(prompt).0.len() as u64
+    }
+
+    /// The engine job of a request: `prompt` tokenized, `max_tokens` (else the API's default)
+    /// to generate, the session of `headers`.
+    pub(super) fn job(
+        &self,
+        prompt: &PromptIn,
+        max_tokens: Option<u64>,
+        headers: &HeaderMap,
+    ) -> Job {
+        let (tokens, hashed, default_output) = Self::tokens(prompt);
         let key = headers
             .get(self.opts.session_header.as_str())
             .and_then(|v| v.to_str().ok())

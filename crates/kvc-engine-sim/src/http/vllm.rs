@@ -1,12 +1,15 @@
 //! vLLM's OpenAI API with NixlConnector P/D semantics, for simulated workers run with
-//! `--engine vllm`: `POST /v1/completions` and `POST /v1/chat/completions`.
+//! `--engine vllm`: `POST /v1/completions` and `POST /v1/chat/completions`, and the coding
+//! agents' APIs as vLLM serves them: `POST /v1/messages` (Anthropic Messages),
+//! `POST /v1/messages/count_tokens` and `POST /v1/responses` (OpenAI Responses).
 //!
 //! - A prefill worker given `kv_transfer_params.do_remote_decode: true` holds the request for
 //!   a decode worker ([`PAIR_TIMEOUT_WALL`]) and answers at once with the parameters a decode
 //!   worker pulls it by (`remote_engine_id` = its name, `remote_request_id`, `remote_block_ids`,
-//!   `remote_host`, `remote_port`, `tp_size`, `do_remote_prefill: true`). The engine model has
-//!   one P→D job (prefill on P, transfer, decode on D), so P's prefill is timed when D pulls:
-//!   the pair costs what SGLang's concurrent legs cost.
+//!   `remote_host`, `remote_port`, `tp_size`, `do_remote_prefill: true`), in the answer's
+//!   top-level `kv_transfer_params` (in every API). The engine model has one P→D job (prefill
+//!   on P, transfer, decode on D), so P's prefill is timed when D pulls: the pair costs what
+//!   SGLang's concurrent legs cost.
 //! - A decode worker given `kv_transfer_params.do_remote_prefill: true` pulls the held request
 //!   from the prefill worker its `remote_engine_id` names (a P→D job); an unknown or expired
 //!   `remote_request_id` is a 400 `kv_transfer_error`.
@@ -15,28 +18,67 @@
 //!   has room, else a prefill of the whole prompt on that worker; on a prefill or colocated
 //!   worker colocated-style.
 //!
-//! Answers carry `usage` (`prompt_tokens`, `completion_tokens`, `total_tokens`,
-//! `prompt_tokens_details.cached_tokens`); streams send one chunk at the first token, one at
-//! the end, the usage chunk (`choices: []`) when `stream_options.include_usage` is on, then
-//! `data: [DONE]`. When replaying a trace, the prompt is `prompt` (a string), or for chat the
-//! messages' contents joined by newlines; it is found among the driver's requests in flight as
-//! for `/generate`. Standalone workers (`kvc-replay workers`) serve any prompt instead (a
-//! string or token-id `prompt`, or chat `messages` whose contents are strings, `null` or text
-//! parts): see `standalone`; a malformed body or an empty prompt gets 400.
+//! **Prompts.** Completions take `prompt`; chat `messages`; Messages and Responses requests
+//! are read as chat messages by [`kvc_core::agent_apis`] (`messages_chat`: `system`, then each
+//! message, tool results as `tool` messages; `responses_chat`: `instructions`, then `input`'s
+//! items; a request naming `previous_response_id` is refused with 400). When replaying a trace,
+//! the prompt is `prompt` (a string), or for the other APIs the messages' texts joined by
+//! newlines; it is found among the driver's requests in flight as for `/generate`. Standalone
+//! workers (`kvc-replay workers`) serve any prompt instead (a string or token-id `prompt`, or
+//! chat messages): see `standalone`; a malformed body or an empty prompt gets 400.
+//!
+//! **Output limits.** `max_tokens` (completions), `max_completion_tokens` or `max_tokens`
+//! (chat), `max_tokens` (Messages, required: 400 without it), `max_output_tokens`
+//! (Responses); every answer generates exactly that many tokens (`tok tok …`).
+//!
+//! **Answers.**
+//! - Completions and chat: `usage` (`prompt_tokens`, `completion_tokens`, `total_tokens`,
+//!   `prompt_tokens_details.cached_tokens`); streams send one chunk at the first token, one at
+//!   the end, the usage chunk (`choices: []`) when `stream_options.include_usage` is on, then
+//!   `data: [DONE]`. Errors: `{"error": {"message", "type", "code"}}`.
+//! - Messages: `{"id": "msg_…", "type": "message", "role": "assistant", "content": [{"type":
+//!   "text", "text"}], "model", "stop_reason": "max_tokens", "usage": {"input_tokens",
+//!   "output_tokens", "cache_read_input_tokens"}}`, plus `kv_transfer_params` on a prefill
+//!   worker's answer (vLLM leaves out null fields); `input_tokens` are the prompt tokens not
+//!   read from the cache. Streams (`event:` lines): `message_start` (usage: the whole prompt as
+//!   `input_tokens`, no cache details yet, as vLLM's first chunk), `content_block_start`,
+//!   `content_block_delta` (`text_delta`) at the first token and at the end,
+//!   `content_block_stop`, `message_delta` (`delta.stop_reason`, the final `usage`),
+//!   `message_stop`. Errors: `{"type": "error", "error": {"type", "message"}}` (`type` by
+//!   status: `invalid_request_error`, `overloaded_error`, `api_error`, …), mid-stream as an
+//!   `error` event. `count_tokens` answers `{"input_tokens", "context_management":
+//!   {"original_input_tokens"}}`: the prompt's tokens as the worker tokenizes them (the
+//!   `input` of the job it would run, generation prompt included), no job run.
+//! - Responses: `{"id": "resp_…", "object": "response", "created_at", "status", "model",
+//!   "output": [{"type": "message", "id": "msg_…", "role": "assistant", "status":
+//!   "completed", "content": [{"type": "output_text", "text", "annotations": []}]}], "usage":
+//!   {"input_tokens", "input_tokens_details": {"cached_tokens"}, "output_tokens",
+//!   "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens"}, "kv_transfer_params"}`
+//!   and the request's echoed fields; `input_tokens` is the whole prompt. As every answer
+//!   stops at its output limit, `status` is `incomplete` with `incomplete_details.reason:
+//!   max_output_tokens` (vLLM's for a `length` finish). Streams (`event:` lines, each event
+//!   with its `sequence_number`): `response.created`, `response.in_progress`,
+//!   `response.output_item.added`, `response.content_part.added`,
+//!   `response.output_text.delta` at the first token and at the end,
+//!   `response.output_text.done`, `response.content_part.done`, `response.output_item.done`,
+//!   `response.completed` (its `response` carries the usage). Errors in OpenAI's shape,
+//!   mid-stream an `error` event (`{"type": "error", "code", "message"}`).
 
 use super::PAIR_TIMEOUT_WALL;
+use super::agent::{self, ResponseIds, ResponsesStream};
 use super::engine_thread::{Progress, RequestPart};
 use super::sglang::{
-    Chunk, WorkerContext, error_response, event_stream, find_prompt, invalid, json_response,
-    optional_u64, output_text, shutting_down, stream_flag,
+    Chunk, Refusal, WorkerContext, event_stream, find_prompt, json_response, optional_u64,
+    output_text, stream_flag,
 };
-use super::standalone::PromptIn;
+use super::standalone::{PromptIn, Standalone};
 use super::state::NO_TRACE_INDEX;
 use crate::model::Job;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
+use kvc_core::openai::VllmApi;
 use kvc_core::{WorkerId, WorkerRole, sse};
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
@@ -44,18 +86,71 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-/// Which OpenAI API a request came through.
+/// Which API a request came through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum OpenAi {
+pub(super) enum Api {
+    /// `POST /v1/completions`.
     Completions,
+    /// `POST /v1/chat/completions`.
     Chat,
+    /// `POST /v1/messages` (Anthropic).
+    Messages,
+    /// `POST /v1/responses` (OpenAI Responses).
+    Responses,
 }
 
-/// The parts of an OpenAI body the simulated worker uses.
+impl Api {
+    /// Every API served, each on its own route.
+    const SERVED: [Api; 4] = [Api::Completions, Api::Chat, Api::Messages, Api::Responses];
+
+    /// The route.
+    pub(super) fn path(self) -> &'static str {
+        match self {
+            Api::Completions => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+            Api::Messages => "/v1/messages",
+            Api::Responses => "/v1/responses",
+        }
+    }
+
+    /// The API as `kvc_core::openai` names it (its prefill body limits the output in the
+    /// API's own field).
+    pub(super) fn vllm(self) -> VllmApi {
+        match self {
+            Api::Completions => VllmApi::Completions,
+            Api::Chat => VllmApi::ChatCompletions,
+            Api::Messages => VllmApi::Messages,
+            Api::Responses => VllmApi::Responses,
+        }
+    }
+
+    /// `refusal` as this API answers errors: Anthropic's shape for Messages, else OpenAI's.
+    pub(super) fn error(self, refusal: Refusal) -> Response {
+        match self {
+            Api::Messages => agent::anthropic_error(refusal.status, &refusal.message),
+            _ => refusal.into_response(),
+        }
+    }
+
+    /// A `400` in this API's shape.
+    pub(super) fn invalid(self, message: impl Into<String>) -> Response {
+        self.error(Refusal::invalid(message))
+    }
+
+    fn fail(self, status: StatusCode, kind: &'static str, message: impl Into<String>) -> Response {
+        self.error(Refusal {
+            status,
+            kind,
+            message: message.into(),
+        })
+    }
+}
+
+/// The parts of a request body the simulated worker uses.
 #[derive(Debug)]
-struct OpenAiBody {
-    /// The prompt as a replay finds it among its requests: `prompt`, or the chat messages'
-    /// contents joined by newlines (empty for a token-id prompt).
+struct RequestBody {
+    /// The prompt as a replay finds it among its requests: `prompt`, or the messages' texts
+    /// joined by newlines (empty for a token-id prompt).
     text: String,
     /// The prompt as standalone workers tokenize it.
     prompt: PromptIn,
@@ -63,14 +158,21 @@ struct OpenAiBody {
     stream: bool,
     include_usage: bool,
     transfer: Option<Map<String, Value>>,
+    /// Responses: the request's fields the response repeats.
+    echo: Map<String, Value>,
 }
 
-fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
-    let v: Value =
-        serde_json::from_slice(bytes).map_err(|e| format!("the body is not JSON: {e}"))?;
-    let obj = v.as_object().ok_or("the body must be a JSON object")?;
-    let (text, prompt) = match api {
-        OpenAi::Completions => match obj.get("prompt") {
+/// Chat messages as a prompt: the replay's text (the texts joined by newlines) and the
+/// standalone workers' messages.
+fn chat_prompt(pairs: Vec<(String, String)>) -> (String, PromptIn) {
+    let parts: Vec<&str> = pairs.iter().map(|(_, c)| c.as_str()).collect();
+    (parts.join("\n"), PromptIn::Chat(pairs))
+}
+
+/// The prompt of a request through `api`, or what is wrong with the body.
+fn parse_prompt(api: Api, obj: &Map<String, Value>) -> Result<(String, PromptIn), String> {
+    Ok(match api {
+        Api::Completions => match obj.get("prompt") {
             Some(Value::String(s)) => (s.clone(), PromptIn::Text(s.clone())),
             Some(Value::Array(ids)) => {
                 let tokens = ids
@@ -83,7 +185,7 @@ fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
             Some(_) => return Err("`prompt` must be a string or an array of token ids".into()),
             None => return Err("missing `prompt`".into()),
         },
-        OpenAi::Chat => {
+        Api::Chat => {
             let messages = obj
                 .get("messages")
                 .and_then(Value::as_array)
@@ -103,38 +205,67 @@ fn parse(api: OpenAi, bytes: &[u8]) -> Result<OpenAiBody, String> {
                     kvc_core::openai::message_text(m.get("content"), i)?,
                 ));
             }
-            let parts: Vec<&str> = pairs.iter().map(|(_, c)| c.as_str()).collect();
-            (parts.join("\n"), PromptIn::Chat(pairs))
+            chat_prompt(pairs)
         }
-    };
+        Api::Messages => chat_prompt(kvc_core::agent_apis::messages_chat(obj)?),
+        Api::Responses => chat_prompt(kvc_core::agent_apis::responses_chat(obj)?),
+    })
+}
+
+/// A JSON object body, or what is wrong with it.
+fn json_object(bytes: &[u8]) -> Result<Map<String, Value>, String> {
+    match serde_json::from_slice(bytes).map_err(|e| format!("the body is not JSON: {e}"))? {
+        Value::Object(o) => Ok(o),
+        _ => Err("the body must be a JSON object".into()),
+    }
+}
+
+fn parse(api: Api, bytes: &[u8]) -> Result<RequestBody, String> {
+    let obj = json_object(bytes)?;
+    let (text, prompt) = parse_prompt(api, &obj)?;
     let max_tokens = match api {
-        OpenAi::Chat => obj
-            .get("max_completion_tokens")
-            .or_else(|| obj.get("max_tokens")),
-        OpenAi::Completions => obj.get("max_tokens"),
+        Api::Completions => optional_u64(obj.get("max_tokens"), "max_tokens")?,
+        Api::Chat => optional_u64(
+            obj.get("max_completion_tokens")
+                .or_else(|| obj.get("max_tokens")),
+            "max_tokens",
+        )?,
+        Api::Messages => match obj.get("max_tokens") {
+            None | Some(Value::Null) => return Err("missing `max_tokens`".into()),
+            v => optional_u64(v, "max_tokens")?,
+        },
+        Api::Responses => optional_u64(obj.get("max_output_tokens"), "max_output_tokens")?,
     };
-    let max_tokens = optional_u64(max_tokens, "max_tokens")?;
-    let stream = stream_flag(obj)?;
-    let include_usage = obj
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    if obj.get("stream_options").is_some_and(|o| !o.is_null()) && !stream {
-        return Err("Stream options can only be defined when `stream=True`.".into());
+    let stream = stream_flag(&obj)?;
+    let mut include_usage = false;
+    if matches!(api, Api::Completions | Api::Chat) {
+        include_usage = obj
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        if obj.get("stream_options").is_some_and(|o| !o.is_null()) && !stream {
+            return Err("Stream options can only be defined when `stream=True`.".into());
+        }
     }
     let transfer = match obj.get("kv_transfer_params") {
         None | Some(Value::Null) => None,
         Some(Value::Object(p)) => Some(p.clone()),
         Some(_) => return Err("`kv_transfer_params` must be an object".into()),
     };
-    Ok(OpenAiBody {
+    let echo = if api == Api::Responses {
+        agent::responses_echo(&obj)
+    } else {
+        Map::new()
+    };
+    Ok(RequestBody {
         text,
         prompt,
         max_tokens,
         stream,
         include_usage,
         transfer,
+        echo,
     })
 }
 
@@ -150,18 +281,18 @@ struct Resolved {
 }
 
 /// Finds the request of `req` (a replay's trace request in flight, or a standalone worker's
-/// own prompt); else the worker's answer (400).
+/// own prompt); else why not (400).
 fn resolve(
     ctx: &WorkerContext,
-    req: &OpenAiBody,
+    req: &RequestBody,
     headers: &HeaderMap,
     attempt: bool,
     arrived: std::time::Instant,
-) -> Result<Resolved, Box<Response>> {
+) -> Result<Resolved, Refusal> {
     let shared = &ctx.shared;
     let Some(standalone) = &shared.standalone else {
         if matches!(req.prompt, PromptIn::Tokens(_)) {
-            return Err(Box::new(invalid("this worker takes a string `prompt`")));
+            return Err(Refusal::invalid("this worker takes a string `prompt`"));
         }
         let index = find_prompt(ctx, &req.text, attempt, arrived)?;
         return Ok(Resolved {
@@ -172,17 +303,10 @@ fn resolve(
     };
     let job = standalone.job(&req.prompt, req.max_tokens, headers);
     if job.input == 0 {
-        return Err(Box::new(invalid("the prompt is empty (no token)")));
+        return Err(Refusal::invalid("the prompt is empty (no token)"));
     }
     if job.input > shared.max_input {
-        return Err(Box::new(error_response(
-            StatusCode::BAD_REQUEST,
-            "input_too_long",
-            &format!(
-                "The input ({} tokens) is longer than the model's context length ({} tokens).",
-                job.input, shared.max_input
-            ),
-        )));
+        return Err(Refusal::too_long(job.input, shared.max_input));
     }
     let key = match &req.prompt {
         PromptIn::Tokens(t) => {
@@ -201,9 +325,9 @@ fn resolve(
 /// Every remote request id a prefill worker hands out is distinct.
 static NEXT_HOLD: AtomicU64 = AtomicU64::new(0);
 
-/// vLLM's OpenAI routes, `/v1/completions` and `/v1/chat/completions`.
+/// vLLM's routes: the OpenAI APIs, Messages (with `count_tokens`) and Responses.
 pub(super) fn routes() -> axum::Router<Arc<WorkerContext>> {
-    let handler = |api: OpenAi| {
+    let handler = |api: Api| {
         move |State(ctx): State<Arc<WorkerContext>>, mut headers: HeaderMap, body: Bytes| async move {
             let arrived = std::time::Instant::now();
             // Behind an endpoint picker, a decode worker's sidecar runs the prefill step first.
@@ -214,11 +338,7 @@ pub(super) fn routes() -> axum::Router<Arc<WorkerContext>> {
             else {
                 return serve(ctx, api, &headers, &body, arrived).await;
             };
-            let path = match api {
-                OpenAi::Completions => "/v1/completions",
-                OpenAi::Chat => "/v1/chat/completions",
-            };
-            match shim.before_serve(&ctx, path, &mut headers, body).await {
+            match shim.before_serve(&ctx, api, &mut headers, body).await {
                 super::pd_shim::Step::Serve {
                     body,
                     prefill_failed,
@@ -230,28 +350,64 @@ pub(super) fn routes() -> axum::Router<Arc<WorkerContext>> {
             }
         }
     };
-    axum::Router::new()
-        .route(
-            "/v1/completions",
-            axum::routing::post(handler(OpenAi::Completions)),
-        )
-        .route(
-            "/v1/chat/completions",
-            axum::routing::post(handler(OpenAi::Chat)),
-        )
+    let mut router = axum::Router::new().route(
+        "/v1/messages/count_tokens",
+        axum::routing::post(count_tokens),
+    );
+    for api in Api::SERVED {
+        router = router.route(api.path(), axum::routing::post(handler(api)));
+    }
+    router
 }
 
-/// Serves one OpenAI request whose body the worker held whole at `arrived`.
+/// `POST /v1/messages/count_tokens`: the prompt's tokens as the worker would run them (a
+/// standalone worker's tokenization; a replay's trace request length), no engine job.
+async fn count_tokens(State(ctx): State<Arc<WorkerContext>>, body: Bytes) -> Response {
+    let api = Api::Messages;
+    let (text, prompt) = match json_object(&body).and_then(|o| parse_prompt(api, &o)) {
+        Ok(p) => p,
+        Err(m) => return api.invalid(m),
+    };
+    let tokens = if ctx.shared.standalone.is_some() {
+        Standalone::input_tokens(&prompt)
+    } else {
+        match ctx.shared.find(crate::prompt::prompt_key(&text)) {
+            Some(index) => ctx.shared.script.requests[index].input_length,
+            None => {
+                return api.invalid(format!(
+                    "{}: unknown prompt (not one this replay has in flight)",
+                    ctx.name
+                ));
+            }
+        }
+    };
+    json_response(
+        StatusCode::OK,
+        &json!({ "input_tokens": tokens,
+                 "context_management": { "original_input_tokens": tokens } }),
+    )
+}
+
+/// The worker's answer when the engine has stopped, in `api`'s shape.
+fn engine_stopped(api: Api) -> Response {
+    api.fail(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "worker_error",
+        "the engine stopped",
+    )
+}
+
+/// Serves one request through `api` whose body the worker held whole at `arrived`.
 async fn serve(
     ctx: Arc<WorkerContext>,
-    api: OpenAi,
+    api: Api,
     headers: &HeaderMap,
     body: &[u8],
     arrived: std::time::Instant,
 ) -> Response {
     let req = match parse(api, body) {
         Ok(r) => r,
-        Err(m) => return invalid(&m),
+        Err(m) => return api.invalid(m),
     };
     let shared = &ctx.shared;
     let flag = |name: &str| {
@@ -264,25 +420,25 @@ async fn serve(
     let (remote_decode, remote_prefill) = (flag("do_remote_decode"), flag("do_remote_prefill"));
     let Resolved { index, key, job } = match resolve(&ctx, &req, headers, !remote_decode, arrived) {
         Ok(r) => r,
-        Err(answer) => return *answer,
+        Err(refusal) => return api.error(refusal),
     };
     let prompt_tokens = job.input;
     if remote_decode {
-        return hold_for_decode(&ctx, api, headers, index, key, &job);
+        return hold_for_decode(&ctx, api, &req, headers, index, key, &job);
     }
     let part = if remote_prefill {
         let Some(p) = req.transfer.as_ref().and_then(|t| pull(&ctx, t)) else {
-            return error_response(
+            return api.fail(
                 StatusCode::BAD_REQUEST,
                 "kv_transfer_error",
-                &format!(
+                format!(
                     "{}: no prefilled request to pull (unknown or expired `remote_request_id`)",
                     ctx.name
                 ),
             );
         };
         if (p.1, p.2) != (index, key) {
-            return error_response(
+            return api.fail(
                 StatusCode::BAD_REQUEST,
                 "kv_transfer_error",
                 "the pulled request is another prompt",
@@ -303,15 +459,13 @@ async fn serve(
     };
     let output = job.output;
     let Some(mut progress) = shared.start_on_engine(index, job, part) else {
-        return shutting_down();
+        return api.fail(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the worker is shutting down",
+        );
     };
-    let answer = Answer {
-        api,
-        model: shared.model.clone(),
-        id: answer_id(index),
-        prompt_tokens,
-        output,
-    };
+    let answer = Answer::new(api, &shared.model, index, prompt_tokens, output, req.echo);
     if req.stream {
         return event_stream(relay(
             progress,
@@ -334,18 +488,12 @@ async fn serve(
                 return json_response(StatusCode::OK, &answer.whole(cached, Value::Null));
             }
             Some(Progress::Failed(status, m)) => {
-                return error_response(status, "worker_error", &m);
+                return api.fail(status, "worker_error", m);
             }
             Some(Progress::Rejected(m)) => {
-                return error_response(StatusCode::SERVICE_UNAVAILABLE, "worker_error", &m);
+                return api.fail(StatusCode::SERVICE_UNAVAILABLE, "worker_error", m);
             }
-            None => {
-                return error_response(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "worker_error",
-                    "the engine stopped",
-                );
-            }
+            None => return engine_stopped(api),
         }
     }
 }
@@ -364,24 +512,25 @@ fn pull(ctx: &WorkerContext, transfer: &Map<String, Value>) -> Option<(WorkerId,
 /// worker's pull, and the parameters to pull it by are returned.
 fn hold_for_decode(
     ctx: &WorkerContext,
-    api: OpenAi,
+    api: Api,
+    req: &RequestBody,
     headers: &HeaderMap,
     index: usize,
     key: u64,
     job: &Job,
 ) -> Response {
     if ctx.role != WorkerRole::Prefill {
-        return invalid(&format!(
+        return api.invalid(format!(
             "{} is not a prefill worker (kv_role kv_consumer): it cannot produce KV for a \
              remote decode",
             ctx.name
         ));
     }
     if ctx.faults.fail_prefill {
-        return error_response(
+        return api.fail(
             StatusCode::INTERNAL_SERVER_ERROR,
             "worker_error",
-            &format!("{}: prefill failed (injected fault)", ctx.name),
+            format!("{}: prefill failed (injected fault)", ctx.name),
         );
     }
     let request_id = headers
@@ -404,75 +553,141 @@ fn hold_for_decode(
         "remote_port": ctx.addr.port(),
         "tp_size": 1,
     });
-    let answer = Answer {
+    let answer = Answer::new(
         api,
-        model: ctx.shared.model.clone(),
-        id: answer_id(index),
-        prompt_tokens: job.input,
-        output: 1,
-    };
+        &ctx.shared.model,
+        index,
+        job.input,
+        1,
+        req.echo.clone(),
+    );
     json_response(StatusCode::OK, &answer.whole(0, params))
 }
 
-/// The `id` of an answer: the trace index's, or for a standalone worker's request a fresh one.
-fn answer_id(index: usize) -> String {
+/// A fresh number for an answer's ids.
+fn fresh_id() -> u64 {
+    NEXT_HOLD.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The `id` of an answer (`cmpl-`, Messages `msg_`, Responses `resp_`): the trace index's, or
+/// for a standalone worker's request a fresh one.
+fn answer_id(api: Api, index: usize) -> String {
+    let prefix = match api {
+        Api::Completions | Api::Chat => "cmpl-",
+        Api::Messages => "msg_",
+        Api::Responses => "resp_",
+    };
     if index == NO_TRACE_INDEX {
-        format!("cmpl-{}", NEXT_HOLD.fetch_add(1, Ordering::Relaxed))
+        format!("{prefix}{}", fresh_id())
     } else {
-        format!("cmpl-r{index}")
+        format!("{prefix}r{index}")
     }
 }
 
 /// The shapes of one request's answer.
 struct Answer {
-    api: OpenAi,
+    api: Api,
     model: String,
     id: String,
     prompt_tokens: u64,
     output: u64,
+    /// Responses: the response's ids and the request's echoed fields.
+    response: Option<ResponseIds>,
 }
 
 impl Answer {
-    fn usage(&self, completion: u64, cached: u64) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": { "cached_tokens": cached },
-        })
+    fn new(
+        api: Api,
+        model: &str,
+        index: usize,
+        prompt_tokens: u64,
+        output: u64,
+        echo: Map<String, Value>,
+    ) -> Self {
+        let id = answer_id(api, index);
+        let response = (api == Api::Responses).then(|| ResponseIds {
+            id: id.clone(),
+            item_id: format!("msg_{}", fresh_id()),
+            model: model.to_owned(),
+            echo,
+            created_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        });
+        Answer {
+            api,
+            model: model.to_owned(),
+            id,
+            prompt_tokens,
+            output,
+            response,
+        }
+    }
+
+    /// This API's `usage` of the whole answer.
+    fn usage(&self, cached: u64) -> Value {
+        let (prompt, output) = (self.prompt_tokens, self.output);
+        match self.api {
+            Api::Completions | Api::Chat => json!({
+                "prompt_tokens": prompt,
+                "completion_tokens": output,
+                "total_tokens": prompt + output,
+                "prompt_tokens_details": { "cached_tokens": cached },
+            }),
+            Api::Messages => agent::messages_usage(prompt, output, cached),
+            Api::Responses => agent::responses_usage(prompt, output, cached),
+        }
     }
 
     fn object(&self, chunk: bool) -> &'static str {
         match (self.api, chunk) {
-            (OpenAi::Completions, _) => "text_completion",
-            (OpenAi::Chat, false) => "chat.completion",
-            (OpenAi::Chat, true) => "chat.completion.chunk",
+            (Api::Completions, _) => "text_completion",
+            (Api::Chat, false) => "chat.completion",
+            (_, true) => "chat.completion.chunk",
+            (Api::Messages, false) => "message",
+            (Api::Responses, false) => "response",
         }
     }
 
     fn whole(&self, cached: u64, transfer: Value) -> Value {
         let text = output_text(self.output);
         let choice = match self.api {
-            OpenAi::Completions => {
+            Api::Completions => {
                 json!({ "index": 0, "text": text, "finish_reason": "length" })
             }
-            OpenAi::Chat => json!({ "index": 0, "finish_reason": "length",
+            Api::Chat => json!({ "index": 0, "finish_reason": "length",
                 "message": { "role": "assistant", "content": text } }),
+            Api::Messages => {
+                return agent::messages_whole(
+                    &self.id,
+                    &self.model,
+                    &text,
+                    self.usage(cached),
+                    transfer,
+                );
+            }
+            Api::Responses => {
+                let ids = self
+                    .response
+                    .as_ref()
+                    .expect("a Responses answer has its ids");
+                return ids.response(Some((&text, self.usage(cached))), self.output, transfer);
+            }
         };
         json!({
             "id": self.id,
             "object": self.object(false),
             "model": self.model,
             "choices": [choice],
-            "usage": self.usage(self.output, cached),
+            "usage": self.usage(cached),
             "kv_transfer_params": transfer,
         })
     }
 
     fn chunk(&self, text: &str, finish: Option<&str>) -> Bytes {
         let choice = match self.api {
-            OpenAi::Completions => json!({ "index": 0, "text": text, "finish_reason": finish }),
-            OpenAi::Chat => json!({ "index": 0, "finish_reason": finish,
+            Api::Completions => json!({ "index": 0, "text": text, "finish_reason": finish }),
+            _ => json!({ "index": 0, "finish_reason": finish,
                 "delta": { "role": "assistant", "content": text } }),
         };
         let v = json!({ "id": self.id, "object": self.object(true), "model": self.model,
@@ -482,13 +697,24 @@ impl Answer {
 
     fn usage_chunk(&self, cached: u64) -> Bytes {
         let v = json!({ "id": self.id, "object": self.object(true), "model": self.model,
-            "choices": [], "usage": self.usage(self.output, cached) });
+            "choices": [], "usage": self.usage(cached) });
         Bytes::from(sse::event(&v.to_string()))
     }
 }
 
-/// A streamed answer: one chunk at the first token, one at the end, the usage chunk when
-/// asked for, then `[DONE]`; an engine failure ends the stream with an error event.
+/// The first token of every streamed answer, and the rest after a space: the deltas
+/// concatenate to the whole answer.
+const FIRST: &str = "tok";
+
+fn rest_of(output: u64) -> String {
+    match output.saturating_sub(1) {
+        0 => String::new(),
+        n => format!(" {}", output_text(n)),
+    }
+}
+
+/// A streamed answer in its API's events (see the module docs); an engine failure ends the
+/// stream with an error event.
 fn relay(
     mut progress: UnboundedReceiver<Progress>,
     ctx: Arc<WorkerContext>,
@@ -497,40 +723,67 @@ fn relay(
     include_usage: bool,
 ) -> UnboundedReceiver<Chunk> {
     let (tx, out) = unbounded_channel();
+    let mut responses = answer
+        .response
+        .clone()
+        .map(|ids| ResponsesStream::new(ids, answer.output));
+    if let Some(r) = &mut responses {
+        for c in r.opening() {
+            let _ = tx.send(Ok(c));
+        }
+    }
     tokio::spawn(async move {
         loop {
-            let chunks: Vec<Bytes> = match progress.recv().await {
+            let (chunks, last): (Vec<Bytes>, bool) = match progress.recv().await {
                 Some(Progress::Accepted) => continue,
                 Some(Progress::FirstToken) => {
                     let now = Instant::now();
                     ctx.shared.with_served(index, |s| s.first_sent = Some(now));
-                    vec![answer.chunk("tok", None)]
+                    let v = match (answer.api, &mut responses) {
+                        (Api::Messages, _) => agent::messages_first(
+                            &answer.id,
+                            &answer.model,
+                            answer.prompt_tokens,
+                            FIRST,
+                        ),
+                        (_, Some(r)) => r.first(FIRST),
+                        _ => vec![answer.chunk(FIRST, None)],
+                    };
+                    (v, false)
                 }
                 Some(Progress::Done { cached }) => {
                     let now = Instant::now();
                     ctx.shared.with_served(index, |s| s.done_sent = Some(now));
-                    // Deltas concatenate to the whole answer: the rest follows the first
-                    // token after a space.
-                    let rest = match answer.output.saturating_sub(1) {
-                        0 => String::new(),
-                        n => format!(" {}", output_text(n)),
+                    let rest = rest_of(answer.output);
+                    let v = match (answer.api, &mut responses) {
+                        (Api::Messages, _) => agent::messages_last(&rest, answer.usage(cached)),
+                        (_, Some(r)) => {
+                            r.last(&rest, &output_text(answer.output), answer.usage(cached))
+                        }
+                        _ => {
+                            let mut v = vec![answer.chunk(&rest, Some("length"))];
+                            if include_usage {
+                                v.push(answer.usage_chunk(cached));
+                            }
+                            v.push(Bytes::from_static(sse::DONE_EVENT.as_bytes()));
+                            v
+                        }
                     };
-                    let mut v = vec![answer.chunk(&rest, Some("length"))];
-                    if include_usage {
-                        v.push(answer.usage_chunk(cached));
-                    }
-                    v.push(Bytes::from_static(sse::DONE_EVENT.as_bytes()));
-                    for c in v {
-                        let _ = tx.send(Ok(c));
-                    }
-                    return;
+                    (v, true)
                 }
-                Some(Progress::Failed(_, m) | Progress::Rejected(m)) => {
-                    let e = json!({ "error": { "message": m, "type": "worker_error",
-                        "code": 500 } });
-                    let _ = tx.send(Ok(Bytes::from(sse::event(&e.to_string()))));
-                    return;
-                }
+                Some(Progress::Failed(status, m)) => (
+                    vec![failure_event(&answer, responses.as_mut(), status, &m)],
+                    true,
+                ),
+                Some(Progress::Rejected(m)) => (
+                    vec![failure_event(
+                        &answer,
+                        responses.as_mut(),
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        &m,
+                    )],
+                    true,
+                ),
                 None => {
                     let _ = tx.send(Err(std::io::Error::other("the engine stopped")));
                     return;
@@ -541,9 +794,30 @@ fn relay(
                     return;
                 }
             }
+            if last {
+                return;
+            }
         }
     });
     out
+}
+
+/// The event that ends a stream the engine failed (`status`, `message`), in its API's shape.
+fn failure_event(
+    answer: &Answer,
+    responses: Option<&mut ResponsesStream>,
+    status: StatusCode,
+    message: &str,
+) -> Bytes {
+    match (answer.api, responses) {
+        (Api::Messages, _) => agent::messages_error_event(status, message),
+        (_, Some(r)) => r.error(message),
+        _ => {
+            let e = json!({ "error": { "message": message, "type": "worker_error",
+                "code": 500 } });
+            Bytes::from(sse::event(&e.to_string()))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -553,7 +827,7 @@ mod tests {
     #[test]
     fn openai_bodies_are_read() {
         let b = parse(
-            OpenAi::Completions,
+            Api::Completions,
             br#"{"prompt": "a b", "max_tokens": 5, "stream": true,
                 "stream_options": {"include_usage": true},
                 "kv_transfer_params": {"do_remote_decode": true}}"#,
@@ -564,7 +838,7 @@ mod tests {
         assert!(b.stream && b.include_usage);
         assert_eq!(b.transfer.unwrap()["do_remote_decode"], true);
         let c = parse(
-            OpenAi::Chat,
+            Api::Chat,
             br#"{"messages": [{"role": "user", "content": "x y"}], "max_completion_tokens": 2,
                 "max_tokens": 9}"#,
         )
@@ -574,13 +848,13 @@ mod tests {
             ("x y", Some(2), false)
         );
         assert_eq!(
-            parse(OpenAi::Completions, br#"{"prompt": [1, 2]}"#)
+            parse(Api::Completions, br#"{"prompt": [1, 2]}"#)
                 .unwrap()
                 .prompt,
             PromptIn::Tokens(vec![1, 2])
         );
         let chat = parse(
-            OpenAi::Chat,
+            Api::Chat,
             br#"{"messages": [{"role": "system", "content": null},
                 {"role": "user", "content": [{"type": "text", "text": "a"},
                 {"type": "image_url"}, {"type": "text", "text": " b"}]}]}"#,
@@ -596,42 +870,38 @@ mod tests {
         );
         for (api, body, want) in [
             (
-                OpenAi::Completions,
+                Api::Completions,
                 &br#"{"max_tokens": 3}"#[..],
                 "missing `prompt`",
             ),
-            (OpenAi::Completions, br#"{"prompt": [1, -2]}"#, "token ids"),
+            (Api::Completions, br#"{"prompt": [1, -2]}"#, "token ids"),
+            (Api::Completions, br#"{"prompt": {}}"#, "`prompt` must be"),
             (
-                OpenAi::Completions,
-                br#"{"prompt": {}}"#,
-                "`prompt` must be",
-            ),
-            (
-                OpenAi::Completions,
+                Api::Completions,
                 br#"{"prompt": "a", "stream": "yes"}"#,
                 "`stream`",
             ),
-            (OpenAi::Chat, br#"{"messages": []}"#, "is empty"),
-            (OpenAi::Chat, br#"{"messages": [{"content": "a"}]}"#, "role"),
+            (Api::Chat, br#"{"messages": []}"#, "is empty"),
+            (Api::Chat, br#"{"messages": [{"content": "a"}]}"#, "role"),
             (
-                OpenAi::Chat,
+                Api::Chat,
                 br#"{"messages": [{"role": "user", "content": 5}]}"#,
                 "content",
             ),
             (
-                OpenAi::Chat,
+                Api::Chat,
                 br#"{"messages": [{"role": "user", "content": "a"}],
                 "max_tokens": -1}"#,
                 "max_tokens",
             ),
-            (OpenAi::Chat, b"not json", "not JSON"),
+            (Api::Chat, b"not json", "not JSON"),
         ] {
             let err = parse(api, body).unwrap_err();
             assert!(err.contains(want), "{want}: {err}");
         }
         assert!(
             parse(
-                OpenAi::Completions,
+                Api::Completions,
                 br#"{"prompt": "a", "stream_options": {}}"#
             )
             .unwrap_err()
@@ -641,13 +911,8 @@ mod tests {
 
     #[test]
     fn answers_carry_usage_with_cached_tokens() {
-        let a = Answer {
-            api: OpenAi::Chat,
-            model: "m".into(),
-            id: "cmpl-r0".into(),
-            prompt_tokens: 10,
-            output: 3,
-        };
+        let a = Answer::new(Api::Chat, "m", 0, 10, 3, Map::new());
+        assert_eq!(a.id, "cmpl-r0");
         let w = a.whole(8, Value::Null);
         assert_eq!(w["usage"]["prompt_tokens_details"]["cached_tokens"], 8);
         assert_eq!(w["usage"]["total_tokens"], 13);
@@ -658,5 +923,92 @@ mod tests {
             text.starts_with("data: ") && text.contains("\"choices\":[]"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn agent_bodies_are_read_as_chat_messages() {
+        let m = parse(
+            Api::Messages,
+            br#"{"model": "m", "max_tokens": 4, "stream": true, "system": "S",
+                "messages": [{"role": "user", "content": "a b"}],
+                "kv_transfer_params": {"do_remote_decode": true}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (m.text.as_str(), m.max_tokens, m.stream),
+            ("S\na b", Some(4), true)
+        );
+        assert_eq!(
+            m.prompt,
+            PromptIn::Chat(vec![
+                ("system".into(), "S".into()),
+                ("user".into(), "a b".into())
+            ])
+        );
+        assert_eq!(m.transfer.unwrap()["do_remote_decode"], true);
+        let r = parse(
+            Api::Responses,
+            br#"{"model": "m", "instructions": "S", "input": "q", "max_output_tokens": 9,
+                "max_tokens": 2, "tools": [{"type": "function", "name": "f"}]}"#,
+        )
+        .unwrap();
+        assert_eq!((r.text.as_str(), r.max_tokens), ("S\nq", Some(9)));
+        assert_eq!(r.echo["instructions"], "S");
+        assert_eq!(r.echo["tools"][0]["name"], "f");
+        for (api, body, want) in [
+            (
+                Api::Messages,
+                &br#"{"messages": [{"role": "user", "content": "a"}]}"#[..],
+                "missing `max_tokens`",
+            ),
+            (
+                Api::Messages,
+                br#"{"max_tokens": -1, "messages": [{"role": "user", "content": "a"}]}"#,
+                "`max_tokens` must be",
+            ),
+            (Api::Messages, br#"{"max_tokens": 1}"#, "missing `messages`"),
+            (
+                Api::Responses,
+                br#"{"max_output_tokens": 1}"#,
+                "missing `input`",
+            ),
+            (
+                Api::Responses,
+                br#"{"input": "a", "max_output_tokens": "x"}"#,
+                "`max_output_tokens` must be",
+            ),
+            (
+                Api::Responses,
+                br#"{"input": "a", "previous_response_id": "resp_1"}"#,
+                "previous_response_id",
+            ),
+            (Api::Responses, b"[]", "JSON object"),
+        ] {
+            let err = parse(api, body).unwrap_err();
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+
+    #[test]
+    fn agent_answers_carry_usage_in_their_api_s_shape() {
+        let m = Answer::new(Api::Messages, "m", 3, 10, 2, Map::new());
+        let w = m.whole(8, Value::Null);
+        assert_eq!(w["id"], "msg_r3");
+        assert_eq!(
+            w["usage"],
+            json!({"input_tokens": 2, "output_tokens": 2, "cache_read_input_tokens": 8})
+        );
+        assert_eq!(w["content"], json!([{"type": "text", "text": "tok tok"}]));
+        let held = m.whole(0, json!({"do_remote_prefill": true}));
+        assert_eq!(held["kv_transfer_params"]["do_remote_prefill"], true);
+        let r = Answer::new(Api::Responses, "m", 3, 10, 2, Map::new());
+        let w = r.whole(8, Value::Null);
+        assert_eq!(w["id"], "resp_r3");
+        assert_eq!(w["usage"]["input_tokens"], 10);
+        assert_eq!(w["usage"]["input_tokens_details"]["cached_tokens"], 8);
+        assert_eq!(w["usage"]["total_tokens"], 12);
+        assert_eq!(w["output"][0]["content"][0]["text"], "tok tok");
+        assert_eq!(w["max_output_tokens"], 2);
+        assert!(w["kv_transfer_params"].is_null());
     }
 }
