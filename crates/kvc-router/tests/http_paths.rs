@@ -908,3 +908,39 @@ async fn a_turn_appended_after_a_prompt_ending_on_a_block_boundary_continues_its
     assert_eq!(r.header("x-kvc-session"), first);
     assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
 }
+
+#[tokio::test]
+async fn the_agents_apis_are_refused_on_a_cluster_of_sglang_workers() {
+    // SGLang's servers have no Messages or Responses endpoint to forward to: the client is
+    // told so in its API's shape, and no worker is called.
+    let f = start(one_p_one_d, |_| {}).await;
+    let messages = json!({"max_tokens": 4, "messages": [{"role": "user", "content": "q"}]});
+    let r = f.post("/v1/messages", &[], &messages).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["type"], "error", "Anthropic's shape: {v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("/v1/messages") && message.contains("vllm"),
+        "{v}"
+    );
+    let r = f.post("/v1/messages/count_tokens", &[], &messages).await;
+    assert_eq!((r.status, r.json()["type"].as_str()), (400, Some("error")));
+    let r = f
+        .post(
+            "/v1/responses",
+            &[],
+            &json!({"input": "q", "max_output_tokens": 4}),
+        )
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/v1/responses"),
+        "{}",
+        r.body
+    );
+    assert_eq!(f.count(0) + f.count(1), 0);
+}

@@ -82,12 +82,17 @@ Each worker serves on 127.0.0.1:
   POST /v1/completions       `prompt` (text or token ids), `max_tokens`, `stream`,
                              `stream_options.include_usage`
   POST /v1/chat/completions  `messages`, `max_completion_tokens` or `max_tokens`, `stream`
+  POST /v1/messages          Anthropic Messages: `system`, `messages`, `max_tokens` (required),
+                             `stream`; POST /v1/messages/count_tokens
+  POST /v1/responses         OpenAI Responses: `instructions`, `input`, `max_output_tokens`,
+                             `stream` (no `previous_response_id`)
   GET  /v1/models, /health
 and, from a router, NixlConnector P/D: a prefill worker given
 `kv_transfer_params.do_remote_decode` holds the prefilled request and answers the parameters a
 decode worker given them (`do_remote_prefill`) pulls it by. A plain request to any worker is
 served in full with its prefix cache: the blocks its session left there are reused. Answers
-carry `usage.prompt_tokens_details.cached_tokens`.
+carry `usage.prompt_tokens_details.cached_tokens` (Messages: `usage.cache_read_input_tokens`;
+Responses: `usage.input_tokens_details.cached_tokens`).
 
 Prompts are tokenized with kvc-router's default rules (one token per whitespace-separated
 word; a chat request's messages through its `<|role|>` template); the output length is

@@ -13,12 +13,19 @@
 //! | `POST /generate` | SGLang: `text` or `input_ids`, `sampling_params.max_new_tokens`, optional `session_params.id`, optional `stream`; 400 when any worker is `engine = "vllm"` |
 //! | `POST /v1/completions` | OpenAI: `prompt` (text or token ids), `max_tokens`, optional `stream` |
 //! | `POST /v1/chat/completions` | OpenAI: `messages` (`[{role, content}]`), `max_completion_tokens` or `max_tokens`, optional `stream` |
+//! | `POST /v1/messages` | Anthropic Messages (Claude Code): `system`, `messages` (text, `tool_use`, `tool_result`, `thinking` blocks), `max_tokens` (required), optional `stream`; vLLM workers only |
+//! | `POST /v1/messages/count_tokens` | Anthropic: passed as it is to one routable worker, taken in turn (nothing to route) |
+//! | `POST /v1/responses` | OpenAI Responses (Codex CLI): `instructions`, `input` (a string, or message, `function_call`, `function_call_output`, `reasoning` items), `max_output_tokens`, optional `stream`; the whole conversation in each request (`previous_response_id` is refused: that conversation is held by the one engine that stored it); vLLM workers only |
 //! | `GET /health`, `GET /readyz` | readiness: 200 while a new request can be routed, else 503 saying why |
 //! | `GET /livez` | liveness: 200 whenever the process answers |
 //! | `GET /v1/models` | the configured model name, OpenAI list shape |
 //!
 //! Every error the front answers itself has a JSON body, `{"error": {"message": "...",
-//! "type": "...", "code": <status>}}`: a malformed body or an over-long session id 400, an
+//! "type": "...", "code": <status>}}` — on the Messages paths Anthropic's shape instead,
+//! `{"type": "error", "error": {"type": "invalid_request_error" | "not_found_error" |
+//! "request_too_large" | "overloaded_error" | "timeout_error" | "api_error" | …, "message":
+//! "..."}}`, and a stream cut by a failed worker ends with an `error` event in the API's
+//! shape: a malformed body or an over-long session id 400, an
 //! unknown path 404, a method a path does not take 405, a body not arriving in time 408, a
 //! body over [`HttpOptions::max_body_bytes`] 413, a malformed request head 400, a too long URI
 //! 414, a head over `http.max-header-bytes` 431 (these three are hyper's own answers, given a
@@ -107,8 +114,12 @@
 //! the number of tokens, the generation prompt's included.
 //!
 //! **Session and turn.** The session key is the first header of [`HttpOptions::session_headers`]
-//! the request has (`http.session-headers`), else, for `/generate`, `session_params.id`; it
-//! maps to a session id with [`kvc_core::SessionId::from_key`]. The default list is what the
+//! the request has (`http.session-headers`), else a field of the body: for `/generate`
+//! `session_params.id`; for the OpenAI APIs (completions, chat, Responses) `prompt_cache_key`
+//! (Codex CLI sets it to its conversation's id); for Messages the `session_id` Claude Code
+//! writes into `metadata.user_id` (a JSON object there; `user_…_session_<id>` in earlier
+//! versions; any other user id names a user, not a conversation, and is not taken). It maps
+//! to a session id with [`kvc_core::SessionId::from_key`]. The default list is what the
 //! common coding agents and benchmark clients send, in this order (read from each client's
 //! own code):
 //!
@@ -127,7 +138,7 @@
 //! bounded by `http.max-session-id-bytes`; a present header that is empty or not text gets 400
 //! naming it. The key goes to the workers in `x-session-id` ([`HttpOptions::session_header`]).
 //! Where each key came from is counted in
-//! `kvc_router_http_session_keys_total{source=<header>|"session_params"}`. The turn is a
+//! `kvc_router_http_session_keys_total{source=<header>|"session_params"|"prompt_cache_key"|"metadata.user_id"}`. The turn is a
 //! per-session counter kept here (bounded by the router's `sessions.ttl-ms` and
 //! `sessions.max`).
 //!
@@ -193,15 +204,17 @@
 //!
 //! **The vLLM dialect.** A `[[workers]]` entry with `engine = "vllm"` is a stock vLLM server
 //! with NixlConnector P/D; a decision whose decode worker is one is carried out in vLLM's
-//! two plain calls (for `/v1/completions` and `/v1/chat/completions`, streaming or not; any
-//! other entry keeps the bootstrap protocol above):
+//! two plain calls (for `/v1/completions`, `/v1/chat/completions`, `/v1/messages` and
+//! `/v1/responses`, streaming or not; any other entry keeps the bootstrap protocol above; the
+//! agents' two APIs are served only when every worker is a vLLM engine, whose endpoints for
+//! them take `kv_transfer_params` as its chat endpoint does):
 //!
 //! - *P→D* (`turn1-seed`, `fallback`, `reseed`): first P gets the client's body with
 //!   `kv_transfer_params` = `{"do_remote_decode": true, "do_remote_prefill": false,
 //!   "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
 //!   "remote_port": null}`, `"stream": false`, `"max_tokens": 1` (and
-//!   `"max_completion_tokens": 1` when the client set it), without `stream_options` and
-//!   `min_tokens`; then D gets the client's body with the top-level `kv_transfer_params` of
+//!   `"max_completion_tokens": 1` when the client set it; for Responses `"max_output_tokens":
+//!   1` and `"store": false` instead), without `stream_options` and `min_tokens`; then D gets the client's body with the top-level `kv_transfer_params` of
 //!   P's answer copied verbatim (opaque to the router). Both calls carry the same
 //!   `X-Request-Id` (`kvc-<request>-<decision>`) besides the session header. P's answer goes
 //!   nowhere else; D's is relayed. A 4xx answer of P other than 408 and 429 (the request's
@@ -229,11 +242,15 @@
 //!   started with `--enable-prompt-tokens-details`, and the first answer of a vLLM worker
 //!   that carries `usage` without it is warned about once (`kvc_router_worker_cache_accounting`
 //!   0 for that worker, 1 for one whose answers carry it).
-//! - *Streams*: D's request gets `stream_options.include_usage: true` (other stream options
-//!   kept) so that its last chunk reports the cached tokens; when the client did not ask for
-//!   usage itself, that usage-only chunk (`"choices": []`) is removed from the client's
-//!   stream (the other events are relayed re-framed as `data:` lines, unchanged). A
-//!   non-streaming D request gets nothing added.
+//! - *Streams*: on the OpenAI completions and chat APIs D's request gets
+//!   `stream_options.include_usage: true` (other stream options kept) so that its last chunk
+//!   reports the cached tokens; when the client did not ask for usage itself, that usage-only
+//!   chunk (`"choices": []`) is removed from the client's stream (the other events are relayed
+//!   re-framed as `data:` lines, unchanged). A Messages stream reports them anyway (its
+//!   `message_delta`'s `usage.cache_read_input_tokens`), a Responses stream in its
+//!   `response.completed` (`response.usage.input_tokens_details.cached_tokens`): both are
+//!   relayed byte for byte, `event:` lines and all. A non-streaming D request gets nothing
+//!   added.
 //! - *Local prefill* (`local-prefill`: the chosen worker prefills the turn itself, decodes it
 //!   and keeps the session): the client's body to that worker as it is, exactly as
 //!   direct-to-D (the same code path: no `kv_transfer_params`, `X-Request-Id` and the
