@@ -26,7 +26,9 @@
 #
 # Environment: KVC_REAL_VLLM_PORT_BASE (default 18200; engine i uses BASE+10i .. BASE+10i+3),
 # KVC_REAL_VLLM_KV_GIB (KV pool per engine, GiB, default 1), KVC_REAL_VLLM_MAX_MODEL_LEN
-# (default 16384), KVC_REAL_VLLM_START_TIMEOUT (seconds per engine, default 420), KVC_REAL_VLLM_CACHE
+# (default 16384), KVC_REAL_VLLM_DEFAULT_MAX_TOKENS (the output limit of a request that sets
+# none, as coding agents' requests do: default 64, where the engine would otherwise decode up
+# to its context), KVC_REAL_VLLM_START_TIMEOUT (seconds per engine, default 420), KVC_REAL_VLLM_CACHE
 # (see install.sh). Exit 3: python3 missing (callers skip); any other failure prints the
 # failing engine's log tail.
 set -euo pipefail
@@ -85,6 +87,7 @@ start_engine() { # index name role
     --enable-auto-tool-choice --tool-call-parser pythonic
     --enforce-eager
     --kv-events-config "$kv_events"
+    --override-generation-config "{\"max_new_tokens\": ${KVC_REAL_VLLM_DEFAULT_MAX_TOKENS:-64}}"
   )
   case "$role" in
     prefill) args+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}') ;;

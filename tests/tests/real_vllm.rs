@@ -23,7 +23,13 @@
 //!    still in rotation;
 //! 5. the engines' `/metrics` and events feed `ListWorkers` and the router's `/metrics`
 //!    (the pool read from `vllm:cache_config_info`, requests running, KV in use);
-//! 6. P killed mid-session → every later turn served by D alone, nothing lost; D restarted
+//! 6. the coding agents themselves (`scripts/agents/install.sh`: Claude Code and Codex CLI
+//!    from npm, into a cache): Claude Code in print mode (a prompt, then two `--continue`d)
+//!    over `/v1/messages` and Codex in exec mode (a prompt, then the thread resumed) over
+//!    `/v1/responses`, each run of several requests keyed by the client's own session header,
+//!    its first request through P and every later one direct-to-D; skipped with a notice
+//!    where npm is absent;
+//! 7. P killed mid-session → every later turn served by D alone, nothing lost; D restarted
 //!    (its event sequence back to 0) → its index reset and rebuilt.
 //!
 //! `cargo test` skips it (`#[ignore]`): `cargo xtask test` runs it in a step of its own after
@@ -940,7 +946,11 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
     );
     assert_eq!(in_flight.join().unwrap().status, 200);
 
-    // 6a. P killed mid-session, under the default configuration (a vLLM engine may serve a
+    // 6. The coding agents themselves through the router: Claude Code in print mode and Codex
+    // in exec mode, each one run of several requests in one session.
+    coding_agents_through_the_router(&router, &engines);
+
+    // 7a. P killed mid-session, under the default configuration (a vLLM engine may serve a
     // turn alone): every later turn is served by D alone.
     drop(router);
     let default = engines.router_config("default", &["serve-alone", "#"]);
@@ -975,7 +985,7 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         Some(0.0)
     );
 
-    // 6b. D restarted: its events number from 0 again; the router resets and rebuilds.
+    // 7b. D restarted: its events number from 0 again; the router resets and rebuilds.
     let before = events(&router, "resets");
     engines.kill("d0");
     engines.restart("d0");
@@ -997,5 +1007,213 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
     assert!(
         events(&router, "indexed-blocks") > 0.0,
         "rebuilt from the new engine's events"
+    );
+}
+
+/// What the router counted so far: requests keyed by `source`, and decisions of each mode.
+fn agent_counts(router: &Router, source: &str) -> (f64, f64, f64) {
+    let keyed = router
+        .metric(
+            "kvc_router_http_session_keys_total",
+            &[&format!("source=\"{source}\"")],
+        )
+        .unwrap_or(0.0);
+    let mode = |m: &str| {
+        router
+            .metric("kvc_router_decisions_total", &[&format!("mode=\"{m}\"")])
+            .unwrap_or(0.0)
+    };
+    (keyed, mode("turn1-seed"), mode("direct-to-d"))
+}
+
+/// Runs an agent's command (bounded by `timeout` from coreutils) and returns its stdout; the
+/// command's failure shows its output.
+fn run_agent(what: &str, mut cmd: Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    eprintln!("real_vllm: {what}: {}", out.status);
+    assert!(
+        out.status.success() || !stdout.is_empty(),
+        "{what} failed ({}): {stdout}\n{stderr}",
+        out.status
+    );
+    stdout
+}
+
+/// Claude Code (print mode: a first prompt, then two more with `--continue`) and Codex CLI
+/// (exec mode: a first prompt, then `exec resume --last`), installed by
+/// `scripts/agents/install.sh` and pointed at the router's HTTP front: every request of a run
+/// keyed by the client's own session header, the first turn through P, every later one
+/// direct-to-D, and the cached share D reported to Claude Code quoted. Skipped with a notice
+/// where npm is absent.
+fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
+    let install = Command::new("bash")
+        .arg(Path::new(ROOT).join("scripts/agents/install.sh"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run scripts/agents/install.sh");
+    if install.status.code() == Some(3) {
+        eprintln!("real_vllm: npm not found; the coding agents' runs are skipped");
+        return;
+    }
+    assert!(
+        install.status.success(),
+        "installing the coding agents failed"
+    );
+    let bin = PathBuf::from(
+        String::from_utf8(install.stdout)
+            .unwrap()
+            .lines()
+            .last()
+            .unwrap(),
+    );
+    let home = engines.dir.join("agents-home");
+    let work = home.join("project");
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(work.join(".codex-home")).unwrap();
+    std::fs::write(
+        work.join("lib.rs"),
+        "pub fn add(a: u32, b: u32) -> u32 { a + b }\n",
+    )
+    .unwrap();
+    let base = format!("http://{}", router.http);
+    let agent = |program: &str, args: &[&str]| {
+        let mut cmd = Command::new("timeout");
+        cmd.arg("300").arg(bin.join(program)).args(args);
+        cmd.current_dir(&work)
+            .env("HOME", &home)
+            .env("ANTHROPIC_BASE_URL", &base)
+            .env("ANTHROPIC_API_KEY", "sk-kvc-local")
+            .env("ANTHROPIC_SMALL_FAST_MODEL", "kvc-tiny")
+            .env("CLAUDE_CODE_MAX_OUTPUT_TOKENS", "64")
+            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+            .env("DISABLE_TELEMETRY", "1")
+            .env("DISABLE_AUTOUPDATER", "1")
+            .env("DISABLE_ERROR_REPORTING", "1")
+            .env("CODEX_HOME", work.join(".codex-home"))
+            .env("KVC_API_KEY", "sk-kvc-local")
+            .stdin(Stdio::null());
+        cmd
+    };
+
+    // Claude Code, print mode: three prompts of one conversation.
+    let before = agent_counts(router, "x-claude-code-session-id");
+    let (mut sessions, mut input, mut cached) = (Vec::new(), 0u64, 0u64);
+    for (i, prompt) in [
+        "Read lib.rs and say what add does.",
+        "Now add a test for add.",
+        "Also handle overflow.",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut args = vec![
+            "-p",
+            prompt,
+            "--model",
+            "kvc-tiny",
+            "--output-format",
+            "json",
+        ];
+        if i > 0 {
+            args.push("--continue");
+        }
+        let out = run_agent(
+            &format!("claude -p (prompt {})", i + 1),
+            agent("claude", &args),
+        );
+        let result: Value = serde_json::from_str(out.trim())
+            .unwrap_or_else(|e| panic!("Claude Code's JSON result ({e}): {out}"));
+        sessions.push(result["session_id"].as_str().unwrap_or_default().to_owned());
+        let usage = &result["usage"];
+        let n = |k: &str| usage[k].as_u64().unwrap_or(0);
+        input +=
+            n("input_tokens") + n("cache_read_input_tokens") + n("cache_creation_input_tokens");
+        cached += n("cache_read_input_tokens");
+    }
+    let after = agent_counts(router, "x-claude-code-session-id");
+    let requests = after.0 - before.0;
+    eprintln!(
+        "real_vllm: Claude Code: {requests} requests in session {sessions:?}: {} turn1-seed, {} \
+         direct-to-d; D reported {cached} of {input} prompt tokens cached ({:.1}%)",
+        after.1 - before.1,
+        after.2 - before.2,
+        100.0 * cached as f64 / input.max(1) as f64
+    );
+    assert!(requests >= 3.0, "several requests: {requests}");
+    assert!(
+        sessions.iter().all(|s| !s.is_empty() && *s == sessions[0]),
+        "one session: {sessions:?}"
+    );
+    assert_eq!(
+        after.1 - before.1,
+        1.0,
+        "only the first request goes through P"
+    );
+    assert_eq!(
+        after.2 - before.2,
+        requests - 1.0,
+        "every later one direct-to-D"
+    );
+    assert!(
+        cached * 10 >= input * 6,
+        "D's cached share: {cached} of {input}"
+    );
+
+    // Codex CLI, exec mode, over the Responses API: a prompt, then the same thread resumed.
+    std::fs::write(
+        work.join(".codex-home/config.toml"),
+        format!(
+            "model = \"kvc-tiny\"\nmodel_provider = \"kvc\"\n\n[model_providers.kvc]\n\
+             name = \"kvc-router\"\nbase_url = \"{base}/v1\"\nwire_api = \"responses\"\n\
+             env_key = \"KVC_API_KEY\"\n"
+        ),
+    )
+    .unwrap();
+    let before = agent_counts(router, "thread-id");
+    run_agent(
+        "codex exec",
+        agent(
+            "codex",
+            &[
+                "exec",
+                "--skip-git-repo-check",
+                "Read lib.rs and say what add does.",
+            ],
+        ),
+    );
+    run_agent(
+        "codex exec resume --last",
+        agent(
+            "codex",
+            &[
+                "exec",
+                "--skip-git-repo-check",
+                "resume",
+                "--last",
+                "Now add a test for add.",
+            ],
+        ),
+    );
+    let after = agent_counts(router, "thread-id");
+    let requests = after.0 - before.0;
+    eprintln!(
+        "real_vllm: Codex: {requests} requests: {} turn1-seed, {} direct-to-d",
+        after.1 - before.1,
+        after.2 - before.2
+    );
+    assert!(requests >= 2.0, "several requests: {requests}");
+    assert_eq!(
+        after.1 - before.1,
+        1.0,
+        "only the first request goes through P"
+    );
+    assert_eq!(
+        after.2 - before.2,
+        requests - 1.0,
+        "every later one direct-to-D"
     );
 }
