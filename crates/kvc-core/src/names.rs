@@ -322,6 +322,9 @@ stable_enum! {
         Expired => "expired",
         /// The least recently seen session when the table was over its bound.
         Evicted => "evicted",
+        /// The client said the session ended (an explicit end: `DELETE` on the HTTP front's
+        /// sessions endpoint, or a request marked the session's last).
+        Ended => "ended",
     }
 }
 

@@ -16,7 +16,7 @@
 //! | `kvc_router_commit_evicts_total` | counter | `result` (`admitted`, `rejected`, `busy`, `error`) |
 //! | `kvc_router_outcomes_total` | counter | `outcome` |
 //! | `kvc_router_sessions_tracked` | gauge | — |
-//! | `kvc_router_sessions_forgotten_total` | counter | `cause` (`expired`, `evicted`) |
+//! | `kvc_router_sessions_forgotten_total` | counter | `cause` (`expired`, `evicted`, `ended`: the client ended it) |
 //! | `kvc_router_pending_decisions` | gauge | — |
 //! | `kvc_router_pending_dropped_total` | counter | — |
 //! | `kvc_router_policy_blocks` | gauge | — (distinct blocks in the policy's block view) |
@@ -447,6 +447,11 @@ impl Metrics {
     pub fn record_forgotten(&self, expired: u64, evicted: u64) {
         self.forgotten[position(Forgotten::Expired)].inc_by(expired);
         self.forgotten[position(Forgotten::Evicted)].inc_by(evicted);
+    }
+
+    /// Counts a session its client ended.
+    pub fn record_session_ended(&self) {
+        self.forgotten[position(Forgotten::Ended)].inc();
     }
 
     /// Counts pending decisions dropped unreported.

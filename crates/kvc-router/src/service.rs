@@ -36,6 +36,8 @@ struct Pending {
     session: Option<SessionId>,
     decode: WorkerId,
     direct: bool,
+    /// The session ends once this decision's outcome is in ([`RouterService::end_session_after`]).
+    ends_session: bool,
 }
 
 struct Core {
@@ -519,10 +521,46 @@ impl RouterService {
             match why {
                 Forgotten::Expired => expired += 1,
                 Forgotten::Evicted => evicted += 1,
+                // Ended sessions are forgotten and counted where the client ends them.
+                Forgotten::Ended => {}
             }
         }
         if expired + evicted > 0 {
             self.metrics.record_forgotten(expired, evicted);
+        }
+    }
+
+    /// Ends `session` now (its client said so): the session table and the policy state
+    /// forget it, so its residency is released at once — what the router counted resident
+    /// for it on its decode worker is free for the next session placed there. A decision of
+    /// the session still in flight is reported as usual and ends it again when it was marked
+    /// with [`RouterService::end_session_after`]. Whether the router knew the session.
+    pub fn end_session(&self, session: SessionId) -> bool {
+        let mut core = self.core.lock();
+        let known = Self::end_in(&mut core, session);
+        if known {
+            self.metrics.record_session_ended();
+        }
+        known
+    }
+
+    fn end_in(core: &mut Core, session: SessionId) -> bool {
+        let known = core.sessions.remove(session) | core.state.session(session).is_some();
+        core.state.forget_session(session);
+        known
+    }
+
+    /// Marks decision `decision_id` its session's last turn: once its outcome is reported,
+    /// the session ends as with [`RouterService::end_session`]. Whether the decision is
+    /// still pending (and has a session).
+    pub fn end_session_after(&self, decision_id: u64) -> bool {
+        let mut core = self.core.lock();
+        match core.pending.get_mut(&decision_id) {
+            Some(p) if p.session.is_some() => {
+                p.ends_session = true;
+                true
+            }
+            _ => false,
         }
     }
 

@@ -70,6 +70,17 @@ impl SessionTable {
         }
     }
 
+    /// Removes `session` (the client ended it); whether the table held it.
+    pub fn remove(&mut self, session: SessionId) -> bool {
+        match self.last_seen.remove(&session) {
+            Some(seen) => {
+                self.by_age.remove(&(seen, session));
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Removes the sessions not seen for more than the TTL at `now_ms`, pushing them onto
     /// `forgotten`.
     pub fn expire(&mut self, now_ms: u64, forgotten: &mut Vec<(SessionId, Forgotten)>) {

@@ -893,3 +893,83 @@ async fn the_agents_apis_answer_the_front_s_own_errors_in_their_own_shapes() {
     );
     assert_eq!(f.count(0) + f.count(1), 0, "no worker was called");
 }
+
+#[tokio::test]
+async fn a_session_its_client_ends_is_released_at_once() {
+    let f = start().await;
+    let service = f.cluster.service().clone();
+    let chat =
+        |n: u32| json!({"messages": [{"role": "user", "content": words(n)}], "max_tokens": 8});
+    let ended = |f: &Front| f.metric("kvc_router_sessions_forgotten_total", &[("cause", "ended")]);
+    // DELETE on the sessions endpoint: forgotten by the front and the router.
+    for n in [1_300, 1_900] {
+        assert_eq!(
+            f.post_as("/v1/chat/completions", "end-1", &chat(n))
+                .await
+                .status,
+            200
+        );
+    }
+    f.settle().await;
+    let s1 = kvc_core::SessionId::from_key("end-1");
+    assert!(service.knows_session(s1));
+    let sessions = service.policy_session_count();
+    let r = f.get("DELETE", "/v1/sessions/end-1").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), json!({"session": "end-1", "ended": true}));
+    assert!(!service.knows_session(s1));
+    assert_eq!(service.policy_session_count(), sessions - 1);
+    assert_eq!(ended(&f), 1.0);
+    let r = f.get("DELETE", "/v1/sessions/end-1").await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(r.body.contains("end-1"), "{}", r.body);
+    // The key starts afresh: its first turn again, nothing counted resident on D.
+    let r = f
+        .post_as("/v1/chat/completions", "end-1", &chat(2_500))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+
+    // A request marked its session's last: answered as usual, then the session is released.
+    assert_eq!(
+        f.post_as("/v1/chat/completions", "end-2", &chat(1_300))
+            .await
+            .status,
+        200
+    );
+    let r = f
+        .post(
+            "/v1/chat/completions",
+            &[("x-session-id", "end-2"), ("x-session-final", "true")],
+            &chat(1_900),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    f.settle().await;
+    assert!(!service.knows_session(kvc_core::SessionId::from_key("end-2")));
+    assert_eq!(ended(&f), 2.0);
+    let r = f
+        .post_as("/v1/chat/completions", "end-2", &chat(2_500))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    // `false` leaves the session as it is; anything else is refused, naming the header.
+    let r = f
+        .post(
+            "/v1/chat/completions",
+            &[("x-session-id", "end-2"), ("x-session-final", "false")],
+            &chat(2_600),
+        )
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    let r = f
+        .post(
+            "/v1/chat/completions",
+            &[("x-session-id", "end-2"), ("x-session-final", "soon")],
+            &chat(2_700),
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("x-session-final"), "{}", r.body);
+    f.settle().await;
+    assert_eq!(ended(&f), 2.0);
+}

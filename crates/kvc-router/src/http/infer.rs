@@ -206,12 +206,15 @@ impl SessionBook {
         }
     }
 
-    fn remove(&mut self, session: SessionId) {
-        if let Some(e) = self.entries.remove(&session)
-            && let Some((hash, _)) = e.anchor
-        {
+    /// Forgets `session`; whether it was known.
+    pub(crate) fn remove(&mut self, session: SessionId) -> bool {
+        let Some(e) = self.entries.remove(&session) else {
+            return false;
+        };
+        if let Some((hash, _)) = e.anchor {
             Self::unindex(&mut self.anchors, hash, session);
         }
+        true
     }
 
     /// Keeps at most `sessions.max` sessions: the expired go first, then the least recently
@@ -228,7 +231,7 @@ impl SessionBook {
             .map(|(s, _)| *s)
             .collect();
         for s in expired {
-            self.remove(s);
+            let _ = self.remove(s);
         }
         while self.entries.len() > max {
             let oldest = self
@@ -238,7 +241,9 @@ impl SessionBook {
                 .min_by_key(|(s, e)| (e.last_ms, s.0))
                 .map(|(s, _)| *s);
             match oldest {
-                Some(s) => self.remove(s),
+                Some(s) => {
+                    let _ = self.remove(s);
+                }
                 None => break,
             }
         }

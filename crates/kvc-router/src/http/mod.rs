@@ -16,6 +16,7 @@
 //! | `POST /v1/messages` | Anthropic Messages (Claude Code): `system`, `messages` (text, `tool_use`, `tool_result`, `thinking` blocks), `max_tokens` (required), optional `stream`; vLLM workers only |
 //! | `POST /v1/messages/count_tokens` | Anthropic: passed as it is to one routable worker, taken in turn (nothing to route) |
 //! | `POST /v1/responses` | OpenAI Responses (Codex CLI): `instructions`, `input` (a string, or message, `function_call`, `function_call_output`, `reasoning` items), `max_output_tokens`, optional `stream`; the whole conversation in each request (`previous_response_id` is refused: that conversation is held by the one engine that stored it); vLLM workers only |
+//! | `DELETE /v1/sessions/{key}` | the client ends session `key`: its residency released at once (see *The end of a session*) |
 //! | `GET /health`, `GET /readyz` | readiness: 200 while a new request can be routed, else 503 saying why |
 //! | `GET /livez` | liveness: 200 whenever the process answers |
 //! | `GET /v1/models` | the configured model name, OpenAI list shape |
@@ -141,6 +142,20 @@
 //! `kvc_router_http_session_keys_total{source=<header>|"session_params"|"prompt_cache_key"|"metadata.user_id"}`. The turn is a
 //! per-session counter kept here (bounded by the router's `sessions.ttl-ms` and
 //! `sessions.max`).
+//!
+//! **The end of a session.** A client that knows its session is over says so: `DELETE
+//! /v1/sessions/{key}` (the key as sent in the session header, or an inferred session's
+//! `x-kvc-session`), or `x-session-final: true` on the session's last request (the turn is
+//! routed and answered as usual; `false` or `0` say it is not the last, anything else gets
+//! 400). The front forgets the session (a later request with its key starts at turn 1), and
+//! the router's session table and policy state drop it — at once for `DELETE`, once the
+//! marked turn's outcome is in for the header — so what the router counted resident for it on
+//! its decode worker is free for the next session placed there. A vLLM engine needs nothing
+//! more (the session's blocks stay in its prefix cache unreferenced, the first to be
+//! evicted). `DELETE` answers 200 `{"session", "ended": true}`, or 404 for a session the router
+//! does not know (never seen, already ended, or expired). Counted in
+//! `kvc_router_sessions_forgotten_total{cause="ended"}`. (The endpoint picker does not read
+//! the header.)
 //!
 //! **Session inference.** A request with neither is placed by its prefix. The front remembers,
 //! for each session it knows (keyed or inferred; same bounds), the chained block hash at the
@@ -402,6 +417,7 @@ pub use request::{
     DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_TOKENS, chat_prompt,
 };
 pub use responses::SESSION_RESPONSE_HEADER;
+pub use session::SESSION_FINAL_HEADER;
 pub use tokens::{Tokenizer, TokenizerError, block_hashes, fallback_tokens};
 pub use vllm::PREFILL_FAILED_HEADER;
 

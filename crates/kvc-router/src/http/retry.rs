@@ -9,7 +9,7 @@ use super::decision::{self, RouteQuery};
 use super::direct::add_continuation_params;
 use super::request::{self, Api, Prompt};
 use super::responses::{error_response, route_error_response, with_decision_headers};
-use super::session::client_key;
+use super::session::{client_key, session_final};
 use super::stream::forward_stream;
 use super::tokens::block_hashes;
 use super::trust::{check_session_id, strip_router_fields};
@@ -28,6 +28,8 @@ pub(crate) struct Prepared {
     pub(crate) query: RouteQuery,
     pub(crate) request: ForwardedRequest,
     pub(crate) stream: bool,
+    /// The client marked the request its session's last turn ([`super::SESSION_FINAL_HEADER`]).
+    pub(crate) ends_session: bool,
 }
 
 /// The client's answer to `bytes`, a request to `api`.
@@ -38,7 +40,7 @@ pub(super) async fn serve_request(
     bytes: Bytes,
 ) -> Response {
     match prepare_request(app, api, headers, bytes).await {
-        Ok(p) => route_and_forward(app, p.query, &p.request, p.stream).await,
+        Ok(p) => route_and_forward(app, p.query, &p.request, p.stream, p.ends_session).await,
         Err(response) => response,
     }
 }
@@ -67,6 +69,7 @@ pub(crate) async fn prepare_request(
         return Err(super::routes::not_vllm(api));
     }
     let mut req = request::parse(api, &bytes).map_err(|m| bad_request(&m))?;
+    let ends_session = session_final(headers).map_err(|m| bad_request(&m))?;
     // Every session id the client sent (both are forwarded: the header as the session key,
     // the body as it is) is bounded before anything is kept or forwarded.
     let limit = app.options.max_session_id_bytes;
@@ -124,6 +127,10 @@ pub(crate) async fn prepare_request(
         full_blocks,
         request_id,
     );
+    if ends_session && let Some(r) = &resolved {
+        // The front forgets the session now; the router's state once the turn is answered.
+        app.sessions.end(r.session);
+    }
     let input_length = tokens.len() as u64;
     let query = RouteQuery::new(
         request_id,
@@ -144,6 +151,7 @@ pub(crate) async fn prepare_request(
         query,
         request,
         stream: req.stream,
+        ends_session,
     })
 }
 
@@ -154,6 +162,7 @@ async fn route_and_forward(
     mut query: RouteQuery,
     request: &ForwardedRequest,
     stream: bool,
+    ends_session: bool,
 ) -> Response {
     let session_key = request.session_key.as_deref();
     let mut excluded: Vec<WorkerId> = Vec::new();
@@ -168,6 +177,10 @@ async fn route_and_forward(
             Ok(d) => d,
             Err(e) => return previous.unwrap_or_else(|| route_error_response(&e)),
         };
+        if ends_session {
+            // Every attempt's report ends the session, the answered one's last.
+            app.service.end_session_after(decision.id);
+        }
         // A `rejected_by` is answered by one decision; later retries are plain re-routes.
         query.set_rejected_by(None);
         if std::mem::take(&mut retrying) {

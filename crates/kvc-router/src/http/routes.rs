@@ -12,10 +12,11 @@ use super::retry::serve_request;
 use crate::worker_http::Call;
 use axum::Router;
 use axum::body::Bytes;
+use axum::extract::Path;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::Response;
-use axum::routing::{MethodRouter, get, post};
+use axum::routing::{MethodRouter, delete, get, post};
 use kvc_core::{WorkerId, WorkerRole};
 use serde_json::json;
 use std::sync::Arc;
@@ -35,6 +36,7 @@ pub(super) fn router(app: Arc<App>) -> Router {
         .route("/v1/messages", post_endpoint(Api::Messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/responses", post_endpoint(Api::Responses))
+        .route("/v1/sessions/{key}", delete(end_session))
         .route("/health", get(readiness))
         .route("/readyz", get(readiness))
         .route("/livez", get(liveness))
@@ -119,6 +121,31 @@ async fn forward_count_tokens(app: &Arc<App>, body: Bytes) -> Response {
         })
         .await;
     answer_or_error(&format!("worker {}", id.0), answer)
+}
+
+/// `DELETE /v1/sessions/{key}`: the client ends session `key` (its session header's value,
+/// or an inferred session's `x-kvc-session`). The front and the router forget it at once, so
+/// what the router counted resident for it is free for the next session placed on its decode
+/// worker (a vLLM engine needs nothing more: the blocks stay in its prefix cache, unreferenced
+/// and first to go). 200 `{"session", "ended": true}`; 404 for a session the router does not
+/// know (never seen, already ended, or expired); 400 for a key over
+/// `http.max-session-id-bytes`.
+async fn end_session(State(app): State<Arc<App>>, Path(key): Path<String>) -> Response {
+    if let Err(m) = super::trust::check_session_id(&key, app.options.max_session_id_bytes) {
+        return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", &m);
+    }
+    let session = kvc_core::SessionId::from_key(&key);
+    let front = app.sessions.end(session);
+    let router = app.service.end_session(session);
+    if front || router {
+        json_response(StatusCode::OK, &json!({ "session": key, "ended": true }))
+    } else {
+        error_response(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            &format!("no session {key:?}: never seen, already ended, or expired"),
+        )
+    }
 }
 
 /// 400 for an API only vLLM workers serve here, on a cluster with other workers.

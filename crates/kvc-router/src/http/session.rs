@@ -5,6 +5,7 @@
 use super::infer::{self, Inferred, Resolved, SessionBook};
 use crate::{RouterService, SessionLimits};
 use axum::http::HeaderMap;
+use kvc_core::SessionId;
 use parking_lot::Mutex;
 use std::hash::{BuildHasher, Hasher};
 
@@ -108,6 +109,32 @@ impl Sessions {
                 .record_inferred_session(inferred == Inferred::Continued);
         }
         resolved
+    }
+
+    /// Forgets `session` (its client ended it): a later request with its key starts at turn
+    /// 1, and no request is inferred to continue it. Whether the front knew it.
+    pub(super) fn end(&self, session: SessionId) -> bool {
+        self.book.lock().remove(session)
+    }
+}
+
+/// The request header that marks a request its session's last turn (`true` or `1`; `false`
+/// or `0` say it is not): once the turn is answered, the session ends as with
+/// `DELETE /v1/sessions/{key}`.
+pub const SESSION_FINAL_HEADER: &str = "x-session-final";
+
+/// Whether the request is marked its session's last turn ([`SESSION_FINAL_HEADER`]); else
+/// the 400 message for a value that is neither.
+pub(crate) fn session_final(headers: &HeaderMap) -> Result<bool, String> {
+    let Some(v) = headers.get(SESSION_FINAL_HEADER) else {
+        return Ok(false);
+    };
+    match v.to_str().map(str::trim) {
+        Ok(t) if t.eq_ignore_ascii_case("true") || t == "1" => Ok(true),
+        Ok(t) if t.eq_ignore_ascii_case("false") || t == "0" => Ok(false),
+        _ => Err(format!(
+            "header `{SESSION_FINAL_HEADER}` must be true, false, 1 or 0"
+        )),
     }
 }
 

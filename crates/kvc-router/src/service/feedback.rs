@@ -60,6 +60,12 @@ impl RouterService {
             direct: p.direct,
         });
         if let Some(s) = p.session
+            && p.ends_session
+        {
+            // The client's last turn: its residency is released now that it is known.
+            Self::end_in(core, s);
+            self.metrics.record_session_ended();
+        } else if let Some(s) = p.session
             && core.sessions.last_seen(s).is_some()
         {
             core.sessions.touch(s, now, &mut core.forgotten);

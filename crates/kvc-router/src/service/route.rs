@@ -218,6 +218,7 @@ impl RouterService {
                 session,
                 decode: decision.decode,
                 direct: decision.is_direct(),
+                ends_session: false,
             },
         );
         core.pending_order.push_back(id);
