@@ -16,6 +16,11 @@
 //! view, so the index holds at most `2 × Σ bound` (block, worker) memberships and as many
 //! distinct blocks.
 //!
+//! Recency is kept per worker and view in a queue of member ids, least recently used first: a
+//! use appends the member (its earlier entry becomes stale), the bound takes members off the
+//! front skipping stale entries, and a queue is compacted before it holds more than twice its
+//! members (plus a small slack), so it costs at most 8 bytes per membership.
+//!
 //! Because block ids are chained, a worker that holds block `k` holds blocks `0..k` as well, so
 //! the number of leading blocks each candidate holds is found by a binary search on the prefix
 //! depth, done for all candidates at once: candidates that answer alike at the same probe stay
@@ -197,7 +202,7 @@ impl BlockView {
     }
 }
 
-/// End of a list.
+/// The position of a freed member.
 const NIL: u32 = u32::MAX;
 
 /// One distinct block and the workers holding it in each view.
@@ -208,35 +213,34 @@ struct Entry {
     live: Holders,
 }
 
-/// One block held by one worker in one view: a link of that worker's recency list for the view.
+/// One block held by one worker in one view.
 #[derive(Debug, Clone, Copy)]
 struct Member {
     entry: u32,
-    slot: u16,
-    view: u8,
     /// Live references (1 for the seen view).
     refs: u32,
-    /// Less recently used neighbour.
-    prev: u32,
-    /// More recently used neighbour.
-    next: u32,
+    /// Where its current entry is in its worker's [`Queue`] for the view ([`NIL`] once freed).
+    pos: u32,
+    slot: u16,
+    view: u8,
 }
 
-/// A recency list: `head` is the least recently used member.
-#[derive(Debug, Clone, Copy)]
-struct List {
-    head: u32,
-    tail: u32,
+/// One worker's recency queue in one view: member ids from `head` on, least recently used
+/// first. Using a member appends it; its entry at [`Member::pos`] is its current one, and the
+/// others (earlier uses, freed members) are stale and skipped. A queue is compacted to its
+/// current entries before it would hold more than `2 × len + QUEUE_SLACK`, and grows to at most
+/// that, so it costs at most two ids (8 bytes) per member, plus the slack.
+#[derive(Debug, Clone, Default)]
+struct Queue {
+    ids: Vec<u32>,
+    /// Entries before it were taken off the front.
+    head: usize,
+    /// Members held.
     len: u32,
 }
 
-impl List {
-    const EMPTY: List = List {
-        head: NIL,
-        tail: NIL,
-        len: 0,
-    };
-}
+/// Entries a queue holds past twice its members before it is compacted.
+const QUEUE_SLACK: usize = 32;
 
 /// Bits of a worker id in a member key.
 const SLOT_BITS: u32 = MAX_WORKERS.trailing_zeros();
@@ -258,8 +262,8 @@ pub(crate) struct BlockIndex {
     members: Map<u64, u32>,
     links: Vec<Member>,
     free_links: Vec<u32>,
-    /// Per worker slot, one recency list per view.
-    lists: Vec<[List; 2]>,
+    /// Per worker slot, one recency queue per view.
+    queues: Vec<[Queue; 2]>,
     /// Per worker slot; slots past the end use `default_bound`.
     bounds: Vec<u32>,
     default_bound: u32,
@@ -278,7 +282,7 @@ impl BlockIndex {
             members: Map::default(),
             links: Vec::new(),
             free_links: Vec::new(),
-            lists: Vec::new(),
+            queues: Vec::new(),
             bounds: Vec::new(),
             default_bound,
             dropped: 0,
@@ -292,9 +296,9 @@ impl BlockIndex {
 
     /// Blocks worker `slot` holds in `view`.
     pub(crate) fn held(&self, slot: usize, view: BlockView) -> usize {
-        self.lists
+        self.queues
             .get(slot)
-            .map_or(0, |l| l[view.index()].len as usize)
+            .map_or(0, |q| q[view.index()].len as usize)
     }
 
     /// Memberships removed so far because a worker was over its bound.
@@ -318,60 +322,54 @@ impl BlockIndex {
         self.trim(slot, BlockView::Live);
     }
 
-    fn list_mut(&mut self, slot: usize, view: BlockView) -> &mut List {
-        if self.lists.len() <= slot {
-            self.lists.resize(slot + 1, [List::EMPTY; 2]);
-        }
-        &mut self.lists[slot][view.index()]
+    /// Whether `m` is the current entry at `at` of the queue of `slot` in `view`.
+    fn is_current(&self, m: u32, at: usize, slot: usize, view: usize) -> bool {
+        let link = &self.links[m as usize];
+        link.pos as usize == at && usize::from(link.slot) == slot && usize::from(link.view) == view
     }
 
-    fn unlink(&mut self, m: u32) {
-        let Member {
-            slot,
-            view,
-            prev,
-            next,
-            ..
-        } = self.links[m as usize];
-        if prev != NIL {
-            self.links[prev as usize].next = next;
+    /// Appends member `m` to the queue of `slot` in `view` as its most recently used.
+    fn push_tail(&mut self, m: u32, slot: usize, view: usize) {
+        let q = &self.queues[slot][view];
+        if q.ids.len() >= 2 * q.len as usize + QUEUE_SLACK {
+            self.compact(slot, view);
         }
-        if next != NIL {
-            self.links[next as usize].prev = prev;
+        let q = &mut self.queues[slot][view];
+        if q.ids.len() == q.ids.capacity() {
+            // (Below `2 × len + QUEUE_SLACK` entries, as just checked.)
+            q.ids
+                .reserve_exact(2 * q.len as usize + QUEUE_SLACK + 1 - q.ids.len());
         }
-        let list = &mut self.lists[slot as usize][view as usize];
-        if list.head == m {
-            list.head = next;
-        }
-        if list.tail == m {
-            list.tail = prev;
-        }
-        list.len -= 1;
+        self.links[m as usize].pos = q.ids.len() as u32;
+        q.ids.push(m);
     }
 
-    fn push_tail(&mut self, m: u32) {
-        let Member { slot, view, .. } = self.links[m as usize];
-        let list = &mut self.lists[slot as usize][view as usize];
-        let tail = list.tail;
-        list.tail = m;
-        if list.head == NIL {
-            list.head = m;
+    /// Keeps only the current entries of the queue of `slot` in `view`, in their order.
+    fn compact(&mut self, slot: usize, view: usize) {
+        let q = &mut self.queues[slot][view];
+        let mut ids = std::mem::take(&mut q.ids);
+        let head = std::mem::take(&mut q.head);
+        let mut kept = 0;
+        for at in head..ids.len() {
+            let m = ids[at];
+            if self.is_current(m, at, slot, view) {
+                self.links[m as usize].pos = kept as u32;
+                ids[kept] = m;
+                kept += 1;
+            }
         }
-        list.len += 1;
-        let link = &mut self.links[m as usize];
-        link.prev = tail;
-        link.next = NIL;
-        if tail != NIL {
-            self.links[tail as usize].next = m;
-        }
+        ids.truncate(kept);
+        self.queues[slot][view].ids = ids;
     }
 
-    /// Marks member `m` as the most recently used of its list.
+    /// Marks member `m` as the most recently used of its queue.
     fn touch(&mut self, m: u32) {
-        let Member { slot, view, .. } = self.links[m as usize];
-        if self.lists[slot as usize][view as usize].tail != m {
-            self.unlink(m);
-            self.push_tail(m);
+        let Member {
+            slot, view, pos, ..
+        } = self.links[m as usize];
+        let (slot, view) = (usize::from(slot), usize::from(view));
+        if pos as usize + 1 != self.queues[slot][view].ids.len() {
+            self.push_tail(m, slot, view);
         }
     }
 
@@ -402,11 +400,10 @@ impl BlockIndex {
         };
         let link = Member {
             entry,
+            refs: 0,
+            pos: NIL,
             slot: slot as u16,
             view: view.index() as u8,
-            refs: 0,
-            prev: NIL,
-            next: NIL,
         };
         let m = match self.free_links.pop() {
             Some(m) => {
@@ -419,17 +416,28 @@ impl BlockIndex {
             }
         };
         vacant.insert(m);
-        self.list_mut(slot, view);
-        self.push_tail(m);
+        if self.queues.len() <= slot {
+            self.queues.resize_with(slot + 1, Default::default);
+        }
+        self.queues[slot][view.index()].len += 1;
+        self.push_tail(m, slot, view.index());
         (m, true)
     }
 
     /// Removes member `m`: its worker no longer holds the block in that view.
     fn drop_member(&mut self, m: u32) {
-        self.unlink(m);
+        let link = &mut self.links[m as usize];
+        link.pos = NIL;
         let Member {
             entry, slot, view, ..
-        } = self.links[m as usize];
+        } = *link;
+        let q = &mut self.queues[usize::from(slot)][usize::from(view)];
+        q.len -= 1;
+        if q.len == 0 {
+            // Every entry left is stale.
+            q.ids.clear();
+            q.head = 0;
+        }
         let view = if view == 0 {
             BlockView::Seen
         } else {
@@ -451,11 +459,18 @@ impl BlockIndex {
     /// Drops the least recently used blocks of `slot` in `view` past its bound.
     fn trim(&mut self, slot: usize, view: BlockView) {
         let bound = self.bound(slot);
-        while let Some(list) = self.lists.get(slot).map(|l| l[view.index()])
-            && list.len > bound
+        let view = view.index();
+        while let Some(q) = self.queues.get_mut(slot).map(|q| &mut q[view])
+            && q.len > bound
         {
-            self.drop_member(list.head);
-            self.dropped += 1;
+            // (A queue holding members has their current entries from `head` on.)
+            let at = q.head;
+            let m = q.ids[at];
+            q.head += 1;
+            if self.is_current(m, at, slot, view) {
+                self.drop_member(m);
+                self.dropped += 1;
+            }
         }
     }
 
@@ -654,7 +669,7 @@ mod tests {
         // Hash, and two holder lists of four ids inline (or a boxed bitset each): the size of
         // one distinct block in the docs' memory table, the same at 8 workers as at 4,096.
         assert_eq!(std::mem::size_of::<Entry>(), 72);
-        assert_eq!(std::mem::size_of::<Member>(), 20);
+        assert_eq!(std::mem::size_of::<Member>(), 16);
     }
 
     #[test]
@@ -744,7 +759,7 @@ mod tests {
             bound in proptest::prop_oneof![1u32..8, proptest::strategy::Just(u32::MAX)],
             ops in proptest::collection::vec(
                 (0u8..3, 0usize..3, proptest::collection::vec(0u64..20, 0..7)),
-                1..60,
+                1..150,
             ),
         ) {
             let mut idx = BlockIndex::new(bound);
@@ -791,6 +806,41 @@ mod tests {
                 proptest::prop_assert_eq!(idx.len(), distinct.len());
             }
         }
+    }
+
+    #[test]
+    fn compacted_queues_keep_the_use_order() {
+        let mut idx = BlockIndex::new(u32::MAX);
+        let blocks = hs(&(0..40).collect::<Vec<_>>());
+        idx.record_seen(0, &blocks);
+        // Uses of single blocks, oldest first: each appends a queue entry, many times over
+        // the compaction threshold.
+        for round in 0..20u64 {
+            for b in (0..40u64).filter(|b| b % 4 == round % 4) {
+                idx.record_seen(0, &hs(&[b]));
+            }
+        }
+        assert!(idx.queues[0][0].ids.len() <= 2 * 40 + QUEUE_SLACK);
+        // The last round used the blocks `b % 4 == 3`, the one before `b % 4 == 2`, and so on:
+        // shrinking the bound drops the least recently used round first.
+        idx.set_bound(0, 30);
+        assert_eq!(idx.dropped(), 10);
+        for b in 0..40u64 {
+            let held = idx
+                .holders(BlockHash(b), BlockView::Seen)
+                .is_some_and(|h| h.contains(0));
+            assert_eq!(held, b % 4 != 0, "block {b}");
+        }
+        idx.set_bound(0, 5);
+        let kept: Vec<u64> = (0..40u64)
+            .filter(|&b| {
+                idx.holders(BlockHash(b), BlockView::Seen)
+                    .is_some_and(|h| h.contains(0))
+            })
+            .collect();
+        // Of the last round (3, 7, ..., 39, used in that order), the five most recent.
+        assert_eq!(kept, vec![23, 27, 31, 35, 39]);
+        assert_eq!(idx.held(0, BlockView::Seen), 5);
     }
 
     #[test]
