@@ -246,8 +246,32 @@ const QUEUE_SLACK: usize = 32;
 const SLOT_BITS: u32 = MAX_WORKERS.trailing_zeros();
 const _: () = assert!(MAX_WORKERS.is_power_of_two() && MAX_WORKERS <= 1 << 16);
 
-fn member_key(entry: u32, slot: usize, view: BlockView) -> u64 {
-    (u64::from(entry) << (SLOT_BITS + 1)) | ((view.index() as u64) << SLOT_BITS) | slot as u64
+/// A member's key: its block's hash, its worker and its view, so that finding a worker's
+/// member for a block is one lookup. The hash is kept as two halves, so the key takes 12 bytes
+/// and a table slot (key and member id) 16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MemberKey {
+    hash: [u32; 2],
+    /// `view << SLOT_BITS | slot`.
+    at: u32,
+}
+
+impl MemberKey {
+    fn new(h: BlockHash, slot: usize, view: BlockView) -> Self {
+        MemberKey {
+            hash: [h.0 as u32, (h.0 >> 32) as u32],
+            at: ((view.index() as u32) << SLOT_BITS) | slot as u32,
+        }
+    }
+}
+
+impl std::hash::Hash for MemberKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // One word: block hashes are well spread already, and the worker and view spread
+        // over the high bits.
+        let h = u64::from(self.hash[0]) | (u64::from(self.hash[1]) << 32);
+        state.write_u64(h ^ u64::from(self.at).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    }
 }
 
 /// The block index (see the module docs), bounded per worker and view: each worker holds at
@@ -259,7 +283,7 @@ pub(crate) struct BlockIndex {
     entries: Map<BlockHash, u32>,
     slab: Vec<Entry>,
     free_entries: Vec<u32>,
-    members: Map<u64, u32>,
+    members: Map<MemberKey, u32>,
     links: Vec<Member>,
     free_links: Vec<u32>,
     /// Per worker slot, one recency queue per view.
@@ -376,6 +400,10 @@ impl BlockIndex {
     /// The member for `h` on `slot` in `view`, and whether it is new: created (with no
     /// reference, not yet among the entry's holders, most recently used) if missing.
     fn member(&mut self, slot: usize, view: BlockView, h: BlockHash) -> (u32, bool) {
+        let vacant = match self.members.entry(MemberKey::new(h, slot, view)) {
+            std::collections::hash_map::Entry::Occupied(o) => return (*o.get(), false),
+            std::collections::hash_map::Entry::Vacant(v) => v,
+        };
         let next_entry = match self.free_entries.last() {
             Some(&e) => e,
             None => self.slab.len() as u32,
@@ -393,11 +421,6 @@ impl BlockIndex {
                 self.slab.push(fresh);
             }
         }
-        let key = member_key(entry, slot, view);
-        let vacant = match self.members.entry(key) {
-            std::collections::hash_map::Entry::Occupied(o) => return (*o.get(), false),
-            std::collections::hash_map::Entry::Vacant(v) => v,
-        };
         let link = Member {
             entry,
             refs: 0,
@@ -443,9 +466,10 @@ impl BlockIndex {
         } else {
             BlockView::Live
         };
-        self.members.remove(&member_key(entry, slot as usize, view));
-        self.free_links.push(m);
         let e = &mut self.slab[entry as usize];
+        self.members
+            .remove(&MemberKey::new(e.hash, usize::from(slot), view));
+        self.free_links.push(m);
         match view {
             BlockView::Seen => e.seen.remove(slot as usize),
             BlockView::Live => e.live.remove(slot as usize),
@@ -502,10 +526,7 @@ impl BlockIndex {
     fn find_members(&self, slot: usize, view: BlockView, blocks: &[BlockHash]) -> Vec<Option<u32>> {
         blocks
             .iter()
-            .map(|h| {
-                let e = *self.entries.get(h)?;
-                self.members.get(&member_key(e, slot, view)).copied()
-            })
+            .map(|&h| self.members.get(&MemberKey::new(h, slot, view)).copied())
             .collect()
     }
 
@@ -529,10 +550,7 @@ impl BlockIndex {
     /// skipped).
     pub(crate) fn remove_live(&mut self, slot: usize, blocks: &[BlockHash]) {
         for h in blocks {
-            let Some(&e) = self.entries.get(h) else {
-                continue;
-            };
-            let Some(&m) = self.members.get(&member_key(e, slot, BlockView::Live)) else {
+            let Some(&m) = self.members.get(&MemberKey::new(*h, slot, BlockView::Live)) else {
                 continue;
             };
             let link = &mut self.links[m as usize];
@@ -670,6 +688,8 @@ mod tests {
         // one distinct block in the docs' memory table, the same at 8 workers as at 4,096.
         assert_eq!(std::mem::size_of::<Entry>(), 72);
         assert_eq!(std::mem::size_of::<Member>(), 16);
+        // A member table slot: key and member id.
+        assert_eq!(std::mem::size_of::<(MemberKey, u32)>(), 16);
     }
 
     #[test]
