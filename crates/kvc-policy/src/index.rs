@@ -19,7 +19,8 @@
 //! Recency is kept per worker and view in a queue of member ids, least recently used first: a
 //! use appends the member (its earlier entry becomes stale), the bound takes members off the
 //! front skipping stale entries, and a queue is compacted before it holds more than twice its
-//! members (plus a small slack), so it costs at most 8 bytes per membership.
+//! members (plus a small slack), so it costs at most 8 bytes per membership (counted when its
+//! worker held the most), plus the slack.
 //!
 //! Because block ids are chained, a worker that holds block `k` holds blocks `0..k` as well, so
 //! the number of leading blocks each candidate holds is found by a binary search on the prefix
@@ -228,8 +229,9 @@ struct Member {
 /// One worker's recency queue in one view: member ids from `head` on, least recently used
 /// first. Using a member appends it; its entry at [`Member::pos`] is its current one, and the
 /// others (earlier uses, freed members) are stale and skipped. A queue is compacted to its
-/// current entries before it would hold more than `2 × len + QUEUE_SLACK`, and grows to at most
-/// that, so it costs at most two ids (8 bytes) per member, plus the slack.
+/// current entries before it would hold more than `2 × len + QUEUE_SLACK`, and a full queue
+/// grows to just that, so it costs at most two ids (8 bytes) per member it held at its largest,
+/// plus the slack.
 #[derive(Debug, Clone, Default)]
 struct Queue {
     ids: Vec<u32>,
@@ -501,7 +503,7 @@ impl BlockIndex {
     /// Records that `blocks` were sent to worker `slot` (grow-only view, within the bound).
     pub(crate) fn record_seen(&mut self, slot: usize, blocks: &[BlockHash]) {
         // The members already there, looked up first: the lookups do not depend on each
-        // other, so their cache misses overlap, where a lookup between two list moves waits
+        // other, so their cache misses overlap, where a lookup between two queue moves waits
         // for its own.
         let found = self.find_members(slot, BlockView::Seen, blocks);
         // Deepest first, so the prefix is the most recently used.
