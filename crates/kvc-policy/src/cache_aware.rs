@@ -27,8 +27,9 @@ use crate::backpressure::BackpressureConfig;
 use crate::config::{check, check_backpressure};
 use crate::decision::{Decision, ScoreEntry};
 use crate::error::PolicyError;
-use crate::index::{BlockView, WorkerSet};
+use crate::index::BlockView;
 use crate::route::{Ctx, Knobs, Plan};
+use crate::worker_set::WorkerSet;
 use kvc_core::{BlockSize, WorkerId, WorkerRole};
 use serde::{Deserialize, Serialize};
 

@@ -10,8 +10,8 @@
 //! workers; a [`Fleet`] is one itself, with the states it was given.
 
 use crate::error::PolicyError;
-use crate::index::WorkerSet;
 use crate::view::{MAX_WORKERS, WorkerView};
+use crate::worker_set::WorkerSet;
 use kvc_core::{Health, Topology, WorkerId, WorkerRole, WorkerState};
 
 /// Where a decision reads the published state (pool, load) of a worker it weighs. Health is

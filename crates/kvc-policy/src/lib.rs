@@ -115,6 +115,7 @@ mod round_robin;
 mod route;
 mod state;
 mod view;
+mod worker_set;
 
 pub use backpressure::{BackpressureConfig, recommended_pause_ms};
 pub use cache_aware::CacheAwareConfig;

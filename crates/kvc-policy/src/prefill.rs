@@ -22,9 +22,10 @@
 
 use crate::decision::ScoreEntry;
 use crate::error::PolicyError;
-use crate::index::{BlockView, WorkerSet};
+use crate::index::BlockView;
 use crate::round_robin;
 use crate::route::Ctx;
+use crate::worker_set::WorkerSet;
 use kvc_core::{BlockSize, PrefillPolicy, WorkerId, WorkerRole};
 
 /// Chooses the prefill worker for a P→D path to `decode` among the healthy workers that

@@ -13,9 +13,10 @@ use crate::backpressure::BackpressureConfig;
 use crate::config::check_backpressure;
 use crate::decision::{Decision, ScoreEntry};
 use crate::error::PolicyError;
-use crate::index::{BlockView, WorkerSet};
+use crate::index::BlockView;
 use crate::prefill;
 use crate::route::{Ctx, Knobs, Plan};
+use crate::worker_set::WorkerSet;
 use kvc_core::{BlockSize, PrefillPolicy, WorkerId, WorkerRole};
 use serde::{Deserialize, Serialize};
 

@@ -7,9 +7,10 @@ use crate::error::PolicyError;
 use crate::fallthrough::{TurnClass, classify_with, is_first_turn};
 use crate::fleet::{Fleet, WorkerStates};
 use crate::footprint::footprint_tokens;
-use crate::index::{BlockView, Depths, WorkerSet};
+use crate::index::{BlockView, Depths};
 use crate::state::{RouterState, SessionRoute};
 use crate::view::{ClusterView, RouteRequest};
+use crate::worker_set::WorkerSet;
 use crate::{cache_aware, kv_aware_v0, kvc, kvc_v2, round_robin};
 use kvc_core::{BlockSize, ExecutionMode, FallThroughReason, WorkerId, WorkerRole, WorkerState};
 

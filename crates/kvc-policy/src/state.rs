@@ -4,8 +4,9 @@
 //! (`state/activity.rs`) each have a module of their own.
 
 use crate::config::PolicyConfig;
-use crate::index::{BlockIndex, BlockView, Map, WorkerSet};
+use crate::index::{BlockIndex, BlockView, Map};
 use crate::view::{MAX_WORKERS, WorkerView};
+use crate::worker_set::WorkerSet;
 use kvc_core::{BlockHash, BlockSize, RequestId, SessionId, WorkerId, WorkerRole};
 use std::collections::VecDeque;
 
