@@ -639,7 +639,7 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         s.key_in = key_in;
         s
     };
-    let mut sessions = vec![
+    let mut sessions = [
         Session::new("chat-whole", Api::Chat, false, 1),
         Session::new("chat-stream", Api::Chat, true, 2),
         Session::new("completions-whole", Api::Completions, false, 3),
@@ -1026,6 +1026,21 @@ fn agent_counts(router: &Router, source: &str) -> (f64, f64, f64) {
     (keyed, mode("turn1-seed"), mode("direct-to-d"))
 }
 
+/// A run's requests, from the counts before and after it: the first seeds the session
+/// (through P, or D alone while P is out of rotation), every later one is direct-to-D.
+fn assert_one_session_run(before: (f64, f64, f64), after: (f64, f64, f64)) {
+    let requests = after.0 - before.0;
+    assert!(
+        after.1 - before.1 <= 1.0,
+        "at most the first request through P"
+    );
+    assert_eq!(
+        after.2 - before.2,
+        requests - 1.0,
+        "every later one direct-to-D"
+    );
+}
+
 /// Runs an agent's command (bounded by `timeout` from coreutils) and returns its stdout; the
 /// command's failure shows its output.
 fn run_agent(what: &str, mut cmd: Command) -> String {
@@ -1148,16 +1163,7 @@ fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
         sessions.iter().all(|s| !s.is_empty() && *s == sessions[0]),
         "one session: {sessions:?}"
     );
-    assert_eq!(
-        after.1 - before.1,
-        1.0,
-        "only the first request goes through P"
-    );
-    assert_eq!(
-        after.2 - before.2,
-        requests - 1.0,
-        "every later one direct-to-D"
-    );
+    assert_one_session_run(before, after);
     assert!(
         cached * 10 >= input * 6,
         "D's cached share: {cached} of {input}"
@@ -1206,14 +1212,5 @@ fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
         after.2 - before.2
     );
     assert!(requests >= 2.0, "several requests: {requests}");
-    assert_eq!(
-        after.1 - before.1,
-        1.0,
-        "only the first request goes through P"
-    );
-    assert_eq!(
-        after.2 - before.2,
-        requests - 1.0,
-        "every later one direct-to-D"
-    );
+    assert_one_session_run(before, after);
 }

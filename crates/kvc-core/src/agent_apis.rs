@@ -28,6 +28,22 @@ use serde_json::{Map, Value};
 /// no two requests would share their first block); vLLM drops it before the chat template.
 pub const CLAUDE_BILLING_BLOCK_PREFIX: &str = "x-anthropic-billing-header";
 
+/// Anthropic's `error.type` for an error answered with HTTP `status` (the types of
+/// Anthropic's API reference), for errors written in the Messages API's shape.
+pub fn anthropic_error_type(status: u16) -> &'static str {
+    match status {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        504 => "timeout_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    }
+}
+
 /// Chat messages, `(role, text)` in order.
 pub type ChatMessages = Vec<(String, String)>;
 

@@ -17,17 +17,7 @@ pub(super) fn named_event(name: &str, data: &Value) -> Bytes {
 
 /// Anthropic's `error.type` for an answer of `status`.
 pub(super) fn anthropic_error_type(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 | 529 => "overloaded_error",
-        504 => "timeout_error",
-        400..=499 => "invalid_request_error",
-        _ => "api_error",
-    }
+    kvc_core::agent_apis::anthropic_error_type(status.as_u16())
 }
 
 /// `{"type": "error", "error": {"type", "message"}}`: an Anthropic error body.

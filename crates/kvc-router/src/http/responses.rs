@@ -7,6 +7,7 @@ use crate::worker_http::{ForwardError, WorkerAnswer};
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use kvc_core::agent_apis::anthropic_error_type;
 use kvc_core::{StableName, WorkerId};
 use serde_json::{Value, json};
 
@@ -43,26 +44,10 @@ pub(super) fn error_response(status: StatusCode, kind: &str, message: &str) -> R
     r
 }
 
-/// The Anthropic error type of an error answered with `status` (the types of Anthropic's
-/// API reference).
-fn anthropic_error_type(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 | 529 => "overloaded_error",
-        504 => "timeout_error",
-        400..=499 => "invalid_request_error",
-        _ => "api_error",
-    }
-}
-
 /// `{"type": "error", "error": {"type", "message"}}`: an Anthropic client's error body.
 pub(super) fn anthropic_error_body(status: StatusCode, message: &str) -> serde_json::Value {
     json!({ "type": "error",
-            "error": { "type": anthropic_error_type(status), "message": message } })
+            "error": { "type": anthropic_error_type(status.as_u16()), "message": message } })
 }
 
 /// An answer to a Messages API client: an error the front answered itself written anew in
