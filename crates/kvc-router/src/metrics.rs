@@ -36,6 +36,7 @@
 //! | `kvc_router_http_retries_total` | counter | — (requests forwarded again after a failure before any byte reached the client) |
 //! | `kvc_router_http_health_checks_total` | counter | `result` (`ok`, `failed`) |
 //! | `kvc_router_http_admission_rejects_total` | counter | — (answers `503` + `x-kvc-admission: rejected` from a decode worker) |
+//! | `kvc_router_http_rotated_session_ids_total` | counter | — (requests whose session key was new, yet whose prompt extends a session another key had used for one turn only: an id the client changes every request, not trusted; the request continues that session) |
 //! | `kvc_router_http_inferred_sessions_total` | counter | `result` (`continued`: a request without a session key continued a known session; `new`: it started an inferred session) |
 //! | `kvc_router_http_session_keys_total` | counter | `source` (the header the client's session key came from — each of `http.session-headers` — or `session_params`, the body's) |
 //!
@@ -195,6 +196,7 @@ pub struct Metrics {
     http_admission_rejects: Counter,
     /// `continued`, then `new`.
     inferred_sessions: [Counter; 2],
+    rotated_session_ids: Counter,
     /// Requests with a client session key, by where it came from.
     session_keys: Family<SourceLabel, Counter>,
 }
@@ -336,6 +338,11 @@ impl Metrics {
                 ResultLabel { result: "new" },
             ],
         );
+        let rotated_session_ids = counter(
+            r,
+            "kvc_router_http_rotated_session_ids",
+            "Requests whose new session key continued the prompt of a one-turn session under another key (an id changed every request: not trusted)",
+        );
         let session_keys = Family::<SourceLabel, Counter>::default();
         r.register(
             "kvc_router_http_session_keys",
@@ -365,6 +372,7 @@ impl Metrics {
             health_checks,
             http_admission_rejects,
             inferred_sessions,
+            rotated_session_ids,
             session_keys,
         }
     }
@@ -516,6 +524,16 @@ impl Metrics {
     /// known session, or started a new one.
     pub fn record_inferred_session(&self, continued: bool) {
         self.inferred_sessions[usize::from(!continued)].inc();
+    }
+
+    /// Counts a request whose new session key continued a one-turn session of another key.
+    pub fn record_rotated_session_id(&self) {
+        self.rotated_session_ids.inc();
+    }
+
+    /// Requests whose session key was found to rotate, so far.
+    pub fn rotated_session_ids(&self) -> u64 {
+        self.rotated_session_ids.get()
     }
 
     /// Requests without a session key that continued a known session (`continued`) or started

@@ -944,3 +944,58 @@ async fn the_agents_apis_are_refused_on_a_cluster_of_sglang_workers() {
     );
     assert_eq!(f.count(0) + f.count(1), 0);
 }
+
+#[tokio::test]
+async fn a_session_id_the_client_changes_every_request_is_detected_and_not_trusted() {
+    // Each request names a new id, yet extends the previous request's prompt: the ids are
+    // counted as rotating and the requests continue the first id's session (direct to D).
+    let f = start(one_p_one_d, |_| {}).await;
+    let prompt = |n: u32| json!({"prompt": words("w", n), "max_tokens": 4});
+    let rotated = |f: &Front| f.metric("kvc_router_http_rotated_session_ids_total", &[]);
+    let r = f
+        .post(
+            "/v1/completions",
+            &[("x-session-id", "rot-1")],
+            &prompt(2_100),
+        )
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    for (id, n) in [("rot-2", 2_700), ("rot-3", 3_300)] {
+        let r = f
+            .post("/v1/completions", &[("x-session-id", id)], &prompt(n))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-kvc-session"), "rot-1", "{id} continues rot-1");
+        assert_eq!(r.header("x-kvc-mode"), "direct-to-d", "{id}");
+    }
+    assert_eq!(rotated(&f), 2.0);
+    // (Prompts of at least `infer-min-blocks` = 4 full blocks of 512 tokens.)
+    // A session that kept its id for two turns is not rotating: a new id extending its
+    // prompt is a session of its own.
+    let other = |n: u32| json!({"prompt": words("v", n), "max_tokens": 4});
+    for n in [2_100, 2_700] {
+        let r = f
+            .post("/v1/completions", &[("x-session-id", "keep-1")], &other(n))
+            .await;
+        assert_eq!(r.header("x-kvc-session"), "keep-1");
+    }
+    let r = f
+        .post(
+            "/v1/completions",
+            &[("x-session-id", "keep-2")],
+            &other(3_300),
+        )
+        .await;
+    assert_eq!(r.header("x-kvc-session"), "keep-2");
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    // Nor is a new id whose prompt merely shares a first block or two.
+    let r = f
+        .post(
+            "/v1/completions",
+            &[("x-session-id", "rot-x")],
+            &json!({"prompt": format!("{} {}", words("w", 600), words("z", 2_000)), "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(r.header("x-kvc-session"), "rot-x");
+    assert_eq!(rotated(&f), 2.0);
+}

@@ -21,6 +21,10 @@ pub(crate) enum Inferred {
     Continued,
     /// It starts a new inferred session (which later requests can continue).
     New,
+    /// Its session key was new, yet its prompt extends the prompt of a session another key
+    /// used for one turn only: the client changes its id on every request, and the request
+    /// continues that session instead.
+    Rotated,
 }
 
 /// The session a request belongs to.
@@ -51,6 +55,10 @@ struct Entry {
     turn: u32,
     last_ms: u64,
     key: Arc<str>,
+    /// The client named the session (a key it sent), not the prefix.
+    keyed: bool,
+    /// Its later turns came with new keys ([`Inferred::Rotated`]).
+    rotating: bool,
     /// (hash, position) of the last full block of the session's latest prompt.
     anchor: Option<(u64, u32)>,
 }
@@ -102,7 +110,10 @@ impl SessionBook {
         new_key: impl FnOnce() -> String,
     ) -> Option<Resolved> {
         let (session, key, inferred) = match prompt.key {
-            Some(k) => (SessionId::from_key(k), Arc::<str>::from(k), None),
+            Some(k) => match self.rotated_from(k, prompt, now_ms) {
+                Some((s, key)) => (s, key, Some(Inferred::Rotated)),
+                None => (SessionId::from_key(k), Arc::<str>::from(k), None),
+            },
             None => {
                 if self.min_blocks == 0 || prompt.full_blocks < self.min_blocks as usize {
                     return None;
@@ -116,7 +127,13 @@ impl SessionBook {
                 }
             }
         };
-        let turn = self.bump(session, &key, now_ms);
+        let keyed = prompt.key.is_some();
+        let turn = self.bump(session, &key, keyed, now_ms);
+        if inferred == Some(Inferred::Rotated)
+            && let Some(e) = self.entries.get_mut(&session)
+        {
+            e.rotating = true;
+        }
         let anchor = (prompt.full_blocks >= (self.min_blocks.max(1) as usize)
             && self.min_blocks > 0)
             .then(|| {
@@ -154,8 +171,36 @@ impl SessionBook {
         None
     }
 
+    /// For a request with client key `k` the front has not seen (alive): the live session
+    /// its prompt extends (as [`SessionBook::continued`] finds it), when that session was
+    /// named by another client key and had one turn only (or was found rotating before), and
+    /// the prompt goes on past that session's latest — the pattern of a client that sends a
+    /// new id with every request. Shorter prompts than `min_blocks`, or inference off: none.
+    fn rotated_from(
+        &self,
+        k: &str,
+        prompt: Prompt<'_>,
+        now_ms: u64,
+    ) -> Option<(SessionId, Arc<str>)> {
+        if self.min_blocks == 0 || prompt.full_blocks < self.min_blocks as usize {
+            return None;
+        }
+        let own = SessionId::from_key(k);
+        if self.entries.get(&own).is_some_and(|e| self.live(e, now_ms)) {
+            return None;
+        }
+        let (s, key) = self.continued(prompt, now_ms)?;
+        let e = self.entries.get(&s)?;
+        // The new prompt goes on past that session's: a second session that merely starts
+        // with the same first prompt is not taken for a rotation.
+        let longer = e
+            .anchor
+            .is_some_and(|(_, at)| (at as usize) + 1 < prompt.full_blocks);
+        (s != own && e.keyed && (e.turn == 1 || e.rotating) && longer).then_some((s, key))
+    }
+
     /// Counts a turn of `session` (1 for a new or expired session).
-    fn bump(&mut self, session: SessionId, key: &Arc<str>, now_ms: u64) -> u32 {
+    fn bump(&mut self, session: SessionId, key: &Arc<str>, keyed: bool, now_ms: u64) -> u32 {
         let ttl = self.limits.ttl_ms;
         match self.entries.entry(session) {
             MapEntry::Occupied(mut o) => {
@@ -167,6 +212,7 @@ impl SessionBook {
                 }
                 e.last_ms = now_ms;
                 e.key = Arc::clone(key);
+                e.keyed = keyed;
                 e.turn
             }
             MapEntry::Vacant(v) => {
@@ -174,6 +220,8 @@ impl SessionBook {
                     turn: 1,
                     last_ms: now_ms,
                     key: Arc::clone(key),
+                    keyed,
+                    rotating: false,
                     anchor: None,
                 });
                 1
@@ -287,6 +335,49 @@ mod tests {
     }
 
     #[test]
+    fn a_new_key_extending_a_one_turn_keyed_session_is_a_rotated_id() {
+        let mut b = book(1_000, 10, 4);
+        let h = blocks(1, 0, 9);
+        let r1 = b.resolve(prompt(Some("id-1"), &h[..5], 5), 0, || unreachable!());
+        assert_eq!(r1.unwrap().inferred, None);
+        let r2 = b
+            .resolve(prompt(Some("id-2"), &h[..7], 7), 1, || unreachable!())
+            .unwrap();
+        assert_eq!(
+            (&*r2.key, r2.turn, r2.inferred),
+            ("id-1", 2, Some(Inferred::Rotated))
+        );
+        // Found rotating, the session stays so for its next new id.
+        let r3 = b
+            .resolve(prompt(Some("id-3"), &h[..9], 9), 2, || unreachable!())
+            .unwrap();
+        assert_eq!((&*r3.key, r3.turn), ("id-1", 3));
+        // A key already seen is trusted as it is; an inferred session is never a rotation.
+        let r = b
+            .resolve(prompt(Some("id-1"), &h[..9], 9), 3, || unreachable!())
+            .unwrap();
+        assert_eq!((r.turn, r.inferred), (4, None));
+        let other = blocks(2, 0, 6);
+        let inferred = b
+            .resolve(prompt(None, &other[..5], 5), 4, || {
+                "kvc-inferred-x".to_owned()
+            })
+            .unwrap();
+        assert_eq!(inferred.inferred, Some(Inferred::New));
+        let r = b
+            .resolve(prompt(Some("id-9"), &other, 6), 5, || unreachable!())
+            .unwrap();
+        assert_eq!((&*r.key, r.inferred), ("id-9", None));
+        // A second session starting with the very same prompt is a session of its own.
+        let same = blocks(3, 0, 5);
+        b.resolve(prompt(Some("twin-1"), &same, 5), 6, || unreachable!());
+        let r = b
+            .resolve(prompt(Some("twin-2"), &same, 5), 7, || unreachable!())
+            .unwrap();
+        assert_eq!((&*r.key, r.turn, r.inferred), ("twin-2", 1, None));
+    }
+
+    #[test]
     fn keyed_turns_count_per_session_and_restart_after_the_ttl() {
         let mut b = book(100, 10, 4);
         let h = blocks(1, 0, 2);
@@ -394,6 +485,8 @@ mod tests {
         let mut b = book(1_000_000, 100, 2);
         let shallow = blocks(1, 0, 3);
         let deep = blocks(1, 0, 5);
+        // (Two turns under its key: a longer prompt under another key is no rotated id.)
+        b.resolve(prompt(Some("shallow"), &shallow, 3), 9, String::new);
         let s_shallow = b
             .resolve(prompt(Some("shallow"), &shallow, 3), 10, String::new)
             .unwrap()

@@ -167,7 +167,17 @@
 //! such match but at least that many full blocks starts a new inferred session, keyed
 //! `kvc-inferred-<16 hex digits>` (a per-process keyed hash of its first block hashes and its
 //! request id), which later requests can continue; a shorter one is routed without a session.
-//! `infer-min-blocks = 0` turns inference off. Counted in
+//! `infer-min-blocks = 0` turns inference off.
+//!
+//! **A session id that changes every request.** Some clients send a new id with every
+//! request of one conversation. A request whose key the front has not seen, yet whose prompt
+//! extends (as above, at least `infer-min-blocks` deep, and going on past it: a second session
+//! that merely starts with the same first prompt is not one) the latest prompt of a session
+//! another key named for one turn only — or of a session already found rotating — is taken as that
+//! session's next turn: the id is not trusted, the request continues the first id's session
+//! (`x-kvc-session` names it) and is counted in `kvc_router_http_rotated_session_ids_total`.
+//! A session that kept its id for two turns or more is not rotating: a new id extending its
+//! prompt is a session of its own (a subagent's, say). Counted in
 //! `kvc_router_http_inferred_sessions_total{result="continued"|"new"}`.
 //!
 //! **Forwarding.** Each worker is reached at the `http-url` of its `[[workers]]` entry

@@ -103,10 +103,12 @@ impl Sessions {
         let resolved = self.book.lock().resolve(prompt, service.now_ms(), || {
             self.inferred_key(hash_ids, request_id)
         });
-        if let Some(inferred) = resolved.as_ref().and_then(|r| r.inferred) {
-            service
+        match resolved.as_ref().and_then(|r| r.inferred) {
+            Some(Inferred::Rotated) => service.metrics().record_rotated_session_id(),
+            Some(inferred) => service
                 .metrics()
-                .record_inferred_session(inferred == Inferred::Continued);
+                .record_inferred_session(inferred == Inferred::Continued),
+            None => {}
         }
         resolved
     }
