@@ -115,7 +115,7 @@ fn commit_results_have_stable_names() {
 
 #[test]
 fn forget_causes_have_stable_names() {
-    check_names::<Forgotten>(&["expired", "evicted"]);
+    check_names::<Forgotten>(&["expired", "evicted", "ended"]);
 }
 
 /// The kinds name different things: no two enums share a `KIND`, which is what error messages
