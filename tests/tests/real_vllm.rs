@@ -393,7 +393,12 @@ struct Turn {
 
 impl Session {
     fn new(key: &str, api: Api, stream: bool, seed: u64) -> Session {
-        let system = format!("You are a coding agent.\n{}", words(seed, 1000));
+        Session::with_system(key, api, stream, seed, 1_000)
+    }
+
+    /// A session whose system prompt is `system_words` words.
+    fn with_system(key: &str, api: Api, stream: bool, seed: u64, system_words: usize) -> Session {
+        let system = format!("You are a coding agent.\n{}", words(seed, system_words));
         let messages = if api == Api::Chat {
             vec![json!({"role": "system", "content": system.clone()})]
         } else {
@@ -420,7 +425,8 @@ impl Session {
             key_in: KeyIn::Nowhere,
             growth,
             generation_prompt,
-            ..Session::new(name, Api::Chat, false, seed)
+            // Long enough for the router's inference: `infer-min-blocks` full blocks.
+            ..Session::with_system(name, Api::Chat, false, seed, 2_000)
         }
     }
 
