@@ -81,6 +81,7 @@ proto_enum!(
         DecodeUnhealthy,
         Migrated,
         DirectUnsupported,
+        Compacted,
     }
 );
 proto_enum!(
@@ -138,6 +139,7 @@ impl From<&RouteRequest<'_>> for pb::RouteRequest {
             output_hint: r.output_hint,
             hash_ids: r.hash_ids.iter().map(|h| h.0).collect(),
             rejected_by: r.rejected_by.map(|w| w.0),
+            parent_session_id: r.parent.map(|s| s.0),
         }
     }
 }
@@ -159,6 +161,7 @@ impl pb::RouteRequest {
             output_hint: self.output_hint,
             hash_ids,
             rejected_by: self.rejected_by.map(WorkerId),
+            parent: self.parent_session_id.map(SessionId),
         }
     }
 }

@@ -165,6 +165,11 @@ stable_enum! {
         /// The session's D cannot append-prefill (its engine has no decode-side prefill), so
         /// no turn goes direct-to-D there.
         DirectUnsupported => "direct-unsupported",
+        /// The prompt no longer extends the session's previous one: it leaves that prompt
+        /// before its last blocks and is shorter (the agent compacted or rewrote its
+        /// history), and what the session's D does not hold of it is over the direct-to-D
+        /// limit. The turn is placed as a fresh seed; the stale KV is the D's to reclaim.
+        Compacted => "compacted",
     }
 }
 

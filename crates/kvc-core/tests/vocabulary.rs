@@ -71,6 +71,7 @@ fn fall_through_reasons_have_stable_names() {
         "decode-unhealthy",
         "migrated",
         "direct-unsupported",
+        "compacted",
     ]);
 }
 

@@ -2,7 +2,7 @@
 
 use crate::state::{Residency, RouterState, SessionRoute};
 use crate::view::{ClusterView, RouteRequest};
-use kvc_core::{BlockSize, FallThroughReason, WorkerId, WorkerRole};
+use kvc_core::{BlockHash, BlockSize, FallThroughReason, WorkerId, WorkerRole};
 
 /// Where a request stands before a policy picks workers (P/D topologies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +23,16 @@ pub enum TurnClass {
         /// The session's D, if the router knows one.
         current_d: Option<WorkerId>,
     },
+}
+
+/// Whether a later turn's prompt (`request`, sharing `shared` leading blocks with the
+/// session's last prompt) is a compaction of that prompt: it leaves the last prompt before its
+/// last two blocks (the last one may be partial, and a chat template's generation prompt may
+/// reach back into the one before) and has fewer blocks than it. The agent summarised or
+/// rewrote its history; what the session's D holds past the shared blocks is stale.
+pub fn is_compaction(session: &SessionRoute, request: &[BlockHash], shared: usize) -> bool {
+    let last = session.block_count();
+    shared + 2 < last && request.len() < last
 }
 
 /// Whether the request is routed as a first turn: a one-off request, turn 1, or a session
@@ -69,11 +79,14 @@ pub fn classify_turn(
             })
         },
         |d| state.accepts_direct(d),
+        false,
     )
 }
 
 /// [`classify_turn`] with the health and direct-append tests given as functions (the router's
-/// fast lookups).
+/// fast lookups). With `compaction`, a turn over the direct limit whose prompt is a
+/// compaction of the session's last one ([`is_compaction`]) falls through as `compacted`
+/// instead of `real-large-append`.
 pub(crate) fn classify_with(
     req: &RouteRequest<'_>,
     session: Option<&SessionRoute>,
@@ -81,6 +94,7 @@ pub(crate) fn classify_with(
     block_size: BlockSize,
     healthy_decode: impl Fn(WorkerId) -> bool,
     accepts_direct: impl Fn(WorkerId) -> bool,
+    compaction: bool,
 ) -> TurnClass {
     if is_first_turn(req, session) {
         return TurnClass::FirstTurn;
@@ -104,13 +118,14 @@ pub(crate) fn classify_with(
         Residency::NotResident => return fall(FallThroughReason::SessionNotResident),
         Residency::Resident => {}
     }
-    let cached = kvc_core::prefix::reusable_tokens(
-        s.shared_prefix(req.hash_ids),
-        req.input_length,
-        block_size,
-    );
+    let shared = s.shared_prefix(req.hash_ids);
+    let cached = kvc_core::prefix::reusable_tokens(shared, req.input_length, block_size);
     if kvc_core::prefix::uncached_tokens(req.input_length, cached) > direct_limit_tokens {
-        return fall(FallThroughReason::RealLargeAppend);
+        return fall(if compaction && is_compaction(s, req.hash_ids, shared) {
+            FallThroughReason::Compacted
+        } else {
+            FallThroughReason::RealLargeAppend
+        });
     }
     TurnClass::Direct {
         decode: d,

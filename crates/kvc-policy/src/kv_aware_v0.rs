@@ -153,7 +153,7 @@ pub(crate) fn route(cfg: &KvAwareV0Config, ctx: &Ctx<'_>) -> Result<Decision, Po
         (Some(r), Some(_)) => Some((r, session.map_or(1, |s| s.rejects_after(r)))),
         _ => None,
     };
-    let (mode, reason) = match ctx.classify(cfg.direct_limit_tokens, cfg.block_size) {
+    let (mode, reason) = match ctx.classify(cfg.direct_limit_tokens, cfg.block_size, false) {
         TurnClass::Direct {
             decode,
             cached_tokens,

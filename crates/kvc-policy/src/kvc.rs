@@ -22,6 +22,17 @@
 //!   cheapest path, and the active-session weight is `local-prefill.active-weight` then.
 //!   Without such workers (a router's default views) nothing of this applies.
 //!
+//! - **subagents** (`subagent-placement`): the first turn of a session spawned by another
+//!   ([`crate::RouteRequest::parent`]) goes direct-to-D on the parent's D when the parent is
+//!   resident there, that D is healthy, takes direct turns and is at or below the hard cap,
+//!   holds some of the prompt (the shared system prompt, the parent's context), and what it
+//!   does not hold is within the direct limit and fits its room: an append, not a seed.
+//! - **compaction** (`compaction`): a later turn whose prompt is a compaction of the
+//!   session's last one ([`crate::is_compaction`]) and whose uncached part is over the direct
+//!   limit falls through as `compacted` and is placed as a fresh seed (by score, the weak
+//!   sticky term only), not held to its D; the session's stale blocks leave the live view.
+//!   Within the limit it stays direct-to-D, the cheapest path.
+//!
 //! `docs/kvc-policy.md` has the measurements behind each part (ablations on the generated SWE
 //! traces and the public Mooncake trace).
 //!
@@ -64,6 +75,8 @@ use serde::{Deserialize, Serialize};
 /// | `backpressure` | disabled |
 /// | `block-size` | 512 |
 /// | `local-prefill` | on ([`LocalPrefillConfig`]) |
+/// | `subagent-placement` | `true` |
+/// | `compaction` | `true` |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct KvcConfig {
@@ -99,6 +112,10 @@ pub struct KvcConfig {
     /// Who prefills a turn that is not direct-to-D where workers can serve turns alone
     /// (`local-prefill` turns, P→D chosen by expected cost): `crate::LocalPrefillConfig`.
     pub local_prefill: LocalPrefillConfig,
+    /// Place a subagent's first turn direct-to-D on its parent's D (see the module docs).
+    pub subagent_placement: bool,
+    /// Recognise compacted turns: reason `compacted`, placed as a fresh seed.
+    pub compaction: bool,
 }
 
 impl Default for KvcConfig {
@@ -119,6 +136,8 @@ impl Default for KvcConfig {
             backpressure: BackpressureConfig::DISABLED,
             block_size: BlockSize::default(),
             local_prefill: LocalPrefillConfig::default(),
+            subagent_placement: true,
+            compaction: true,
         }
     }
 }
@@ -166,6 +185,8 @@ pub(crate) fn route(cfg: &KvcConfig, ctx: &Ctx<'_>) -> Result<Decision, PolicyEr
         active_weight: cfg.active_weight,
         active_window_ms: cfg.active_window_ms,
         local: cfg.local_prefill,
+        subagents: cfg.subagent_placement,
+        compaction: cfg.compaction,
     };
     route_with(&cfg.v2(), Some(placement), ctx)
 }

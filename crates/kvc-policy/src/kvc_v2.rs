@@ -172,6 +172,10 @@ pub(crate) struct Placement {
     pub(crate) active_window_ms: u64,
     /// Who prefills a turn that is not direct (`crate::local`).
     pub(crate) local: LocalPrefillConfig,
+    /// A subagent's first turn goes direct-to-D on its parent's D where it may.
+    pub(crate) subagents: bool,
+    /// Compacted turns fall through as `compacted` and are placed afresh.
+    pub(crate) compaction: bool,
 }
 
 /// How a non-direct turn reaches its host.
@@ -321,6 +325,32 @@ impl V2<'_, '_> {
             scores.push(e);
         }
         best.map(|k| k.3.0)
+    }
+
+    /// Where a subagent's first turn goes direct-to-D, with the tokens that D holds of it: its
+    /// parent's D, when the parent is resident on a healthy host that serves turns alone (it
+    /// prefills what it does not hold of a session it has no KV of: a vLLM instance does, a
+    /// stock SGLang decode server does not) and takes direct turns, is at or below the hard
+    /// cap, and holds some of the prompt, the rest within the direct limit and within the room
+    /// the host has. Never on a re-route after a refusal.
+    fn parent_host(&self) -> Option<(WorkerId, u64)> {
+        let ctx = self.ctx;
+        let req = ctx.req;
+        if !self.placement.is_some_and(|p| p.subagents) || req.rejected_by.is_some() {
+            return None;
+        }
+        let parent = ctx.state.session(req.parent?)?;
+        let d = self.resident_d(Some(parent))?;
+        if !ctx.healthy_local.contains(d.0 as usize) || self.over_cap(d) {
+            return None;
+        }
+        let cached = ctx.cached_on(d, BlockView::Live, self.cfg.block_size);
+        let uncached = kvc_core::prefix::uncached_tokens(req.input_length, cached);
+        let need = uncached.saturating_add(req.output_hint);
+        (cached > 0
+            && uncached <= self.cfg.direct_limit_tokens
+            && ctx.worker_state(d).available_tokens() >= need)
+            .then_some((d, cached))
     }
 
     /// The session's D if it is resident there on a healthy host.
@@ -546,10 +576,22 @@ pub(crate) fn route_with(
     };
     let migrated = (ExecutionMode::Reseed, Some(FallThroughReason::Migrated));
     let mut reject_count = None;
+    let compaction = placement.is_some_and(|p| p.compaction);
     let (mode, reason, d) = match (
-        ctx.classify(cfg.direct_limit_tokens, cfg.block_size),
+        ctx.classify(cfg.direct_limit_tokens, cfg.block_size, compaction),
         ctx.req.rejected_by,
     ) {
+        (TurnClass::FirstTurn, _) if let Some((d, cached)) = v2.parent_host() => {
+            // A subagent appended to what its parent's D holds.
+            let mut only = WorkerSet::EMPTY;
+            only.insert(d.0 as usize);
+            V2 { hosts: only, ..v2 }.pick(None, None, None, &mut scores);
+            let mut plan = Plan::direct(d, cached, scores, None);
+            if let Some(l) = local {
+                plan = plan.with_prefill_s(l.prefill_s(ctx.req.input_length - cached, cached));
+            }
+            return Ok(ctx.finish(plan, knobs));
+        }
         (TurnClass::FirstTurn, _) => {
             let d = v2
                 .pick(None, None, paths(), &mut scores)
@@ -607,6 +649,24 @@ pub(crate) fn route_with(
                     (ExecutionMode::Fallback, Some(reason), d)
                 }
             }
+        }
+        (
+            TurnClass::FallThrough {
+                reason: FallThroughReason::Compacted,
+                current_d,
+            },
+            _,
+        ) => {
+            // A fresh seed: placed by score, its old D favoured by the weak sticky term only.
+            let current = current_d.filter(|d| v2.hosts.contains(d.0 as usize));
+            let d = v2
+                .pick(current, None, paths(), &mut scores)
+                .unwrap_or(WorkerId(0));
+            (
+                ExecutionMode::Fallback,
+                Some(FallThroughReason::Compacted),
+                d,
+            )
         }
         (TurnClass::FallThrough { reason, .. }, _) => {
             let d = v2.sticky_or_best(session, paths(), &mut scores);

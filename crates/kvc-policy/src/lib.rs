@@ -122,7 +122,7 @@ pub use cache_aware::CacheAwareConfig;
 pub use config::PolicyConfig;
 pub use decision::{Component, Decision, ScoreEntry, StateChange};
 pub use error::PolicyError;
-pub use fallthrough::{TurnClass, classify_turn, is_first_turn};
+pub use fallthrough::{TurnClass, classify_turn, is_compaction, is_first_turn};
 pub use fleet::{Fleet, WorkerStates};
 pub use footprint::footprint_tokens;
 pub use kv_aware_v0::KvAwareV0Config;

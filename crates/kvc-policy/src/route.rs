@@ -203,8 +203,14 @@ impl<'a> Ctx<'a> {
         Vec::new()
     }
 
-    /// Classifies a later turn in a P/D topology (see [`crate::classify_turn`]).
-    pub(crate) fn classify(&self, direct_limit_tokens: u64, block_size: BlockSize) -> TurnClass {
+    /// Classifies a later turn in a P/D topology (see [`crate::classify_turn`]); with
+    /// `compaction`, a compacted turn over the direct limit falls through as `compacted`.
+    pub(crate) fn classify(
+        &self,
+        direct_limit_tokens: u64,
+        block_size: BlockSize,
+        compaction: bool,
+    ) -> TurnClass {
         classify_with(
             self.req,
             self.session(),
@@ -212,6 +218,7 @@ impl<'a> Ctx<'a> {
             block_size,
             |d| self.healthy_d.contains(d.0 as usize) || self.healthy_local.contains(d.0 as usize),
             |d| self.state.accepts_direct(d),
+            compaction,
         )
     }
 
@@ -257,11 +264,13 @@ impl<'a> Ctx<'a> {
     pub(crate) fn finish(&self, plan: Plan, knobs: Knobs) -> Decision {
         let req = self.req;
         let held = self.held_for(&plan);
+        // A first turn placed direct-to-D (a subagent on its parent's D) needs room for
+        // what that D does not hold only, as a later turn does.
         let need_tokens = footprint_tokens(
             req.input_length,
             req.output_hint,
             held,
-            self.first_turn(),
+            self.first_turn() && plan.mode != ExecutionMode::DirectToD,
             knobs.incremental_footprint,
         );
         // Output past the pool is never allocated (the engine cuts generation at its context

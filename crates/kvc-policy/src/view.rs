@@ -107,6 +107,11 @@ pub struct RouteRequest<'a> {
     /// the policy must then return a P→D path (mode fallback or reseed, reason
     /// session-cap-rejected, or migrated if this reject triggered migration).
     pub rejected_by: Option<WorkerId>,
+    /// The session that spawned this one (a subagent's parent), as the client named it or the
+    /// router inferred it. `kvc` may place the first turn where the parent's KV is, as a
+    /// direct-to-D append of what the parent's D does not hold ([`crate::KvcConfig`],
+    /// `subagent-placement`).
+    pub parent: Option<SessionId>,
 }
 
 impl<'a> RouteRequest<'a> {
@@ -125,6 +130,7 @@ impl<'a> RouteRequest<'a> {
             output_hint,
             hash_ids,
             rejected_by: None,
+            parent: None,
         }
     }
 
@@ -133,6 +139,14 @@ impl<'a> RouteRequest<'a> {
         RouteRequest {
             session: Some(session),
             turn: Some(turn),
+            ..self
+        }
+    }
+
+    /// The same request, from a session spawned by `parent` (see [`RouteRequest::parent`]).
+    pub fn with_parent(self, parent: SessionId) -> Self {
+        RouteRequest {
+            parent: Some(parent),
             ..self
         }
     }

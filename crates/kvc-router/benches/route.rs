@@ -113,6 +113,7 @@ impl Fixture {
                                 output_hint: 40,
                                 hash_ids: vec![base + 1, base + 2, base + 3],
                                 rejected_by: None,
+                                parent_session_id: None,
                             };
                             client.route(req).await.unwrap();
                         } else {

@@ -222,6 +222,15 @@ pub struct HttpConfig {
     /// its own): when one is present beside a session header, the session is that agent's,
     /// keyed `<session>/agent/<agent>`. Default [`HttpConfig::DEFAULT_AGENT_HEADERS`].
     pub session_agent_headers: Vec<String>,
+    /// Headers naming the session that spawned the request's session (a subagent's parent),
+    /// by the parent's own session key, read in order. A subagent's first turn may then go
+    /// direct-to-D where its parent's KV is (the `kvc` policy's `subagent-placement`).
+    /// Default [`HttpConfig::DEFAULT_PARENT_HEADERS`].
+    pub session_parent_headers: Vec<String>,
+    /// Headers naming the parent agent of a subagent within the same client session (keyed
+    /// `<session>/agent/<parent>`); a request of an agent without one was spawned by the
+    /// session's main conversation. Default [`HttpConfig::DEFAULT_PARENT_AGENT_HEADERS`].
+    pub session_parent_agent_headers: Vec<String>,
     /// Largest request body accepted, in bytes; a larger one gets 413. Default 16 MiB.
     pub max_body_bytes: usize,
     /// Largest request head (request line and headers), in bytes; a larger one gets 431 and
@@ -269,6 +278,14 @@ impl Default for HttpConfig {
                 .iter()
                 .map(|h| (*h).to_owned())
                 .collect(),
+            session_parent_headers: HttpConfig::DEFAULT_PARENT_HEADERS
+                .iter()
+                .map(|h| (*h).to_owned())
+                .collect(),
+            session_parent_agent_headers: HttpConfig::DEFAULT_PARENT_AGENT_HEADERS
+                .iter()
+                .map(|h| (*h).to_owned())
+                .collect(),
             max_body_bytes: 16 << 20,
             max_header_bytes: 64 << 10,
             header_read_timeout_ms: 10_000,
@@ -306,6 +323,18 @@ impl HttpConfig {
     /// The agent headers read by default: `x-claude-code-agent-id` (Claude Code's subagents
     /// share their parent's session id and name themselves with it).
     pub const DEFAULT_AGENT_HEADERS: [&'static str; 1] = ["x-claude-code-agent-id"];
+
+    /// The parent-session headers read by default: `x-codex-parent-thread-id` (Codex CLI
+    /// 0.171, on a spawned subagent thread's requests: the thread that spawned it, whose own
+    /// requests carry it as `thread-id`) and `x-parent-session-id` (OpenCode, on a child
+    /// session's requests: the parent's session id, its `x-session-id`).
+    pub const DEFAULT_PARENT_HEADERS: [&'static str; 2] =
+        ["x-codex-parent-thread-id", "x-parent-session-id"];
+
+    /// The parent-agent headers read by default: `x-claude-code-parent-agent-id` (Claude Code
+    /// 2.1, beside `x-claude-code-agent-id` on a subagent's requests when another subagent
+    /// spawned it).
+    pub const DEFAULT_PARENT_AGENT_HEADERS: [&'static str; 1] = ["x-claude-code-parent-agent-id"];
 
     /// Most names in `session-headers` or `session-agent-headers`.
     pub const MAX_SESSION_HEADERS: usize = 32;

@@ -37,6 +37,7 @@
 //! | `kvc_router_http_health_checks_total` | counter | `result` (`ok`, `failed`) |
 //! | `kvc_router_http_admission_rejects_total` | counter | — (answers `503` + `x-kvc-admission: rejected` from a decode worker) |
 //! | `kvc_router_http_rotated_session_ids_total` | counter | — (requests whose session key was new, yet whose prompt extends a session another key had used for one turn only: an id the client changes every request, not trusted; the request continues that session) |
+//! | `kvc_router_http_subagent_sessions_total` | counter | `parent` (`header`: a parent-session or parent-agent header named it, or an agent header within a client session; `inferred`: a new key whose prompt goes on past a live session's latest) — first turns of sessions with a known parent |
 //! | `kvc_router_http_inferred_sessions_total` | counter | `result` (`continued`: a request without a session key continued a known session; `new`: it started an inferred session) |
 //! | `kvc_router_http_session_keys_total` | counter | `source` (the header the client's session key came from — each of `http.session-headers` — or `session_params`, the body's) |
 //!
@@ -129,6 +130,11 @@ struct CauseLabel {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ParentLabel {
+    parent: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ToLabel {
     to: &'static str,
 }
@@ -197,6 +203,8 @@ pub struct Metrics {
     /// `continued`, then `new`.
     inferred_sessions: [Counter; 2],
     rotated_session_ids: Counter,
+    /// `header`, then `inferred`.
+    subagent_sessions: [Counter; 2],
     /// Requests with a client session key, by where it came from.
     session_keys: Family<SourceLabel, Counter>,
 }
@@ -343,6 +351,15 @@ impl Metrics {
             "kvc_router_http_rotated_session_ids",
             "Requests whose new session key continued the prompt of a one-turn session under another key (an id changed every request: not trusted)",
         );
+        let subagent_sessions = counter_family(
+            r,
+            "kvc_router_http_subagent_sessions",
+            "First turns of sessions spawned by another (subagents), by how the parent was known",
+            [
+                ParentLabel { parent: "header" },
+                ParentLabel { parent: "inferred" },
+            ],
+        );
         let session_keys = Family::<SourceLabel, Counter>::default();
         r.register(
             "kvc_router_http_session_keys",
@@ -373,6 +390,7 @@ impl Metrics {
             http_admission_rejects,
             inferred_sessions,
             rotated_session_ids,
+            subagent_sessions,
             session_keys,
         }
     }
@@ -529,6 +547,18 @@ impl Metrics {
     /// Counts a request whose new session key continued a one-turn session of another key.
     pub fn record_rotated_session_id(&self) {
         self.rotated_session_ids.inc();
+    }
+
+    /// Counts the first turn of a subagent's session, its parent named by a header or
+    /// inferred from the prompt.
+    pub fn record_subagent_session(&self, inferred: bool) {
+        self.subagent_sessions[usize::from(inferred)].inc();
+    }
+
+    /// First turns of subagent sessions so far, their parent named by a header (`false`) or
+    /// inferred.
+    pub fn subagent_sessions(&self, inferred: bool) -> u64 {
+        self.subagent_sessions[usize::from(inferred)].get()
     }
 
     /// Requests whose session key was found to rotate, so far.

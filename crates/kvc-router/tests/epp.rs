@@ -31,13 +31,18 @@ use tonic::Streaming;
 /// P0 at 10.0.0.1:8000, D1 at 10.0.0.2:8000, D2 at 10.0.0.3:8000: vLLM engines held to their
 /// roles, no health checks (the picker never calls them; its client plays their answers).
 async fn cluster() -> Cluster {
+    cluster_with(false).await
+}
+
+/// [`cluster`], its engines allowed to serve a turn alone (`serve-alone`) or not.
+async fn cluster_with(serve_alone: bool) -> Cluster {
     let c = Cluster::start(|cfg: &mut RouterConfig| {
         cfg.epp_listen = Some("127.0.0.1:0".parse().unwrap());
         cfg.http.health_check_interval_ms = 0;
         for w in &mut cfg.workers {
             w.http_url = Some(format!("http://10.0.0.{}:8000", w.id + 1));
             w.engine = Some(EngineKind::Vllm);
-            w.serve_alone = Some(false);
+            w.serve_alone = Some(serve_alone);
         }
     })
     .await;
@@ -673,5 +678,99 @@ async fn the_picker_reads_the_coding_agents_session_headers() {
     assert!(
         d.set.contains_key(PREFILLER_HEADER),
         "the subagent's first turn"
+    );
+}
+
+#[tokio::test]
+async fn the_picker_places_a_subagent_on_its_parents_d_and_ends_a_marked_session() {
+    // vLLM engines that may serve a turn alone: a D can take a session it has no KV of.
+    let c = cluster_with(true).await;
+    let answer = |n: u64, cached: u64| {
+        json!({"choices": [{"text": "a b"}], "usage": {"prompt_tokens": n,
+            "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": cached}}})
+        .to_string()
+    };
+    let turn = |headers: &'static [(&'static str, &'static str)], prompt: String| {
+        let c = &c;
+        async move {
+            let mut s = Stream::open(c).await;
+            let sent = json!({"prompt": prompt, "max_tokens": 8});
+            s.request(
+                "/v1/completions",
+                headers,
+                sent.to_string().as_bytes(),
+                None,
+            )
+            .await;
+            let d = s.decision().await;
+            (s, d)
+        }
+    };
+    // The parent, a Codex thread.
+    let (mut s, d) = turn(&[("thread-id", "th-1")], words(1_300)).await;
+    let parent_d = d.set[DESTINATION_HEADER].clone();
+    s.answer(
+        200,
+        "application/json",
+        &[answer(1_300, 0).as_bytes()],
+        Some(&parent_d),
+    )
+    .await;
+    drop(s);
+    settle(&c).await;
+    // Its subagent shares the parent's first two blocks: an append on the parent's D.
+    let child = format!("{} {}", words(1_024), "x ".repeat(300).trim_end());
+    let (mut s, d) = turn(
+        &[("thread-id", "th-2"), ("x-codex-parent-thread-id", "th-1")],
+        child,
+    )
+    .await;
+    assert_eq!(d.set[DESTINATION_HEADER], parent_d);
+    assert!(!d.set.contains_key(PREFILLER_HEADER), "direct to D");
+    assert_eq!(d.set["x-session-id"], "th-2");
+    s.answer(
+        200,
+        "application/json",
+        &[answer(1_324, 1_024).as_bytes()],
+        Some(&parent_d),
+    )
+    .await;
+    drop(s);
+    settle(&c).await;
+    // The parent's last turn, marked so: once answered, the router forgets the session.
+    let th1 = kvc_core::SessionId::from_key("th-1");
+    assert!(c.service().knows_session(th1));
+    let (mut s, d) = turn(
+        &[("thread-id", "th-1"), ("x-session-final", "true")],
+        words(1_900),
+    )
+    .await;
+    assert_eq!(d.set[DESTINATION_HEADER], parent_d);
+    s.answer(
+        200,
+        "application/json",
+        &[answer(1_900, 1_024).as_bytes()],
+        Some(&parent_d),
+    )
+    .await;
+    drop(s);
+    settle(&c).await;
+    assert!(!c.service().knows_session(th1), "ended by x-session-final");
+    let samples = common::parse_prometheus(&c.service().render_metrics());
+    assert_eq!(
+        common::value(
+            &samples,
+            "kvc_router_sessions_forgotten_total",
+            &[("cause", "ended")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        common::value(
+            &samples,
+            "kvc_router_http_subagent_sessions_total",
+            &[("parent", "header")]
+        ),
+        1.0
     );
 }

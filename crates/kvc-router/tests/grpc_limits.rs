@@ -226,6 +226,7 @@ fn typed_message() -> impl Strategy<Value = (usize, Vec<u8>)> {
                         output_hint,
                         hash_ids,
                         rejected_by,
+                        parent_session_id: None,
                     }
                     .encode_to_vec(),
                 )

@@ -987,7 +987,17 @@ async fn a_session_id_the_client_changes_every_request_is_detected_and_not_trust
         )
         .await;
     assert_eq!(r.header("x-kvc-session"), "keep-2");
+    // Its prompt goes on past keep-1's latest: a session started from keep-1's context (a
+    // subagent), its parent inferred (these decode workers cannot serve a session they hold
+    // no KV of, so it is seeded all the same).
     assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    assert_eq!(
+        f.metric(
+            "kvc_router_http_subagent_sessions_total",
+            &[("parent", "inferred")]
+        ),
+        1.0
+    );
     // Nor is a new id whose prompt merely shares a first block or two.
     let r = f
         .post(
@@ -998,4 +1008,172 @@ async fn a_session_id_the_client_changes_every_request_is_detected_and_not_trust
         .await;
     assert_eq!(r.header("x-kvc-session"), "rot-x");
     assert_eq!(rotated(&f), 2.0);
+}
+
+/// A completion body: the shared system prompt (4 blocks of 512 words), then `n` words of
+/// `tag`.
+fn with_system(tag: &str, n: u32) -> Value {
+    json!({"prompt": format!("{} {}", words("sys", 2_048), words(tag, n)), "max_tokens": 4})
+}
+
+#[tokio::test]
+async fn a_subagents_first_turn_goes_direct_to_its_parents_decode_worker() {
+    // Decode workers that may serve a turn alone (as vLLM instances do): a D can take a
+    // session it has no KV of.
+    let f = start(
+        |cfg| {
+            for w in &mut cfg.workers {
+                w.serve_alone = Some(true);
+            }
+        },
+        |_| {},
+    )
+    .await;
+    let post = |headers: Vec<(&'static str, &'static str)>, body: Value| {
+        let f = &f;
+        async move { f.post("/v1/completions", &headers, &body).await }
+    };
+    // Parents: a Codex thread and a Claude Code session.
+    let r = post(vec![("thread-id", "th-1")], with_system("p", 1_000)).await;
+    assert_ne!(r.header("x-kvc-mode"), "direct-to-d");
+    let codex_d = r.header("x-kvc-decode-worker").to_owned();
+    let r = post(
+        vec![("x-claude-code-session-id", "cc-1")],
+        with_system("m", 1_000),
+    )
+    .await;
+    assert_ne!(r.header("x-kvc-mode"), "direct-to-d");
+    let claude_d = r.header("x-kvc-decode-worker").to_owned();
+    // Children, each naming its parent as its client does: the first turn is an append on
+    // the parent's D (which holds the system prompt), not a seed through P.
+    type Headers = Vec<(&'static str, &'static str)>;
+    let children: [(&str, Headers, &str, &str); 4] = [
+        (
+            "codex",
+            vec![("thread-id", "th-2"), ("x-codex-parent-thread-id", "th-1")],
+            "th-2",
+            &codex_d,
+        ),
+        (
+            "opencode",
+            vec![("x-session-id", "ses_c"), ("x-parent-session-id", "th-1")],
+            "ses_c",
+            &codex_d,
+        ),
+        (
+            "claude-code subagent",
+            vec![
+                ("x-claude-code-session-id", "cc-1"),
+                ("x-claude-code-agent-id", "a1"),
+            ],
+            "cc-1/agent/a1",
+            &claude_d,
+        ),
+        (
+            "claude-code subagent of a subagent",
+            vec![
+                ("x-claude-code-session-id", "cc-1"),
+                ("x-claude-code-agent-id", "a2"),
+                ("x-claude-code-parent-agent-id", "a1"),
+            ],
+            "cc-1/agent/a2",
+            &claude_d,
+        ),
+    ];
+    for (i, (who, headers, key, parent_d)) in children.into_iter().enumerate() {
+        let tag = format!("c{i}-");
+        let body = with_system(&tag, 1_000);
+        let r = f.post("/v1/completions", &headers, &body).await;
+        assert_eq!(r.status, 200, "{who}: {}", r.body);
+        assert_eq!(r.header("x-kvc-session"), key, "{who}");
+        assert_eq!(r.header("x-kvc-mode"), "direct-to-d", "{who}");
+        assert_eq!(r.header("x-kvc-decode-worker"), parent_d, "{who}");
+        assert_eq!(r.find_header("x-kvc-prefill-worker"), None, "{who}");
+    }
+    assert_eq!(
+        f.metric(
+            "kvc_router_http_subagent_sessions_total",
+            &[("parent", "header")]
+        ),
+        4.0
+    );
+    // The same kind of prompt from a session without a parent is not an append.
+    let r = post(vec![("thread-id", "th-9")], with_system("z", 1_000)).await;
+    assert_ne!(r.header("x-kvc-mode"), "direct-to-d");
+    // A new key whose prompt goes on past a live session's latest (of a session past its
+    // first turn, or it would be taken for an id the client rotates): its parent is inferred.
+    let r = post(vec![("thread-id", "th-1")], with_system("p", 1_200)).await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    let fork = format!("{} {}", words("sys", 2_048), words("p", 1_200));
+    let r = post(
+        vec![("x-session-id", "fork-1")],
+        json!({"prompt": format!("{fork} {}", words("f", 600)), "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    assert_eq!(r.header("x-kvc-decode-worker"), codex_d);
+    assert_eq!(
+        f.metric(
+            "kvc_router_http_subagent_sessions_total",
+            &[("parent", "inferred")]
+        ),
+        1.0
+    );
+    // A parent header is bounded like a session id.
+    let long = "p".repeat(300);
+    let r = f
+        .post(
+            "/v1/completions",
+            &[("thread-id", "th-10"), ("x-parent-session-id", &long)],
+            &with_system("y", 100),
+        )
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("x-parent-session-id"), "{}", r.body);
+}
+
+#[tokio::test]
+async fn a_compacted_turn_is_recognised_and_placed_as_a_fresh_seed() {
+    let f = start(one_p_one_d, |_| {}).await;
+    let key = [("x-session-id", "cmp-1")];
+    let r = f
+        .post("/v1/completions", &key, &with_system("h", 10_000))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    let r = f
+        .post("/v1/completions", &key, &with_system("h", 10_400))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    // The agent summarised its history: the system prompt, then a summary of 8,600 tokens
+    // (over the 8,192-token direct limit), shorter than the last prompt.
+    let r = f
+        .post("/v1/completions", &key, &with_system("s", 8_600))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        (r.header("x-kvc-mode"), r.header("x-kvc-reason")),
+        ("fallback", "compacted")
+    );
+    assert_eq!(r.header("x-kvc-session"), "cmp-1");
+    assert_eq!(
+        f.metric(
+            "kvc_router_decisions_total",
+            &[("mode", "fallback"), ("reason", "compacted")]
+        ),
+        1.0
+    );
+    // The compacted conversation goes on direct to D.
+    let r = f
+        .post("/v1/completions", &key, &with_system("s", 9_000))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    // A turn that grows by more than the limit without leaving its history is a large
+    // append, not a compaction.
+    let r = f
+        .post("/v1/completions", &key, &with_system("s", 18_000))
+        .await;
+    assert_eq!(
+        (r.header("x-kvc-mode"), r.header("x-kvc-reason")),
+        ("fallback", "real-large-append")
+    );
 }

@@ -445,6 +445,7 @@ impl Replay<'_> {
             output_hint: r.output_length,
             hash_ids: &r.hash_ids,
             rejected_by,
+            parent: None,
         };
         let states = EngineStates(&self.engine);
         self.decider
@@ -500,7 +501,21 @@ impl Replay<'_> {
             let session = job.session;
             let (d, need) = (decision.decode, decision.need_tokens);
             let admission = if decision.mode == ExecutionMode::DirectToD {
-                self.engine.try_direct(job, d, need, self.now)
+                match self.engine.try_direct(job.clone(), d, need, self.now) {
+                    // A first turn placed where another session's KV is (a subagent on its
+                    // parent's D): D serves it as a plain request, prefilling what it does
+                    // not hold, as a vLLM instance does.
+                    DirectAdmission::NotResident if self.live[&i].request.turn.is_first() => {
+                        match self.engine.try_local(job, d, need, self.now) {
+                            LocalAdmission::Started { cached } => {
+                                DirectAdmission::Admitted { cached }
+                            }
+                            LocalAdmission::Queued => DirectAdmission::Admitted { cached: 0 },
+                            LocalAdmission::Rejected => DirectAdmission::Rejected,
+                        }
+                    }
+                    other => other,
+                }
             } else {
                 match self.engine.try_local(job, d, need, self.now) {
                     LocalAdmission::Started { cached } => DirectAdmission::Admitted { cached },

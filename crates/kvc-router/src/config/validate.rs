@@ -72,6 +72,11 @@ impl HttpConfig {
         for (key, names) in [
             ("http.session-headers", &self.session_headers),
             ("http.session-agent-headers", &self.session_agent_headers),
+            ("http.session-parent-headers", &self.session_parent_headers),
+            (
+                "http.session-parent-agent-headers",
+                &self.session_parent_agent_headers,
+            ),
         ] {
             if names.len() > Self::MAX_SESSION_HEADERS {
                 return Err(ConfigError::Invalid(format!(

@@ -193,6 +193,10 @@ impl Exchange {
         };
         app.breakers.tick(&app.service, app.service.now_ms());
         let decision = route_query(&app.service, &p.query, &excluded)?;
+        if p.ends_session {
+            // The session's last turn (`x-session-final`): it ends once its outcome is in.
+            app.service.end_session_after(decision.id);
+        }
         let (Some(decode), prefill) = (
             app.endpoint(decision.decode),
             decision.prefill.map(|w| app.endpoint(w)),

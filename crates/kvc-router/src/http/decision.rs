@@ -18,6 +18,8 @@ pub(crate) struct RouteQuery {
     output_hint: u64,
     hash_ids: Vec<BlockHash>,
     rejected_by: Option<WorkerId>,
+    /// The session that spawned this one, when the client named it or the front inferred it.
+    parent: Option<SessionId>,
 }
 
 impl RouteQuery {
@@ -37,7 +39,13 @@ impl RouteQuery {
             output_hint,
             hash_ids: hash_ids.into_iter().map(BlockHash).collect(),
             rejected_by: None,
+            parent: None,
         }
+    }
+
+    /// Names the session that spawned this query's session (a subagent's parent).
+    pub(super) fn set_parent(&mut self, parent: Option<SessionId>) {
+        self.parent = parent;
     }
 
     /// Marks the next decision as the answer to `worker`'s admission refusal (`None`: a plain
@@ -56,6 +64,7 @@ impl RouteQuery {
             output_hint: self.output_hint,
             hash_ids: &self.hash_ids,
             rejected_by: self.rejected_by,
+            parent: self.parent,
         }
     }
 }

@@ -37,6 +37,10 @@ pub(crate) struct Resolved {
     pub(crate) turn: u32,
     /// `None` when the client named the session.
     pub(crate) inferred: Option<Inferred>,
+    /// For the first turn of a session the client named, a live session of another key whose
+    /// latest prompt this one goes on past (a subagent started from its parent's context):
+    /// its inferred parent.
+    pub(crate) forked_from: Option<SessionId>,
 }
 
 /// What a request brings to [`SessionBook::resolve`].
@@ -109,10 +113,14 @@ impl SessionBook {
         now_ms: u64,
         new_key: impl FnOnce() -> String,
     ) -> Option<Resolved> {
+        let mut forked_from = None;
         let (session, key, inferred) = match prompt.key {
             Some(k) => match self.rotated_from(k, prompt, now_ms) {
                 Some((s, key)) => (s, key, Some(Inferred::Rotated)),
-                None => (SessionId::from_key(k), Arc::<str>::from(k), None),
+                None => {
+                    forked_from = self.extended(k, prompt, now_ms).map(|(s, _)| s);
+                    (SessionId::from_key(k), Arc::<str>::from(k), None)
+                }
             },
             None => {
                 if self.min_blocks == 0 || prompt.full_blocks < self.min_blocks as usize {
@@ -147,6 +155,7 @@ impl SessionBook {
             key,
             turn,
             inferred,
+            forked_from: forked_from.filter(|_| turn == 1),
         })
     }
 
@@ -185,18 +194,29 @@ impl SessionBook {
         if self.min_blocks == 0 || prompt.full_blocks < self.min_blocks as usize {
             return None;
         }
+        let (s, key) = self.extended(k, prompt, now_ms)?;
+        let e = self.entries.get(&s)?;
+        (e.keyed && (e.turn == 1 || e.rotating)).then_some((s, key))
+    }
+
+    /// For a request with client key `k` the front has not seen (alive): the live session of
+    /// another key whose latest prompt this one extends and goes on past (a second session
+    /// that merely starts with the same first prompt is not taken). Shorter prompts than
+    /// `min_blocks`, or inference off: none.
+    fn extended(&self, k: &str, prompt: Prompt<'_>, now_ms: u64) -> Option<(SessionId, Arc<str>)> {
+        if self.min_blocks == 0 || prompt.full_blocks < self.min_blocks as usize {
+            return None;
+        }
         let own = SessionId::from_key(k);
         if self.entries.get(&own).is_some_and(|e| self.live(e, now_ms)) {
             return None;
         }
         let (s, key) = self.continued(prompt, now_ms)?;
         let e = self.entries.get(&s)?;
-        // The new prompt goes on past that session's: a second session that merely starts
-        // with the same first prompt is not taken for a rotation.
         let longer = e
             .anchor
             .is_some_and(|(_, at)| (at as usize) + 1 < prompt.full_blocks);
-        (s != own && e.keyed && (e.turn == 1 || e.rotating) && longer).then_some((s, key))
+        (s != own && longer).then_some((s, key))
     }
 
     /// Counts a turn of `session` (1 for a new or expired session).

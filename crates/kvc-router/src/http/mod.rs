@@ -138,6 +138,18 @@
 //! `<session>/agent/<agent>`: a subagent's conversation is not its parent's. Each part is
 //! bounded by `http.max-session-id-bytes`; a present header that is empty or not text gets 400
 //! naming it. The key goes to the workers in `x-session-id` ([`HttpOptions::session_header`]).
+//!
+//! **Subagents.** A session spawned by another names its parent: by the parent's own key in a
+//! header of [`HttpOptions::parent_headers`] (`http.session-parent-headers`, default
+//! `x-codex-parent-thread-id`, Codex CLI 0.171's spawned threads, and `x-parent-session-id`,
+//! OpenCode's child sessions), or, for an agent within a client session, by a header of
+//! [`HttpOptions::parent_agent_headers`] (`http.session-parent-agent-headers`, default
+//! `x-claude-code-parent-agent-id`: the agent that spawned it, `<session>/agent/<parent>`;
+//! without one the session's main conversation did). A new client key whose prompt goes on
+//! past a live session's latest prompt (a subagent started from its parent's context) has
+//! that session as its inferred parent. The first turn's decision then knows the parent
+//! (`kvc`'s `subagent-placement`: direct-to-D on the parent's decode worker when it has room),
+//! counted in `kvc_router_http_subagent_sessions_total{parent="header"|"inferred"}`.
 //! Where each key came from is counted in
 //! `kvc_router_http_session_keys_total{source=<header>|"session_params"|"prompt_cache_key"|"metadata.user_id"}`. The turn is a
 //! per-session counter kept here (bounded by the router's `sessions.ttl-ms` and
@@ -154,8 +166,8 @@
 //! more (the session's blocks stay in its prefix cache unreferenced, the first to be
 //! evicted). `DELETE` answers 200 `{"session", "ended": true}`, or 404 for a session the router
 //! does not know (never seen, already ended, or expired). Counted in
-//! `kvc_router_sessions_forgotten_total{cause="ended"}`. (The endpoint picker does not read
-//! the header.)
+//! `kvc_router_sessions_forgotten_total{cause="ended"}`; the endpoint picker reads the header
+//! the same way.
 //!
 //! **Session inference.** A request with neither is placed by its prefix. The front remembers,
 //! for each session it knows (keyed or inferred; same bounds), the chained block hash at the

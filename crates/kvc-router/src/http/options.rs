@@ -19,6 +19,13 @@ pub struct HttpOptions {
     /// Headers naming an agent within the client's session, lowercase
     /// (`http.session-agent-headers`; default [`crate::HttpConfig::DEFAULT_AGENT_HEADERS`]).
     pub agent_headers: Vec<String>,
+    /// Headers naming a subagent's parent session by its key, lowercase
+    /// (`http.session-parent-headers`; default [`crate::HttpConfig::DEFAULT_PARENT_HEADERS`]).
+    pub parent_headers: Vec<String>,
+    /// Headers naming a subagent's parent agent within its session, lowercase
+    /// (`http.session-parent-agent-headers`; default
+    /// [`crate::HttpConfig::DEFAULT_PARENT_AGENT_HEADERS`]).
+    pub parent_agent_headers: Vec<String>,
     /// Deadline of each worker call (connect, send, whole answer). Default 300 s.
     pub request_timeout: Duration,
     /// The pool of connections to the workers.
@@ -60,6 +67,8 @@ impl Default for HttpOptions {
             session_header: "x-session-id".to_owned(),
             session_headers: lowercase(&crate::HttpConfig::DEFAULT_SESSION_HEADERS),
             agent_headers: lowercase(&crate::HttpConfig::DEFAULT_AGENT_HEADERS),
+            parent_headers: lowercase(&crate::HttpConfig::DEFAULT_PARENT_HEADERS),
+            parent_agent_headers: lowercase(&crate::HttpConfig::DEFAULT_PARENT_AGENT_HEADERS),
             request_timeout: Duration::from_secs(300),
             pool: PoolOptions::default(),
             model: "default".to_owned(),
@@ -108,6 +117,8 @@ impl HttpOptions {
             max_session_id_bytes: config.max_session_id_bytes,
             session_headers: lowercase(&config.session_headers),
             agent_headers: lowercase(&config.session_agent_headers),
+            parent_headers: lowercase(&config.session_parent_headers),
+            parent_agent_headers: lowercase(&config.session_parent_agent_headers),
             max_body_bytes: config.max_body_bytes,
             body_read_timeout: ms(config.body_read_timeout_ms),
             ..HttpOptions::default()

@@ -9,7 +9,7 @@ use super::decision::{self, RouteQuery};
 use super::direct::add_continuation_params;
 use super::request::{self, Api, Prompt};
 use super::responses::{error_response, route_error_response, with_decision_headers};
-use super::session::{client_key, session_final};
+use super::session::{ClientKey, client_key, parent_key, session_final};
 use super::stream::forward_stream;
 use super::tokens::block_hashes;
 use super::trust::{check_session_id, strip_router_fields};
@@ -18,7 +18,7 @@ use super::whole::forward_whole;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use kvc_core::{ExecutionMode, WorkerId};
+use kvc_core::{ExecutionMode, SessionId, WorkerId};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -80,6 +80,14 @@ pub(crate) async fn prepare_request(
         limit,
     )
     .map_err(|m| bad_request(&m))?;
+    let parent_key = parent_key(
+        headers,
+        from_headers.as_ref(),
+        &app.options.parent_headers,
+        &app.options.parent_agent_headers,
+        limit,
+    )
+    .map_err(|m| bad_request(&m))?;
     if let Some((key, _)) = &req.session_key {
         check_session_id(key, limit).map_err(|m| bad_request(&m))?;
     }
@@ -111,7 +119,7 @@ pub(crate) async fn prepare_request(
     let full_blocks = hashed / block.tokens() as usize;
     let request_id = app.next_request_id();
     let client_key = match from_headers {
-        Some((key, source)) => {
+        Some(ClientKey { key, source, .. }) => {
             app.count_session_key(source);
             Some(key)
         }
@@ -132,13 +140,27 @@ pub(crate) async fn prepare_request(
         app.sessions.end(r.session);
     }
     let input_length = tokens.len() as u64;
-    let query = RouteQuery::new(
+    let mut query = RouteQuery::new(
         request_id,
         resolved.as_ref().map(|r| (r.session, r.turn)),
         input_length,
         req.output_hint,
         hash_ids,
     );
+    // A subagent's first turn names its parent: by a header, or inferred from the prompt.
+    if let Some(r) = resolved.as_ref().filter(|r| r.turn == 1) {
+        let named = parent_key
+            .as_deref()
+            .map(SessionId::from_key)
+            .filter(|p| *p != r.session);
+        let parent = named.or(r.forked_from);
+        if parent.is_some() {
+            app.service
+                .metrics()
+                .record_subagent_session(named.is_none());
+        }
+        query.set_parent(parent);
+    }
     let request = ForwardedRequest {
         api,
         request_id,

@@ -21,6 +21,17 @@ pub(super) fn header_key(headers: &HeaderMap, name: &str) -> Result<Option<Strin
     }
 }
 
+/// A session key from the client's headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct ClientKey<'n> {
+    /// The key: the session header's value, with `/agent/<agent>` for a subagent.
+    pub(super) key: String,
+    /// The header it came from.
+    pub(super) source: &'n str,
+    /// The session header's value alone, when an agent header made the key a subagent's.
+    pub(super) agent_of: Option<String>,
+}
+
 /// The session key a client's headers give, and the header it came from: the first of
 /// `names` present, followed by `/agent/<agent>` when one of `agents` is present too (a
 /// subagent sharing its parent's session id has a conversation of its own). Each part is at
@@ -31,7 +42,7 @@ pub(super) fn client_key<'n>(
     names: &'n [String],
     agents: &[String],
     limit: usize,
-) -> Result<Option<(String, &'n str)>, String> {
+) -> Result<Option<ClientKey<'n>>, String> {
     let mut found = None;
     for name in names {
         if let Some(key) = header_key(headers, name)? {
@@ -43,16 +54,57 @@ pub(super) fn client_key<'n>(
         return Ok(None);
     };
     super::trust::check_session_id(&key, limit).map_err(|m| format!("header `{source}`: {m}"))?;
+    let mut agent_of = None;
     for name in agents {
-        if let Some(agent) = header_key(headers, name)? {
-            super::trust::check_session_id(&agent, limit)
-                .map_err(|m| format!("header `{name}`: {m}"))?;
+        if let Some(agent) = checked(headers, name, limit)? {
+            agent_of = Some(key.clone());
             key.push_str("/agent/");
             key.push_str(&agent);
             break;
         }
     }
-    Ok(Some((key, source)))
+    Ok(Some(ClientKey {
+        key,
+        source,
+        agent_of,
+    }))
+}
+
+/// Header `name`'s value as a session id of at most `limit` bytes.
+fn checked(headers: &HeaderMap, name: &str, limit: usize) -> Result<Option<String>, String> {
+    let Some(v) = header_key(headers, name)? else {
+        return Ok(None);
+    };
+    super::trust::check_session_id(&v, limit).map_err(|m| format!("header `{name}`: {m}"))?;
+    Ok(Some(v))
+}
+
+/// The key of the session that spawned the request's (a subagent's parent), from its
+/// headers: the first of `parents` present (the parent's own key); else, for a subagent
+/// within a client session (`client.agent_of`), that session's agent named by the first of
+/// `parent_agents` present, or the session's main conversation without one. Errors as
+/// [`client_key`]'s.
+pub(super) fn parent_key(
+    headers: &HeaderMap,
+    client: Option<&ClientKey<'_>>,
+    parents: &[String],
+    parent_agents: &[String],
+    limit: usize,
+) -> Result<Option<String>, String> {
+    for name in parents {
+        if let Some(parent) = checked(headers, name, limit)? {
+            return Ok(Some(parent));
+        }
+    }
+    let Some(session) = client.and_then(|c| c.agent_of.as_ref()) else {
+        return Ok(None);
+    };
+    for name in parent_agents {
+        if let Some(agent) = checked(headers, name, limit)? {
+            return Ok(Some(format!("{session}/agent/{agent}")));
+        }
+    }
+    Ok(Some(session.clone()))
 }
 
 /// The front's sessions: the book of keys, turns and prefix anchors, and the per-process key

@@ -203,6 +203,7 @@ pub fn route_req(
         output_hint: 40,
         hash_ids: hash_ids.to_vec(),
         rejected_by: None,
+        parent_session_id: None,
     }
 }
 
