@@ -11,7 +11,12 @@
 //! - `input_length` (≥ 1) and `output_length`: tokens;
 //! - `hash_ids`: chained block ids, exactly `ceil(input_length / block_size)` of them;
 //! - `session_id` (a number, or a string mapped by [`SessionId::from_key`]) and `turn_id`
-//!   (from 1): optional.
+//!   (from 1): optional;
+//! - `parent_session_id` (a session id, as `session_id`): optional, on every request of a child
+//!   (subagent) session, naming the session that spawned it; it needs the record's own
+//!   `session_id` and must differ from it;
+//! - `final` (`true` or `false`, default `false`): optional, set on the last request of a
+//!   session the client ended explicitly.
 //!
 //! Blank lines are skipped, unknown fields are ignored, a malformed line is a [`TraceError`]
 //! naming the file, the line and the field (or, with [`LoadOptions::skip_invalid`], is skipped
@@ -96,6 +101,10 @@ pub struct TraceRequest {
     pub session: SessionId,
     /// The turn within the session, from 1.
     pub turn: TurnId,
+    /// The session that spawned this one, when the record names it (`parent_session_id`).
+    pub parent_session: Option<SessionId>,
+    /// Whether the client ended the session with this request (`final`).
+    pub session_final: bool,
     /// Prompt tokens.
     pub input_length: u64,
     /// Generated tokens.
@@ -110,7 +119,9 @@ impl TraceRequest {
         TraceRecord {
             timestamp: self.timestamp_ms,
             session_id: Some(self.session),
+            parent_session_id: self.parent_session,
             turn_id: Some(self.turn),
+            session_final: self.session_final,
             input_length: self.input_length,
             output_length: self.output_length,
             hash_ids: self.hash_ids.to_vec(),
@@ -378,6 +389,8 @@ fn build(
                 timestamp_ms: l.timestamp_ms,
                 session: sessions[turns[index].0].id,
                 turn: turns[index].1,
+                parent_session: l.parent_session_id,
+                session_final: l.session_final,
                 input_length: l.input_length,
                 output_length: l.output_length,
                 hash_ids: HashIds::window(Arc::clone(&stores[store]), start, len)
