@@ -1,4 +1,5 @@
-//! Traces: loading, writing, session inference, the SWE-agent generator and statistics.
+//! Traces: loading, writing, session inference, the SWE-agent generator and statistics
+//! (coding-agent structure in [`agents`]).
 //!
 //! A trace file is JSON Lines in the Mooncake shape plus optional session and turn ids
 //! ([`TraceRecord`]):
@@ -57,6 +58,7 @@
 //! assert_eq!(err.to_string(), "bad.jsonl:1: field `input_length`: expected a non-negative integer, got the number -1");
 //! ```
 
+pub mod agents;
 mod error;
 pub mod generate;
 mod hash_ids;
