@@ -217,6 +217,30 @@ fn trace_record_round_trips_mooncake_shape() {
 }
 
 #[test]
+fn trace_record_parent_and_final_are_written_only_when_set() {
+    let child = r#"{"timestamp":9,"session_id":7,"parent_session_id":3,"turn_id":2,"final":true,"input_length":600,"output_length":5,"hash_ids":[1,2]}"#;
+    let r: TraceRecord = serde_json::from_str(child).unwrap();
+    assert_eq!(r.parent_session_id, Some(SessionId(3)));
+    assert!(r.session_final);
+    assert_eq!(serde_json::to_string(&r).unwrap(), child);
+    // Unset, they are not written: a plain record reads and writes back unchanged.
+    let plain = TraceRecord {
+        parent_session_id: None,
+        session_final: false,
+        ..r
+    };
+    assert_eq!(
+        serde_json::to_string(&plain).unwrap(),
+        r#"{"timestamp":9,"session_id":7,"turn_id":2,"input_length":600,"output_length":5,"hash_ids":[1,2]}"#
+    );
+    let explicit_false: TraceRecord = serde_json::from_str(
+        r#"{"timestamp":9,"final":false,"input_length":1,"output_length":1,"hash_ids":[1]}"#,
+    )
+    .unwrap();
+    assert!(!explicit_false.session_final);
+}
+
+#[test]
 fn topologies_parse_and_print() {
     for (text, t) in [
         (

@@ -72,6 +72,9 @@ fn stats_json_has_the_documented_keys() {
         "limit",
         "over_limit",
         "over_limit_sessions",
+        "subagents",
+        "compactions",
+        "ends",
         "block_size",
     ];
     let mut got = keys.clone();
@@ -85,6 +88,22 @@ fn stats_json_has_the_documented_keys() {
         ("session_peak_input", &["mean", "max"]),
         ("append", &["up_to_2048", "2049_to_8192", "over_8192"]),
         ("gap_s", &["p10", "p50", "p90", "max"]),
+        (
+            "subagents",
+            &[
+                "explicit",
+                "explicit_parents",
+                "inferred",
+                "inferred_parents",
+                "common_blocks",
+                "share",
+            ],
+        ),
+        (
+            "compactions",
+            &["count", "share", "diverging", "diverging_share", "turns"],
+        ),
+        ("ends", &["count", "share", "final_not_last"]),
     ];
     for (key, subkeys) in nested {
         for sub in subkeys {
@@ -106,6 +125,12 @@ fn stats_json_has_the_documented_keys() {
     for key in keys {
         assert!(help.contains(key), "--help does not document {key}");
     }
+    for (key, subkeys) in nested {
+        for sub in subkeys {
+            assert!(help.contains(sub), "--help does not document {key}.{sub}");
+        }
+    }
+    assert!(help.contains("Inferred subagents:"), "{help}");
     for option in [
         "--infer-sessions",
         "--skip-invalid",
@@ -197,3 +222,4 @@ fn stats_infers_sessions_on_request() {
     assert_eq!(sessions(&[]), 2);
     assert_eq!(sessions(&["--infer-sessions"]), 1);
 }
+

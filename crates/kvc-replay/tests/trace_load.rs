@@ -490,7 +490,9 @@ fn writing_and_loading_round_trips() {
         TraceRecord {
             timestamp: 5,
             session_id: Some(SessionId(2)),
+            parent_session_id: None,
             turn_id: Some(TurnId(1)),
+            session_final: false,
             input_length: 513,
             output_length: 0,
             hash_ids: vec![BlockHash(0), BlockHash(u64::MAX)],
@@ -498,7 +500,9 @@ fn writing_and_loading_round_trips() {
         TraceRecord {
             timestamp: 9,
             session_id: Some(SessionId(2)),
+            parent_session_id: None,
             turn_id: Some(TurnId(2)),
+            session_final: false,
             input_length: 700,
             output_length: 3,
             hash_ids: vec![BlockHash(0), BlockHash(4)],
@@ -522,7 +526,9 @@ fn from_records_validates_like_a_file() {
     let bad = TraceRecord {
         timestamp: 0,
         session_id: None,
+        parent_session_id: None,
         turn_id: None,
+        session_final: false,
         input_length: 2000,
         output_length: 1,
         hash_ids: vec![BlockHash(1)],
@@ -581,7 +587,9 @@ proptest! {
         let records: Vec<TraceRecord> = recs.iter().enumerate().map(|(i, &(ts, input, output, session))| TraceRecord {
             timestamp: ts,
             session_id: session.map(SessionId),
+            parent_session_id: None,
             turn_id: None,
+            session_final: false,
             input_length: input,
             output_length: output,
             hash_ids: (0..input.div_ceil(512)).map(|k| BlockHash(i as u64 * 10 + k)).collect(),
@@ -644,4 +652,119 @@ fn near_valid_line() -> impl Strategy<Value = String> {
         ),
         Just(String::new()),
     ]
+}
+
+#[test]
+fn parent_sessions_and_final_flags_are_read_and_written_back() {
+    let text = "\
+{\"timestamp\": 1, \"session_id\": 4, \"turn_id\": 1, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [1, 2]}
+{\"timestamp\": 2, \"session_id\": 9, \"parent_session_id\": 4, \"turn_id\": 1, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [1, 3]}
+{\"timestamp\": 3, \"session_id\": 9, \"parent_session_id\": 4, \"turn_id\": 2, \"final\": true, \"input_length\": 700, \"output_length\": 5, \"hash_ids\": [1, 3]}
+{\"timestamp\": 4, \"session_id\": \"agent-7\", \"parent_session_id\": \"agent-6\", \"final\": false, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [8]}
+";
+    let (trace, _) = parse(text).unwrap();
+    let r = &trace.requests;
+    assert_eq!(r[0].parent_session, None);
+    assert!(!r[0].session_final);
+    assert_eq!(r[1].parent_session, Some(SessionId(4)));
+    assert!(!r[1].session_final);
+    assert_eq!(r[2].parent_session, Some(SessionId(4)));
+    assert!(r[2].session_final);
+    assert_eq!(r[3].session, SessionId::from_key("agent-7"));
+    assert_eq!(r[3].parent_session, Some(SessionId::from_key("agent-6")));
+    assert!(!r[3].session_final);
+
+    // Written back, set fields appear and unset ones do not; loading again gives the same.
+    let mut out = Vec::new();
+    trace::write_jsonl(&mut out, trace.to_records()).unwrap();
+    let written = String::from_utf8(out.clone()).unwrap();
+    let lines: Vec<&str> = written.lines().collect();
+    assert_eq!(
+        lines[0],
+        r#"{"timestamp":1,"session_id":4,"turn_id":1,"input_length":600,"output_length":5,"hash_ids":[1,2]}"#
+    );
+    assert_eq!(
+        lines[2],
+        r#"{"timestamp":3,"session_id":9,"parent_session_id":4,"turn_id":2,"final":true,"input_length":700,"output_length":5,"hash_ids":[1,3]}"#
+    );
+    let (again, _) = trace::parse(&out[..], FILE, &LoadOptions::default()).unwrap();
+    assert_eq!(again.requests, trace.requests);
+
+    // A stream reads them too.
+    let mut stream = trace::TraceStream::new(text.as_bytes(), FILE, &LoadOptions::default());
+    let arrivals = trace::stream::collect(&mut stream).unwrap();
+    let streamed: Vec<_> = arrivals.into_iter().map(|a| a.request).collect();
+    assert_eq!(streamed, trace.requests);
+}
+
+#[test]
+fn bad_parent_sessions_and_final_flags_are_invalid_fields() {
+    let cases = [
+        (
+            r#""session_id": 3, "final": 1"#,
+            "final",
+            "t.jsonl:2: field `final`: expected true or false, got the number 1",
+        ),
+        (
+            r#""session_id": 3, "final": "yes""#,
+            "final",
+            "t.jsonl:2: field `final`: expected true or false, got the string \"yes\"",
+        ),
+        (
+            r#""session_id": 3, "parent_session_id": 3"#,
+            "parent_session_id",
+            "t.jsonl:2: field `parent_session_id`: names the record's own session 3 (a \
+             session cannot be its own parent)",
+        ),
+        (
+            r#""session_id": "a", "parent_session_id": "a""#,
+            "parent_session_id",
+            "t.jsonl:2: field `parent_session_id`: names the record's own session \
+             12638187200555641996 (a session cannot be its own parent)",
+        ),
+        (
+            r#""parent_session_id": 3"#,
+            "parent_session_id",
+            "t.jsonl:2: field `parent_session_id`: parent session 3 given on a record \
+             without `session_id` (a child session must be named to be linked to its parent)",
+        ),
+        (
+            r#""session_id": 3, "parent_session_id": -2"#,
+            "parent_session_id",
+            "t.jsonl:2: field `parent_session_id`: expected a non-negative integer or a \
+             string, got the number -2",
+        ),
+    ];
+    let good = r#"{"timestamp": 1, "session_id": 1, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}"#;
+    for (fields, field, msg) in cases {
+        let text = format!(
+            "{good}\n{{\"timestamp\": 2, {fields}, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [1, 2]}}\n"
+        );
+        let err = parse(&text).unwrap_err();
+        assert!(
+            matches!(&err, TraceError::InvalidField { line: 2, field: f, .. } if *f == field),
+            "{fields}: {err:?}"
+        );
+        assert_eq!(err.to_string(), msg);
+        // Skippable like every record error.
+        let (trace, report) = parse_with(&text, skip()).unwrap();
+        assert_eq!((trace.len(), report.skipped), (1, 1));
+    }
+    // Records in memory are checked the same way.
+    let own = TraceRecord {
+        timestamp: 0,
+        session_id: Some(SessionId(5)),
+        parent_session_id: Some(SessionId(5)),
+        turn_id: None,
+        session_final: true,
+        input_length: 10,
+        output_length: 1,
+        hash_ids: vec![BlockHash(1)],
+    };
+    let err = Trace::from_records([&own], &LoadOptions::default()).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "<records>:1: field `parent_session_id`: names the record's own session 5 (a session \
+         cannot be its own parent)"
+    );
 }

@@ -24,6 +24,17 @@ fn loads_every_request_each_its_own_session() {
     assert_eq!(s.output_tokens.p50, 69);
     assert_eq!(s.span_s, 1_022.025);
     assert_eq!(s.sessions_multi_turn, 0);
+    // No session ids, no parents, no flags: every request its own session, none live.
+    assert_eq!(
+        (
+            s.subagents.explicit,
+            s.subagents.inferred,
+            s.subagents.common_blocks
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!((s.compactions.turns, s.compactions.count), (0, 0));
+    assert_eq!((s.ends.count, s.ends.final_not_last), (0, 0));
 }
 
 #[test]
@@ -45,6 +56,24 @@ fn inferred_sessions_match_the_provenance_notes() {
     let follow_ups = trace.iter().filter(|r| !r.turn.is_first()).count();
     assert!((693..=847).contains(&follow_ups), "{follow_ups}");
     assert_eq!(follow_ups, s.append.turns);
+    // No prefix is common to most conversations; 279 of them open with blocks of another
+    // that is still going (several conversations about one document), from 108 sessions, ±10%.
+    assert_eq!(s.subagents.common_blocks, 0);
+    assert_eq!(s.subagents.explicit, 0);
+    assert!(
+        (251..=307).contains(&s.subagents.inferred),
+        "{}",
+        s.subagents.inferred
+    );
+    assert!(
+        (97..=119).contains(&s.subagents.inferred_parents),
+        "{}",
+        s.subagents.inferred_parents
+    );
+    // Follow-ups extend their prompt; none is rewritten from its start.
+    assert_eq!(s.compactions.turns, follow_ups);
+    assert_eq!(s.compactions.count, 0);
+    assert_eq!(s.ends.count, 0);
     // Inferred ids are numbered by first request.
     for (next, r) in trace.iter().filter(|r| r.turn.is_first()).enumerate() {
         assert_eq!(r.session.0, next as u64);

@@ -157,7 +157,9 @@ pub fn swe_with_one_too_long(
     records.push(kvc_core::TraceRecord {
         timestamp: 5_000,
         session_id: Some(SessionId(999_999)),
+        parent_session_id: None,
         turn_id: Some(TurnId(1)),
+        session_final: false,
         input_length: too_long,
         output_length: 10,
         hash_ids: (0..too_long.div_ceil(512))

@@ -23,12 +23,34 @@ JSON keys (--json; stable, scripts may rely on them):
   limit                  the --limit used
   over_limit             requests whose input exceeds --limit
   over_limit_sessions    ids of the sessions holding them, ascending
+  subagents              subagent sessions: explicit (their requests carry parent_session_id),
+                         explicit_parents (distinct sessions named); inferred (sessions without
+                         parent_session_id found by the rule below), inferred_parents;
+                         common_blocks; share of sessions that are subagents
+  compactions            later turns whose prompt was rewritten: count, share of later turns;
+                         diverging (turns whose hash_ids differ from the previous turn's before
+                         its last full block), diverging_share; turns (turns 2+) counted
+  ends                   sessions whose last request carries \"final\": true: count, share of
+                         sessions; final_not_last (final requests that are not their session's
+                         last)
   block_size             tokens per block id
+
+Inferred subagents: a session without parent_session_id whose first request is turn 1 and
+whose first prompt shares leading blocks with the latest prompt of a live session (one with
+a request before it and one after it in trace order) beyond the common blocks (block ids in
+the first prompts of more than half of the sessions: the system prompt all sessions share).
+A child sharing only the common blocks with its parent is not inferred. Without session ids
+each request is its own session and none is live: give --infer-sessions.
+
+Compactions: a diverging turn that keeps at most a quarter of the previous prompt's full
+blocks. Agents that elide old tool output diverge often but keep most of the prompt; those
+turns count in diverging only.
 
 Percentiles are nearest-rank.";
 
 /// Summarize a trace: requests, sessions, turns, token distributions, uncached appends,
-/// gaps between turns, span, and requests over an input limit.
+/// gaps between turns, span, requests over an input limit, and coding-agent structure
+/// (subagent sessions, explicit and inferred; compactions; explicit session ends).
 #[derive(Debug, clap::Args)]
 #[command(after_long_help = KEYS)]
 pub(crate) struct Args {

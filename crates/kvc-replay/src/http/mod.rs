@@ -595,7 +595,9 @@ mod tests {
             .map(|t| TraceRecord {
                 timestamp: u64::from(t) * 1_000,
                 session_id: Some(SessionId(1)),
+                parent_session_id: None,
                 turn_id: Some(TurnId(t)),
+                session_final: false,
                 input_length: 1_024 * u64::from(t),
                 output_length: 4,
                 hash_ids: (0..2 * u64::from(t)).map(BlockHash).collect(),

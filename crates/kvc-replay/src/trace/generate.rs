@@ -740,7 +740,9 @@ impl Iterator for SweStream<'_> {
         let record = TraceRecord {
             timestamp: ts,
             session_id: Some(SessionId(s as u64)),
+            parent_session_id: None,
             turn_id: Some(TurnId(u32::try_from(k).unwrap_or(u32::MAX))),
+            session_final: false,
             input_length: t.input,
             output_length: t.output,
             hash_ids,

@@ -1,4 +1,5 @@
-//! Traces: loading, writing, session inference, the SWE-agent generator and statistics.
+//! Traces: loading, writing, session inference, the SWE-agent generator and statistics
+//! (coding-agent structure in [`agents`]).
 //!
 //! A trace file is JSON Lines in the Mooncake shape plus optional session and turn ids
 //! ([`TraceRecord`]):
@@ -11,7 +12,12 @@
 //! - `input_length` (≥ 1) and `output_length`: tokens;
 //! - `hash_ids`: chained block ids, exactly `ceil(input_length / block_size)` of them;
 //! - `session_id` (a number, or a string mapped by [`SessionId::from_key`]) and `turn_id`
-//!   (from 1): optional.
+//!   (from 1): optional;
+//! - `parent_session_id` (a session id, as `session_id`): optional, on every request of a child
+//!   (subagent) session, naming the session that spawned it; it needs the record's own
+//!   `session_id` and must differ from it;
+//! - `final` (`true` or `false`, default `false`): optional, set on the last request of a
+//!   session the client ended explicitly.
 //!
 //! Blank lines are skipped, unknown fields are ignored, a malformed line is a [`TraceError`]
 //! naming the file, the line and the field (or, with [`LoadOptions::skip_invalid`], is skipped
@@ -52,6 +58,7 @@
 //! assert_eq!(err.to_string(), "bad.jsonl:1: field `input_length`: expected a non-negative integer, got the number -1");
 //! ```
 
+pub mod agents;
 mod error;
 pub mod generate;
 mod hash_ids;
@@ -96,6 +103,10 @@ pub struct TraceRequest {
     pub session: SessionId,
     /// The turn within the session, from 1.
     pub turn: TurnId,
+    /// The session that spawned this one, when the record names it (`parent_session_id`).
+    pub parent_session: Option<SessionId>,
+    /// Whether the client ended the session with this request (`final`).
+    pub session_final: bool,
     /// Prompt tokens.
     pub input_length: u64,
     /// Generated tokens.
@@ -110,7 +121,9 @@ impl TraceRequest {
         TraceRecord {
             timestamp: self.timestamp_ms,
             session_id: Some(self.session),
+            parent_session_id: self.parent_session,
             turn_id: Some(self.turn),
+            session_final: self.session_final,
             input_length: self.input_length,
             output_length: self.output_length,
             hash_ids: self.hash_ids.to_vec(),
@@ -378,6 +391,8 @@ fn build(
                 timestamp_ms: l.timestamp_ms,
                 session: sessions[turns[index].0].id,
                 turn: turns[index].1,
+                parent_session: l.parent_session_id,
+                session_final: l.session_final,
                 input_length: l.input_length,
                 output_length: l.output_length,
                 hash_ids: HashIds::window(Arc::clone(&stores[store]), start, len)

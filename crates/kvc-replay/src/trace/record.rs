@@ -15,7 +15,9 @@ pub(crate) struct LineRecord {
     pub(crate) line: usize,
     pub(crate) timestamp_ms: u64,
     pub(crate) session_id: Option<SessionId>,
+    pub(crate) parent_session_id: Option<SessionId>,
     pub(crate) turn_id: Option<TurnId>,
+    pub(crate) session_final: bool,
     pub(crate) input_length: u64,
     pub(crate) output_length: u64,
     /// `start..start + len` in the shared id buffer.
@@ -30,7 +32,9 @@ struct RawLine {
     input_length: Option<Value>,
     output_length: Option<Value>,
     session_id: Option<Value>,
+    parent_session_id: Option<Value>,
     turn_id: Option<Value>,
+    session_final: Option<Value>,
     hash_ids: Option<RawIds>,
 }
 
@@ -46,7 +50,9 @@ enum Key {
     InputLength,
     OutputLength,
     SessionId,
+    ParentSessionId,
     TurnId,
+    Final,
     HashIds,
     Other,
 }
@@ -65,7 +71,9 @@ impl<'de> de::Deserialize<'de> for Key {
                     "input_length" => Key::InputLength,
                     "output_length" => Key::OutputLength,
                     "session_id" => Key::SessionId,
+                    "parent_session_id" => Key::ParentSessionId,
                     "turn_id" => Key::TurnId,
+                    "final" => Key::Final,
                     "hash_ids" => Key::HashIds,
                     _ => Key::Other,
                 })
@@ -108,7 +116,13 @@ impl<'de> de::Deserialize<'de> for RawLine {
                         Key::SessionId => {
                             set(&mut raw.session_id, map.next_value()?, "session_id")?
                         }
+                        Key::ParentSessionId => set(
+                            &mut raw.parent_session_id,
+                            map.next_value()?,
+                            "parent_session_id",
+                        )?,
                         Key::TurnId => set(&mut raw.turn_id, map.next_value()?, "turn_id")?,
+                        Key::Final => set(&mut raw.session_final, map.next_value()?, "final")?,
                         Key::HashIds => set(&mut raw.hash_ids, map.next_value()?, "hash_ids")?,
                         Key::Other => {
                             map.next_value::<IgnoredAny>()?;
@@ -287,6 +301,55 @@ impl Ctx<'_> {
         }
     }
 
+    /// An optional session id: a non-negative integer, or a string mapped by
+    /// [`SessionId::from_key`].
+    fn session(
+        &self,
+        v: Option<Value>,
+        field: &'static str,
+    ) -> Result<Option<SessionId>, TraceError> {
+        match v {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(key)) => Ok(Some(SessionId::from_key(&key))),
+            Some(v) => v.as_u64().map(|id| Some(SessionId(id))).ok_or_else(|| {
+                self.invalid(
+                    field,
+                    format!(
+                        "expected a non-negative integer or a string, got {}",
+                        describe(&v)
+                    ),
+                )
+            }),
+        }
+    }
+
+    /// A parent session must come with the record's own session, and differ from it.
+    fn check_parent(
+        &self,
+        session: Option<SessionId>,
+        parent: Option<SessionId>,
+    ) -> Result<(), TraceError> {
+        match (session, parent) {
+            (_, None) => Ok(()),
+            (None, Some(p)) => Err(self.invalid(
+                "parent_session_id",
+                format!(
+                    "parent session {} given on a record without `session_id` (a child session \
+                     must be named to be linked to its parent)",
+                    p.0
+                ),
+            )),
+            (Some(s), Some(p)) if s == p => Err(self.invalid(
+                "parent_session_id",
+                format!(
+                    "names the record's own session {} (a session cannot be its own parent)",
+                    s.0
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// A required non-negative integer.
     fn count(&self, v: Option<Value>, field: &'static str) -> Result<u64, TraceError> {
         match v {
@@ -338,18 +401,18 @@ pub(crate) fn parse_line(
     }
     let output_length = ctx.count(raw.output_length, "output_length")?;
 
-    let session_id = match raw.session_id {
-        None | Some(Value::Null) => None,
-        Some(Value::String(key)) => Some(SessionId::from_key(&key)),
-        Some(v) => Some(SessionId(v.as_u64().ok_or_else(|| {
-            ctx.invalid(
-                "session_id",
-                format!(
-                    "expected a non-negative integer or a string, got {}",
-                    describe(&v)
-                ),
-            )
-        })?)),
+    let session_id = ctx.session(raw.session_id, "session_id")?;
+    let parent_session_id = ctx.session(raw.parent_session_id, "parent_session_id")?;
+    ctx.check_parent(session_id, parent_session_id)?;
+    let session_final = match raw.session_final {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(v) => {
+            return Err(ctx.invalid(
+                "final",
+                format!("expected true or false, got {}", describe(&v)),
+            ));
+        }
     };
     let turn_id = match raw.turn_id {
         None | Some(Value::Null) => None,
@@ -390,7 +453,9 @@ pub(crate) fn parse_line(
         line,
         timestamp_ms,
         session_id,
+        parent_session_id,
         turn_id,
+        session_final,
         input_length,
         output_length,
         ids_start,
@@ -422,6 +487,7 @@ pub(crate) fn check_record(
     if r.turn_id.is_some_and(|t| t.0 == 0) {
         return Err(ctx.invalid("turn_id", "turns are counted from 1".to_owned()));
     }
+    ctx.check_parent(r.session_id, r.parent_session_id)?;
     if !r.hash_len_matches(block_size) {
         return Err(TraceError::HashLength {
             file: file.to_owned(),
@@ -438,7 +504,9 @@ pub(crate) fn check_record(
         line,
         timestamp_ms: r.timestamp,
         session_id: r.session_id,
+        parent_session_id: r.parent_session_id,
         turn_id: r.turn_id,
+        session_final: r.session_final,
         input_length: r.input_length,
         output_length: r.output_length,
         ids_start,

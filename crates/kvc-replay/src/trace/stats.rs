@@ -18,12 +18,16 @@
 //! | `limit` | the input limit used (tokens) |
 //! | `over_limit` | requests whose input exceeds `limit` |
 //! | `over_limit_sessions` | ids of the sessions holding those requests, ascending |
+//! | `subagents` | subagent sessions: `explicit` (with `parent_session_id`) and `explicit_parents`; `inferred` (without it, found by the rule in [`super::agents`]) and `inferred_parents`; `common_blocks`, the block ids in the first prompts of more than half of the sessions; `share` of sessions that are subagents |
+//! | `compactions` | later turns whose prompt was rewritten: `count` (diverging turns keeping at most a quarter of the previous prompt's full blocks) and its `share` of later turns; `diverging` (turns whose `hash_ids` differ from the previous turn's before its last full block) and `diverging_share`; `turns` counted |
+//! | `ends` | sessions whose last request carries `final: true`: `count`, `share` of sessions; `final_not_last`, requests with `final` that are not their session's last |
 //! | `block_size` | tokens per block id |
 //!
 //! The *uncached append* of a turn is the part of its input past the leading full blocks it
 //! shares with the previous turn of its session (`kvc_core::prefix::reusable_from`).
 
 use super::Trace;
+use super::agents::{self, CompactionStats, EndStats, SubagentStats};
 use kvc_core::SessionId;
 use kvc_core::prefix::reusable_from;
 use kvc_core::stats::{P50, P90, P99, percentile};
@@ -59,6 +63,12 @@ pub struct TraceStats {
     pub over_limit: usize,
     /// Sessions holding an over-limit request, ascending.
     pub over_limit_sessions: Vec<SessionId>,
+    /// Subagent sessions, explicit and inferred.
+    pub subagents: SubagentStats,
+    /// Later turns that rewrite the prompt.
+    pub compactions: CompactionStats,
+    /// Sessions ended explicitly (`final`).
+    pub ends: EndStats,
     /// Tokens per block id.
     pub block_size: u32,
 }
@@ -257,6 +267,9 @@ pub fn compute(trace: &Trace, limit: u64) -> TraceStats {
         limit,
         over_limit,
         over_limit_sessions,
+        subagents: agents::subagents(trace),
+        compactions: agents::compactions(trace),
+        ends: agents::ends(trace),
         block_size: bs.tokens(),
     }
 }
@@ -329,6 +342,38 @@ impl fmt::Display for TraceStats {
             } else {
                 sessions.join(", ")
             }
+        )?;
+        let sa = &self.subagents;
+        writeln!(
+            f,
+            "{:<22} {} explicit ({} parents)  {} inferred ({} parents)  {} of sessions  ({} common blocks)",
+            "subagent sessions",
+            sa.explicit,
+            sa.explicit_parents,
+            sa.inferred,
+            sa.inferred_parents,
+            pct(sa.share),
+            sa.common_blocks
+        )?;
+        let c = &self.compactions;
+        writeln!(
+            f,
+            "{:<22} {} ({} of {} later turns; {} diverge, {})",
+            "compactions",
+            c.count,
+            pct(c.share),
+            c.turns,
+            c.diverging,
+            pct(c.diverging_share)
+        )?;
+        let e = &self.ends;
+        writeln!(
+            f,
+            "{:<22} {} sessions ({}; {} final requests not last)",
+            "explicit ends",
+            e.count,
+            pct(e.share),
+            e.final_not_last
         )
     }
 }

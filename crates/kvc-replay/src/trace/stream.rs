@@ -345,6 +345,8 @@ impl<R: BufRead> RequestSource for TraceStream<R> {
                 timestamp_ms: l.timestamp_ms,
                 session,
                 turn,
+                parent_session: l.parent_session_id,
+                session_final: l.session_final,
                 input_length: l.input_length,
                 output_length: l.output_length,
                 hash_ids: HashIds::from(list.to_vec()),
