@@ -223,3 +223,64 @@ fn stats_infers_sessions_on_request() {
     assert_eq!(sessions(&["--infer-sessions"]), 1);
 }
 
+#[test]
+fn gen_agentic_adds_children_compactions_and_ends_and_stats_reports_them() {
+    let path = tmp("agentic.jsonl");
+    let gen_agentic = |extra: &[&str]| {
+        run(bin()
+            .args(["gen", "swe", "--seed", "1", "--agentic", "--out", "-", "-q"])
+            .args(extra))
+        .stdout
+    };
+    let a = gen_agentic(&[]);
+    assert_eq!(gen_agentic(&[]), a);
+    std::fs::write(&path, &a).unwrap();
+    // The preset is the three options.
+    let explicit = run(bin().args([
+        "gen",
+        "swe",
+        "--seed",
+        "1",
+        "--subagents",
+        "0.3",
+        "--compactions",
+        "0.5",
+        "--ends",
+        "0.8",
+        "--out",
+        "-",
+        "-q",
+    ]));
+    assert_eq!(explicit.stdout, a);
+    // An explicit option overrides the preset: no subagents, the rest as before.
+    let no_children = gen_agentic(&["--subagents", "0"]);
+    let text = String::from_utf8(no_children).unwrap();
+    assert!(!text.contains("parent_session_id"));
+    assert!(text.contains("\"final\":true"));
+
+    let out = run(bin().arg("stats").arg(&path).args(["--json", "-q"]));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let children = v["subagents"]["explicit"].as_u64().unwrap();
+    assert!((16..=48).contains(&children), "{children}");
+    assert_eq!(v["subagents"]["explicit_parents"], 16);
+    assert_eq!(v["sessions"], 52 + children);
+    assert!(v["compactions"]["count"].as_u64().unwrap() >= 8, "{v}");
+    assert!(v["ends"]["count"].as_u64().unwrap() >= 42, "{v}");
+    let table = run(bin().arg("stats").arg(&path).arg("-q"));
+    let table = String::from_utf8(table.stdout).unwrap();
+    for line in ["subagent sessions ", "compactions ", "explicit ends "] {
+        assert!(table.contains(line), "{table}");
+    }
+
+    // A share outside 0–1 is refused, naming the option.
+    let bad = bin()
+        .args(["gen", "swe", "--seed", "1", "--ends", "1.5", "--out", "-"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let err = String::from_utf8(bad.stderr).unwrap();
+    assert!(
+        err.contains("--ends") && err.contains("expected a fraction from 0 to 1"),
+        "{err}"
+    );
+}

@@ -23,6 +23,10 @@ enum Kind {
     /// longest sessions (per 52) ending just past the 92,098-token input limit. Records carry
     /// `session_id` and `turn_id` and are sorted by timestamp. The same seed and options give a
     /// byte-identical file on every platform.
+    ///
+    /// Coding-agent traffic beyond that, all off by default (and then the trace is exactly the
+    /// one without them): subagent sessions (`--subagents`), compactions (`--compactions`) and
+    /// explicit session ends (`--ends`); `--agentic` turns all three on.
     Swe(SweArgs),
 }
 
@@ -46,12 +50,53 @@ struct SweArgs {
     #[arg(long, value_name = "SECONDS")]
     start_span: Option<f64>,
 
+    /// Share of sessions that spawn subagents, e.g. 0.3 [default: 0, or 0.3 with --agentic].
+    ///
+    /// Such a session, after one of its turns, starts 1–3 child sessions in its pause before
+    /// the next turn, which waits for the last of them. A child's first prompt is the shared
+    /// system prompt (the same leading block ids as its parent's) and a task of its own
+    /// (1,200–4,500 tokens); it runs 2–6 turns that grow as a session's do, with short pauses
+    /// (p50 1.8 s). Every request of a child carries `parent_session_id`; children get session
+    /// ids from the number of sessions upward, numbered by parent, then by start. Their
+    /// requests come on top of --requests.
+    #[arg(long, value_name = "FRACTION", value_parser = fraction)]
+    subagents: Option<f64>,
+
+    /// Share of long sessions that compact, e.g. 0.5 [default: 0, or 0.5 with --agentic].
+    ///
+    /// Long sessions are those whose prompt passes 40,000 tokens (other than the ones that end
+    /// past the input limit). A compacting session, at every turn where its prompt would pass
+    /// 40,000 tokens, rewrites it: the shared system prompt blocks, then new blocks of a
+    /// summary (2,000–8,000 tokens), then the newest message; later turns extend the compacted
+    /// prompt.
+    #[arg(long, value_name = "FRACTION", value_parser = fraction)]
+    compactions: Option<f64>,
+
+    /// Share of sessions whose last request carries `"final": true` (the client ends the
+    /// session explicitly), e.g. 0.8 [default: 0, or 0.8 with --agentic]. Each subagent
+    /// session ends so with that probability.
+    #[arg(long, value_name = "FRACTION", value_parser = fraction)]
+    ends: Option<f64>,
+
+    /// Coding-agent preset: --subagents 0.3 --compactions 0.5 --ends 0.8 (each may still be
+    /// given explicitly, which overrides the preset).
+    #[arg(long)]
+    agentic: bool,
+
     /// Output file (`-` for stdout).
     #[arg(long, value_name = "FILE")]
     out: PathBuf,
 
     #[command(flatten)]
     output: OutputArgs,
+}
+
+/// A share from 0 to 1.
+fn fraction(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("expected a fraction from 0 to 1, not {text:?}")),
+    }
 }
 
 /// Runs `kvc-replay gen`.
@@ -62,11 +107,19 @@ pub(crate) fn run(args: Args) -> anyhow::Result<()> {
 }
 
 fn swe(a: SweArgs) -> anyhow::Result<()> {
+    let (subagents, compactions, ends) = generate::SweConfig::AGENTIC;
     let cfg = generate::SweConfig {
         seed: a.seed,
         sessions: a.sessions,
         requests: a.requests,
         start_span_s: a.start_span,
+        subagents: a
+            .subagents
+            .unwrap_or(if a.agentic { subagents } else { 0.0 }),
+        compactions: a
+            .compactions
+            .unwrap_or(if a.agentic { compactions } else { 0.0 }),
+        ends: a.ends.unwrap_or(if a.agentic { ends } else { 0.0 }),
         ..generate::SweConfig::default()
     };
     if let Some(span) = a.start_span
@@ -78,6 +131,7 @@ fn swe(a: SweArgs) -> anyhow::Result<()> {
     let mut written = 0usize;
     let stream = generate::swe_stream(&cfg);
     let (planned, turn_cap) = stream.planned();
+    let subagent_sessions = stream.planned_subagents();
     match cfg.requests {
         Some(asked) if planned < asked => eprintln!(
             "kvc-replay: warning: {asked} requests asked for, {planned} in {} sessions: a \
@@ -107,10 +161,16 @@ fn swe(a: SweArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot write {}", a.out.display()))?;
     }
     if !a.output.quiet {
+        let children = if subagent_sessions > 0 {
+            format!(" (and {subagent_sessions} subagent sessions)")
+        } else {
+            String::new()
+        };
         eprintln!(
-            "kvc-replay: generated {} requests in {} sessions (seed {}) to {}",
+            "kvc-replay: generated {} requests in {} sessions{} (seed {}) to {}",
             written,
             cfg.sessions,
+            children,
             cfg.seed,
             a.out.display()
         );

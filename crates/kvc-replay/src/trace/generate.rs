@@ -26,6 +26,30 @@
 //! (stratified) over `start_span_s`; gaps between turns and output lengths are drawn from
 //! quantile tables.
 //!
+//! # Coding-agent traffic (optional, off by default)
+//!
+//! - **Subagents** ([`SweConfig::subagents`]): `round(share × sessions)` parents. After one of
+//!   its turns such a parent starts 1–3 child sessions, 0.3–2.5 s apart from the turn, and
+//!   its next turn comes 0.5–3 s after the last child request (or after its own gap, if
+//!   later). A child's prompt opens with the shared system prompt (so its first blocks are its
+//!   parent's), then a task of its own (1,200–4,500 tokens). It runs 2–6 turns that grow as a
+//!   session's do, with short pauses, and its records carry `parent_session_id`. Children are
+//!   numbered from `sessions` upward, by parent and then by start.
+//! - **Compactions** ([`SweConfig::compactions`]): `round(share × long)` of the long sessions
+//!   (prompt past [`COMPACTION_THRESHOLD`] tokens; never one that must pass the input limit).
+//!   Whenever such a session's next prompt would pass the threshold, it is rewritten: the
+//!   system prompt, a new summary (2,000–8,000 tokens), then the newest output and
+//!   observation.
+//! - **Explicit ends** ([`SweConfig::ends`]): the last request of `round(share × sessions)`
+//!   sessions (and of each child with probability `share`) carries `final`.
+//!
+//! Each feature draws from a ChaCha stream of its own (near `u64::MAX`, apart from the plan's
+//! and the sessions'). With all three at 0 no draw is made, and the trace is exactly the one
+//! without them. One feature never changes another's choices: `ends` alone changes only the
+//! `final` flags, and `compactions` alone changes only the compacting sessions. Children's
+//! records come in timestamp order with everyone else's: a child is generated with its
+//! parent, before the parent's first record is given.
+//!
 //! Block ids are *chained*: a block's id is interned from the id of the block before it and
 //! the exact segment pieces it covers, so identical prefixes share ids and the first differing
 //! block and everything after it get fresh ids. Ids are finally renumbered `0, 1, …` in order of
@@ -78,6 +102,18 @@ pub struct SweConfig {
     /// Seconds over which session starts are spread; `None` for `5,600 · sessions / 52`
     /// (the reference rate of new sessions).
     pub start_span_s: Option<f64>,
+    /// Share (0–1) of sessions that spawn subagent sessions (see the module docs); 0 for none.
+    pub subagents: f64,
+    /// Share (0–1) of the long sessions (those whose prompt passes 40,000 tokens, other than
+    /// the ones ending past the input limit) that compact their prompt; 0 for none.
+    pub compactions: f64,
+    /// Share (0–1) of sessions whose last request carries `final: true`; 0 for none.
+    pub ends: f64,
+}
+
+impl SweConfig {
+    /// The `--agentic` preset: subagents 0.3, compactions 0.5, ends 0.8.
+    pub const AGENTIC: (f64, f64, f64) = (0.3, 0.5, 0.8);
 }
 
 impl Default for SweConfig {
@@ -90,6 +126,9 @@ impl Default for SweConfig {
             max_input_tokens: DEFAULT_MAX_INPUT_TOKENS,
             system_prompt_tokens: 1_800,
             start_span_s: None,
+            subagents: 0.0,
+            compactions: 0.0,
+            ends: 0.0,
         }
     }
 }
@@ -170,6 +209,27 @@ const TASK: (u64, u64) = (4_500, 7_500);
 const COMPACT_MARGIN: u64 = 4_096;
 /// …and collapses segments until the prompt is this much below the threshold.
 const COMPACT_DROP: u64 = 8_000;
+/// A session that compacts does so whenever its prompt passes this many tokens.
+pub const COMPACTION_THRESHOLD: u64 = 40_000;
+/// Range of a compaction's summary (tokens).
+const SUMMARY: (u64, u64) = (2_000, 8_000);
+/// Range of a subagent's task statement (tokens).
+const CHILD_TASK: (u64, u64) = (1_200, 4_500);
+/// Range of the turns of a subagent session.
+const CHILD_TURNS: (u64, u64) = (2, 6);
+/// Range of the subagents one parent spawns.
+const CHILD_COUNT: (u64, u64) = (1, 3);
+/// Range of the delay from the parent's spawning turn to a subagent's first request (ms).
+const CHILD_DELAY_MS: (u64, u64) = (300, 2_500);
+/// Range of the delay from a parent's last subagent request to the parent's next turn (ms).
+const RESUME_MS: (u64, u64) = (500, 3_000);
+/// Seconds between consecutive turns of a subagent session: short pauses.
+const CHILD_GAP_S: Quantiles = &[(0.0, 0.6), (0.1, 1.0), (0.5, 1.8), (0.9, 3.5), (1.0, 8.0)];
+/// ChaCha streams of the optional features, apart from the plan's (0) and the sessions'
+/// (`s + 1`), so each feature leaves the draws of the others, and the default trace, alone.
+const SUBAGENT_STREAM: u64 = u64::MAX;
+const COMPACTION_STREAM: u64 = u64::MAX - 1;
+const ENDS_STREAM: u64 = u64::MAX - 2;
 /// Seconds of session starts per session (5,600 s for 52 sessions).
 const START_SPAN_PER_SESSION_S: f64 = 5_600.0 / 52.0;
 
@@ -228,6 +288,8 @@ enum Kind {
     Output,
     Short,
     Long,
+    /// A compaction's summary of the session so far.
+    Summary,
 }
 
 #[derive(Clone, Copy)]
@@ -304,6 +366,11 @@ struct SessionSim<'a> {
     /// Collapse old segments when the prompt nears the limit (for sessions that must stay
     /// under it; never when ending over the limit).
     compact: bool,
+    /// Rewrite the prompt (system prompt, summary, newest message) whenever it passes this
+    /// many tokens.
+    compact_over: Option<u64>,
+    /// A subagent session: a shorter task statement and short pauses between turns.
+    child: bool,
 }
 
 impl SessionSim<'_> {
@@ -322,7 +389,12 @@ impl SessionSim<'_> {
             next_uid
         };
 
-        let task = draw.range(TASK.0, TASK.1);
+        let (task_range, gaps) = if self.child {
+            (CHILD_TASK, CHILD_GAP_S)
+        } else {
+            (TASK, GAP_S)
+        };
+        let task = draw.range(task_range.0, task_range.1);
         let window = draw.range(WINDOW.0, WINDOW.1);
         let mut segs = vec![
             Segment {
@@ -352,7 +424,7 @@ impl SessionSim<'_> {
         loop {
             let turn = out.len() + 1;
             let output = whole(draw.quantile(OUTPUT), 1);
-            let gap_ms = whole(draw.quantile(GAP_S) * 1000.0, 1);
+            let gap_ms = whole(draw.quantile(gaps) * 1000.0, 1);
             let ids = match interner.as_deref_mut() {
                 Some(int) => {
                     let ids = block_ids(&segs, len, diff, &prev_ids, bs, int);
@@ -440,6 +512,25 @@ impl SessionSim<'_> {
                     start += seg.len;
                 }
             }
+
+            // The agent compacts its context: the system prompt, a summary of the session so
+            // far, then the newest message (this turn's output and observation).
+            if let Some(over) = self.compact_over
+                && retries.is_none()
+                && len > over
+            {
+                let newest = segs.split_off(segs.len() - 2);
+                segs.truncate(1);
+                segs.push(Segment {
+                    uid: uid(),
+                    len: draw.range(SUMMARY.0, SUMMARY.1),
+                    kind: Kind::Summary,
+                    collapsed: false,
+                });
+                segs.extend(newest);
+                diff = diff.min(cfg.system_prompt_tokens);
+                len = segs.iter().map(|s| s.len).sum();
+            }
         }
         out
     }
@@ -487,7 +578,8 @@ fn block_ids(
 
 /// Generates a SWE-agent-like trace (see the module docs); records are sorted by timestamp,
 /// ties broken by session and turn, and carry `session_id` (0-based, in order of session
-/// start) and `turn_id` (from 1). [`swe_stream`] gives the same records one at a time.
+/// start; subagent sessions from `sessions` upward) and `turn_id` (from 1). [`swe_stream`]
+/// gives the same records one at a time.
 pub fn swe(cfg: &SweConfig) -> Vec<TraceRecord> {
     swe_stream(cfg).collect()
 }
@@ -502,6 +594,7 @@ fn plan(cfg: &SweConfig) -> SwePlan {
             starts_ms: Vec::new(),
             planned: 0,
             turn_cap: 0,
+            agentic: Agentic::default(),
         };
     }
     let mut plan = Draw::stream(cfg.seed, 0);
@@ -555,6 +648,8 @@ fn plan(cfg: &SweConfig) -> SwePlan {
             session: s,
             growth: growth[s],
             compact: false,
+            compact_over: None,
+            child: false,
         };
         final_turns[s] = Some(sim.run(e, None).len());
     }
@@ -599,13 +694,125 @@ fn plan(cfg: &SweConfig) -> SwePlan {
         ending[s] = Ending::Turns(final_turns[s].unwrap_or(MIN_TURNS));
     }
 
+    let lengths: Vec<usize> = final_turns.iter().map(|t| t.unwrap_or(MIN_TURNS)).collect();
+    let agentic = plan_agentic(cfg, &growth, &ending, &lengths);
     SwePlan {
         growth,
         ending,
         starts_ms,
         planned: total,
         turn_cap: cap,
+        agentic,
     }
+}
+
+/// Rounds `fraction` (clamped to 0–1) of `n` to a whole count.
+fn share_of(fraction: f64, n: usize) -> usize {
+    let f = if fraction.is_nan() {
+        0.0
+    } else {
+        fraction.clamp(0.0, 1.0)
+    };
+    ((f * n as f64 + 0.5) as usize).min(n)
+}
+
+/// `k` of `items`, chosen by a partial Fisher–Yates shuffle, in ascending order.
+fn choose(draw: &mut Draw, mut items: Vec<usize>, k: usize) -> Vec<usize> {
+    let n = items.len();
+    for i in 0..k.min(n) {
+        let j = draw.range(i as u64, n as u64 - 1) as usize;
+        items.swap(i, j);
+    }
+    items.truncate(k);
+    items.sort_unstable();
+    items
+}
+
+/// Subagents, compactions and explicit ends of every session, each drawn from its own stream;
+/// `lengths` holds the requests of every session.
+fn plan_agentic(cfg: &SweConfig, growth: &[f64], ending: &[Ending], lengths: &[usize]) -> Agentic {
+    let n = ending.len();
+    let mut a = Agentic {
+        spawns: vec![None; n],
+        children: Vec::new(),
+        compacts: vec![false; n],
+        ends: vec![false; n],
+    };
+
+    let parents = share_of(cfg.subagents, n);
+    if parents > 0 {
+        let mut draw = Draw::stream(cfg.seed, SUBAGENT_STREAM);
+        for s in choose(&mut draw, (0..n).collect(), parents) {
+            // The spawning turn has a next turn (other than a retry of an over-limit prompt).
+            let retries = match ending[s] {
+                Ending::Turns(_) => 0,
+                Ending::OverLimit { retries, .. } => retries,
+            };
+            let last_spawn = lengths[s].saturating_sub(retries + 1);
+            if last_spawn == 0 {
+                continue;
+            }
+            let after_turn = draw.range(1, last_spawn as u64) as usize;
+            let count = draw.range(CHILD_COUNT.0, CHILD_COUNT.1) as usize;
+            let mut delays: Vec<u64> = (0..count)
+                .map(|_| draw.range(CHILD_DELAY_MS.0, CHILD_DELAY_MS.1))
+                .collect();
+            // Children are numbered in the order they start.
+            delays.sort_unstable();
+            let first = a.children.len();
+            for delay_ms in delays {
+                a.children.push(ChildPlan {
+                    turns: draw.range(CHILD_TURNS.0, CHILD_TURNS.1) as usize,
+                    growth: draw.quantile(GROWTH),
+                    delay_ms,
+                    final_end: false,
+                });
+            }
+            a.spawns[s] = Some(Spawn {
+                after_turn,
+                children: first..a.children.len(),
+                resume_ms: draw.range(RESUME_MS.0, RESUME_MS.1),
+            });
+        }
+    }
+
+    if cfg.compactions > 0.0 {
+        // Long sessions: those whose prompt passes the threshold (never the ones that must
+        // pass the input limit).
+        let long: Vec<usize> = (0..n)
+            .filter(|&s| {
+                matches!(ending[s], Ending::Turns(_))
+                    && SessionSim {
+                        cfg,
+                        session: s,
+                        growth: growth[s],
+                        compact: true,
+                        compact_over: None,
+                        child: false,
+                    }
+                    .run(ending[s], None)
+                    .iter()
+                    .any(|t| t.input > COMPACTION_THRESHOLD)
+            })
+            .collect();
+        let k = share_of(cfg.compactions, long.len());
+        let mut draw = Draw::stream(cfg.seed, COMPACTION_STREAM);
+        for s in choose(&mut draw, long, k) {
+            a.compacts[s] = true;
+        }
+    }
+
+    if cfg.ends > 0.0 {
+        let mut draw = Draw::stream(cfg.seed, ENDS_STREAM);
+        for s in choose(&mut draw, (0..n).collect(), share_of(cfg.ends, n)) {
+            a.ends[s] = true;
+        }
+        // Subagents end explicitly with the same probability.
+        for c in &mut a.children {
+            c.final_end = draw.unit() < cfg.ends;
+        }
+    }
+    a
 }
 
 /// What the generator decides for every session before generating any turn.
@@ -617,6 +824,40 @@ struct SwePlan {
     planned: usize,
     /// Most turns of a session that does not pass the input limit.
     turn_cap: usize,
+    agentic: Agentic,
+}
+
+/// The optional agentic features of a plan (all empty by default).
+#[derive(Default)]
+struct Agentic {
+    /// Per session: the subagents it spawns, if any.
+    spawns: Vec<Option<Spawn>>,
+    /// Subagent sessions; child `j` has session id `sessions + j`.
+    children: Vec<ChildPlan>,
+    /// Per session: whether it compacts past [`COMPACTION_THRESHOLD`].
+    compacts: Vec<bool>,
+    /// Per session: whether its last request carries `final`.
+    ends: Vec<bool>,
+}
+
+/// Subagents a parent spawns after one of its turns.
+#[derive(Clone)]
+struct Spawn {
+    /// The parent's turn (1-based) after which the subagents start.
+    after_turn: usize,
+    /// Their indices in [`Agentic::children`].
+    children: std::ops::Range<usize>,
+    /// Delay from the last subagent request to the parent's next turn (ms).
+    resume_ms: u64,
+}
+
+/// One subagent session.
+struct ChildPlan {
+    turns: usize,
+    growth: f64,
+    /// Delay from the parent's spawning turn to the subagent's first request (ms).
+    delay_ms: u64,
+    final_end: bool,
 }
 
 /// The records of [`swe`], generated as they are taken: sessions are generated when the
@@ -644,6 +885,10 @@ struct OpenSession {
     turn: usize,
     ts: u64,
     ids: Vec<u64>,
+    /// The session that spawned this one (subagents only).
+    parent: Option<SessionId>,
+    /// Whether the last request carries `final`.
+    final_end: bool,
 }
 
 /// Generates a SWE-agent-like trace as a stream of records (see [`swe`]).
@@ -664,24 +909,107 @@ impl SweStream<'_> {
     /// Requests the stream will give, and the most turns of a session that stays under the
     /// input limit: fewer requests than asked for when the sessions cannot hold them (every
     /// such session is kept shorter than the shortest one that passes the limit).
+    ///
+    /// Both count the top-level sessions only: subagent sessions (see [`SweConfig::subagents`])
+    /// come on top, and [`planned_total`](Self::planned_total) counts them too.
     pub fn planned(&self) -> (usize, usize) {
         (self.plan.planned, self.plan.turn_cap)
     }
 
-    /// Generates session `s` with block hashing and queues its first turn.
+    /// Requests the stream will give, subagent sessions' included.
+    pub fn planned_total(&self) -> usize {
+        self.plan.planned
+            + self
+                .plan
+                .agentic
+                .children
+                .iter()
+                .map(|c| c.turns)
+                .sum::<usize>()
+    }
+
+    /// Subagent sessions the stream will give.
+    pub fn planned_subagents(&self) -> usize {
+        self.plan.agentic.children.len()
+    }
+
+    /// Generates session `s` (and the subagents it spawns) with block hashing and queues its
+    /// first turn.
     fn open_session(&mut self, s: usize) {
+        let a = &self.plan.agentic;
         let sim = SessionSim {
             cfg: self.cfg,
             session: s,
             growth: self.plan.growth[s],
             compact: true,
+            compact_over: a
+                .compacts
+                .get(s)
+                .copied()
+                .unwrap_or(false)
+                .then_some(COMPACTION_THRESHOLD),
+            child: false,
         };
         self.interner.new_session();
-        let turns = sim.run(self.plan.ending[s], Some(&mut self.interner));
+        let mut turns = sim.run(self.plan.ending[s], Some(&mut self.interner));
+        let start = self.plan.starts_ms[s];
+        if let Some(spawn) = a.spawns.get(s).cloned().flatten()
+            && spawn.after_turn < turns.len()
+        {
+            // The spawning turn's timestamp; the subagents run in the pause after it, and the
+            // parent's next turn waits for the last of them.
+            let spawned_at = turns[..spawn.after_turn]
+                .iter()
+                .fold(start, |ts, t| ts.saturating_add(t.gap_ms));
+            let mut last = spawned_at;
+            for j in spawn.children {
+                let c = &self.plan.agentic.children[j];
+                let id = self.cfg.sessions + j;
+                let child = SessionSim {
+                    cfg: self.cfg,
+                    session: id,
+                    growth: c.growth,
+                    compact: true,
+                    compact_over: None,
+                    child: true,
+                };
+                let (delay, final_end) = (c.delay_ms, c.final_end);
+                self.interner.new_session();
+                let child_turns = child.run(Ending::Turns(c.turns), Some(&mut self.interner));
+                let first_ts = spawned_at.saturating_add(delay);
+                let end = child_turns
+                    .iter()
+                    .fold(first_ts, |ts, t| ts.saturating_add(t.gap_ms));
+                last = last.max(end);
+                self.queue(
+                    id,
+                    child_turns,
+                    first_ts,
+                    Some(SessionId(s as u64)),
+                    final_end,
+                );
+            }
+            let next = &mut turns[spawn.after_turn];
+            let needed = last.saturating_add(spawn.resume_ms) - spawned_at;
+            next.gap_ms = next.gap_ms.max(needed);
+        }
+        let final_end = self.plan.agentic.ends.get(s).copied().unwrap_or(false);
+        self.queue(s, turns, start, None, final_end);
+    }
+
+    /// Queues the first turn of session `s`, which starts at `start` (ms).
+    fn queue(
+        &mut self,
+        s: usize,
+        turns: Vec<Turn>,
+        start: u64,
+        parent: Option<SessionId>,
+        final_end: bool,
+    ) {
         let Some(first) = turns.first() else {
             return;
         };
-        let ts = self.plan.starts_ms[s].saturating_add(first.gap_ms);
+        let ts = start.saturating_add(first.gap_ms);
         self.open.insert(
             s,
             OpenSession {
@@ -689,6 +1017,8 @@ impl SweStream<'_> {
                 turn: 1,
                 ts,
                 ids: Vec::new(),
+                parent,
+                final_end,
             },
         );
         self.heads.push(std::cmp::Reverse((ts, s)));
@@ -700,10 +1030,12 @@ impl Iterator for SweStream<'_> {
 
     fn next(&mut self) -> Option<TraceRecord> {
         // Records are in (timestamp, session, turn) order; sessions start in session order, so
-        // a session is generated before the first record that would follow its first turn.
+        // a session is generated before the first record that would follow its first turn
+        // (subagents, numbered after every top-level session, are generated with their parent,
+        // before their first turn).
         while self.next_session < self.cfg.sessions
-            && self.heads.peek().is_none_or(|std::cmp::Reverse((ts, _))| {
-                self.plan.starts_ms[self.next_session] < *ts
+            && self.heads.peek().is_none_or(|&std::cmp::Reverse(head)| {
+                (self.plan.starts_ms[self.next_session], self.next_session) < head
             })
         {
             self.open_session(self.next_session);
@@ -737,12 +1069,13 @@ impl Iterator for SweStream<'_> {
                 BlockHash(*slot)
             })
             .collect();
+        let last = open.turns.as_slice().is_empty();
         let record = TraceRecord {
             timestamp: ts,
             session_id: Some(SessionId(s as u64)),
-            parent_session_id: None,
+            parent_session_id: open.parent,
             turn_id: Some(TurnId(u32::try_from(k).unwrap_or(u32::MAX))),
-            session_final: false,
+            session_final: last && open.final_end,
             input_length: t.input,
             output_length: t.output,
             hash_ids,
@@ -772,6 +1105,8 @@ fn fit_over_limit(cfg: &SweConfig, s: usize, target: usize, margin: u64) -> f64 
             session: s,
             growth: g,
             compact: false,
+            compact_over: None,
+            child: false,
         };
         sim.run(Ending::Turns(target), None)
             .iter()
