@@ -166,7 +166,7 @@ stable_enum! {
         /// no turn goes direct-to-D there.
         DirectUnsupported => "direct-unsupported",
         /// The prompt no longer extends the session's previous one: it leaves that prompt
-        /// before its last blocks and is shorter (the agent compacted or rewrote its
+        /// before its last blocks and keeps at most a quarter of it (the agent compacted its
         /// history), and what the session's D does not hold of it is over the direct-to-D
         /// limit. The turn is placed as a fresh seed; the stale KV is the D's to reclaim.
         Compacted => "compacted",

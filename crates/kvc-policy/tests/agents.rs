@@ -141,10 +141,7 @@ fn compactions_are_told_apart_from_appends() {
     let ws = pd(1, 1);
     r.serve(&ws, Some((1, 1)), &ctx_blocks(1, 0, 20));
     let s = r.state.session(SessionId(1)).unwrap().clone();
-    let check = |blocks: &[BlockHash]| {
-        let shared = s.shared_prefix(blocks);
-        is_compaction(&s, blocks, shared)
-    };
+    let check = |blocks: &[BlockHash]| is_compaction(&s, s.shared_prefix(blocks));
     assert!(!check(&ctx_blocks(1, 0, 26)), "an append");
     // The last two blocks rewritten (a partial block, a generation prompt): not a compaction.
     let mut tail = ctx_blocks(1, 0, 22);
@@ -152,12 +149,17 @@ fn compactions_are_told_apart_from_appends() {
     assert!(!check(&tail[..23]), "the tail rewritten");
     assert!(
         check(&ctx_blocks(1, 1, 6)),
-        "history summarised: shorter, leaves early"
+        "history summarised: the system prompt kept"
     );
-    assert!(
-        !check(&ctx_blocks(1, 1, 30)),
-        "rewritten but longer: a large append"
-    );
+    // Old tool output elided: it leaves the last prompt early but keeps more than a quarter.
+    let mut elided = ctx_blocks(1, 0, 20);
+    elided.truncate(10);
+    elided.extend((0..12).map(|k| BlockHash(9_000 + k)));
+    assert!(!check(&elided), "an elision");
+    let mut cut = ctx_blocks(1, 0, 20);
+    cut.truncate(6);
+    cut.extend((0..12).map(|k| BlockHash(9_000 + k)));
+    assert!(check(&cut), "a quarter kept");
 }
 
 #[test]

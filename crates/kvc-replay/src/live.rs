@@ -260,6 +260,9 @@ impl Decider for RemoteDecider {
             msg.session_id = req
                 .session
                 .map(|s| kvc_core::SessionId::from_key(&kv_events::session_label(s)).0);
+            msg.parent_session_id = req
+                .parent
+                .map(|s| kvc_core::SessionId::from_key(&kv_events::session_label(s)).0);
         }
         let mut client = self.client.clone();
         let d = self.call(async move { client.route(msg).await })?;

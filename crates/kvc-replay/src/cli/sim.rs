@@ -88,6 +88,11 @@ pub(crate) struct RunArgs {
     /// such turns; other policies behave the same either way.
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = on_off, action = clap::ArgAction::Set)]
     pub(crate) local_prefill: bool,
+    /// Whether the trace's explicit session ends (`final`) are honoured, on or off: on, the
+    /// router forgets an ended session once its last request is answered and its decode
+    /// worker releases the session's KV; off, ended sessions stay until evicted or expired.
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub(crate) session_ends: bool,
     /// Routing policy (see `kvc-replay policies`).
     #[arg(long, default_value = "kvc")]
     pub(crate) policy: String,
@@ -145,6 +150,7 @@ impl RunArgs {
         cfg.seed = self.seed;
         cfg.backpressure = self.backpressure == "on";
         cfg.local_prefill = self.local_prefill;
+        cfg.session_ends = self.session_ends;
         cfg.eviction = match self.eviction.as_str() {
             "tiered" => EvictionMode::Tiered,
             _ => EvictionMode::IdleLru,

@@ -40,6 +40,11 @@ pub struct SimConfig {
     /// `local-prefill` turns (`kvc`) route by it; on every policy it decides what a decode
     /// worker does with a retracted request.
     pub local_prefill: bool,
+    /// Whether the clients' explicit session ends (a trace's `final`) are honoured: the
+    /// router forgets the session once its last request is answered, and the engine releases
+    /// its KV (as vLLM holds an ended request's blocks unreferenced, the first to go). Off,
+    /// ended sessions stay until evicted or expired, as without the signal.
+    pub session_ends: bool,
 }
 
 impl SimConfig {
@@ -77,6 +82,7 @@ impl SimConfig {
             profile: Profile::default(),
             jitter: 0.02,
             local_prefill: true,
+            session_ends: true,
         }
     }
 
@@ -141,6 +147,7 @@ pub fn run_config(cfg: &SimConfig) -> RunConfig {
         eviction: cfg.eviction.as_str().to_owned(),
         profile: cfg.profile.name.clone(),
         local_prefill: cfg.local_prefill,
+        session_ends: (!cfg.session_ends).then_some(false),
         policy_config: serde_json::to_value(&cfg.policy).unwrap_or(serde_json::Value::Null),
     }
 }

@@ -60,6 +60,11 @@ pub trait Decider {
     fn carried_out(&mut self, routed: &Routed);
     /// Feedback from the data plane; `routed` is the decision it concerns, when there is one.
     fn observe(&mut self, event: &Observation, routed: Option<&Routed>);
+    /// The client ended `session` (its last request is answered): its routing state goes.
+    /// A decider without such a call leaves the session to its own expiry.
+    fn end_session(&mut self, session: kvc_core::SessionId) {
+        let _ = session;
+    }
 }
 
 /// The policy of a [`super::SimConfig`], run in process with its own [`RouterState`].
@@ -98,6 +103,10 @@ impl Decider for LocalPolicy {
 
     fn observe(&mut self, event: &Observation, _routed: Option<&Routed>) {
         self.state.observe(event);
+    }
+
+    fn end_session(&mut self, session: kvc_core::SessionId) {
+        self.state.forget_session(session);
     }
 }
 

@@ -177,6 +177,10 @@ pub struct RunConfig {
     /// absent from summaries written before it existed, whose engines did not.
     #[serde(default)]
     pub local_prefill: bool,
+    /// `false` when the run ignored the trace's explicit session ends (`SimConfig::session_ends`);
+    /// absent when it honoured them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_ends: Option<bool>,
     /// The policy's full configuration.
     pub policy_config: serde_json::Value,
 }

@@ -445,7 +445,7 @@ impl Replay<'_> {
             output_hint: r.output_length,
             hash_ids: &r.hash_ids,
             rejected_by,
-            parent: None,
+            parent: r.parent_session,
         };
         let states = EngineStates(&self.engine);
         self.decider
@@ -697,6 +697,16 @@ impl Replay<'_> {
             }),
         };
         self.emit(record);
+        if self.cfg.session_ends && live.request.session_final {
+            // The client ended the session: the router forgets it and its D lets its KV go.
+            let session = live.request.session;
+            self.decider.end_session(session);
+            if let Some(d) = &live.progress.decision {
+                self.engine.release_session(d.decode, session, self.now);
+                // Work waiting there for room may start now.
+                self.drain_engine();
+            }
+        }
         self.in_flight -= 1;
         self.completed += 1;
         if let Some(next) = self.awaiting.remove(&i) {
