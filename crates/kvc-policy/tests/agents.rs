@@ -4,24 +4,8 @@
 mod common;
 
 use common::*;
-use kvc_core::{
-    BlockHash, Capabilities, ExecutionMode, FallThroughReason, SessionId, TurnId, WorkerId,
-    WorkerRole,
-};
-use kvc_policy::{KvcConfig, PolicyConfig, Residency, RouteRequest, WorkerView, is_compaction};
-
-/// `p` prefill workers then `d` decode workers that serve turns alone (vLLM instances).
-fn pd_vllm(p: u32, d: u32) -> Vec<WorkerView> {
-    pd(p, d)
-        .into_iter()
-        .map(|w| match w.role {
-            WorkerRole::Decode => {
-                w.with_caps(Capabilities::of_role(WorkerRole::Decode).with_local())
-            }
-            _ => w,
-        })
-        .collect()
-}
+use kvc_core::{BlockHash, ExecutionMode, FallThroughReason, SessionId, TurnId, WorkerId};
+use kvc_policy::{KvcConfig, PolicyConfig, Residency, RouteRequest, is_compaction};
 
 fn kvc_with(f: impl FnOnce(&mut KvcConfig)) -> PolicyConfig {
     let mut c = KvcConfig::default();
@@ -39,7 +23,7 @@ fn parent_on_its_d(r: &mut Router, ws: &[kvc_policy::WorkerView]) -> WorkerId {
 
 #[test]
 fn a_subagents_first_turn_is_an_append_on_its_parents_d() {
-    let ws = pd_vllm(1, 3);
+    let ws = pd_local(1, 3);
     let mut r = Router::new(PolicyConfig::default(), &ws);
     let parent_d = parent_on_its_d(&mut r, &ws);
     // The child shares the system prompt (4 blocks) with its parent, then 3 blocks of its own.
@@ -86,7 +70,7 @@ fn a_subagents_first_turn_is_an_append_on_its_parents_d() {
 
 #[test]
 fn a_subagent_is_seeded_where_its_parents_d_cannot_take_it() {
-    let ws = pd_vllm(1, 2);
+    let ws = pd_local(1, 2);
     let child = ctx_blocks(2, 0, 3);
     type Tweak = fn(&mut Vec<kvc_policy::WorkerView>, WorkerId);
     let seeded = |config: PolicyConfig, tweak: Tweak, refused: bool| {

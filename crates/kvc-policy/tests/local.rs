@@ -13,19 +13,6 @@ use kvc_policy::{
     WorkerView,
 };
 
-/// `p` prefill and `d` decode workers whose decode workers serve turns alone (vLLM).
-fn pd_local(p: u32, d: u32) -> Vec<WorkerView> {
-    pd(p, d)
-        .into_iter()
-        .map(|w| match w.role {
-            WorkerRole::Decode => {
-                w.with_caps(Capabilities::of_role(WorkerRole::Decode).with_local())
-            }
-            _ => w,
-        })
-        .collect()
-}
-
 /// `n` all-capable workers.
 fn all_capable(n: u32) -> Vec<WorkerView> {
     (0..n)

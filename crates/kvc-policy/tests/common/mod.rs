@@ -2,7 +2,8 @@
 #![allow(dead_code, unreachable_pub)]
 
 use kvc_core::{
-    BlockHash, Health, Outcome, RequestId, SessionId, TurnId, WorkerId, WorkerRole, WorkerState,
+    BlockHash, Capabilities, Health, Outcome, RequestId, SessionId, TurnId, WorkerId, WorkerRole,
+    WorkerState,
 };
 use kvc_policy::{
     ClusterView, Decision, Observation, PolicyConfig, PolicyError, RouteRequest, RouterState,
@@ -27,6 +28,19 @@ pub fn pd(p: u32, d: u32) -> Vec<WorkerView> {
     (0..p)
         .map(|i| worker(i, WorkerRole::Prefill))
         .chain((p..p + d).map(|i| worker(i, WorkerRole::Decode)))
+        .collect()
+}
+
+/// `p` prefill and `d` decode workers whose decode workers serve turns alone (vLLM).
+pub fn pd_local(p: u32, d: u32) -> Vec<WorkerView> {
+    pd(p, d)
+        .into_iter()
+        .map(|w| match w.role {
+            WorkerRole::Decode => {
+                w.with_caps(Capabilities::of_role(WorkerRole::Decode).with_local())
+            }
+            _ => w,
+        })
         .collect()
 }
 
