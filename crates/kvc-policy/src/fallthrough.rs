@@ -32,9 +32,13 @@ pub enum TurnClass {
 /// history; what the session's D holds past the shared blocks is stale. (Eliding old tool
 /// output also leaves the last prompt early, but keeps most of it: on the generated SWE
 /// traces at least 42%, where a compaction keeps the system prompt alone, about 4%.)
+///
+/// A session whose list was cut by [`crate::StateBounds::max_session_blocks`] is judged by its
+/// kept blocks: a prompt that shares all of them may share more, and is not taken for one.
 pub fn is_compaction(session: &SessionRoute, shared: usize) -> bool {
     let last = session.block_count();
-    shared + 2 < last && shared * 4 <= last
+    let known = shared < session.blocks.len() || session.blocks.len() == last;
+    known && shared + 2 < last && shared * 4 <= last
 }
 
 /// Whether the request is routed as a first turn: a one-off request, turn 1, or a session
