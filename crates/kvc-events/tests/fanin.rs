@@ -82,20 +82,24 @@ async fn wait_all(what: &str, subs: &[&Subscriber], pred: impl Fn(&StatsSnapshot
     }
 }
 
-/// Publishes engine `e`'s batches, then empty batches until its subscriber has applied the
-/// last one (PUB may drop the first messages of a subscription it has not seen yet; a later
-/// one then shows the gap, which the replay closes). Bounded: 500 empty batches.
+/// Publishes engine `e`'s batches, then an empty batch every 100 ms until its subscriber has
+/// applied the last one published (PUB may drop the first messages of a subscription it has
+/// not seen yet; a later one then shows the gap, which the replay closes). A subscriber slowed
+/// by a busy machine gets the 100 ms to catch up, rather than chasing a new batch every poll.
+/// Bounded: 10 s.
 async fn publish_all(p: &Publisher, e: u32, sub: &Subscriber) {
     let mut last = 0;
     for b in 0..BATCHES {
         last = p.publish(&batch(e, b)).await.unwrap();
     }
-    for _ in 0..500 {
-        if sub.stats.snapshot().last_seq == Some(last) {
+    for i in 1..=1_000 {
+        if sub.stats.snapshot().last_seq.is_some_and(|s| s >= last) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
-        last = p.publish(&EventBatch::default()).await.unwrap();
+        if i % 10 == 0 {
+            last = p.publish(&EventBatch::default()).await.unwrap();
+        }
     }
     panic!("engine {e}: never applied: {:?}", sub.stats.snapshot());
 }
