@@ -1101,10 +1101,10 @@ fn run_agent(what: &str, mut cmd: Command) -> String {
 }
 
 /// Claude Code (print mode: a first prompt, then another with `--continue`) and Codex CLI
-/// (exec mode: a first prompt, then `exec resume --last`), installed by
+/// (exec mode: a first prompt, then `exec resume --last` twice), installed by
 /// `scripts/agents/install.sh` and pointed at the router's HTTP front: every request of a run
 /// keyed by the client's own session header, the first turn through P, every later one
-/// direct-to-D, and the cached share D reported to Claude Code quoted. Skipped with a notice
+/// direct-to-D, and the cached share D reported to each client quoted. Skipped with a notice
 /// where npm is absent.
 fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
     let install = Command::new("bash")
@@ -1221,37 +1221,62 @@ fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
     )
     .unwrap();
     let before = agent_counts(router, "thread-id");
-    run_agent(
-        "codex exec",
-        agent(
-            "codex",
-            &[
-                "exec",
-                "--skip-git-repo-check",
-                "Read lib.rs and say what add does.",
-            ],
-        ),
-    );
-    run_agent(
-        "codex exec resume --last",
-        agent(
-            "codex",
-            &[
-                "exec",
-                "--skip-git-repo-check",
-                "resume",
-                "--last",
-                "Now add a test for add.",
-            ],
-        ),
-    );
+    let (mut threads, mut input, mut cached, mut turns) = (Vec::new(), 0u64, 0u64, 0u32);
+    for (i, prompt) in [
+        "Read lib.rs and say what add does.",
+        "Now add a test for add.",
+        "Say how to run that test.",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut args = vec!["exec", "--json", "--skip-git-repo-check"];
+        if i > 0 {
+            args.extend(["resume", "--last"]);
+        }
+        args.push(prompt);
+        let what = match i {
+            0 => "codex exec".to_owned(),
+            _ => format!("codex exec resume --last ({})", i + 1),
+        };
+        // JSONL events: `thread.started` names the thread; `turn.completed` carries the
+        // usage the router passed on from D (`input_tokens`, `cached_input_tokens`).
+        for line in run_agent(&what, agent("codex", &args)).lines() {
+            let Ok(event) = serde_json::from_str::<Value>(line) else {
+                continue;
+            };
+            match event["type"].as_str() {
+                Some("thread.started") => {
+                    threads.push(event["thread_id"].as_str().unwrap_or_default().to_owned());
+                }
+                Some("turn.completed") => {
+                    turns += 1;
+                    input += event["usage"]["input_tokens"].as_u64().unwrap_or(0);
+                    cached += event["usage"]["cached_input_tokens"].as_u64().unwrap_or(0);
+                }
+                _ => {}
+            }
+        }
+    }
     let after = agent_counts(router, "thread-id");
     let requests = after.0 - before.0;
     eprintln!(
-        "real_vllm: Codex: {requests} requests: {} turn1-seed, {} direct-to-d",
+        "real_vllm: Codex: {requests} requests in thread {threads:?}: {} turn1-seed, {} \
+         direct-to-d; {turns} turns completed, D reported {cached} of {input} prompt tokens \
+         cached ({:.1}%)",
         after.1 - before.1,
-        after.2 - before.2
+        after.2 - before.2,
+        100.0 * cached as f64 / input.max(1) as f64
     );
-    assert!(requests >= 2.0, "several requests: {requests}");
+    assert!(requests >= 3.0, "several requests: {requests}");
+    assert!(
+        threads.len() == 3 && threads.iter().all(|t| !t.is_empty() && *t == threads[0]),
+        "one thread: {threads:?}"
+    );
+    assert_eq!(turns, 3, "every exec completed its turn");
+    assert!(
+        cached * 10 >= input * 6,
+        "D's cached share: {cached} of {input}"
+    );
     assert_one_session_run(before, after);
 }

@@ -156,5 +156,5 @@ pub use grpc::RouterGrpc;
 pub use server::{RunningRouter, serve, serve_service, spawn_background};
 pub use service::{
     DecisionOutcome, KV_EVENTS_CATCH_UP_MS, ListedWorker, ProbeOutcome, RouterDecision,
-    RouterService, SharedClock,
+    RouterService, SessionView, SharedClock,
 };

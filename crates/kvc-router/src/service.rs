@@ -116,6 +116,23 @@ pub struct ListedWorker {
     pub events: Option<kvc_events::StatsSnapshot>,
 }
 
+/// One session as [`RouterService::session_view`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionView {
+    /// The decode (or colocated) worker it was last routed to.
+    pub decode: Option<WorkerId>,
+    /// Whether its KV is believed to be there.
+    pub residency: kvc_policy::Residency,
+    /// Its tokens resident there, as the last completion reported them.
+    pub resident_tokens: u64,
+    /// Blocks of its last request.
+    pub blocks: usize,
+    /// Of those, the leading ones the router's live view places on `decode`.
+    pub held_blocks: usize,
+    /// How many times it moved to another worker.
+    pub moves: u32,
+}
+
 /// The router: worker views, the policy, its [`RouterState`], the session table and metrics.
 ///
 /// Thread-safe; share it in an [`Arc`]. Decisions are serialised by one lock around the policy
@@ -572,6 +589,25 @@ impl RouterService {
     /// Sessions the policy state holds routing state for.
     pub fn policy_session_count(&self) -> usize {
         self.core.lock().state.session_count()
+    }
+
+    /// What the policy state holds of `session`: where it was last routed, whether its KV is
+    /// believed there, and what of it the router counts resident on that worker (its blocks
+    /// the live view places there). `None` for a session the policy does not hold.
+    pub fn session_view(&self, session: SessionId) -> Option<SessionView> {
+        let core = self.core.lock();
+        let route = core.state.session(session)?;
+        let held_blocks = route
+            .current_d
+            .map_or(0, |d| core.state.resident_depth(d, &route.blocks));
+        Some(SessionView {
+            decode: route.current_d,
+            residency: route.residency,
+            resident_tokens: route.resident_tokens,
+            blocks: route.block_count(),
+            held_blocks,
+            moves: route.d_changes,
+        })
     }
 
     /// Whether the router remembers `session`.

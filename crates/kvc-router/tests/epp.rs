@@ -774,3 +774,151 @@ async fn the_picker_places_a_subagent_on_its_parents_d_and_ends_a_marked_session
         1.0
     );
 }
+
+/// `n` words tagged `tag` (`tag0 tag1 …`): prompts of different tags share no block.
+fn tagged(tag: &str, n: u32) -> String {
+    (0..n)
+        .map(|i| format!("{tag}{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// One completion through the picker with `headers`, answered by the picked worker (its
+/// usage `prompt_tokens` and `cached`); the decode worker's id and the answer's headers.
+async fn picked(
+    c: &Cluster,
+    headers: &[(&str, &str)],
+    prompt: String,
+    prompt_tokens: u64,
+    cached: u64,
+) -> (u32, HashMap<String, String>) {
+    let mut s = Stream::open(c).await;
+    let sent = json!({"prompt": prompt, "max_tokens": 8});
+    s.request(
+        "/v1/completions",
+        headers,
+        sent.to_string().as_bytes(),
+        None,
+    )
+    .await;
+    let d = s.decision().await;
+    let dest = d.set[DESTINATION_HEADER].clone();
+    let answer = json!({"choices": [{"text": "a b"}], "usage": {"prompt_tokens": prompt_tokens,
+        "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": cached}}})
+    .to_string();
+    let (set, _) = s
+        .answer(200, "application/json", &[answer.as_bytes()], Some(&dest))
+        .await;
+    drop(s);
+    settle(c).await;
+    (set["x-kvc-decode-worker"].parse().unwrap(), set)
+}
+
+#[tokio::test]
+async fn the_picker_moves_a_compacted_session_off_a_busy_worker_and_releases_it() {
+    let mut c = cluster().await;
+    let key = [("x-session-id", "cmp-1")];
+    let history = |n: u32| format!("{} {}", tagged("sys", 2_048), tagged("h", n));
+    let (old_d, set) = picked(&c, &key, history(10_000), 12_048, 0).await;
+    assert_eq!(set["x-kvc-mode"], "turn1-seed");
+    let (d, set) = picked(&c, &key, history(10_400), 12_448, 12_048).await;
+    assert_eq!((set["x-kvc-mode"].as_str(), d), ("direct-to-d", old_d));
+    let session = kvc_core::SessionId::from_key("cmp-1");
+    let before = c.service().session_view(session).unwrap();
+    assert_eq!(before.decode, Some(kvc_core::WorkerId(old_d)));
+    assert_eq!(before.held_blocks, before.blocks);
+    // Its D gets busy, then the agent summarises: a fresh seed on the other D.
+    c.publish(old_d, common::CAPACITY * 6 / 10, common::CAPACITY * 4 / 10);
+    for _ in 0..200 {
+        if c.service().worker_views()[old_d as usize].state.used_tokens > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let summary = format!("{} {}", tagged("sys", 2_048), tagged("s", 8_600));
+    let (new_d, set) = picked(&c, &key, summary, 10_648, 2_048).await;
+    assert_eq!(
+        (set["x-kvc-mode"].as_str(), set["x-kvc-reason"].as_str()),
+        ("fallback", "compacted")
+    );
+    assert_ne!(new_d, old_d);
+    let after = c.service().session_view(session).unwrap();
+    assert_eq!(
+        (after.decode, after.moves, after.residency),
+        (
+            Some(kvc_core::WorkerId(new_d)),
+            1,
+            kvc_policy::Residency::Resident
+        )
+    );
+    assert!(after.blocks < before.blocks, "{after:?} after {before:?}");
+    assert_eq!(after.held_blocks, after.blocks);
+    // The old D, idle again, takes the next session.
+    c.publish(old_d, 0, common::CAPACITY);
+    for _ in 0..200 {
+        if c.service().worker_views()[old_d as usize].state.used_tokens == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (d, set) = picked(
+        &c,
+        &[("x-session-id", "next")],
+        tagged("n", 1_300),
+        1_300,
+        0,
+    )
+    .await;
+    assert_eq!((set["x-kvc-mode"].as_str(), d), ("turn1-seed", old_d));
+    assert_eq!(
+        outcomes(&c, "ok"),
+        4.0,
+        "every turn answered and judged served"
+    );
+}
+
+#[tokio::test]
+async fn the_picker_gives_an_ended_sessions_worker_to_the_next_session() {
+    let c = cluster().await;
+    let mut placed = Vec::new();
+    for key in ["a", "b", "c"] {
+        let (d, set) = picked(&c, &[("x-session-id", key)], tagged(key, 1_300), 1_300, 0).await;
+        assert_eq!(set["x-kvc-mode"], "turn1-seed");
+        placed.push((key, d));
+    }
+    assert_ne!(placed[0].1, placed[1].1, "two active sessions are spread");
+    let busy = if placed[2].1 == placed[0].1 {
+        placed[0].1
+    } else {
+        placed[1].1
+    };
+    // The two sessions on the busy D end, each with its last turn marked so.
+    for (key, d) in placed.iter().filter(|(_, d)| *d == busy) {
+        let last = format!("{} {}", tagged(key, 1_300), tagged("x", 200));
+        let (d2, set) = picked(
+            &c,
+            &[("x-session-id", key), ("x-session-final", "true")],
+            last,
+            1_500,
+            1_024,
+        )
+        .await;
+        assert_eq!((set["x-kvc-mode"].as_str(), d2), ("direct-to-d", *d));
+        assert!(
+            !c.service()
+                .knows_session(kvc_core::SessionId::from_key(key))
+        );
+    }
+    let samples = common::parse_prometheus(&c.service().render_metrics());
+    assert_eq!(
+        common::value(
+            &samples,
+            "kvc_router_sessions_forgotten_total",
+            &[("cause", "ended")]
+        ),
+        2.0
+    );
+    // The next session goes where the ended ones were, not beside the live one.
+    let (d, set) = picked(&c, &[("x-session-id", "e")], tagged("e", 1_300), 1_300, 0).await;
+    assert_eq!((set["x-kvc-mode"].as_str(), d), ("turn1-seed", busy));
+}

@@ -1177,3 +1177,159 @@ async fn a_compacted_turn_is_recognised_and_placed_as_a_fresh_seed() {
         ("fallback", "real-large-append")
     );
 }
+
+impl Front {
+    /// Publishes decode worker `id` with `used` tokens of its pool in use and waits (bounded)
+    /// until the router has read it.
+    async fn publish_used(&mut self, id: u32, used: u64) {
+        self.cluster
+            .publish(id, used, common::CAPACITY.saturating_sub(used));
+        for _ in 0..200 {
+            if self.cluster.service().worker_views()[id as usize]
+                .state
+                .used_tokens
+                == used
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("worker {id}'s publish was never read");
+    }
+
+    /// `GET /v1/sessions/{key}`, 200, as JSON.
+    async fn session(&self, key: &str) -> Value {
+        let r = self.get("GET", &format!("/v1/sessions/{key}")).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    }
+}
+
+#[tokio::test]
+async fn a_compacted_turn_moves_off_a_busy_decode_worker_and_leaves_it() {
+    let mut f = start(|_| {}, |_| {}).await;
+    let key = [("x-session-id", "cmp-2")];
+    let r = f
+        .post("/v1/completions", &key, &with_system("h", 10_000))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    let old_d: u32 = r.header("x-kvc-decode-worker").parse().unwrap();
+    let r = f
+        .post("/v1/completions", &key, &with_system("h", 10_400))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    f.settle().await;
+    let before = f.session("cmp-2").await;
+    assert_eq!(before["decode_worker"], old_d);
+    assert_eq!(before["residency"], "resident");
+    assert_eq!(before["moves"], 0);
+    let old_blocks = before["blocks"].as_u64().unwrap();
+    assert!(old_blocks >= 24, "{before}");
+    assert_eq!(before["held_blocks"], before["blocks"], "{before}");
+    // The session's D gets busy; then the agent summarises its history (8,600 new tokens,
+    // over the direct limit): a fresh seed, placed on the other D.
+    f.publish_used(old_d, common::CAPACITY * 6 / 10).await;
+    let r = f
+        .post("/v1/completions", &key, &with_system("s", 8_600))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        (r.header("x-kvc-mode"), r.header("x-kvc-reason")),
+        ("fallback", "compacted")
+    );
+    let new_d: u32 = r.header("x-kvc-decode-worker").parse().unwrap();
+    assert_ne!(new_d, old_d, "placed afresh, off the busy D");
+    f.settle().await;
+    // Its residency is the summary's, on the new D; the old history is no longer counted.
+    let after = f.session("cmp-2").await;
+    assert_eq!(after["decode_worker"], new_d);
+    assert_eq!(after["residency"], "resident");
+    assert_eq!(after["moves"], 1);
+    let new_blocks = after["blocks"].as_u64().unwrap();
+    assert!(new_blocks < old_blocks, "{after}");
+    assert_eq!(after["held_blocks"], after["blocks"], "{after}");
+    // The old D, idle again, takes the next session: nothing of the compacted one is
+    // counted active there.
+    f.publish_used(old_d, 0).await;
+    let r = f
+        .post(
+            "/v1/completions",
+            &[("x-session-id", "next")],
+            &json!({"prompt": words("n", 1_300), "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    assert_eq!(r.header("x-kvc-decode-worker"), old_d.to_string());
+    // The session view of an unknown key is a 404.
+    let r = f.get("GET", "/v1/sessions/nobody").await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(r.body.contains("nobody"), "{}", r.body);
+}
+
+#[tokio::test]
+async fn a_session_its_client_ends_frees_its_decode_worker_for_the_next_one() {
+    let f = start(|_| {}, |_| {}).await;
+    let first = |key: &'static str| {
+        let f = &f;
+        async move {
+            let r = f
+                .post(
+                    "/v1/completions",
+                    &[("x-session-id", key)],
+                    &json!({"prompt": words(key, 1_300), "max_tokens": 4}),
+                )
+                .await;
+            assert_eq!(r.header("x-kvc-mode"), "turn1-seed", "{key}");
+            r.header("x-kvc-decode-worker").to_owned()
+        }
+    };
+    let placed: Vec<(&str, String)> = {
+        let mut v = Vec::new();
+        for key in ["a", "b", "c"] {
+            v.push((key, first(key).await));
+        }
+        v
+    };
+    f.settle().await;
+    assert_ne!(placed[0].1, placed[1].1, "two active sessions are spread");
+    // The D holding two of the three, and the one holding the third.
+    let busy = if placed[2].1 == placed[0].1 {
+        placed[0].1.clone()
+    } else {
+        placed[1].1.clone()
+    };
+    let ending: Vec<&str> = placed
+        .iter()
+        .filter(|(_, d)| *d == busy)
+        .map(|(k, _)| *k)
+        .collect();
+    assert_eq!(ending.len(), 2);
+    // Both end: one by `DELETE`, the other by its last turn marked final.
+    let r = f
+        .get("DELETE", &format!("/v1/sessions/{}", ending[0]))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let last = format!("{} {}", words(ending[1], 1_300), words("x", 200));
+    let r = f
+        .post(
+            "/v1/completions",
+            &[("x-session-id", ending[1]), ("x-session-final", "true")],
+            &json!({"prompt": last, "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
+    assert_eq!(r.header("x-kvc-decode-worker"), busy);
+    f.settle().await;
+    for key in &ending {
+        assert_eq!(
+            f.get("GET", &format!("/v1/sessions/{key}")).await.status,
+            404
+        );
+    }
+    assert_eq!(
+        f.metric("kvc_router_sessions_forgotten_total", &[("cause", "ended")]),
+        2.0
+    );
+    // The next session goes where the ended ones were, not beside the live one.
+    assert_eq!(first("e").await, busy);
+}

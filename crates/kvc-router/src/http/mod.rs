@@ -17,6 +17,7 @@
 //! | `POST /v1/messages/count_tokens` | Anthropic: passed as it is to one routable worker, taken in turn (nothing to route) |
 //! | `POST /v1/responses` | OpenAI Responses (Codex CLI): `instructions`, `input` (a string, or message, `function_call`, `function_call_output`, `reasoning` items), `max_output_tokens`, optional `stream`; the whole conversation in each request (`previous_response_id` is refused: that conversation is held by the one engine that stored it); vLLM workers only |
 //! | `DELETE /v1/sessions/{key}` | the client ends session `key`: its residency released at once (see *The end of a session*) |
+//! | `GET /v1/sessions/{key}` | where the router holds session `key`: `decode_worker` (id) and `decode_worker_name`, `residency` (`resident`, `not-resident`, `evicted`), `resident_tokens`, `blocks` of its last request and `held_blocks` of them placed on that worker, `moves`; 404 when it holds none |
 //! | `GET /health`, `GET /readyz` | readiness: 200 while a new request can be routed, else 503 saying why |
 //! | `GET /livez` | liveness: 200 whenever the process answers |
 //! | `GET /v1/models` | the configured model name, OpenAI list shape |

@@ -36,7 +36,7 @@ pub(super) fn router(app: Arc<App>) -> Router {
         .route("/v1/messages", post_endpoint(Api::Messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/responses", post_endpoint(Api::Responses))
-        .route("/v1/sessions/{key}", delete(end_session))
+        .route("/v1/sessions/{key}", get(show_session).delete(end_session))
         .route("/health", get(readiness))
         .route("/readyz", get(readiness))
         .route("/livez", get(liveness))
@@ -121,6 +121,50 @@ async fn forward_count_tokens(app: &Arc<App>, body: Bytes) -> Response {
         })
         .await;
     answer_or_error(&format!("worker {}", id.0), answer)
+}
+
+/// `GET /v1/sessions/{key}`: what the router holds of session `key` — the decode worker it
+/// was last routed to (`decode_worker`, its id and name), whether its KV is believed there
+/// (`residency`: `resident`, `not-resident` or `evicted`), its tokens resident there as last
+/// reported (`resident_tokens`), the blocks of its last request (`blocks`) and how many of
+/// them the router's live view places on that worker (`held_blocks`), and how often it moved
+/// (`moves`). 404 for a session the router does not hold; 400 for a key over
+/// `http.max-session-id-bytes`.
+async fn show_session(State(app): State<Arc<App>>, Path(key): Path<String>) -> Response {
+    if let Err(m) = super::trust::check_session_id(&key, app.options.max_session_id_bytes) {
+        return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", &m);
+    }
+    let Some(v) = app
+        .service
+        .session_view(kvc_core::SessionId::from_key(&key))
+    else {
+        return error_response(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            &format!("no session {key:?}: never seen, ended, or expired"),
+        );
+    };
+    let name = v.decode.and_then(|d| {
+        app.service
+            .config()
+            .workers
+            .iter()
+            .find(|w| w.id == d.0)
+            .map(|w| w.display_name())
+    });
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "session": key,
+            "decode_worker": v.decode.map(|d| d.0),
+            "decode_worker_name": name,
+            "residency": v.residency,
+            "resident_tokens": v.resident_tokens,
+            "blocks": v.blocks,
+            "held_blocks": v.held_blocks,
+            "moves": v.moves,
+        }),
+    )
 }
 
 /// `DELETE /v1/sessions/{key}`: the client ends session `key` (its session header's value,
