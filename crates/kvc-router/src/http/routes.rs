@@ -16,7 +16,7 @@ use axum::extract::Path;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::Response;
-use axum::routing::{MethodRouter, delete, get, post};
+use axum::routing::{MethodRouter, get, post};
 use kvc_core::{WorkerId, WorkerRole};
 use serde_json::json;
 use std::sync::Arc;
