@@ -959,8 +959,10 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         router.metric("kvc_router_worker_capacity_tokens", &["name=\"d0\""]),
         Some((blocks * pool) as f64)
     );
-    // A long answer in flight shows as running with KV in use.
-    let long = json!({"model": "kvc-tiny", "prompt": words(11, 3000), "max_tokens": 48,
+    // A long answer in flight shows as running with KV in use. The engine answers /metrics
+    // late while it prefills, so the answer is long enough (256 tokens) for several scrapes
+    // to land while it decodes.
+    let long = json!({"model": "kvc-tiny", "prompt": words(11, 3000), "max_tokens": 256,
                       "ignore_eos": true, "temperature": 0});
     let http = router.http.clone();
     let in_flight = std::thread::spawn(move || post_json(&http, "/v1/completions", &long));
@@ -1035,8 +1037,8 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         turn = fresh.send(&router.http).0;
     }
     assert_eq!(turn.status, 200, "{turn:?}");
-    // The subscriber may reconnect after the turn is answered: until it does, the old index
-    // (blocks included) is still what the router shows.
+    // The index was dropped when d0's connection went; wait for the count (the metric is
+    // read from the router's last refresh).
     let deadline = Instant::now() + Duration::from_secs(60);
     while events(&router, "resets") <= before && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));

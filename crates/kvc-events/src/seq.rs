@@ -142,4 +142,11 @@ impl SeqTracker {
     pub fn reset(&mut self) {
         self.last = None;
     }
+
+    /// Forgets everything, the live position too: the connection the numbers came over is
+    /// gone, and whoever publishes on the next one (the same engine or a restarted one)
+    /// numbers its own way.
+    pub fn forget(&mut self) {
+        *self = Self::default();
+    }
 }

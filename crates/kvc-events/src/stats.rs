@@ -60,7 +60,8 @@ pub struct StatsSnapshot {
     pub replay_failures: u64,
     /// Publisher restarts seen (the sequence number went back).
     pub restarts: u64,
-    /// Times the worker's index was reset because its history was lost.
+    /// Times the worker's index was reset because its history was lost (a gap no replay
+    /// closed, a publisher restart, the engine disconnected).
     pub resets: u64,
     /// Live messages received twice (ignored).
     pub duplicates: u64,

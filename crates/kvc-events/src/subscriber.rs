@@ -12,7 +12,9 @@
 //! endpoint (connected for that replay only, closed when it ends) and applies the replies up
 //! to the end marker while live messages are held; a lost history (no replay endpoint, a
 //! replay that starts too late, fails or times out, a publisher restart) resets the worker's
-//! index first.
+//! index first. So does a lost connection: the engine may have restarted, and its first
+//! messages may be gone before the subscriber is back, so the index is dropped and, on the
+//! next connection, rebuilt by replay from 0.
 //!
 //! Per worker, between replays: this task, the SUB socket's own reconnect task and one
 //! descriptor (`benches/fanin.rs` measures about 12 KB of resident memory per subscriber at
@@ -192,6 +194,15 @@ impl Run {
                     if stopped {
                         break;
                     }
+                    // The engine may come back as a new process, numbering from 0 with an
+                    // empty cache, and may publish its first messages before this task
+                    // reconnects (a SUB socket misses them): nothing would then show the old
+                    // index is stale. Drop it now; the reconnection rebuilds it from the
+                    // replay buffer (or the live stream, without one).
+                    if self.tracker.last().is_some() {
+                        self.reset("the engine disconnected");
+                    }
+                    self.tracker.forget();
                 }
                 Err(e) => {
                     WorkerStats::add(&self.stats.connect_failures, 1);

@@ -1,6 +1,7 @@
 //! The subscriber against the Rust publisher over loopback: gaps replayed, gaps older than the
-//! replay buffer, a subscriber started mid-run, a restarted publisher, malformed input and an
-//! unreachable endpoint. Every wait is bounded; nothing asserts on time.
+//! replay buffer, a subscriber started mid-run, a restarted publisher (also one back and
+//! quiet before the subscriber reconnects), malformed input and an unreachable endpoint. Every
+//! wait is bounded; nothing asserts on time.
 
 mod common;
 
@@ -181,8 +182,55 @@ async fn a_restarted_publisher_resets_the_worker() {
     })
     .await;
     let s = sub.stats.snapshot();
-    assert_eq!(s.restarts, 1);
+    // The old index went when the connection dropped; the new run was read from 0 (by
+    // replay), so no number ever went back.
+    assert_eq!((s.restarts, s.resets), (0, 1));
+    assert_same_index(&index.read(), &reference(&restarted));
+    stop(cancel, sub, second).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_back_before_the_subscriber_is_read_from_its_replay_not_the_old_index() {
+    let cancel = CancellationToken::new();
+    let first = publisher(10_000, &cancel).await;
+    let endpoint = first.endpoint().to_string();
+    let replay = first.replay_endpoint().unwrap().to_string();
+    let index: SharedIndex = Arc::new(parking_lot::RwLock::new(KvIndex::new()));
+    let mut cfg = SubscriberConfig::new(W, spec(), first.endpoint());
+    cfg.replay_endpoint = Some(replay.clone());
+    cfg.topic = TOPIC.into();
+    // Reconnects a second after the drop: the new engine has published by then.
+    cfg.backoff_min = Duration::from_secs(1);
+    cfg.backoff_max = Duration::from_secs(1);
+    let sub = spawn_subscriber(cfg, index.clone(), cancel.clone());
+    let batches = engine_batches(40);
+    let mut cursor = 0;
+    publish_until_in_sync(&first, &sub.stats, &batches, &mut cursor).await;
+    for b in &batches[cursor..20] {
+        first.publish(b).await.unwrap();
+    }
+    wait_until("first run applied", &sub.stats, |s| s.last_seq == Some(19)).await;
+    first.shutdown().await;
+    let mut cfg = PublisherConfig::new(endpoint);
+    cfg.replay_endpoint = Some(replay);
+    cfg.topic = TOPIC.into();
+    let second = Publisher::bind(cfg, cancel.clone()).await.unwrap();
+    // Three messages, numbered 0..=2, then silence: no live message ever shows the restart.
+    let restarted = engine_batches(3);
+    for b in &restarted {
+        second.publish(b).await.unwrap();
+    }
+    wait_until("the new run read by replay", &sub.stats, |s| {
+        s.connected && s.last_seq == Some(2)
+    })
+    .await;
+    let s = sub.stats.snapshot();
     assert_eq!(s.resets, 1);
+    assert_eq!(
+        s.replays, 2,
+        "one at the first connection, one at the second"
+    );
+    assert!(s.indexed_blocks < reference(&batches[..20]).worker_blocks(W).len() as u64);
     assert_same_index(&index.read(), &reference(&restarted));
     stop(cancel, sub, second).await;
 }
