@@ -492,6 +492,14 @@ pub struct WorkerConfig {
     /// `/metrics` reports (vLLM's `cache_config_info`); required for SGLang.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
+    /// Whether what is left out is read from the engine (`engine = "vllm"` with `http-url`
+    /// only; default `true` there): `metrics-url` is `<http-url>/metrics` (when the worker has
+    /// no snapshot or service address either), and without `kv-events` the event source
+    /// (endpoint, replay endpoint, topic) is asked of the engine's `GET /kv_event_sources`,
+    /// a wildcard bind host replaced by the `http-url`'s host, retried until it answers.
+    /// `false` reads nothing but what is configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub discover: Option<bool>,
 }
 
 impl WorkerConfig {
@@ -514,6 +522,7 @@ impl WorkerConfig {
             kv_events: None,
             kv_events_replay: None,
             kv_events_topic: None,
+            discover: None,
             block_size: None,
         }
     }
@@ -559,6 +568,36 @@ impl WorkerConfig {
             && self.engine == Some(EngineKind::Vllm)
             && self.metrics_url.is_some()
             && self.snapshot.is_none()
+    }
+
+    /// Whether the engine is asked for what is left out (`discover`, by default on for a vLLM
+    /// engine with an `http-url`).
+    pub fn discovers(&self) -> bool {
+        self.engine == Some(EngineKind::Vllm)
+            && self.http_url.is_some()
+            && self.discover.unwrap_or(true)
+    }
+
+    /// Whether the event source is read from the engine: it discovers, has no `kv-events`,
+    /// and its load comes from the engine's `/metrics` (which also reports the block size).
+    pub fn discovers_events(&self) -> bool {
+        self.discovers() && self.kv_events.is_none() && self.metrics_url.is_some()
+    }
+
+    /// Fills in what discovery derives from the configuration alone: `metrics-url` from
+    /// `http-url` for a discovering worker with no other source of state.
+    pub fn fill_from_engine_urls(&mut self) {
+        if self.discovers()
+            && self.metrics_url.is_none()
+            && self.snapshot.is_none()
+            && self.address.is_none()
+            && let Some(url) = self
+                .http_url
+                .as_deref()
+                .and_then(|u| WorkerUrl::parse(u).ok())
+        {
+            self.metrics_url = Some(url.uri("/metrics"));
+        }
     }
 
     /// The display name.
@@ -652,8 +691,11 @@ impl WorkerUrl {
 impl RouterConfig {
     /// Parses and validates a TOML document.
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
-        let cfg: RouterConfig =
+        let mut cfg: RouterConfig =
             toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        for w in &mut cfg.workers {
+            w.fill_from_engine_urls();
+        }
         cfg.validate()?;
         Ok(cfg)
     }

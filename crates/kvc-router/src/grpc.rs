@@ -250,6 +250,9 @@ fn worker_to_pb(w: ListedWorker) -> pb::WorkerInfo {
         source: w.source.as_str().to_owned(),
         indexed_blocks: w.events.as_ref().map(|e| e.indexed_blocks),
         last_event_seq: w.events.and_then(|e| e.last_seq),
+        kv_events: w.kv_events,
+        kv_events_from: w.kv_events_from.to_owned(),
+        warnings: w.warnings,
     }
 }
 

@@ -137,6 +137,7 @@
 
 pub mod auth;
 pub mod config;
+mod discovery;
 pub mod engine_load;
 pub mod epp;
 mod error;

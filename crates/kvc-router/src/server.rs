@@ -296,10 +296,17 @@ pub fn spawn_background(
     }
     let every = Duration::from_millis(service.config().engine_signals.scrape_interval_ms);
     for worker in service.event_workers() {
-        // The subscriber starts once the engine's block size is known (its first scrape).
+        // The source is read from the engine first when not configured; the subscriber
+        // starts once the engine's block size is known (its first scrape).
         let svc = Arc::clone(service);
         let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
+            while let Some(wait) = svc.discover_events(worker).await {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(wait) => {}
+                }
+            }
             let mut tick = ticker(every);
             while !svc.start_event_subscriber(worker, &stop) && next_tick(&mut tick, &stop).await {}
         }));

@@ -114,6 +114,13 @@ pub struct ListedWorker {
     /// The counters of its KV-event subscriber (indexed blocks, last sequence number, gaps …),
     /// once one runs.
     pub events: Option<kvc_events::StatsSnapshot>,
+    /// Where its engine's KV-cache events are read (`tcp://…` or `ipc://…`), once known.
+    pub kv_events: Option<String>,
+    /// Where that came from: `config`, `engine` (`GET /kv_event_sources`), or empty.
+    pub kv_events_from: &'static str,
+    /// What reading the engine found an operator should know: the last attempt's problem, and
+    /// the last answer's warnings (no events, no replay, …).
+    pub warnings: Vec<String>,
 }
 
 /// One session as [`RouterService::session_view`] reports it.
@@ -326,10 +333,13 @@ impl RouterService {
         if self.now_ms().saturating_sub(self.started_ms) >= KV_EVENTS_CATCH_UP_MS {
             return None;
         }
+        // A worker whose engine answered it has no usable events is not waited for.
         let behind: Vec<&str> = self
             .workers
             .iter()
-            .filter(|w| w.kv_events.is_some())
+            .filter(|w| {
+                w.kv_events().is_some() || (w.discover.is_some() && !w.discovery.lock().answered)
+            })
             .filter(|w| !w.event_stats().is_some_and(|s| s.synced))
             .map(|w| w.name.as_str())
             .collect();
@@ -363,13 +373,92 @@ impl RouterService {
         }
     }
 
-    /// The workers with a `kv-events` endpoint.
+    /// The workers with a `kv-events` endpoint, or one to read from the engine.
     pub fn event_workers(&self) -> Vec<WorkerId> {
         self.workers
             .iter()
-            .filter(|w| w.kv_events.is_some())
+            .filter(|w| w.has_event_source())
             .map(|w| w.id)
             .collect()
+    }
+
+    /// Asks `worker`'s vLLM engine where its KV-cache events are (`GET /kv_event_sources`),
+    /// for a worker configured without `kv-events`. `None` once there is nothing more to do
+    /// (the source is known, or the worker does not discover); else how long to wait before
+    /// asking again: growing after a failure (unreachable, an error status, an answer that is
+    /// not vLLM's), the longest wait after an answer without a usable source (the engine may
+    /// be restarted with events). Problems and warnings are logged when they change, and
+    /// shown by [`RouterService::list_workers`].
+    pub async fn discover_events(&self, worker: WorkerId) -> Option<Duration> {
+        let entry = self.entry(worker.0)?;
+        let url = entry.discover.as_ref()?;
+        if entry.kv_events().is_some() {
+            return None;
+        }
+        let timeout = Duration::from_millis(self.config.engine_signals.scrape_timeout_ms);
+        let answer = self
+            .scrape_client
+            .get(url, "/kv_event_sources", timeout)
+            .await;
+        let found = match answer {
+            Ok(a) if a.status == 200 => crate::discovery::parse_event_sources(&a.body, &url.host)
+                .map_err(|e| (e.to_string(), false)),
+            Ok(a) if a.status == 404 => Err((
+                "GET /kv_event_sources answered 404: the engine is not vLLM 0.32 or later; set \
+                 kv-events (and kv-events-replay, kv-events-topic) in its [[workers]] entry"
+                    .to_owned(),
+                true,
+            )),
+            Ok(a) => Err((
+                format!("GET /kv_event_sources answered HTTP {}", a.status),
+                false,
+            )),
+            Err(e) => Err((format!("GET /kv_event_sources: {e}"), false)),
+        };
+        let mut st = entry.discovery.lock();
+        st.attempts += 1;
+        match found {
+            Ok(d) => {
+                st.answered = true;
+                st.problem = None;
+                st.wait = Duration::ZERO;
+                if st.warnings != d.warnings {
+                    for w in &d.warnings {
+                        tracing::warn!(worker = worker.0, name = %entry.name, "kv-events discovery: {w}");
+                    }
+                    st.warnings = d.warnings;
+                }
+                match d.source {
+                    Some(mut source) => {
+                        source.block_size = self.config.worker(worker).and_then(|c| c.block_size);
+                        tracing::info!(
+                            worker = worker.0,
+                            name = %entry.name,
+                            endpoint = %source.endpoint,
+                            replay = source.replay.as_deref().unwrap_or("none"),
+                            topic = %source.topic,
+                            "kv-events: source read from the engine"
+                        );
+                        entry.set_discovered(source);
+                        None
+                    }
+                    None => Some(crate::discovery::RETRY_MAX),
+                }
+            }
+            Err((problem, answered)) => {
+                st.answered |= answered;
+                if st.problem.as_deref() != Some(problem.as_str()) {
+                    tracing::warn!(worker = worker.0, name = %entry.name, "kv-events discovery: {problem} (retrying)");
+                    st.problem = Some(problem);
+                }
+                st.wait = if answered {
+                    crate::discovery::RETRY_MAX
+                } else {
+                    crate::discovery::next_wait(st.wait)
+                };
+                Some(st.wait)
+            }
+        }
     }
 
     /// Starts `worker`'s KV-event subscriber (until `stop`) once the engine's block size and
@@ -384,8 +473,9 @@ impl RouterService {
         let Some(entry) = self.entry(worker.0) else {
             return true;
         };
-        let Some(source) = &entry.kv_events else {
-            return true;
+        let Some(source) = entry.kv_events() else {
+            // A source still to be read from the engine: wait for it.
+            return entry.discover.is_none();
         };
         if entry.event_stats.get().is_some() {
             return true;
@@ -649,6 +739,13 @@ impl RouterService {
                     state: w.state_at(now),
                     events: w.event_stats(),
                     cache_accounting: w.cache_accounting(),
+                    kv_events: w
+                        .kv_events()
+                        .map(|k| (k.endpoint.clone(), w.kv_events_from())),
+                    discovery_warnings: {
+                        let d = w.discovery.lock();
+                        d.warnings.len() + usize::from(d.problem.is_some())
+                    },
                 })
                 .collect(),
             sessions_tracked,
@@ -674,6 +771,12 @@ impl RouterService {
                 state: w.state_at(now),
                 source: w.source,
                 events: w.event_stats(),
+                kv_events: w.kv_events().map(|k| k.endpoint.clone()),
+                kv_events_from: w.kv_events_from(),
+                warnings: {
+                    let d = w.discovery.lock();
+                    d.problem.iter().chain(&d.warnings).cloned().collect()
+                },
             })
             .collect()
     }

@@ -98,8 +98,14 @@ pub(crate) struct WorkerEntry {
     pub(crate) http_down: std::sync::atomic::AtomicBool,
     /// The engine's `/metrics`, when the state comes from it.
     scraped: Option<Scraped>,
-    /// The engine's KV-cache events, when the router indexes them.
-    pub(crate) kv_events: Option<KvEventsSource>,
+    /// The engine's KV-cache events, when the router indexes them: configured, or set once
+    /// read from the engine ([`WorkerEntry::discover`]).
+    kv_events: OnceLock<KvEventsSource>,
+    /// A vLLM engine's HTTP server, asked for its event sources (`GET /kv_event_sources`)
+    /// when `kv-events` is not configured.
+    pub(crate) discover: Option<WorkerUrl>,
+    /// How that discovery goes.
+    pub(crate) discovery: Mutex<DiscoveryState>,
     /// The counters of the running event subscriber (set once it starts).
     pub(crate) event_stats: OnceLock<Arc<kvc_events::WorkerStats>>,
     /// Whether the engine's answers report cached prompt tokens: 0 not known yet, 1 they do,
@@ -115,8 +121,24 @@ pub(crate) struct WorkerEntry {
     rpc_timeout: Duration,
 }
 
+/// Where a worker's KV-cache event source comes from, and what reading it from the engine
+/// found so far.
+#[derive(Debug, Default)]
+pub(crate) struct DiscoveryState {
+    /// Requests made to the engine.
+    pub(crate) attempts: u64,
+    /// The engine answered `/kv_event_sources` (usable or not): no longer waited for.
+    pub(crate) answered: bool,
+    /// Why the last attempt failed (logged when it changes); `None` after a good answer.
+    pub(crate) problem: Option<String>,
+    /// What the last good answer said an operator should know.
+    pub(crate) warnings: Vec<String>,
+    /// The wait after the last failed attempt.
+    pub(crate) wait: std::time::Duration,
+}
+
 /// Where a stock engine publishes its KV-cache events.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct KvEventsSource {
     pub(crate) endpoint: String,
     pub(crate) replay: Option<String>,
@@ -179,12 +201,24 @@ impl WorkerEntry {
             health_epoch: Arc::default(),
             http_down: std::sync::atomic::AtomicBool::new(false),
             scraped,
-            kv_events: cfg.kv_events.as_ref().map(|endpoint| KvEventsSource {
-                endpoint: endpoint.clone(),
-                replay: cfg.kv_events_replay.clone(),
-                topic: cfg.kv_events_topic.clone().unwrap_or_default(),
-                block_size: cfg.block_size,
-            }),
+            kv_events: match &cfg.kv_events {
+                Some(endpoint) => OnceLock::from(KvEventsSource {
+                    endpoint: endpoint.clone(),
+                    replay: cfg.kv_events_replay.clone(),
+                    topic: cfg.kv_events_topic.clone().unwrap_or_default(),
+                    block_size: cfg.block_size,
+                }),
+                None => OnceLock::new(),
+            },
+            discover: cfg
+                .discovers_events()
+                .then(|| {
+                    cfg.http_url
+                        .as_deref()
+                        .and_then(|u| WorkerUrl::parse(u).ok())
+                })
+                .flatten(),
+            discovery: Mutex::new(DiscoveryState::default()),
             event_stats: OnceLock::new(),
             cache_accounting: std::sync::atomic::AtomicU8::new(0),
             engine_block_size: std::sync::atomic::AtomicU32::new(0),
@@ -192,6 +226,31 @@ impl WorkerEntry {
             stale_after_ms,
             rpc_timeout: Duration::from_millis(router.rpc_timeout_ms),
         }
+    }
+
+    /// Where its engine's KV-cache events are read: configured, or discovered (`None` before
+    /// that, or when there is no source).
+    pub(crate) fn kv_events(&self) -> Option<&KvEventsSource> {
+        self.kv_events.get()
+    }
+
+    /// Whether the router reads (or will, once discovered) this worker's KV-cache events.
+    pub(crate) fn has_event_source(&self) -> bool {
+        self.kv_events.get().is_some() || self.discover.is_some()
+    }
+
+    /// Where the event source came from: `config`, `engine` (discovered) or `` (none yet).
+    pub(crate) fn kv_events_from(&self) -> &'static str {
+        match (self.kv_events.get(), &self.discover) {
+            (None, _) => "",
+            (Some(_), Some(_)) => "engine",
+            (Some(_), None) => "config",
+        }
+    }
+
+    /// Sets the source read from the engine (once; later calls change nothing).
+    pub(crate) fn set_discovered(&self, source: KvEventsSource) -> bool {
+        self.kv_events.set(source).is_ok()
     }
 
     /// The worker's KV pool in tokens: configured, else the last one its engine reported (0
@@ -551,7 +610,7 @@ impl WorkerEntry {
     /// The block size the engine's events use: configured, else reported by its `/metrics`
     /// (`None` until a scrape has reported one).
     pub(crate) fn event_block_size(&self) -> Option<u32> {
-        let source = self.kv_events.as_ref()?;
+        let source = self.kv_events()?;
         source.block_size.or_else(|| {
             match self
                 .engine_block_size

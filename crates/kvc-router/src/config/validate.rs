@@ -144,6 +144,14 @@ impl WorkerConfig {
                 "worker id {id} out of range (ids must be below {MAX_WORKERS})"
             ));
         }
+        if self.discover == Some(true)
+            && (self.engine != Some(EngineKind::Vllm) || self.http_url.is_none())
+        {
+            return invalid(format!(
+                "worker {id}: discover = true needs engine = \"vllm\" and an http-url (only \
+                 vLLM's HTTP server says where its events are)"
+            ));
+        }
         if self.snapshot.is_none() && self.address.is_none() && self.metrics_url.is_none() {
             return invalid(format!(
                 "worker {id} needs a snapshot path, a service address or a metrics-url"

@@ -27,6 +27,12 @@ pub struct WorkerSample {
     /// Whether its engine's answers report the prompt tokens served from its cache
     /// (`None` until an answer has said either way).
     pub cache_accounting: Option<bool>,
+    /// Where its engine's KV-cache events are read, once known, and where that came from
+    /// (`config` or `engine`).
+    pub kv_events: Option<(String, &'static str)>,
+    /// How many things reading its engine found wrong (problems and warnings; see
+    /// `ListWorkers` for the text).
+    pub discovery_warnings: usize,
 }
 
 /// The live state a scrape reports, read by the service just before rendering.
@@ -190,6 +196,15 @@ struct EventLabels {
     kind: &'static str,
 }
 
+/// The labels of a worker's event source.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabels {
+    worker: u32,
+    name: String,
+    endpoint: String,
+    from: &'static str,
+}
+
 /// The KV-event subscribers' counters, one family with a `kind` label per counter.
 fn event_gauges(r: &mut Registry, workers: &[WorkerSample]) {
     let family = Family::<EventLabels, Gauge>::default();
@@ -221,6 +236,35 @@ fn event_gauges(r: &mut Registry, workers: &[WorkerSample]) {
                 .set(count(v));
         }
     }
+    let sources = Family::<SourceLabels, Gauge>::default();
+    let warnings = Family::<WorkerLabels, Gauge>::default();
+    for w in workers {
+        if let Some((endpoint, from)) = &w.kv_events {
+            sources
+                .get_or_create(&SourceLabels {
+                    worker: w.id.0,
+                    name: w.name.clone(),
+                    endpoint: endpoint.clone(),
+                    from,
+                })
+                .set(1);
+        }
+        if w.discovery_warnings > 0 || w.kv_events.as_ref().is_some_and(|(_, f)| *f == "engine") {
+            warnings
+                .get_or_create(&labels(w))
+                .set(i64::try_from(w.discovery_warnings).unwrap_or(i64::MAX));
+        }
+    }
+    r.register(
+        "kvc_router_worker_kv_events_source",
+        "Where each worker's KV-cache events are read (1 per worker, labelled with the endpoint and `from`: `config`, or `engine` for one read from vLLM's GET /kv_event_sources)",
+        sources,
+    );
+    r.register(
+        "kvc_router_worker_discovery_warnings",
+        "What reading each engine's event sources found wrong (its last problem and warnings; ListWorkers has the text), for workers that read it",
+        warnings,
+    );
     r.register(
         "kvc_router_worker_kv_events",
         "KV-cache event subscriber of each engine-backed worker: blocks indexed, last sequence number applied, and counts since start (batches, gaps, replays, replay failures, index resets, malformed messages, events naming unknown blocks, blocks dropped to the pool bound, failed connections), by kind",
@@ -330,6 +374,8 @@ mod tests {
     fn sample(id: u32, name: &str, state: WorkerState) -> WorkerSample {
         WorkerSample {
             cache_accounting: None,
+            kv_events: None,
+            discovery_warnings: 0,
             id: WorkerId(id),
             name: name.to_owned(),
             role: WorkerRole::Decode,
