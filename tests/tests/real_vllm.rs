@@ -862,7 +862,42 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         late.metric("kvc_router_event_adoptions_total", &[]),
         Some(1.0)
     );
+    let configured: Vec<(String, Option<String>)> = late
+        .list_workers()
+        .into_iter()
+        .map(|w| (w.name, w.kv_events))
+        .collect();
     drop(late);
+
+    // 2b. A router told only each engine's http-url (and role): it reads metrics-url, pool,
+    // block size and the event sources from the engines, subscribes where the configured one
+    // did, and routes a new session as the configured router routes every session here.
+    let bare = engines.router_config("discovered", &["metrics-url", "kv-events"]);
+    let text = std::fs::read_to_string(&bare).unwrap();
+    assert!(
+        !text.contains("kv-events") && !text.contains("metrics-url"),
+        "{text}"
+    );
+    let discovered = start_router(&bare, &engines.dir.join("router-discovered.log"));
+    let listed = discovered.list_workers();
+    for (w, (name, endpoint)) in listed.iter().zip(&configured) {
+        assert_eq!(&w.name, name);
+        assert_eq!(&w.kv_events, endpoint, "{w:?}");
+        assert_eq!(w.kv_events_from, "engine", "{w:?}");
+        assert!(w.warnings.is_empty(), "{w:?}");
+        assert!(w.indexed_blocks.unwrap_or(0) > 0, "{w:?}");
+    }
+    let mut fresh = Session::new("discovered-chat", Api::Chat, false, 13);
+    let modes: Vec<String> = (0..3)
+        .map(|_| {
+            let (turn, _) = fresh.send(&discovered.http);
+            assert_eq!(turn.status, 200, "{turn:?}");
+            turn.mode
+        })
+        .collect();
+    eprintln!("real_vllm: discovered router: modes {modes:?}");
+    assert_eq!(modes, ["turn1-seed", "direct-to-d", "direct-to-d"]);
+    drop(discovered);
 
     // 3. D's cache emptied behind the router's back. vLLM publishes the `AllBlocksCleared`
     // only at its next scheduler step, i.e. with the next request, so the events cannot warn
