@@ -3,7 +3,9 @@
 //!
 //! Tiers, in order:
 //! 1. **idle** — sessions with no request running, least recently used first (or, with
-//!    [`VictimOrder::PredictedNextUse`], the one whose next use is predicted furthest away first);
+//!    [`VictimOrder::PredictedNextUse`], the one whose next use is predicted furthest away first;
+//!    a session idle for [`EvictionConfig::abandoned_after_ms`] goes before every predicted
+//!    one whatever its prediction: its client has paused past what a turn's tool call takes);
 //! 2. **cold** — sessions with a request running but no access for
 //!    [`EvictionConfig::cold_after_ms`]; their in-flight work is retracted; least recently used
 //!    first;
@@ -62,7 +64,7 @@ kvc_core::impl_stable_name!(VictimOrder, "victim order" { Lru => "lru", Predicte
 ///
 /// Defaults: `cold_after_ms` 30 000 (ten times the median gap between turns of the reference
 /// trace), `hard_cap_fraction` 0.95, `order` [`VictimOrder::Lru`], `allow_cold` and `allow_hot`
-/// true.
+/// true, `abandoned_after_ms` 300 000 (a hundred times that median gap).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", default, deny_unknown_fields)]
 pub struct EvictionConfig {
@@ -77,6 +79,11 @@ pub struct EvictionConfig {
     pub allow_cold: bool,
     /// Whether hot sessions may be evicted (above the hard cap).
     pub allow_hot: bool,
+    /// An idle session not accessed for this long is abandoned: with
+    /// [`VictimOrder::PredictedNextUse`] it is taken before every other idle session,
+    /// least recently used first, whatever its predicted next use (with
+    /// [`VictimOrder::Lru`] the least recently used already go first). 0 turns it off.
+    pub abandoned_after_ms: u64,
 }
 
 impl Default for EvictionConfig {
@@ -87,6 +94,7 @@ impl Default for EvictionConfig {
             order: VictimOrder::Lru,
             allow_cold: true,
             allow_hot: true,
+            abandoned_after_ms: 300_000,
         }
     }
 }
@@ -164,7 +172,8 @@ impl EvictionPlan {
 /// Victims are taken tier by tier, and the plan stops as soon as the need is covered (so only
 /// its last victim can free more than what was still missing):
 /// 1. [`Tier::Idle`]: idle sessions, least recently used first, or with
-///    [`VictimOrder::PredictedNextUse`] furthest predicted next use first;
+///    [`VictimOrder::PredictedNextUse`] those idle for `abandoned_after_ms` first (least
+///    recently used first), then the furthest predicted next use first;
 /// 2. [`Tier::Cold`] (if `allow_cold`): running sessions not accessed for `cold_after_ms`,
 ///    least recently used first; their in-flight work is retracted;
 /// 3. [`Tier::Hot`] (if `allow_hot`): the other running sessions, least recently used first,
@@ -235,7 +244,12 @@ pub fn plan_eviction(
     match cfg.order {
         VictimOrder::Lru => idle.sort_by_key(|r| (r.last_access_ms, r.session)),
         VictimOrder::PredictedNextUse => idle.sort_by_key(|r| {
+            let abandoned = cfg.abandoned_after_ms > 0
+                && now_ms.saturating_sub(r.last_access_ms) >= cfg.abandoned_after_ms;
             (
+                !abandoned,
+                // Among the abandoned, least recently used first.
+                if abandoned { r.last_access_ms } else { 0 },
                 r.predicted_next_use_ms.is_some(),
                 Reverse(r.predicted_next_use_ms),
                 r.last_access_ms,
@@ -459,12 +473,49 @@ mod tests {
     }
 
     #[test]
+    fn an_abandoned_session_goes_before_any_prediction() {
+        // At 400 000 ms: session 4 was last seen 350 s ago and session 1 310 s ago (both past
+        // the 300 s pause); 2 and 3 are recent. 4's prediction says it is back soon.
+        let mut rs = [
+            r(1, 100, Idle, 90_000),
+            r(2, 100, Idle, 390_000),
+            r(3, 100, Idle, 395_000),
+            r(4, 100, Idle, 50_000),
+        ];
+        rs[0].predicted_next_use_ms = Some(900_000);
+        rs[1].predicted_next_use_ms = Some(2_000_000);
+        rs[2].predicted_next_use_ms = None;
+        rs[3].predicted_next_use_ms = Some(401_000);
+        let cfg = EvictionConfig {
+            order: VictimOrder::PredictedNextUse,
+            ..cfg()
+        };
+        assert_eq!(cfg.abandoned_after_ms, 300_000);
+        let plan = plan_eviction(&rs, 400, 0, 1_000, None, 400_000, &cfg);
+        assert_eq!(
+            plan.sessions(),
+            [SessionId(4), SessionId(1), SessionId(3), SessionId(2)]
+        );
+        // Off: the predictions alone order them.
+        let off = EvictionConfig {
+            abandoned_after_ms: 0,
+            ..cfg
+        };
+        let plan = plan_eviction(&rs, 400, 0, 1_000, None, 400_000, &off);
+        assert_eq!(
+            plan.sessions(),
+            [SessionId(3), SessionId(2), SessionId(1), SessionId(4)]
+        );
+    }
+
+    #[test]
     fn config_deserializes_with_defaults() {
         let c: EvictionConfig =
             serde_json::from_str(r#"{"order":"predicted-next-use","allow-hot":false}"#).unwrap();
         assert_eq!(c.order, VictimOrder::PredictedNextUse);
         assert!(!c.allow_hot);
         assert_eq!(c.cold_after_ms, 30_000);
+        assert_eq!(c.abandoned_after_ms, 300_000);
         assert!(serde_json::from_str::<EvictionConfig>(r#"{"colder":1}"#).is_err());
     }
 

@@ -41,10 +41,19 @@ fn case() -> impl Strategy<Value = Case> {
             any::<bool>(),
             any::<bool>(),
             any::<bool>(),
+            // 0 (off) a quarter of the time, else within the residents' idle times.
+            prop_oneof![Just(0u64), 1u64..100_000, 1u64..100_000, 1u64..100_000],
         ),
     )
         .prop_map(
-            |(rs, need, free, other_used, req, (cold_after, cap, predicted, cold, hot))| {
+            |(
+                rs,
+                need,
+                free,
+                other_used,
+                req,
+                (cold_after, cap, predicted, cold, hot, abandoned),
+            )| {
                 let residents: Vec<Resident> = rs
                     .into_iter()
                     .enumerate()
@@ -82,6 +91,7 @@ fn case() -> impl Strategy<Value = Case> {
                         },
                         allow_cold: cold,
                         allow_hot: hot,
+                        abandoned_after_ms: abandoned,
                     },
                 }
             },
@@ -208,9 +218,16 @@ proptest! {
                 .collect();
             for w in rs.windows(2) {
                 if tier == Tier::Idle && c.cfg.order == VictimOrder::PredictedNextUse {
-                    let key = |r: &Resident| match r.predicted_next_use_ms {
-                        None => (0, 0, r.last_access_ms),
-                        Some(t) => (1, u64::MAX - t, r.last_access_ms),
+                    // Abandoned sessions first (least recently used first), then the
+                    // unpredicted, then the furthest predicted.
+                    let abandoned = |r: &Resident| {
+                        c.cfg.abandoned_after_ms > 0
+                            && c.now - r.last_access_ms >= c.cfg.abandoned_after_ms
+                    };
+                    let key = |r: &Resident| match (abandoned(r), r.predicted_next_use_ms) {
+                        (true, _) => (0, 0, r.last_access_ms),
+                        (false, None) => (1, 0, r.last_access_ms),
+                        (false, Some(t)) => (2, u64::MAX - t, r.last_access_ms),
                     };
                     prop_assert!(key(w[0]) <= key(w[1]), "{:?} before {:?}", w[0], w[1]);
                 } else {
