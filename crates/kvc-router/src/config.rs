@@ -500,6 +500,11 @@ pub struct WorkerConfig {
     /// `false` reads nothing but what is configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub discover: Option<bool>,
+    /// Out of rotation for new work: no decision places a new session or a turn on it (its
+    /// sessions move at their next turn), while the requests it runs finish. Changed on a
+    /// running router by re-reading the file (SIGHUP) or with the `DrainWorker` call.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drained: bool,
 }
 
 impl WorkerConfig {
@@ -523,6 +528,7 @@ impl WorkerConfig {
             kv_events_replay: None,
             kv_events_topic: None,
             discover: None,
+            drained: false,
             block_size: None,
         }
     }

@@ -253,6 +253,7 @@ fn worker_to_pb(w: ListedWorker) -> pb::WorkerInfo {
         kv_events: w.kv_events,
         kv_events_from: w.kv_events_from.to_owned(),
         warnings: w.warnings,
+        drained: w.drained,
     }
 }
 
@@ -316,6 +317,24 @@ impl pb::router_server::Router for RouterGrpc {
         let (worker, req) = request.get_ref().to_core();
         let reply = self.service.commit_evict(worker, req).await?;
         Ok(Response::new(reply.into()))
+    }
+
+    async fn drain_worker(
+        &self,
+        request: Request<pb::DrainWorkerRequest>,
+    ) -> Result<Response<pb::DrainWorkerReply>, Status> {
+        reached(&request);
+        if self.service.config().auth.grpc.is_none() {
+            return Err(Status::permission_denied(
+                "DrainWorker needs a bearer token on the gRPC listener ([auth.grpc]): on an \
+                 open listener any client could take workers out of rotation",
+            ));
+        }
+        let req = request.into_inner();
+        match self.service.set_drained(WorkerId(req.worker), req.drain) {
+            Some(was_drained) => Ok(Response::new(pb::DrainWorkerReply { was_drained })),
+            None => Err(Status::not_found(format!("no worker {}", req.worker))),
+        }
     }
 
     async fn list_workers(

@@ -1,7 +1,10 @@
 //! `kvc-router`: the kvc routing service (gRPC `kvc.v1.Router`, Prometheus `/metrics`).
 //!
 //! Reads a TOML configuration (see `crates/kvc-router/examples/router.toml`), applies the
-//! command-line overrides, serves until SIGTERM or SIGINT, then stops gracefully. Once both
+//! command-line overrides, serves until SIGTERM or SIGINT, then stops gracefully. SIGHUP
+//! re-reads the file: what a running router can take (each worker's `drained`) is applied,
+//! the rest is logged as needing a restart, and a file that does not load changes nothing.
+//! Once both
 //! listeners are bound it prints one line on stdout:
 //! `kvc-router grpc=<addr> metrics=<addr|none> http=<addr|none> epp=<addr|none>`.
 #![forbid(unsafe_code)]
@@ -16,7 +19,7 @@ use std::path::PathBuf;
 
 /// The kvc routing service: routes agent-session requests across prefill/decode workers from
 /// live worker state, with a snapshot probe before every direct-to-D decision.
-#[derive(Debug, Parser)]
+#[derive(Debug, Clone, Parser)]
 #[command(name = "kvc-router", version, about, long_about = None)]
 struct Cli {
     /// TOML configuration file (listen addresses, workers, policy and knobs, session limits,
@@ -137,6 +140,49 @@ async fn shutdown_signal() {
     }
 }
 
+/// Re-reads the configuration on every SIGHUP (a task for the router's lifetime).
+fn reload_on_sighup(cli: &Cli, service: std::sync::Arc<kvc_router::RouterService>) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Some(path) = cli.config.clone() else {
+            return;
+        };
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP; the configuration is read once");
+                return;
+            }
+        };
+        let cli = cli.clone();
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                match load(&cli) {
+                    Ok(cfg) => {
+                        let report = service.reload(&cfg);
+                        for line in &report.applied {
+                            tracing::info!("SIGHUP: {}: {line}", path.display());
+                        }
+                        for line in &report.needs_restart {
+                            tracing::warn!("SIGHUP: {}: {line}", path.display());
+                        }
+                        if report.applied.is_empty() && report.needs_restart.is_empty() {
+                            tracing::info!("SIGHUP: {}: nothing changed", path.display());
+                        }
+                    }
+                    Err(e) => tracing::error!(
+                        "SIGHUP: {} not applied (the running configuration stays): {e:#}",
+                        path.display()
+                    ),
+                }
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    let _ = (cli, service);
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let filter = match &cli.log {
@@ -172,6 +218,7 @@ fn main() -> anyhow::Result<()> {
         )?;
         out.flush()?;
         drop(out);
+        reload_on_sighup(&cli, std::sync::Arc::clone(router.service()));
         router.wait().await?;
         anyhow::Ok(())
     })

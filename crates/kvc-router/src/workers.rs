@@ -96,6 +96,9 @@ pub(crate) struct WorkerEntry {
     health_epoch: Arc<std::sync::atomic::AtomicU64>,
     /// Out of rotation by the HTTP front's circuit breaker (overrides any other health).
     pub(crate) http_down: std::sync::atomic::AtomicBool,
+    /// Drained by the operator (`drained` in its entry, or `DrainWorker`): out of rotation
+    /// like a down worker, the requests it runs left to finish.
+    pub(crate) drained: std::sync::atomic::AtomicBool,
     /// The engine's `/metrics`, when the state comes from it.
     scraped: Option<Scraped>,
     /// The engine's KV-cache events, when the router indexes them: configured, or set once
@@ -200,6 +203,7 @@ impl WorkerEntry {
             }),
             health_epoch: Arc::default(),
             http_down: std::sync::atomic::AtomicBool::new(false),
+            drained: std::sync::atomic::AtomicBool::new(cfg.drained),
             scraped,
             kv_events: match &cfg.kv_events {
                 Some(endpoint) => OnceLock::from(KvEventsSource {
@@ -291,7 +295,9 @@ impl WorkerEntry {
     /// The health of `live` at `now_ms`, and the time from which it changes by itself (the
     /// state grows stale) if nothing is written: `None` when only a write can change it.
     fn health_of(&self, live: &Live, now_ms: u64) -> (Health, Option<u64>) {
-        if self.http_down.load(std::sync::atomic::Ordering::Relaxed) {
+        if self.http_down.load(std::sync::atomic::Ordering::Relaxed)
+            || self.drained.load(std::sync::atomic::Ordering::Relaxed)
+        {
             return (Health::Down, None);
         }
         match live.last_ok_ms {
@@ -313,6 +319,19 @@ impl WorkerEntry {
     /// Shares the counter of health changes the router's workers add to.
     pub(crate) fn share_health_epoch(&mut self, epoch: &Arc<std::sync::atomic::AtomicU64>) {
         self.health_epoch = Arc::clone(epoch);
+    }
+
+    /// Drains the worker (or ends the drain); a change counts as a change of health. Returns
+    /// whether it was drained before.
+    pub(crate) fn set_drained(&self, drained: bool) -> bool {
+        let before = self
+            .drained
+            .swap(drained, std::sync::atomic::Ordering::Relaxed);
+        if before != drained {
+            self.health_epoch
+                .fetch_add(1, std::sync::atomic::Ordering::Release);
+        }
+        before
     }
 
     /// Takes the HTTP front's circuit breaker's word (see [`WorkerEntry::http_down`]); a change

@@ -223,3 +223,112 @@ fn starts_serves_and_stops_on_sigterm() {
     assert!(exit.success(), "clean exit after SIGTERM: {exit:?}");
     drop(rt);
 }
+
+#[test]
+fn sighup_rereads_the_file_drains_a_worker_and_keeps_a_broken_file_out() {
+    let dir = common::TempDir::new("bin-hup");
+    let snap = dir.0.join("w1.snap");
+    let path = dir.0.join("router.toml");
+    let config = |drained: bool| {
+        format!(
+            "listen = \"127.0.0.1:0\"\nmetrics-listen = \"127.0.0.1:0\"\nshutdown-grace-ms = 300\n\
+             [[workers]]\nid = 0\nname = \"p0\"\nrole = \"prefill\"\ncapacity-tokens = 1000\n\
+             address = \"http://127.0.0.1:1\"\n\
+             [[workers]]\nid = 1\nname = \"d1\"\nrole = \"decode\"\ncapacity-tokens = 1000\n\
+             snapshot = \"{}\"\ndrained = {drained}\n",
+            snap.display()
+        )
+    };
+    std::fs::write(&path, config(false)).unwrap();
+    let mut child = Command::new(BIN)
+        .arg("--config")
+        .arg(&path)
+        .arg("--log")
+        .arg("info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the binary prints its addresses");
+    let metrics: std::net::SocketAddr = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("metrics="))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let drained_gauge = || {
+        let (_, body) = rt.block_on(common::http_get(metrics, "/metrics"));
+        body.lines()
+            .find(|l| l.starts_with("kvc_router_worker_drained{") && l.contains("name=\"d1\""))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let hup = |child: &std::process::Child| {
+        let status = Command::new("kill")
+            .arg("-HUP")
+            .arg(child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    let wait_gauge = |want: f64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while drained_gauge() != Some(want) {
+            assert!(
+                Instant::now() < deadline,
+                "d1's drained gauge not {want} within 10 s: {:?}",
+                drained_gauge()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    assert_eq!(drained_gauge(), Some(0.0));
+    std::fs::write(&path, config(true)).unwrap();
+    hup(&child);
+    wait_gauge(1.0);
+    // A file that does not load changes nothing (and the router keeps running).
+    std::fs::write(&path, "listen = [").unwrap();
+    hup(&child);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(drained_gauge(), Some(1.0));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "a broken file stopped the router"
+    );
+    std::fs::write(&path, config(false)).unwrap();
+    hup(&child);
+    wait_gauge(0.0);
+
+    let status = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "clean exit after SIGTERM: {:?}",
+        out.status
+    );
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("worker 1 (`d1`) drained"), "{log}");
+    assert!(
+        log.contains("not applied (the running configuration stays)"),
+        "{log}"
+    );
+    assert!(log.contains("worker 1 (`d1`) back in rotation"), "{log}");
+}

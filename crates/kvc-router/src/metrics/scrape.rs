@@ -33,6 +33,8 @@ pub struct WorkerSample {
     /// How many things reading its engine found wrong (problems and warnings; see
     /// `ListWorkers` for the text).
     pub discovery_warnings: usize,
+    /// Drained by the operator.
+    pub drained: bool,
 }
 
 /// The live state a scrape reports, read by the service just before rendering.
@@ -236,6 +238,15 @@ fn event_gauges(r: &mut Registry, workers: &[WorkerSample]) {
                 .set(count(v));
         }
     }
+    let drained = Family::<WorkerLabels, Gauge>::default();
+    for w in workers {
+        drained.get_or_create(&labels(w)).set(i64::from(w.drained));
+    }
+    r.register(
+        "kvc_router_worker_drained",
+        "Whether each worker is drained by the operator (1: no new work; its running requests finish)",
+        drained,
+    );
     let sources = Family::<SourceLabels, Gauge>::default();
     let warnings = Family::<WorkerLabels, Gauge>::default();
     for w in workers {
@@ -376,6 +387,7 @@ mod tests {
             cache_accounting: None,
             kv_events: None,
             discovery_warnings: 0,
+            drained: false,
             id: WorkerId(id),
             name: name.to_owned(),
             role: WorkerRole::Decode,
