@@ -6,6 +6,7 @@
 //! | waiting requests | `vllm:num_requests_waiting` | `sglang:num_queue_reqs`, plus the P/D queues `sglang:num_decode_prealloc_queue_reqs`, `sglang:num_decode_transfer_queue_reqs`, `sglang:num_prefill_bootstrap_queue_reqs` |
 //! | pool use (0–1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
 //! | pool size | `vllm:cache_config_info` labels `num_gpu_blocks` × `block_size` | `sglang:max_total_num_tokens` |
+//! | prefix caching on | `vllm:cache_config_info` label `enable_prefix_caching` | — |
 //!
 //! An endpoint serving several engines (data-parallel ranks, one series per `engine` label)
 //! reads as one worker: counts and pool sizes add up, pool use is the mean over the series.
@@ -29,6 +30,9 @@ pub struct EngineLoad {
     pub pool_tokens: Option<u64>,
     /// The engine's KV block (page) size in tokens, when it reports it (vLLM).
     pub block_size: Option<u32>,
+    /// Whether the engine reuses cached prefixes, when it says (vLLM's `cache_config_info`
+    /// label `enable_prefix_caching`, `True` or `False`).
+    pub prefix_caching: Option<bool>,
 }
 
 /// Why a `/metrics` text could not be read as an engine's load.
@@ -103,6 +107,7 @@ pub fn parse_engine_load(kind: EngineKind, text: &str) -> Result<EngineLoad, Loa
     let mut usage: Vec<Option<(f64, u32)>> = vec![None; names.usage.len()];
     let mut pool_tokens = None::<u64>;
     let mut block_size = None::<u32>;
+    let mut prefix_caching = None::<bool>;
     for (i, line) in text.lines().enumerate() {
         let Some(sample) = parse_line(line).map_err(|reason| LoadError::Syntax {
             line: i + 1,
@@ -144,6 +149,11 @@ pub fn parse_engine_load(kind: EngineKind, text: &str) -> Result<EngineLoad, Loa
                 pool_tokens = Some(pool_tokens.unwrap_or(0).saturating_add(b * u64::from(s)));
                 block_size = Some(s);
             }
+            match sample.label("enable_prefix_caching") {
+                Some("True" | "true") => prefix_caching = Some(prefix_caching.unwrap_or(true)),
+                Some("False" | "false") => prefix_caching = Some(false),
+                _ => {}
+            }
         } else if kind == EngineKind::Sglang && name == "sglang:max_total_num_tokens" {
             pool_tokens = Some(pool_tokens.unwrap_or(0).saturating_add(sample.value as u64));
         }
@@ -161,6 +171,7 @@ pub fn parse_engine_load(kind: EngineKind, text: &str) -> Result<EngineLoad, Loa
         kv_usage: (sum / f64::from(n)).clamp(0.0, 1.0),
         pool_tokens,
         block_size,
+        prefix_caching,
     })
 }
 
@@ -295,6 +306,24 @@ vllm:prefix_cache_queries_total{engine="0",model_name="qwen"} 12345.0
         assert!((load.kv_usage - 0.375).abs() < 1e-12);
         assert_eq!(load.pool_tokens, Some(1500 * 16));
         assert_eq!(load.block_size, Some(16));
+    }
+
+    #[test]
+    fn prefix_caching_is_read_and_off_on_any_rank_wins() {
+        let text = |a: &str, b: &str| {
+            format!(
+                "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n\
+                 vllm:kv_cache_usage_perc 0\n\
+                 vllm:cache_config_info{{block_size=\"16\",enable_prefix_caching=\"{a}\",engine=\"0\",num_gpu_blocks=\"10\"}} 1.0\n\
+                 vllm:cache_config_info{{block_size=\"16\",enable_prefix_caching=\"{b}\",engine=\"1\",num_gpu_blocks=\"10\"}} 1.0\n"
+            )
+        };
+        let on = parse_engine_load(EngineKind::Vllm, &text("True", "True")).unwrap();
+        assert_eq!(on.prefix_caching, Some(true));
+        let mixed = parse_engine_load(EngineKind::Vllm, &text("True", "False")).unwrap();
+        assert_eq!(mixed.prefix_caching, Some(false));
+        let unsaid = parse_engine_load(EngineKind::Vllm, VLLM_TEXT).unwrap();
+        assert_eq!(unsaid.prefix_caching, None);
     }
 
     #[test]

@@ -32,7 +32,7 @@
 //! | `kvc_router_worker_kv_events` | gauge | `worker`, `name`, `kind` (`indexed-blocks`, `last-seq`, and since start `batches`, `gaps`, `replays`, `replay-failures`, `resets`, `malformed`, `unknown-blocks`, `dropped-blocks`, `connect-failures`; `synced` 1 once the first replay after start has ended), for workers with `kv-events` |
 //! | `kvc_router_worker_drained` | gauge | `worker`, `name`, `role`: 1 while the operator has the worker drained (`DrainWorker`, or `drained` in its entry re-read on SIGHUP) |
 //! | `kvc_router_worker_kv_events_source` | gauge | `worker`, `name`, `endpoint`, `from` (`config`, or `engine`: read from vLLM's `GET /kv_event_sources`); 1 per worker whose event source is known |
-//! | `kvc_router_worker_discovery_warnings` | gauge | `worker`, `name`: what reading the engine found wrong (its last problem and warnings, the text in `ListWorkers`), for workers whose event source was read from the engine or is still asked for |
+//! | `kvc_router_worker_discovery_warnings` | gauge | `worker`, `name`: what reading the engine found wrong (discovery's last problem and warnings, prefix caching off; the text in `ListWorkers`), for workers with any, or whose event source was read from the engine |
 //! | `kvc_router_worker_cache_accounting` | gauge | `worker`, `name`, `role` (1: the engine's answers report their cached prompt tokens; 0: they do not, e.g. vLLM without `--enable-prompt-tokens-details`; absent until a vLLM worker's answer said) |
 //! | `kvc_router_http_breaker_state` | gauge | `worker`, `state` (`closed`, `open`, `half-open`; 1 for the current state of each worker the HTTP front forwarded to or checked) |
 //! | `kvc_router_http_breaker_transitions_total` | counter | `to` (the state entered) |

@@ -859,7 +859,9 @@ impl RouterService {
                         .map(|k| (k.endpoint.clone(), w.kv_events_from())),
                     discovery_warnings: {
                         let d = w.discovery.lock();
-                        d.warnings.len() + usize::from(d.problem.is_some())
+                        d.warnings.len()
+                            + usize::from(d.problem.is_some())
+                            + usize::from(w.engine_warning.lock().is_some())
                     },
                     drained: w.drained.load(Ordering::Relaxed),
                 })
@@ -891,7 +893,13 @@ impl RouterService {
                 kv_events_from: w.kv_events_from(),
                 warnings: {
                     let d = w.discovery.lock();
-                    d.problem.iter().chain(&d.warnings).cloned().collect()
+                    let engine = w.engine_warning.lock();
+                    d.problem
+                        .iter()
+                        .chain(&d.warnings)
+                        .chain(engine.iter())
+                        .cloned()
+                        .collect()
                 },
                 drained: w.drained.load(Ordering::Relaxed),
             })

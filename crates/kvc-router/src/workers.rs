@@ -109,6 +109,9 @@ pub(crate) struct WorkerEntry {
     pub(crate) discover: Option<WorkerUrl>,
     /// How that discovery goes.
     pub(crate) discovery: Mutex<DiscoveryState>,
+    /// What the engine's `/metrics` says is wrong with it for the router (prefix caching
+    /// off), logged when it first appears.
+    pub(crate) engine_warning: Mutex<Option<String>>,
     /// The counters of the running event subscriber (set once it starts).
     pub(crate) event_stats: OnceLock<Arc<kvc_events::WorkerStats>>,
     /// Whether the engine's answers report cached prompt tokens: 0 not known yet, 1 they do,
@@ -223,12 +226,33 @@ impl WorkerEntry {
                 })
                 .flatten(),
             discovery: Mutex::new(DiscoveryState::default()),
+            engine_warning: Mutex::new(None),
             event_stats: OnceLock::new(),
             cache_accounting: std::sync::atomic::AtomicU8::new(0),
             engine_block_size: std::sync::atomic::AtomicU32::new(0),
             released: std::sync::atomic::AtomicU64::new(0),
             stale_after_ms,
             rpc_timeout: Duration::from_millis(router.rpc_timeout_ms),
+        }
+    }
+
+    /// Takes note of whether the engine reuses cached prefixes: off, no turn it serves reuses
+    /// the session's KV (a direct-to-D turn is recomputed in full), which is warned about once
+    /// and listed until the engine says it is on.
+    fn note_prefix_caching(&self, on: Option<bool>) {
+        let mut w = self.engine_warning.lock();
+        match on {
+            Some(false) if w.is_none() => {
+                let text = "the engine runs with prefix caching off (cache_config_info \
+                            enable_prefix_caching=\"False\"): it reuses no session's KV, so \
+                            every turn it serves is computed in full; start vLLM without \
+                            --no-enable-prefix-caching"
+                    .to_owned();
+                tracing::warn!(worker = self.id.0, name = %self.name, "{text}");
+                *w = Some(text);
+            }
+            Some(true) => *w = None,
+            _ => {}
         }
     }
 
@@ -562,6 +586,7 @@ impl WorkerEntry {
                     self.engine_block_size
                         .store(bs, std::sync::atomic::Ordering::Relaxed);
                 }
+                self.note_prefix_caching(load.prefix_caching);
                 let was_down = live.failing || live.last_ok_ms.is_none();
                 live.state = self.engine_state(scraped, &load);
                 live.released_at_scrape = released;

@@ -164,6 +164,45 @@ async fn vllm_pair(engines: [SocketAddr; 2], edit: impl FnOnce(&mut RouterConfig
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_with_prefix_caching_off_is_listed_with_the_fix_until_it_is_on() {
+    let off = vllm_text(0, 0, 0.0, 5_750).replace(
+        "num_gpu_blocks=",
+        "enable_prefix_caching=\"False\",num_gpu_blocks=",
+    );
+    let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    let (d_addr, d) = mock_engine(&off).await;
+    let cluster = vllm_pair([p_addr, d_addr], |_| {}).await;
+    wait_for(&cluster, "d1's warning", |ws| !ws[1].warnings.is_empty()).await;
+    let ws = cluster.service().list_workers();
+    assert!(ws[0].warnings.is_empty(), "{:?}", ws[0].warnings);
+    assert_eq!(ws[1].warnings.len(), 1);
+    assert!(
+        ws[1].warnings[0].contains("prefix caching off"),
+        "{:?}",
+        ws[1].warnings
+    );
+    assert!(ws[1].warnings[0].contains("--no-enable-prefix-caching"));
+    let metrics = cluster.service().render_metrics();
+    assert!(
+        metrics.contains(
+            "kvc_router_worker_discovery_warnings{worker=\"1\",name=\"d1\",role=\"decode\"} 1"
+        ),
+        "{metrics}"
+    );
+    *d.lock() = (
+        StatusCode::OK,
+        off.replace(
+            "enable_prefix_caching=\"False\"",
+            "enable_prefix_caching=\"True\"",
+        ),
+    );
+    wait_for(&cluster, "d1's warning gone", |ws| {
+        ws[1].warnings.is_empty()
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vllm_pool_left_out_of_the_configuration_is_read_from_the_engine() {
     use kvc_core::Outcome;
     use kvc_proto::convert::ProtoEnum;
