@@ -150,13 +150,13 @@ async fn a_subscriber_started_mid_run_rebuilds_from_replay() {
     stop(cancel, sub, p).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_publisher_resets_the_worker() {
-    let cancel = CancellationToken::new();
-    let first = publisher(10_000, &cancel).await;
-    let endpoint = first.endpoint().to_string();
-    let replay = first.replay_endpoint().unwrap().to_string();
-    let (index, sub) = subscribe(&first, &cancel);
+/// Publishes the first 20 of an engine's batches on `first` until `sub` applied them, stops
+/// it, and starts the engine again on the same ports, numbering from 0 again.
+async fn restart_after_twenty(
+    first: Publisher,
+    sub: &Subscriber,
+    cancel: &CancellationToken,
+) -> Publisher {
     let batches = engine_batches(40);
     let mut cursor = 0;
     publish_until_in_sync(&first, &sub.stats, &batches, &mut cursor).await;
@@ -164,12 +164,19 @@ async fn a_restarted_publisher_resets_the_worker() {
         first.publish(b).await.unwrap();
     }
     wait_until("first run applied", &sub.stats, |s| s.last_seq == Some(19)).await;
-    first.shutdown().await;
-    // The engine comes back on the same ports and numbers from 0 again.
-    let mut cfg = PublisherConfig::new(endpoint);
-    cfg.replay_endpoint = Some(replay);
+    let mut cfg = PublisherConfig::new(first.endpoint());
+    cfg.replay_endpoint = first.replay_endpoint().map(str::to_string);
     cfg.topic = TOPIC.into();
-    let second = Publisher::bind(cfg, cancel.clone()).await.unwrap();
+    first.shutdown().await;
+    Publisher::bind(cfg, cancel.clone()).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_publisher_resets_the_worker() {
+    let cancel = CancellationToken::new();
+    let first = publisher(10_000, &cancel).await;
+    let (index, sub) = subscribe(&first, &cancel);
+    let second = restart_after_twenty(first, &sub, &cancel).await;
     let restarted = engine_batches(30);
     let mut cursor = 0;
     publish_until_in_sync(&second, &sub.stats, &restarted, &mut cursor).await;
@@ -193,28 +200,16 @@ async fn a_restarted_publisher_resets_the_worker() {
 async fn an_engine_back_before_the_subscriber_is_read_from_its_replay_not_the_old_index() {
     let cancel = CancellationToken::new();
     let first = publisher(10_000, &cancel).await;
-    let endpoint = first.endpoint().to_string();
     let replay = first.replay_endpoint().unwrap().to_string();
     let index: SharedIndex = Arc::new(parking_lot::RwLock::new(KvIndex::new()));
     let mut cfg = SubscriberConfig::new(W, spec(), first.endpoint());
-    cfg.replay_endpoint = Some(replay.clone());
+    cfg.replay_endpoint = Some(replay);
     cfg.topic = TOPIC.into();
     // Reconnects a second after the drop: the new engine has published by then.
     cfg.backoff_min = Duration::from_secs(1);
     cfg.backoff_max = Duration::from_secs(1);
     let sub = spawn_subscriber(cfg, index.clone(), cancel.clone());
-    let batches = engine_batches(40);
-    let mut cursor = 0;
-    publish_until_in_sync(&first, &sub.stats, &batches, &mut cursor).await;
-    for b in &batches[cursor..20] {
-        first.publish(b).await.unwrap();
-    }
-    wait_until("first run applied", &sub.stats, |s| s.last_seq == Some(19)).await;
-    first.shutdown().await;
-    let mut cfg = PublisherConfig::new(endpoint);
-    cfg.replay_endpoint = Some(replay);
-    cfg.topic = TOPIC.into();
-    let second = Publisher::bind(cfg, cancel.clone()).await.unwrap();
+    let second = restart_after_twenty(first, &sub, &cancel).await;
     // Three messages, numbered 0..=2, then silence: no live message ever shows the restart.
     let restarted = engine_batches(3);
     for b in &restarted {
@@ -230,7 +225,7 @@ async fn an_engine_back_before_the_subscriber_is_read_from_its_replay_not_the_ol
         s.replays, 2,
         "one at the first connection, one at the second"
     );
-    assert!(s.indexed_blocks < reference(&batches[..20]).worker_blocks(W).len() as u64);
+    assert!(s.indexed_blocks < reference(&engine_batches(20)).worker_blocks(W).len() as u64);
     assert_same_index(&index.read(), &reference(&restarted));
     stop(cancel, sub, second).await;
 }
