@@ -1,4 +1,5 @@
-//! The `kvc-router` binary: `--help`, and a start/stop cycle with a temp config on port 0.
+//! The `kvc-router` binary: `--help`, a start/stop cycle with a temp config on port 0, and
+//! SIGHUP re-reading the file.
 #![forbid(unsafe_code)]
 
 mod common;
@@ -8,6 +9,26 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvc-router");
+
+/// The value of `key=` in the router's address line.
+fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+}
+
+/// The line a started router prints on stdout (its addresses), within 30 s.
+fn address_line(child: &mut std::process::Child) -> String {
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    rx.recv_timeout(Duration::from_secs(30))
+        .expect("the binary prints its addresses")
+}
 
 #[test]
 fn help_explains_every_option() {
@@ -114,33 +135,10 @@ fn starts_serves_and_stops_on_sigterm() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the binary prints its addresses");
-    let grpc = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("grpc="))
-        .unwrap_or_else(|| panic!("no grpc= in {line:?}"))
-        .to_owned();
-    let metrics: std::net::SocketAddr = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("metrics="))
-        .unwrap()
-        .parse()
-        .unwrap();
-    let http: std::net::SocketAddr = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("http="))
-        .unwrap_or_else(|| panic!("no http= in {line:?}"))
-        .parse()
-        .unwrap();
+    let line = address_line(&mut child);
+    let grpc = field(&line, "grpc").to_owned();
+    let metrics: std::net::SocketAddr = field(&line, "metrics").parse().unwrap();
+    let http: std::net::SocketAddr = field(&line, "http").parse().unwrap();
     // The existing fields keep their order: grpc first, then metrics, then http.
     assert!(line.starts_with("kvc-router grpc="), "{line:?}");
     assert!(
@@ -249,22 +247,8 @@ fn sighup_rereads_the_file_drains_a_worker_and_keeps_a_broken_file_out() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the binary prints its addresses");
-    let metrics: std::net::SocketAddr = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("metrics="))
-        .unwrap()
-        .parse()
-        .unwrap();
+    let line = address_line(&mut child);
+    let metrics: std::net::SocketAddr = field(&line, "metrics").parse().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

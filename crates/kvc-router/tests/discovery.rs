@@ -10,7 +10,6 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use common::Cluster;
 use kvc_core::Health;
-use kvc_proto::pb;
 use kvc_router::{ListedWorker, RouterConfig};
 use parking_lot::Mutex;
 use std::net::SocketAddr;
@@ -107,12 +106,7 @@ fn warned(w: &ListedWorker, text: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vllm_worker_known_by_its_http_url_reads_its_events_from_the_engine() {
     let stop = tokio_util::sync::CancellationToken::new();
-    let mut pub_cfg = kvc_events::PublisherConfig::new("tcp://127.0.0.1:0");
-    pub_cfg.replay_endpoint = Some("tcp://127.0.0.1:0".into());
-    pub_cfg.topic = "kv@d1@m".into();
-    let publisher = kvc_events::Publisher::bind(pub_cfg, stop.clone())
-        .await
-        .unwrap();
+    let publisher = common::event_publisher("kv@d1@m", &stop).await;
     let (l0, a0) = listener().await;
     let (l1, a1) = listener().await;
     let (l2, a2) = listener().await;
@@ -182,13 +176,7 @@ async fn a_vllm_worker_known_by_its_http_url_reads_its_events_from_the_engine() 
     })
     .await;
 
-    let mut client = cluster.client.clone();
-    let listed = client
-        .list_workers(pb::ListWorkersRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let listed = cluster.list_workers().await;
     assert_eq!(listed[1].kv_events_from, "engine");
     assert_eq!(listed[1].indexed_blocks, Some(4));
     assert!(listed[0].warnings[0].contains("--kv-events-config"));
@@ -220,11 +208,7 @@ async fn a_vllm_worker_known_by_its_http_url_reads_its_events_from_the_engine() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_discoveries_are_listed_and_retried_until_the_engine_answers() {
     let stop = tokio_util::sync::CancellationToken::new();
-    let mut pub_cfg = kvc_events::PublisherConfig::new("tcp://127.0.0.1:0");
-    pub_cfg.replay_endpoint = Some("tcp://127.0.0.1:0".into());
-    let publisher = kvc_events::Publisher::bind(pub_cfg, stop.clone())
-        .await
-        .unwrap();
+    let publisher = common::event_publisher("", &stop).await;
     let good = sources(
         publisher.endpoint(),
         publisher.replay_endpoint().unwrap(),

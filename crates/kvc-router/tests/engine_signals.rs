@@ -385,12 +385,7 @@ async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
     // d2 is out of rotation, so the session lands on d1.
     *d2.lock() = (StatusCode::SERVICE_UNAVAILABLE, String::new());
     let stop = tokio_util::sync::CancellationToken::new();
-    let mut pub_cfg = kvc_events::PublisherConfig::new("tcp://127.0.0.1:0");
-    pub_cfg.replay_endpoint = Some("tcp://127.0.0.1:0".into());
-    pub_cfg.topic = "kv@d1@m".into();
-    let publisher = kvc_events::Publisher::bind(pub_cfg, stop.clone())
-        .await
-        .unwrap();
+    let publisher = common::event_publisher("kv@d1@m", &stop).await;
     let (events, replay) = (
         publisher.endpoint().to_owned(),
         publisher.replay_endpoint().unwrap().to_owned(),
@@ -448,12 +443,7 @@ async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
             .is_some_and(|e| e.indexed_blocks == 128 && e.last_seq == Some(2))
     })
     .await;
-    let listed = client
-        .list_workers(pb::ListWorkersRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let listed = cluster.list_workers().await;
     assert_eq!(listed[1].indexed_blocks, Some(128));
     assert_eq!(listed[1].last_event_seq, Some(2));
     assert_eq!(listed[1].source, "events");

@@ -53,6 +53,17 @@ async fn drain(c: &mut Cluster, worker: u32, drain: bool) -> Result<bool, tonic:
         .map(|r| r.into_inner().was_drained)
 }
 
+/// `DrainWorker` of worker 1 without a bearer token: its error.
+async fn drain_without_token(c: &mut Cluster) -> tonic::Status {
+    c.client
+        .drain_worker(pb::DrainWorkerRequest {
+            worker: 1,
+            drain: true,
+        })
+        .await
+        .unwrap_err()
+}
+
 #[tokio::test]
 async fn a_drained_decode_worker_takes_no_new_work_and_its_session_moves_at_the_next_turn() {
     let (mut c, _dir) = with_token().await;
@@ -141,28 +152,14 @@ async fn a_drained_decode_worker_takes_no_new_work_and_its_session_moves_at_the_
         drain(&mut c, 9, true).await.unwrap_err().code(),
         Code::NotFound
     );
-    let e = c
-        .client
-        .drain_worker(pb::DrainWorkerRequest {
-            worker: 1,
-            drain: true,
-        })
-        .await
-        .unwrap_err();
+    let e = drain_without_token(&mut c).await;
     assert_eq!(e.code(), Code::Unauthenticated);
 }
 
 #[tokio::test]
 async fn drain_worker_is_refused_on_a_listener_without_a_token() {
     let mut c = Cluster::start(|_| {}).await;
-    let e = c
-        .client
-        .drain_worker(pb::DrainWorkerRequest {
-            worker: 1,
-            drain: true,
-        })
-        .await
-        .unwrap_err();
+    let e = drain_without_token(&mut c).await;
     assert_eq!(e.code(), Code::PermissionDenied);
     assert!(e.message().contains("[auth.grpc]"), "{}", e.message());
     assert!(!c.service().is_drained(kvc_core::WorkerId(1)));

@@ -169,6 +169,17 @@ impl Cluster {
         parse_prometheus(&text.1)
     }
 
+    /// `ListWorkers` over gRPC.
+    pub async fn list_workers(&self) -> Vec<pb::WorkerInfo> {
+        self.client
+            .clone()
+            .list_workers(pb::ListWorkersRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .workers
+    }
+
     pub fn service(&self) -> &Arc<RouterService> {
         self.router.service()
     }
@@ -360,4 +371,18 @@ pub fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
         })
         .unwrap_or_else(|| panic!("no sample {name} {labels:?}"))
         .value
+}
+
+/// A KV-cache event publisher on loopback ports, with a replay socket, under `topic` (empty:
+/// none), stopped by `stop`.
+pub async fn event_publisher(
+    topic: &str,
+    stop: &tokio_util::sync::CancellationToken,
+) -> kvc_events::Publisher {
+    let mut cfg = kvc_events::PublisherConfig::new("tcp://127.0.0.1:0");
+    cfg.replay_endpoint = Some("tcp://127.0.0.1:0".into());
+    cfg.topic = topic.into();
+    kvc_events::Publisher::bind(cfg, stop.clone())
+        .await
+        .unwrap()
 }
