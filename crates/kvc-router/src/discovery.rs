@@ -142,6 +142,49 @@ pub(crate) fn parse_event_sources(body: &[u8], host: &str) -> Result<Discovered,
     })
 }
 
+/// The model ids of a `GET /v1/models` answer (OpenAI's list shape), `None` for anything else.
+pub(crate) fn parse_models(body: &[u8]) -> Option<Vec<String>> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let ids: Vec<String> = v["data"]
+        .as_array()?
+        .iter()
+        .filter_map(|m| m["id"].as_str().map(str::to_owned))
+        .collect();
+    (!ids.is_empty()).then_some(ids)
+}
+
+/// For each worker's served models (empty: not known), the warning of one that serves none
+/// of the fleet's model: the model most workers serve (ties: the one named first).
+pub(crate) fn model_warnings(served: &[Vec<String>]) -> Vec<Option<String>> {
+    let mut counts: Vec<(&str, usize)> = Vec::new();
+    for ids in served {
+        for id in ids {
+            match counts.iter_mut().find(|(m, _)| m == id) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((id, 1)),
+            }
+        }
+    }
+    let Some(&(fleet, _)) = counts.iter().rev().max_by_key(|(_, n)| *n) else {
+        return vec![None; served.len()];
+    };
+    served
+        .iter()
+        .map(|ids| {
+            (!ids.is_empty() && !ids.iter().any(|m| m == fleet)).then(|| {
+                format!(
+                    "the engine serves {} but the other workers serve `{fleet}`: a request \
+                     for one model routed to it fails; give each model its own router",
+                    ids.iter()
+                        .map(|m| format!("`{m}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })
+        })
+        .collect()
+}
+
 /// The address to connect a SUB socket to for an engine's `endpoint`, or why there is none.
 fn subscribable(endpoint: &str, host: &str) -> Result<String, String> {
     if endpoint.starts_with("ipc://") {
@@ -320,6 +363,32 @@ mod tests {
             let e = parse_event_sources(body, "h").unwrap_err();
             assert!(e.to_string().contains(says), "{e} lacks {says}");
         }
+    }
+
+    #[test]
+    fn a_worker_serving_another_model_than_the_fleet_is_named() {
+        assert_eq!(
+            parse_models(br#"{"object":"list","data":[{"id":"kvc-tiny","object":"model"}]}"#),
+            Some(vec!["kvc-tiny".to_owned()])
+        );
+        assert_eq!(parse_models(b"{}"), None);
+        assert_eq!(parse_models(b"<html>"), None);
+        let m = |ids: &[&str]| ids.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let w = model_warnings(&[m(&["a"]), m(&["a", "b"]), m(&["c"]), m(&[])]);
+        assert_eq!(
+            (w[0].is_some(), w[1].is_some(), w[3].is_some()),
+            (false, false, false)
+        );
+        let third = w[2].as_deref().unwrap();
+        assert!(
+            third.contains("`c`") && third.contains("serve `a`"),
+            "{third}"
+        );
+        // A tie goes to the model named first.
+        let tie = model_warnings(&[m(&["x"]), m(&["y"])]);
+        assert_eq!(tie[0], None);
+        assert!(tie[1].as_deref().unwrap().contains("serve `x`"));
+        assert_eq!(model_warnings(&[m(&[]), m(&[])]), [None, None]);
     }
 
     #[test]

@@ -448,8 +448,20 @@ impl RouterService {
             )),
             Err(e) => Err((format!("GET /kv_event_sources: {e}"), false)),
         };
+        // Which models it serves, asked once it answers as vLLM does.
+        let models_known = !entry.discovery.lock().models.is_empty();
+        let models = match (&found, !models_known) {
+            (Ok(_), true) => match self.scrape_client.get(url, "/v1/models", timeout).await {
+                Ok(a) if a.status == 200 => crate::discovery::parse_models(&a.body),
+                _ => None,
+            },
+            _ => None,
+        };
         let mut st = entry.discovery.lock();
         st.attempts += 1;
+        if let Some(models) = models {
+            st.models = models;
+        }
         match found {
             Ok(d) => {
                 st.answered = true;
@@ -654,6 +666,17 @@ impl RouterService {
             .is_some_and(|e| e.drained.load(Ordering::Relaxed))
     }
 
+    /// Per worker, the warning of one whose engine serves none of the fleet's model (as the
+    /// engines' `/v1/models` said during discovery).
+    fn model_warnings(&self) -> Vec<Option<String>> {
+        let served: Vec<Vec<String>> = self
+            .workers
+            .iter()
+            .map(|w| w.discovery.lock().models.clone())
+            .collect();
+        crate::discovery::model_warnings(&served)
+    }
+
     /// Applies what a re-read configuration changes that a running router can take: each
     /// worker's `drained`. Everything else that differs from the configuration the router
     /// started with (a worker added or removed, another key of a worker, any other setting)
@@ -843,11 +866,13 @@ impl RouterService {
             };
             (core.sessions.len(), core.pending.len(), blocks)
         };
+        let models = self.model_warnings();
         Gauges {
             workers: self
                 .workers
                 .iter()
-                .map(|w| WorkerSample {
+                .zip(models)
+                .map(|(w, model)| WorkerSample {
                     id: w.id,
                     name: w.name.clone(),
                     role: w.role,
@@ -862,6 +887,7 @@ impl RouterService {
                         d.warnings.len()
                             + usize::from(d.problem.is_some())
                             + usize::from(w.engine_warning.lock().is_some())
+                            + usize::from(model.is_some())
                     },
                     drained: w.drained.load(Ordering::Relaxed),
                 })
@@ -880,9 +906,11 @@ impl RouterService {
     /// Every worker with its state and health now.
     pub fn list_workers(&self) -> Vec<ListedWorker> {
         let now = self.now_ms();
+        let models = self.model_warnings();
         self.workers
             .iter()
-            .map(|w| ListedWorker {
+            .zip(models)
+            .map(|(w, model)| ListedWorker {
                 id: w.id,
                 name: w.name.clone(),
                 role: w.role,
@@ -899,6 +927,7 @@ impl RouterService {
                         .chain(&d.warnings)
                         .chain(engine.iter())
                         .cloned()
+                        .chain(model)
                         .collect()
                 },
                 drained: w.drained.load(Ordering::Relaxed),

@@ -141,6 +141,8 @@ pub(crate) struct DiscoveryState {
     pub(crate) warnings: Vec<String>,
     /// The wait after the last failed attempt.
     pub(crate) wait: std::time::Duration,
+    /// The models the engine serves (`GET /v1/models`), once it has said.
+    pub(crate) models: Vec<String>,
 }
 
 /// Where a stock engine publishes its KV-cache events.

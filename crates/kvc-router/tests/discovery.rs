@@ -24,12 +24,26 @@ const METRICS: &str = "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 
      vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.0\n\
      vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"5750\"} 1.0\n";
 
-/// A mock vLLM HTTP server on `listener`: `/metrics` as vLLM's, `/kv_event_sources` as set.
+/// A mock vLLM HTTP server on `listener`: `/metrics` as vLLM's, `/kv_event_sources` as set,
+/// `/v1/models` listing model `m`.
 async fn mock_vllm(listener: tokio::net::TcpListener, sources: (StatusCode, String)) -> Answer {
+    mock_vllm_serving(listener, sources, "m").await
+}
+
+/// [`mock_vllm`] serving `model`.
+async fn mock_vllm_serving(
+    listener: tokio::net::TcpListener,
+    sources: (StatusCode, String),
+    model: &str,
+) -> Answer {
     let answer: Answer = Arc::new(Mutex::new(sources));
     let shared = Arc::clone(&answer);
+    let models = format!(
+        "{{\"object\":\"list\",\"data\":[{{\"id\":\"{model}\",\"object\":\"model\",\"max_model_len\":16384}}]}}"
+    );
     let app = axum::Router::new()
         .route("/metrics", get(|| async { METRICS }))
+        .route("/v1/models", get(move || async move { models }))
         .route(
             "/kv_event_sources",
             get(move || {
@@ -113,7 +127,8 @@ async fn a_vllm_worker_known_by_its_http_url_reads_its_events_from_the_engine() 
     let _p0 = mock_vllm(l0, (StatusCode::OK, "{}".into())).await;
     // d1's engine is still starting: its API server answers 503 for now.
     let d1 = mock_vllm(l1, (StatusCode::SERVICE_UNAVAILABLE, String::new())).await;
-    let _d2 = mock_vllm(l2, (StatusCode::OK, "{}".into())).await;
+    // d2 serves another model than the fleet.
+    let _d2 = mock_vllm_serving(l2, (StatusCode::OK, "{}".into()), "other").await;
     let cluster = start(&[a0, a1, a2]).await;
     wait_for(&cluster, "d1's 503 listed", |ws| warned(&ws[1], "HTTP 503")).await;
     let ws = cluster.service().list_workers();
@@ -154,6 +169,12 @@ async fn a_vllm_worker_known_by_its_http_url_reads_its_events_from_the_engine() 
         assert!(warned(w, "--kv-events-config"), "{w:?}");
         assert!(w.events.is_none() && w.kv_events.is_none());
     }
+    assert!(
+        warned(&ws[2], "serves `other` but the other workers serve `m`"),
+        "{:?}",
+        ws[2].warnings
+    );
+    assert!(!warned(&ws[0], "serves"), "{:?}", ws[0].warnings);
 
     // d1's events are indexed under d1.
     publisher
