@@ -476,3 +476,74 @@ async fn unknown_paths_and_methods_get_json_errors() {
         assert!(v["error"]["message"].is_string(), "{method} {path}");
     }
 }
+
+#[tokio::test]
+async fn a_clients_trace_context_reaches_every_worker_and_a_bad_one_none() {
+    let f = start(|_| {}, |_| {}).await;
+    const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let headers = [
+        ("x-session-id", "traced"),
+        ("traceparent", PARENT),
+        ("tracestate", "vendor=abc"),
+    ];
+    let body = json!({"input_ids": ids(0..1_300), "sampling_params": {"max_new_tokens": 8}});
+    let r = f.post("/generate", &headers, &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    f.settle().await;
+    // P and D both got the client's trace context, as it came.
+    let all = f.all_received();
+    assert_eq!(
+        all.iter().map(|(id, _)| *id).filter(|id| *id == 0).count(),
+        1
+    );
+    assert!(all.len() >= 2, "{all:?}");
+    for (id, (_, h, _)) in &all {
+        assert_eq!(
+            h.get("traceparent").map(String::as_str),
+            Some(PARENT),
+            "worker {id}"
+        );
+        assert_eq!(h.get("tracestate").map(String::as_str), Some("vendor=abc"));
+    }
+    let seen = all.len();
+    // Not W3C's form (uppercase hex, an all-zero trace id, too short, version ff): dropped,
+    // the tracestate with it.
+    for (i, bad) in [
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6-00f067aa0ba902b7-01",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = format!("untraced-{i}");
+        let headers = [
+            ("x-session-id", key.as_str()),
+            ("traceparent", bad),
+            ("tracestate", "vendor=abc"),
+        ];
+        let body = json!({"input_ids": ids(10_000 * (i as u32 + 1)..10_000 * (i as u32 + 1) + 1_300),
+                          "sampling_params": {"max_new_tokens": 8}});
+        let r = f.post("/generate", &headers, &body).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        f.settle().await;
+    }
+    let all = f.all_received();
+    assert!(all.len() > seen);
+    let untraced: Vec<_> = all
+        .iter()
+        .filter(|(_, (_, h, _))| {
+            h.get("x-session-id")
+                .is_some_and(|k| k.starts_with("untraced"))
+        })
+        .collect();
+    assert!(untraced.len() >= 4, "{}", untraced.len());
+    for (id, (_, h, _)) in untraced {
+        assert!(
+            !h.contains_key("traceparent") && !h.contains_key("tracestate"),
+            "worker {id}: {h:?}"
+        );
+    }
+}

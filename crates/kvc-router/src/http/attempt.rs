@@ -28,6 +28,47 @@ pub(crate) struct ForwardedRequest {
     /// The client's bytes, when `body` is exactly what they parse to: an attempt that adds
     /// nothing to the body forwards them as they came (a long prompt is not written again).
     pub(crate) client_bytes: Option<Bytes>,
+    /// The client's W3C trace context (`traceparent`, and `tracestate` with it), passed on
+    /// to every worker call so an engine that traces (vLLM's `--otlp-traces-endpoint`) joins
+    /// the client's trace.
+    pub(crate) trace_context: Vec<(HeaderName, HeaderValue)>,
+}
+
+/// The client's `traceparent` when it is a valid W3C trace context (version 00:
+/// `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`, ids not all zero; a later version
+/// with at least those fields), with its `tracestate` (at most 512 bytes); nothing otherwise.
+pub(crate) fn trace_context(headers: &axum::http::HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+    const PARENT: HeaderName = HeaderName::from_static("traceparent");
+    const STATE: HeaderName = HeaderName::from_static("tracestate");
+    let Some(parent) = headers.get(&PARENT) else {
+        return Vec::new();
+    };
+    let Ok(text) = parent.to_str() else {
+        return Vec::new();
+    };
+    let parts: Vec<&str> = text.trim().split('-').collect();
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    };
+    let valid = parts.len() >= 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && (parts[0] != "00" || parts.len() == 4)
+        && hex(parts[1], 32)
+        && parts[1].bytes().any(|b| b != b'0')
+        && hex(parts[2], 16)
+        && parts[2].bytes().any(|b| b != b'0')
+        && hex(parts[3], 2);
+    if !valid {
+        return Vec::new();
+    }
+    let mut out = vec![(PARENT, parent.clone())];
+    if let Some(state) = headers.get(&STATE).filter(|s| s.len() <= 512) {
+        out.push((STATE, state.clone()));
+    }
+    out
 }
 
 impl ForwardedRequest {
@@ -53,13 +94,13 @@ impl ForwardedRequest {
     /// The headers every worker request carries: the session header with the session key
     /// (none without a session, or when the key or the header name cannot be sent).
     pub(super) fn worker_headers(&self, app: &App) -> Vec<(HeaderName, HeaderValue)> {
-        let (Some(name), Some(key)) = (&app.session_header, &self.session_key) else {
-            return Vec::new();
-        };
-        match HeaderValue::from_str(key) {
-            Ok(value) => vec![(name.clone(), value)],
-            Err(_) => Vec::new(),
+        let mut headers = self.trace_context.clone();
+        if let (Some(name), Some(key)) = (&app.session_header, &self.session_key)
+            && let Ok(value) = HeaderValue::from_str(key)
+        {
+            headers.push((name.clone(), value));
         }
+        headers
     }
 }
 

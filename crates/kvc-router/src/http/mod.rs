@@ -84,9 +84,12 @@
 //! from every client body before it is routed, on every path and API: SGLang's pairing fields
 //! (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`, `bootstrap_pair_key`,
 //! `disagg_prefill_dp_rank`) and vLLM's `kv_transfer_params` (a decode worker given a
-//! client's bootstrap host would call it). No client header is forwarded: a worker request
-//! carries only `Content-Type`, the session header the front sets and, to a vLLM worker, the
-//! router's own `X-Request-Id`, so no `x-kvc-*` header of a client reaches a worker. A session id (the session header or
+//! client's bootstrap host would call it). No client header is forwarded but the W3C trace
+//! context: a worker request carries only `Content-Type`, the client's `traceparent` (when it
+//! is W3C's form, with its `tracestate` of at most 512 bytes; an engine that traces joins the
+//! client's trace), the session header the front sets and, to a vLLM worker, the router's own
+//! `X-Request-Id`, so no `x-kvc-*` header of a client reaches a worker. A session id (the
+//! session header or
 //! `session_params.id`) longer than [`HttpOptions::max_session_id_bytes`]
 //! (`http.max-session-id-bytes`, default 256) gets 400 naming the limit before anything is
 //! stored, echoed or forwarded.

@@ -168,6 +168,7 @@ pub(crate) async fn prepare_request(
         session_key: resolved.map(|r| r.key),
         body: req.body,
         client_bytes,
+        trace_context: super::attempt::trace_context(headers),
     };
     Ok(Prepared {
         query,
