@@ -1,8 +1,8 @@
 //! `kvc-router`: the kvc routing service (gRPC `kvc.v1.Router`, Prometheus `/metrics`).
 //!
 //! Reads a TOML configuration (see `crates/kvc-router/examples/router.toml`), applies the
-//! command-line overrides, serves until SIGTERM or SIGINT, then stops gracefully. SIGHUP
-//! re-reads the file: what a running router can take (each worker's `drained`) is applied,
+//! command-line overrides, serves until SIGTERM or SIGINT, then stops gracefully. SIGHUP, or
+//! a change of the file's contents (checked every `--config-poll-ms`), re-reads the file: what a running router can take (each worker's `drained`) is applied,
 //! the rest is logged as needing a restart, and a file that does not load changes nothing.
 //! Once both
 //! listeners are bound it prints one line on stdout:
@@ -74,6 +74,12 @@ struct Cli {
     #[arg(long, value_name = "MS")]
     stale_after_ms: Option<u64>,
 
+    /// How often the configuration file is checked for a change, in milliseconds (a changed
+    /// file is re-read as on SIGHUP: each worker's `drained` applied, the rest reported as
+    /// needing a restart); 0 checks only on SIGHUP.
+    #[arg(long, value_name = "MS", default_value_t = 2000)]
+    config_poll_ms: u64,
+
     /// Log filter in `tracing` env-filter syntax (default: `RUST_LOG`, else `info`).
     #[arg(long, value_name = "FILTER")]
     log: Option<String>,
@@ -140,47 +146,78 @@ async fn shutdown_signal() {
     }
 }
 
-/// Re-reads the configuration on every SIGHUP (a task for the router's lifetime).
-fn reload_on_sighup(cli: &Cli, service: std::sync::Arc<kvc_router::RouterService>) {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let Some(path) = cli.config.clone() else {
-            return;
-        };
-        let mut hup = match signal(SignalKind::hangup()) {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGHUP; the configuration is read once");
-                return;
-            }
-        };
-        let cli = cli.clone();
-        tokio::spawn(async move {
-            while hup.recv().await.is_some() {
-                match load(&cli) {
-                    Ok(cfg) => {
-                        let report = service.reload(&cfg);
-                        for line in &report.applied {
-                            tracing::info!("SIGHUP: {}: {line}", path.display());
-                        }
-                        for line in &report.needs_restart {
-                            tracing::warn!("SIGHUP: {}: {line}", path.display());
-                        }
-                        if report.applied.is_empty() && report.needs_restart.is_empty() {
-                            tracing::info!("SIGHUP: {}: nothing changed", path.display());
-                        }
-                    }
-                    Err(e) => tracing::error!(
-                        "SIGHUP: {} not applied (the running configuration stays): {e:#}",
-                        path.display()
-                    ),
-                }
-            }
+/// Re-reads the configuration on every SIGHUP, and when the file's contents change (checked
+/// every `--config-poll-ms`; a Kubernetes ConfigMap mounted as a file changes this way), for
+/// the router's lifetime.
+fn reload_on_change(cli: &Cli, service: std::sync::Arc<kvc_router::RouterService>) {
+    let Some(path) = cli.config.clone() else {
+        return;
+    };
+    let cli = cli.clone();
+    let mut seen = std::fs::read(&path).ok();
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .map_err(|e| tracing::warn!(error = %e, "cannot listen for SIGHUP"))
+            .ok();
+        let mut poll = (cli.config_poll_ms > 0).then(|| {
+            let mut t = tokio::time::interval(std::time::Duration::from_millis(cli.config_poll_ms));
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            t
         });
-    }
-    #[cfg(not(unix))]
-    let _ = (cli, service);
+        loop {
+            #[cfg(unix)]
+            let hup_signal = async {
+                match hup.as_mut() {
+                    Some(h) => h.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            #[cfg(not(unix))]
+            let hup_signal = std::future::pending::<Option<()>>();
+            let tick = async {
+                match poll.as_mut() {
+                    Some(t) => t.tick().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let why = tokio::select! {
+                s = hup_signal => match s {
+                    Some(()) => "SIGHUP",
+                    None => return,
+                },
+                _ = tick => {
+                    let now = std::fs::read(&path).ok();
+                    if now.is_none() || now == seen {
+                        continue;
+                    }
+                    seen = now;
+                    "the file changed"
+                }
+            };
+            if why == "SIGHUP" {
+                seen = std::fs::read(&path).ok();
+            }
+            match load(&cli) {
+                Ok(cfg) => {
+                    let report = service.reload(&cfg);
+                    for line in &report.applied {
+                        tracing::info!("{why}: {}: {line}", path.display());
+                    }
+                    for line in &report.needs_restart {
+                        tracing::warn!("{why}: {}: {line}", path.display());
+                    }
+                    if report.applied.is_empty() && report.needs_restart.is_empty() {
+                        tracing::info!("{why}: {}: nothing changed", path.display());
+                    }
+                }
+                Err(e) => tracing::error!(
+                    "{why}: {} not applied (the running configuration stays): {e:#}",
+                    path.display()
+                ),
+            }
+        }
+    });
 }
 
 fn main() -> anyhow::Result<()> {
@@ -218,7 +255,7 @@ fn main() -> anyhow::Result<()> {
         )?;
         out.flush()?;
         drop(out);
-        reload_on_sighup(&cli, std::sync::Arc::clone(router.service()));
+        reload_on_change(&cli, std::sync::Arc::clone(router.service()));
         router.wait().await?;
         anyhow::Ok(())
     })

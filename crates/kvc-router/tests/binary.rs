@@ -224,6 +224,17 @@ fn starts_serves_and_stops_on_sigterm() {
 
 #[test]
 fn sighup_rereads_the_file_drains_a_worker_and_keeps_a_broken_file_out() {
+    rereads_the_file(true);
+}
+
+#[test]
+fn a_changed_file_is_reread_without_a_signal() {
+    rereads_the_file(false);
+}
+
+/// Starts the binary, drains d1 by editing its file, breaks the file, undrains d1: told by
+/// SIGHUP (`signal`, polling off) or noticed by polling the file every 100 ms.
+fn rereads_the_file(signal: bool) {
     let dir = common::TempDir::new("bin-hup");
     let snap = dir.0.join("w1.snap");
     let path = dir.0.join("router.toml");
@@ -241,6 +252,8 @@ fn sighup_rereads_the_file_drains_a_worker_and_keeps_a_broken_file_out() {
     let mut child = Command::new(BIN)
         .arg("--config")
         .arg(&path)
+        .arg("--config-poll-ms")
+        .arg(if signal { "0" } else { "100" })
         .arg("--log")
         .arg("info")
         .stdout(Stdio::piped())
@@ -261,6 +274,9 @@ fn sighup_rereads_the_file_drains_a_worker_and_keeps_a_broken_file_out() {
             .and_then(|v| v.parse::<f64>().ok())
     };
     let hup = |child: &std::process::Child| {
+        if !signal {
+            return;
+        }
         let status = Command::new("kill")
             .arg("-HUP")
             .arg(child.id().to_string())
@@ -309,6 +325,8 @@ fn sighup_rereads_the_file_drains_a_worker_and_keeps_a_broken_file_out() {
         out.status
     );
     let log = String::from_utf8_lossy(&out.stderr);
+    let why = if signal { "SIGHUP" } else { "the file changed" };
+    assert!(log.contains(&format!("{why}: ")), "{log}");
     assert!(log.contains("worker 1 (`d1`) drained"), "{log}");
     assert!(
         log.contains("not applied (the running configuration stays)"),
