@@ -6,7 +6,16 @@ use super::*;
 fn example_file_parses() {
     let text = include_str!("../../examples/router.toml");
     let cfg = RouterConfig::from_toml_str(text).unwrap();
-    assert_eq!(cfg.workers.len(), 4);
+    assert_eq!(cfg.workers.len(), 5);
+    // The worker given by engine and http-url alone: its metrics URL derived, its event
+    // source left to discovery, in rotation.
+    let bare = &cfg.workers[4];
+    assert_eq!(
+        bare.metrics_url.as_deref(),
+        Some("http://127.0.0.1:30004/metrics")
+    );
+    assert!(bare.discovers_events() && !bare.drained && bare.kv_events.is_none());
+    assert!(!cfg.workers[3].discovers_events(), "kv-events configured");
     assert_eq!(cfg.workers[3].engine, Some(EngineKind::Vllm));
     assert_eq!(
         cfg.workers[3].metrics_url.as_deref(),
