@@ -124,15 +124,15 @@ fn the_kubernetes_picker_runs_two_replicas_with_its_ports_and_probes() {
     assert_eq!(container["readinessProbe"]["grpc"]["service"], "readiness");
     assert_eq!(container["readinessProbe"]["grpc"]["port"], port);
     // The router configuration in the ConfigMap is one kvc-router accepts, serving the
-    // picker on the pool's port from the engines' own signals.
+    // picker on the pool's port from the engines' own signals, read from each engine.
     let map = kind("ConfigMap")[0];
     let toml = map["data"]["router.toml"].as_str().unwrap();
     let cfg = kvc_router::RouterConfig::from_toml_str(toml).unwrap();
     cfg.validate().unwrap();
     assert_eq!(cfg.epp_listen.map(|a| u64::from(a.port())), Some(port));
-    assert!(
-        cfg.workers
-            .iter()
-            .all(|w| w.kv_events.is_some() && w.snapshot.is_none())
-    );
+    for w in &cfg.workers {
+        assert!(w.discovers_events() && w.snapshot.is_none(), "{w:?}");
+        let url = w.http_url.as_deref().unwrap();
+        assert_eq!(w.metrics_url, Some(format!("{url}/metrics")));
+    }
 }
