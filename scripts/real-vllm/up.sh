@@ -183,7 +183,7 @@ toml = [
     "# A CPU engine answers /metrics late while it prefills (its API server waits): keep the",
     "# last scrape for longer before calling the engine stale.",
     "[engine-signals]",
-    "scrape-timeout-ms = 2000",
+    "scrape-timeout-ms = 5000",
     "stale-after-ms = 30000",
     "",
     "[policy]",

@@ -994,12 +994,14 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         router.metric("kvc_router_worker_capacity_tokens", &["name=\"d0\""]),
         Some((blocks * pool) as f64)
     );
-    // A long answer in flight shows as running with KV in use. The engine answers /metrics
-    // late while it prefills, so the answer is long enough (256 tokens) for several scrapes
-    // to land while it decodes.
-    let long = json!({"model": "kvc-tiny", "prompt": words(11, 3000), "max_tokens": 256,
+    // A long answer in flight shows as running with KV in use. A CPU engine's API server
+    // answers /metrics late while its engine core computes (both cores busy), and a scrape
+    // that times out (5 s here) leaves the state from before the request: the answer is long
+    // enough (1,024 tokens, seconds of decoding) for scrapes to land while it decodes.
+    let long = json!({"model": "kvc-tiny", "prompt": words(11, 3000), "max_tokens": 1024,
                       "ignore_eos": true, "temperature": 0});
     let http = router.http.clone();
+    let started = Instant::now();
     let in_flight = std::thread::spawn(move || post_json(&http, "/v1/completions", &long));
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut seen = (0.0, 0.0);
@@ -1016,11 +1018,18 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    let polled_for = started.elapsed();
+    let answer = in_flight.join().unwrap();
+    eprintln!(
+        "real_vllm: long answer: {} in {:.1} s; seen running with KV in use: {seen:?}",
+        answer.status,
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(answer.status, 200, "{}", answer.body);
     assert!(
         seen.0 >= 1.0 && seen.1 > 0.0,
-        "a running request seen with KV in use: {seen:?}"
+        "a running request seen with KV in use: {seen:?} (polled {polled_for:?})"
     );
-    assert_eq!(in_flight.join().unwrap().status, 200);
 
     // 6. The coding agents themselves through the router: Claude Code in print mode and Codex
     // in exec mode, each one run of several requests in one session.
