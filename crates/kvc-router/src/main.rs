@@ -149,17 +149,23 @@ async fn shutdown_signal() {
 /// Re-reads the configuration on every SIGHUP, and when the file's contents change (checked
 /// every `--config-poll-ms`; a Kubernetes ConfigMap mounted as a file changes this way), for
 /// the router's lifetime.
-fn reload_on_change(cli: &Cli, service: std::sync::Arc<kvc_router::RouterService>) {
+fn reload_on_change(
+    cli: &Cli,
+    loaded: Option<Vec<u8>>,
+    service: std::sync::Arc<kvc_router::RouterService>,
+) {
     let Some(path) = cli.config.clone() else {
         return;
     };
     let cli = cli.clone();
-    let mut seen = std::fs::read(&path).ok();
+    let mut seen = loaded;
+    // Installed before the router says it is up: a SIGHUP from then on is a reload, never
+    // the default action (ending the process).
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(|e| tracing::warn!(error = %e, "cannot listen for SIGHUP"))
+        .ok();
     tokio::spawn(async move {
-        #[cfg(unix)]
-        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-            .map_err(|e| tracing::warn!(error = %e, "cannot listen for SIGHUP"))
-            .ok();
         let mut poll = (cli.config_poll_ms > 0).then(|| {
             let mut t = tokio::time::interval(std::time::Duration::from_millis(cli.config_poll_ms));
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -231,6 +237,8 @@ fn main() -> anyhow::Result<()> {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
+    // The file as it was when loaded: a change made while the router starts is seen as one.
+    let loaded = cli.config.as_ref().and_then(|p| std::fs::read(p).ok());
     let config = load(&cli)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -247,6 +255,7 @@ fn main() -> anyhow::Result<()> {
         let epp = router
             .epp_addr()
             .map_or_else(|| "none".to_owned(), |a| a.to_string());
+        reload_on_change(&cli, loaded, std::sync::Arc::clone(router.service()));
         let mut out = std::io::stdout().lock();
         writeln!(
             out,
@@ -255,7 +264,6 @@ fn main() -> anyhow::Result<()> {
         )?;
         out.flush()?;
         drop(out);
-        reload_on_change(&cli, std::sync::Arc::clone(router.service()));
         router.wait().await?;
         anyhow::Ok(())
     })

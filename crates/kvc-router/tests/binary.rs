@@ -10,6 +10,24 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvc-router");
 
+/// Sends `sig` (`-TERM`, `-HUP`) to `child`.
+fn send_signal(child: &std::process::Child, sig: &str) {
+    let status = Command::new("kill")
+        .arg(sig)
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {sig}");
+}
+
+/// A runtime for the async clients of a test that drives the binary.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// The value of `key=` in the router's address line.
 fn field<'a>(line: &'a str, key: &str) -> &'a str {
     line.split_whitespace()
@@ -146,10 +164,7 @@ fn starts_serves_and_stops_on_sigterm() {
         "{line:?}"
     );
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(async {
         let mut client =
             kvc_proto::pb::router_client::RouterClient::connect(format!("http://{grpc}"))
@@ -201,12 +216,7 @@ fn starts_serves_and_stops_on_sigterm() {
 
     // The runtime (and its idle client connection) stays alive: the grace period bounds the
     // shutdown anyway.
-    let status = Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    send_signal(&child, "-TERM");
     let deadline = Instant::now() + Duration::from_secs(10);
     let exit = loop {
         if let Some(s) = child.try_wait().unwrap() {
@@ -262,10 +272,7 @@ fn rereads_the_file(signal: bool) {
         .unwrap();
     let line = address_line(&mut child);
     let metrics: std::net::SocketAddr = field(&line, "metrics").parse().unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let drained_gauge = || {
         let (_, body) = rt.block_on(common::http_get(metrics, "/metrics"));
         body.lines()
@@ -277,12 +284,7 @@ fn rereads_the_file(signal: bool) {
         if !signal {
             return;
         }
-        let status = Command::new("kill")
-            .arg("-HUP")
-            .arg(child.id().to_string())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        send_signal(child, "-HUP");
     };
     let wait_gauge = |want: f64| {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -312,12 +314,7 @@ fn rereads_the_file(signal: bool) {
     hup(&child);
     wait_gauge(0.0);
 
-    let status = Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    send_signal(&child, "-TERM");
     let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
