@@ -5,11 +5,14 @@
 //! probe-and-re-route path); what comes back after a decision in `service/feedback.rs`
 //! (outcomes, `CommitEvict`, probes).
 
+mod changes;
+pub use changes::Reload;
+mod discover;
 mod feedback;
 mod fleet;
 mod route;
 
-use crate::config::{RouterConfig, WorkerConfig};
+use crate::config::RouterConfig;
 use crate::error::{ConfigError, RequestError};
 use crate::metrics::{BlockSizes, Gauges, Metrics, ProbeKind, WorkerSample};
 use crate::sessions::{Forgotten, SessionTable};
@@ -123,37 +126,6 @@ pub struct ListedWorker {
     pub warnings: Vec<String>,
     /// Drained by the operator: out of rotation, its running requests left to finish.
     pub drained: bool,
-}
-
-/// What [`RouterService::reload`] did with a re-read configuration.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Reload {
-    /// The changes applied (a worker drained or back in rotation).
-    pub applied: Vec<String>,
-    /// The changes left for a restart, each naming the worker and the keys.
-    pub needs_restart: Vec<String>,
-}
-
-/// The keys of a worker entry that differ between `a` and `b`, `drained` aside.
-fn changed_keys(a: &WorkerConfig, b: &WorkerConfig) -> Vec<String> {
-    let as_map = |w: &WorkerConfig| {
-        let mut w = w.clone();
-        w.drained = false;
-        match serde_json::to_value(&w) {
-            Ok(serde_json::Value::Object(m)) => m,
-            _ => serde_json::Map::new(),
-        }
-    };
-    let (a, b) = (as_map(a), as_map(b));
-    let mut keys: Vec<String> = a
-        .keys()
-        .chain(b.keys())
-        .filter(|k| a.get(*k) != b.get(*k))
-        .cloned()
-        .collect();
-    keys.sort();
-    keys.dedup();
-    keys
 }
 
 /// One session as [`RouterService::session_view`] reports it.
@@ -415,97 +387,6 @@ impl RouterService {
             .collect()
     }
 
-    /// Asks `worker`'s vLLM engine where its KV-cache events are (`GET /kv_event_sources`),
-    /// for a worker configured without `kv-events`. `None` once there is nothing more to do
-    /// (the source is known, or the worker does not discover); else how long to wait before
-    /// asking again: growing after a failure (unreachable, an error status, an answer that is
-    /// not vLLM's), the longest wait after an answer without a usable source (the engine may
-    /// be restarted with events). Problems and warnings are logged when they change, and
-    /// shown by [`RouterService::list_workers`].
-    pub async fn discover_events(&self, worker: WorkerId) -> Option<Duration> {
-        let entry = self.entry(worker.0)?;
-        let url = entry.discover.as_ref()?;
-        if entry.kv_events().is_some() {
-            return None;
-        }
-        let timeout = Duration::from_millis(self.config.engine_signals.scrape_timeout_ms);
-        let answer = self
-            .scrape_client
-            .get(url, "/kv_event_sources", timeout)
-            .await;
-        let found = match answer {
-            Ok(a) if a.status == 200 => crate::discovery::parse_event_sources(&a.body, &url.host)
-                .map_err(|e| (e.to_string(), false)),
-            Ok(a) if a.status == 404 => Err((
-                "GET /kv_event_sources answered 404: the engine is not vLLM 0.32 or later; set \
-                 kv-events (and kv-events-replay, kv-events-topic) in its [[workers]] entry"
-                    .to_owned(),
-                true,
-            )),
-            Ok(a) => Err((
-                format!("GET /kv_event_sources answered HTTP {}", a.status),
-                false,
-            )),
-            Err(e) => Err((format!("GET /kv_event_sources: {e}"), false)),
-        };
-        // Which models it serves, asked once it answers as vLLM does.
-        let models_known = !entry.discovery.lock().models.is_empty();
-        let models = match (&found, !models_known) {
-            (Ok(_), true) => match self.scrape_client.get(url, "/v1/models", timeout).await {
-                Ok(a) if a.status == 200 => crate::discovery::parse_models(&a.body),
-                _ => None,
-            },
-            _ => None,
-        };
-        let mut st = entry.discovery.lock();
-        st.attempts += 1;
-        if let Some(models) = models {
-            st.models = models;
-        }
-        match found {
-            Ok(d) => {
-                st.answered = true;
-                st.problem = None;
-                st.wait = Duration::ZERO;
-                if st.warnings != d.warnings {
-                    for w in &d.warnings {
-                        tracing::warn!(worker = worker.0, name = %entry.name, "kv-events discovery: {w}");
-                    }
-                    st.warnings = d.warnings;
-                }
-                match d.source {
-                    Some(mut source) => {
-                        source.block_size = self.config.worker(worker).and_then(|c| c.block_size);
-                        tracing::info!(
-                            worker = worker.0,
-                            name = %entry.name,
-                            endpoint = %source.endpoint,
-                            replay = source.replay.as_deref().unwrap_or("none"),
-                            topic = %source.topic,
-                            "kv-events: source read from the engine"
-                        );
-                        entry.set_discovered(source);
-                        None
-                    }
-                    None => Some(crate::discovery::RETRY_MAX),
-                }
-            }
-            Err((problem, answered)) => {
-                st.answered |= answered;
-                if st.problem.as_deref() != Some(problem.as_str()) {
-                    tracing::warn!(worker = worker.0, name = %entry.name, "kv-events discovery: {problem} (retrying)");
-                    st.problem = Some(problem);
-                }
-                st.wait = if answered {
-                    crate::discovery::RETRY_MAX
-                } else {
-                    crate::discovery::next_wait(st.wait)
-                };
-                Some(st.wait)
-            }
-        }
-    }
-
     /// Starts `worker`'s KV-event subscriber (until `stop`) once the engine's block size and
     /// pool are known (configured, or reported by its `/metrics`); the index keeps at most the
     /// worker's pool in blocks. Returns `false` while either is unknown (call again later),
@@ -640,99 +521,6 @@ impl RouterService {
             }
             None => false,
         }
-    }
-
-    /// Drains `worker` (`true`) or puts it back in rotation (`false`): a drained worker gets no
-    /// new session and no turn (its sessions move at their next turn, as off a down worker),
-    /// and the requests it runs finish. Returns whether it was drained before; `None` for an
-    /// unknown worker.
-    pub fn set_drained(&self, worker: WorkerId, drained: bool) -> Option<bool> {
-        let entry = self.entry(worker.0)?;
-        let before = entry.set_drained(drained);
-        if before != drained {
-            tracing::info!(
-                worker = worker.0,
-                name = %entry.name,
-                "{}",
-                if drained { "worker drained: no new work" } else { "worker back in rotation" }
-            );
-        }
-        Some(before)
-    }
-
-    /// Whether `worker` is drained ([`RouterService::set_drained`]).
-    pub fn is_drained(&self, worker: WorkerId) -> bool {
-        self.entry(worker.0)
-            .is_some_and(|e| e.drained.load(Ordering::Relaxed))
-    }
-
-    /// Per worker, the warning of one whose engine serves none of the fleet's model (as the
-    /// engines' `/v1/models` said during discovery).
-    fn model_warnings(&self) -> Vec<Option<String>> {
-        let served: Vec<Vec<String>> = self
-            .workers
-            .iter()
-            .map(|w| w.discovery.lock().models.clone())
-            .collect();
-        crate::discovery::model_warnings(&served)
-    }
-
-    /// Applies what a re-read configuration changes that a running router can take: each
-    /// worker's `drained`. Everything else that differs from the configuration the router
-    /// started with (a worker added or removed, another key of a worker, any other setting)
-    /// is reported, not applied: it needs a restart.
-    pub fn reload(&self, new: &RouterConfig) -> Reload {
-        let mut report = Reload::default();
-        for w in &new.workers {
-            let Some(old) = self.config.worker(WorkerId(w.id)) else {
-                report.needs_restart.push(format!(
-                    "worker {} (`{}`) added: adding a worker needs a restart",
-                    w.id,
-                    w.display_name()
-                ));
-                continue;
-            };
-            let changed = changed_keys(old, w);
-            if !changed.is_empty() {
-                report.needs_restart.push(format!(
-                    "worker {} (`{}`): {} changed: needs a restart",
-                    w.id,
-                    w.display_name(),
-                    changed.join(", ")
-                ));
-            }
-            if self.set_drained(WorkerId(w.id), w.drained) != Some(w.drained) {
-                report.applied.push(format!(
-                    "worker {} (`{}`) {}",
-                    w.id,
-                    w.display_name(),
-                    if w.drained {
-                        "drained"
-                    } else {
-                        "back in rotation"
-                    }
-                ));
-            }
-        }
-        for old in &self.config.workers {
-            if new.worker(WorkerId(old.id)).is_none() {
-                report.needs_restart.push(format!(
-                    "worker {} (`{}`) removed: removing a worker needs a restart (set drained = \
-                     true meanwhile)",
-                    old.id,
-                    old.display_name()
-                ));
-            }
-        }
-        let (mut a, mut b) = (self.config.clone(), new.clone());
-        a.workers.clear();
-        b.workers.clear();
-        if a != b {
-            report
-                .needs_restart
-                .push("settings other than the workers changed: they need a restart".to_owned());
-        }
-        report
     }
 
     /// Whether `worker` was taken out of rotation with [`RouterService::set_http_down`].
