@@ -16,6 +16,9 @@ use std::fmt::Write as _;
 use std::io::{BufRead, BufWriter, Write};
 use std::path::Path;
 
+mod background;
+use background::BackgroundFile;
+
 /// How a run shows its progress on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ProgressMode {
@@ -152,7 +155,8 @@ pub fn stream_and_write(
 /// are those [`write_run`] writes for the same run.
 pub struct RunDirWriter {
     dir: std::path::PathBuf,
-    metrics: BufWriter<std::fs::File>,
+    /// Written on a thread of its own: the run's largest file.
+    metrics: BackgroundFile,
     occupancy: BufWriter<std::fs::File>,
     committed: Option<BufWriter<std::fs::File>>,
     header: String,
@@ -176,7 +180,13 @@ impl RunDirWriter {
         }
         Ok(RunDirWriter {
             dir: dir.to_owned(),
-            metrics: create_file(&dir.join("metrics.jsonl"))?,
+            metrics: {
+                let path = dir.join("metrics.jsonl");
+                let file = std::fs::File::create(&path)
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+                BackgroundFile::new(file)
+                    .with_context(|| format!("cannot start the writer of {}", path.display()))?
+            },
             occupancy: create_file(&dir.join("occupancy.csv"))?,
             committed: None,
             header: String::new(),
@@ -197,7 +207,10 @@ impl RunDirWriter {
             w.flush()
                 .with_context(|| format!("cannot write {}", self.dir.join(name).display()))
         };
-        flush(&mut self.metrics, "metrics.jsonl")?;
+        let metrics = self.dir.join("metrics.jsonl");
+        self.metrics
+            .finish()
+            .with_context(|| format!("cannot write {}", metrics.display()))?;
         flush(&mut self.occupancy, "occupancy.csv")?;
         if let Some(c) = &mut self.committed {
             flush(c, "committed.csv")?;

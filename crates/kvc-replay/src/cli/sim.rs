@@ -7,7 +7,7 @@ use kvc_policy::PolicyConfig;
 use kvc_replay::output::{self, ProgressMode};
 use kvc_replay::sim::metrics::Summary;
 use kvc_replay::sim::{EvictionMode, Profile, SimConfig, SimError};
-use kvc_replay::trace::{SourceError, TraceStream};
+use kvc_replay::trace::{ReadAhead, SourceError, TraceStream};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -233,9 +233,13 @@ fn run_streamed(args: &Args, mode: ProgressMode) -> Result<Option<(SimConfig, Su
     let started = Instant::now();
     let opts = args.trace_opts.options();
     let cannot = || format!("cannot load trace {}", args.trace.display());
-    let mut stream = TraceStream::open(&args.trace, &opts).with_context(cannot)?;
+    let stream = TraceStream::open(&args.trace, &opts).with_context(cannot)?;
     let cfg = args.run.config_for_block_size(opts.block_size)?;
-    let summary = match output::stream_and_write(&mut stream, &cfg, &args.out, mode) {
+    // Parsed on a thread of its own while the simulation runs.
+    let mut ahead = ReadAhead::new(stream).context("cannot start the trace reader thread")?;
+    let result = output::stream_and_write(&mut ahead, &cfg, &args.out, mode);
+    let stream = ahead.into_inner();
+    let summary = match result {
         Ok(summary) => summary,
         Err(SimError::Source(e @ SourceError::NeedsWholeTrace { .. })) => {
             eprintln!("kvc-replay: {e}; loading the whole trace");

@@ -62,6 +62,7 @@ pub mod agents;
 mod error;
 pub mod generate;
 mod hash_ids;
+pub mod prefetch;
 mod record;
 mod sessions;
 pub mod stats;
@@ -70,6 +71,7 @@ pub mod stream;
 pub use error::TraceError;
 pub use kvc_core::HashIds;
 pub use kvc_core::{BlockHash, BlockSize, SessionId, TraceRecord, TurnId};
+pub use prefetch::ReadAhead;
 pub use stream::{Arrival, RequestSource, SourceError, TraceArrivals, TraceStream};
 
 /// Alias of [`generate`] under the name `gen`, which is a reserved word since Rust 2024 and
