@@ -55,6 +55,9 @@ pub enum ServeError {
     /// The HTTP data-plane server failed.
     #[error("http server: {0}")]
     Http(std::io::Error),
+    /// Tracing could not be started (the `[tracing]` table).
+    #[error(transparent)]
+    Tracing(#[from] crate::telemetry::TelemetryError),
     /// A server task panicked or was cancelled.
     #[error("server task: {0}")]
     Join(String),

@@ -147,11 +147,14 @@ pub mod metrics;
 mod server;
 mod service;
 pub mod sessions;
+pub mod telemetry;
 pub mod tls;
 mod worker_http;
 mod workers;
 
-pub use config::{EngineSignalsConfig, HttpConfig, RouterConfig, SessionLimits, WorkerConfig};
+pub use config::{
+    EngineSignalsConfig, HttpConfig, RouterConfig, SessionLimits, TracingConfig, WorkerConfig,
+};
 pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::RouterGrpc;
 pub use server::{RunningRouter, serve, serve_service, spawn_background};
