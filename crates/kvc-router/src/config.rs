@@ -360,9 +360,9 @@ pub struct TracingConfig {
     pub otlp_endpoint: String,
     /// The traces' `service.name`. Default `kvc-router`.
     pub service_name: String,
-    /// Fraction of the traces the router starts that are sampled, 0 to 1. A request whose
-    /// client sent a `traceparent` follows the client's sampled flag instead (parent-based
-    /// sampling). Default 1.
+    /// Fraction of the requests without a client trace context that start a trace of the
+    /// router's, 0 to 1. A request whose client sent a valid `traceparent` follows the
+    /// client's sampled flag instead (parent-based sampling). Default 1.
     pub sample_ratio: f64,
     /// Most time a finished span waits before it is exported (the batch's delay). Default
     /// 5,000 ms.

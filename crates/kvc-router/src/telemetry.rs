@@ -4,8 +4,10 @@
 //!
 //! - **Request span** (`kvc.request` for the HTTP front, kind server; `kvc.v1.Router/Route`
 //!   for gRPC `Route`): the child of the client's W3C `traceparent` when it sent a valid one
-//!   (a sampled client trace is sampled: parent-based sampling), else the root of a new trace
-//!   sampled at `sample-ratio`. When it ends (the client's answer is complete, a stream
+//!   with the sampled flag set, else the root of a new trace, made for `sample-ratio` of the
+//!   requests without a valid `traceparent`. A request whose client's trace is not sampled,
+//!   or outside the ratio, gets no span at all (parent-based sampling, decided before any
+//!   span is made) and its workers get the client's trace context as it came. When it ends (the client's answer is complete, a stream
 //!   included) it carries `url.path`, the session (`kvc.session.key`, `kvc.session.id`,
 //!   `kvc.turn`), the last decision (`kvc.decision.id`, `kvc.mode`, `kvc.reason`,
 //!   `kvc.decode_worker`, `kvc.prefill_worker`: worker names; `kvc.cached_tokens`,
@@ -24,8 +26,9 @@
 //!   The worker gets this span's context as its `traceparent` (the client's `tracestate`
 //!   kept), so an engine that traces nests its spans under the router's.
 //!
-//! With tracing off nothing here runs beyond a `None` check: no span, no id, no attribute
-//! formatted; the client's `traceparent` goes to the workers unchanged
+//! With tracing off nothing here runs beyond a `None` check, and for a request not sampled
+//! beyond a read of its `traceparent`: no span, no id, no attribute formatted; the client's
+//! `traceparent` goes to the workers unchanged
 //! (`crate::http`'s forwarding). `cargo xtask bench` measures the decision path with
 //! tracing off, on and not sampled, and on and sampled (`router.decision.trace_*`).
 
@@ -46,20 +49,14 @@ use parking_lot::Mutex;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The W3C trace-context headers.
 const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
-/// Why tracing could not be started.
-#[derive(Debug, thiserror::Error)]
-#[error("tracing: cannot build the OTLP exporter for {endpoint}: {message}")]
-pub struct TelemetryError {
-    endpoint: String,
-    message: String,
-}
+pub use crate::error::TelemetryError;
 
 /// The router's tracing: off ([`Telemetry::off`], the default), or a tracer whose finished
 /// spans go to an exporter. Cheap to clone (shared).
@@ -79,6 +76,8 @@ impl std::fmt::Debug for Telemetry {
 struct Tracing {
     provider: SdkTracerProvider,
     tracer: SdkTracer,
+    /// Which of the traces the router starts are sampled ([`TracingConfig::sample_ratio`]).
+    roots: RootSampler,
     /// Each configured worker's display name.
     names: HashMap<WorkerId, StringValue>,
 }
@@ -133,9 +132,9 @@ impl Telemetry {
             .build();
         let provider = SdkTracerProvider::builder()
             .with_span_processor(processor)
-            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-                tracing.sample_ratio,
-            ))))
+            // Only sampled requests reach the SDK (see `Telemetry::request_span`): a sampled
+            // client's trace, or a root the router chose to sample.
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)))
             .with_resource(resource)
             .build();
         let tracer = provider.tracer("kvc-router");
@@ -148,6 +147,7 @@ impl Telemetry {
             inner: Some(Arc::new(Tracing {
                 provider,
                 tracer,
+                roots: RootSampler::new(tracing.sample_ratio),
                 names,
             })),
         }
@@ -160,7 +160,12 @@ impl Telemetry {
 
     /// The span of one client request, named `name`, for `path`, the child of the trace
     /// context in `parent` (its `traceparent`, and `tracestate`) when there is a valid one.
-    /// [`RequestSpan::none`] when tracing is off.
+    ///
+    /// [`RequestSpan::none`] when tracing is off, and when the request is not sampled: a
+    /// client's `traceparent` with the sampled flag clear (parent-based sampling), or, without
+    /// a valid one, a request outside `sample-ratio`. Such a request costs a header read and
+    /// no more, and its workers get the client's trace context as it came, as with tracing
+    /// off.
     pub fn request_span(
         &self,
         name: &'static str,
@@ -170,10 +175,11 @@ impl Telemetry {
         let Some(t) = &self.inner else {
             return RequestSpan::none();
         };
-        let parent = if parent.get(TRACEPARENT.as_str()).is_some() {
-            TraceContextPropagator::new().extract(parent)
-        } else {
-            Context::new()
+        let parent = match parent.get(TRACEPARENT.as_str()).and_then(client_sampled) {
+            Some(true) => TraceContextPropagator::new().extract(parent),
+            Some(false) => return RequestSpan::none(),
+            None if t.roots.sample() => Context::new(),
+            None => return RequestSpan::none(),
         };
         let span = t
             .tracer
@@ -209,6 +215,66 @@ impl Telemetry {
         {
             tracing::warn!(error = %e, "tracing: spans not flushed");
         }
+    }
+}
+
+/// Whether a client's `traceparent` asks for its trace to be sampled; `None` when it is not a
+/// valid W3C trace context (version 00: `00-<32 hex>-<16 hex>-<2 hex>`, lower-case, ids not
+/// all zero; a later version with at least those fields), which the router ignores.
+fn client_sampled(traceparent: &str) -> Option<bool> {
+    let mut parts = traceparent.trim().split('-');
+    let (version, trace, span, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let valid = hex(version, 2)
+        && version != "ff"
+        && (version != "00" || parts.next().is_none())
+        && hex(trace, 32)
+        && trace.bytes().any(|b| b != b'0')
+        && hex(span, 16)
+        && span.bytes().any(|b| b != b'0')
+        && hex(flags, 2);
+    if !valid {
+        return None;
+    }
+    let flags = u8::from_str_radix(flags, 16).ok()?;
+    Some(flags & 1 == 1)
+}
+
+/// The choice of which traces the router starts are sampled: each with probability `ratio`.
+struct RootSampler {
+    /// `ratio` of `u64::MAX`.
+    threshold: u64,
+    all: bool,
+    random: std::collections::hash_map::RandomState,
+    counter: AtomicU64,
+}
+
+impl RootSampler {
+    fn new(ratio: f64) -> RootSampler {
+        RootSampler {
+            threshold: (ratio.clamp(0.0, 1.0) * u64::MAX as f64) as u64,
+            all: ratio >= 1.0,
+            random: std::collections::hash_map::RandomState::new(),
+            counter: AtomicU64::new(0),
+        }
+    }
+
+    fn sample(&self) -> bool {
+        use std::hash::{BuildHasher as _, Hasher as _};
+        if self.all {
+            return true;
+        }
+        if self.threshold == 0 {
+            return false;
+        }
+        let mut h = self.random.build_hasher();
+        h.write_u64(self.counter.fetch_add(1, Ordering::Relaxed));
+        h.finish() < self.threshold
     }
 }
 
@@ -586,5 +652,48 @@ impl Injector for HeaderInjector<'_> {
         ) {
             self.0.push((name, value));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clients_sampled_flag_is_read_from_a_valid_traceparent_only() {
+        let tp =
+            |flags: &str| format!("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}");
+        assert_eq!(client_sampled(&tp("01")), Some(true));
+        assert_eq!(client_sampled(&tp("03")), Some(true));
+        assert_eq!(client_sampled(&tp("00")), Some(false));
+        assert_eq!(client_sampled(&tp("02")), Some(false));
+        // A later version may carry more fields.
+        assert_eq!(
+            client_sampled("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-xyz"),
+            Some(true)
+        );
+        for bad in [
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4bf92f3577b34da6-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "",
+        ] {
+            assert_eq!(client_sampled(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn roots_are_sampled_at_the_ratio() {
+        assert!((0..1_000).all(|_| RootSampler::new(1.0).sample()));
+        let none = RootSampler::new(0.0);
+        assert!((0..1_000).all(|_| !none.sample()));
+        let quarter = RootSampler::new(0.25);
+        let n = (0..10_000).filter(|_| quarter.sample()).count();
+        // 25% of 10,000 draws: a standard deviation of 43.
+        assert!((2_000..3_000).contains(&n), "{n}");
     }
 }

@@ -87,7 +87,8 @@
 //! client's bootstrap host would call it). No client header is forwarded but the W3C trace
 //! context: a worker request carries only `Content-Type`, the client's `traceparent` (when it
 //! is W3C's form, with its `tracestate` of at most 512 bytes; an engine that traces joins the
-//! client's trace), the session header the front sets and, to a vLLM worker, the router's own
+//! client's trace; with tracing on, [`crate::telemetry`], the router's worker-call span in the
+//! client's trace instead), the session header the front sets and, to a vLLM worker, the router's own
 //! `X-Request-Id`, so no `x-kvc-*` header of a client reaches a worker. A session id (the
 //! session header or
 //! `session_params.id`) longer than [`HttpOptions::max_session_id_bytes`]
