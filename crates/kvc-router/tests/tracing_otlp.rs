@@ -363,6 +363,42 @@ async fn a_request_span_joins_the_clients_trace_with_the_decision_and_its_worker
 }
 
 #[tokio::test]
+async fn a_streamed_request_s_span_ends_with_its_stream() {
+    let (addr, collected) = collector().await;
+    let f = start(Some(tracing_to(addr, 1.0))).await;
+    let parent = format!("00-{TRACE_ID}-{CLIENT_SPAN}-01");
+    let headers = [
+        ("x-session-id", "streamed"),
+        ("traceparent", parent.as_str()),
+    ];
+    let mut body = generate_body(0);
+    body["stream"] = json!(true);
+    let r = f.post("/generate", &headers, &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let spans = collected
+        .wait_for(TRACE_ID, |s| {
+            named(s, "kvc.request").len() == 1 && named(s, "kvc.worker_call").len() == 2
+        })
+        .await;
+    let request = named(&spans, "kvc.request")[0];
+    // Reported once the stream had ended, and the span ended after that.
+    assert_eq!(
+        text(&request.attributes, "kvc.outcome").as_deref(),
+        Some("ok")
+    );
+    let decode = named(&spans, "kvc.worker_call")
+        .into_iter()
+        .find(|c| text(&c.attributes, "kvc.leg").as_deref() == Some("decode"))
+        .unwrap();
+    assert_eq!(
+        int(&decode.attributes, "http.response.status_code"),
+        Some(200)
+    );
+    assert!(request.end_time_unix_nano >= decode.end_time_unix_nano);
+    assert!(decode.start_time_unix_nano >= request.start_time_unix_nano);
+}
+
+#[tokio::test]
 async fn an_unsampled_client_trace_gets_no_span_and_reaches_the_workers_unchanged() {
     let (addr, collected) = collector().await;
     // Ratio 1: every trace the router starts is sampled, but the client's flag decides its own.

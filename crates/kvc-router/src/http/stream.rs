@@ -141,8 +141,8 @@ pub(super) async fn forward_stream(
         timeout,
         expected_cached: leg.expected_cached,
         filter: strip_usage.then(UsageFilter::default),
-        trace: request.trace.clone(),
         call: std::mem::take(&mut attempt.decode_call),
+        trace: request.trace.clone(),
     };
     tokio::spawn(relay.run(stream, first, prefill, tx));
     let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
@@ -170,10 +170,10 @@ struct Relay {
     expected_cached: Option<u64>,
     /// Removes the usage chunk the client did not ask for ([`DecodeLeg::strip_usage`]).
     filter: Option<UsageFilter>,
+    /// D's call span (declared before `trace`: it ends first, within the request's span).
+    call: WorkerCall,
     /// The request's span: it ends once the stream has (this holds it until then).
     trace: RequestSpan,
-    /// D's call span.
-    call: WorkerCall,
 }
 
 impl Relay {
