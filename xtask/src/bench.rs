@@ -164,6 +164,22 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
             .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
         figures.insert(format!("router.{key}"), v);
     }
+    // The decision's cost with tracing off, on and not sampled, on and sampled.
+    let extra = ctx.out.join("router_trace.json");
+    criterion_with(ctx, "kvc-router", "trace", Some(&extra))?;
+    let r = read_json(&extra)?;
+    for key in [
+        "trace_off_ns",
+        "trace_on_unsampled_ns",
+        "trace_on_sampled_ns",
+        "trace_on_unsampled_vs_off",
+        "trace_on_sampled_vs_off",
+    ] {
+        let v = r[key]
+            .as_f64()
+            .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
+        figures.insert(format!("router.decision.{key}"), v);
+    }
     // kvc-router as Envoy's endpoint picker: a real Envoy (installed from PyPI by
     // scripts/envoy/install.sh) with kvc-router vs a pass-through picker, same run.
     let extra = ctx.out.join("epp.json");

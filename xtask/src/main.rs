@@ -114,6 +114,16 @@ COMMANDS:
                      their ratio (target >= 0.8: decisions cost the same at any scale)
                  router.decision_p99_us
                      99th percentile of the router's own decision time (policy + probe), µs
+                 router.decision.trace_off_ns, router.decision.trace_on_unsampled_ns,
+                 router.decision.trace_on_sampled_ns
+                     one decision in process (kvc, 4,096 sessions, probe and outcome
+                     report included) with its request span as the HTTP front makes it:
+                     tracing off, on with the client's trace not sampled, on and sampled
+                     (spans handed to an exporter that drops them); the median of 100
+                     blocks of 1,000, each beside a block with tracing off, ns
+                 router.decision.trace_on_unsampled_vs_off,
+                 router.decision.trace_on_sampled_vs_off
+                     their ratios to off (target for not sampled: <= 1.1)
                  epp.envoy_kvc_rps, epp.envoy_passthrough_rps, epp.envoy_kvc_vs_passthrough
                      requests/s through one real Envoy 1.40 (16 clients, 1p2d mock vLLM
                      servers answering at once) with kvc-router as its endpoint picker and

@@ -89,6 +89,10 @@ pub struct RouterConfig {
     pub auth: crate::auth::AuthConfig,
     /// TLS of the listeners (the `[tls.http]` and `[tls.grpc]` tables).
     pub tls: crate::tls::TlsConfig,
+    /// OpenTelemetry traces (the `[tracing]` table): absent (the default), the router makes
+    /// no spans and exports nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tracing: Option<TracingConfig>,
     /// The workers (`[[workers]]`).
     pub workers: Vec<WorkerConfig>,
 }
@@ -114,6 +118,7 @@ impl Default for RouterConfig {
             limits: Limits::default(),
             auth: crate::auth::AuthConfig::default(),
             tls: crate::tls::TlsConfig::default(),
+            tracing: None,
             workers: Vec::new(),
         }
     }
@@ -341,6 +346,45 @@ impl HttpConfig {
 
     /// Smallest `max-header-bytes` accepted.
     pub const MIN_HEADER_BYTES: usize = 1_024;
+}
+
+/// OpenTelemetry traces: the `[tracing]` table. Present, the router makes one span per
+/// routed request (the HTTP front's and gRPC `Route`'s) and one per call to a worker, and
+/// exports the sampled ones over OTLP/gRPC to `otlp-endpoint` (`crate::telemetry` says what
+/// each span carries).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct TracingConfig {
+    /// The OTLP/gRPC collector, `http://host:port` (plaintext gRPC, e.g. an OpenTelemetry
+    /// Collector's `4317`). Required.
+    pub otlp_endpoint: String,
+    /// The traces' `service.name`. Default `kvc-router`.
+    pub service_name: String,
+    /// Fraction of the requests without a client trace context that start a trace of the
+    /// router's, 0 to 1. A request whose client sent a valid `traceparent` follows the
+    /// client's sampled flag instead (parent-based sampling). Default 1.
+    pub sample_ratio: f64,
+    /// Most time a finished span waits before it is exported (the batch's delay). Default
+    /// 5,000 ms.
+    pub export_interval_ms: u64,
+    /// Deadline of one export to the collector. Default 10,000 ms.
+    pub export_timeout_ms: u64,
+    /// Finished spans held for export at most; beyond it new ones are dropped (and counted in
+    /// the router's log when the processor shuts down). Default 2,048.
+    pub max_queued_spans: usize,
+}
+
+impl Default for TracingConfig {
+    fn default() -> Self {
+        TracingConfig {
+            otlp_endpoint: String::new(),
+            service_name: "kvc-router".to_owned(),
+            sample_ratio: 1.0,
+            export_interval_ms: 5_000,
+            export_timeout_ms: 10_000,
+            max_queued_spans: 2_048,
+        }
+    }
 }
 
 /// Bounds of the router's session table: memory cannot grow without limit.

@@ -55,9 +55,20 @@ pub enum ServeError {
     /// The HTTP data-plane server failed.
     #[error("http server: {0}")]
     Http(std::io::Error),
+    /// Tracing could not be started (the `[tracing]` table).
+    #[error(transparent)]
+    Tracing(#[from] TelemetryError),
     /// A server task panicked or was cancelled.
     #[error("server task: {0}")]
     Join(String),
+}
+
+/// Why tracing could not be started (`crate::telemetry`).
+#[derive(Debug, thiserror::Error)]
+#[error("tracing: cannot build the OTLP exporter for {endpoint}: {message}")]
+pub struct TelemetryError {
+    pub(crate) endpoint: String,
+    pub(crate) message: String,
 }
 
 /// Why one request failed; each kind maps to one gRPC status code ([`RequestError::code`]).

@@ -45,6 +45,7 @@
 
 use crate::error::{RequestError, ServeError};
 use crate::service::{DecisionOutcome, ListedWorker, RouterDecision, RouterService};
+use crate::telemetry::Telemetry;
 use kvc_core::{Outcome, RequestId, SessionId, StableName, WorkerId};
 use kvc_proto::convert::ProtoEnum;
 use kvc_proto::pb;
@@ -66,12 +67,23 @@ use tonic::{Request, Response, Status};
 #[derive(Debug, Clone)]
 pub struct RouterGrpc {
     service: Arc<RouterService>,
+    telemetry: Telemetry,
 }
 
 impl RouterGrpc {
     /// The gRPC face of `service`.
     pub fn new(service: Arc<RouterService>) -> Self {
-        RouterGrpc { service }
+        RouterGrpc {
+            service,
+            telemetry: Telemetry::off(),
+        }
+    }
+
+    /// The same, each `Route` call traced by `telemetry` ([`crate::telemetry`]: a span per
+    /// call, the child of the caller's `traceparent` metadata).
+    pub fn with_telemetry(mut self, telemetry: Telemetry) -> Self {
+        self.telemetry = telemetry;
+        self
     }
 
     /// The tonic server for it, with the decoding limit set from the configuration (requests
@@ -102,6 +114,25 @@ impl RouterGrpc {
     }
 }
 
+/// A call's W3C trace context (`traceparent`, `tracestate` metadata), for its span.
+struct MetadataExtractor<'a>(&'a tonic::metadata::MetadataMap);
+
+impl opentelemetry::propagation::Extractor for MetadataExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0
+            .keys()
+            .filter_map(|k| match k {
+                tonic::metadata::KeyRef::Ascii(k) => Some(k.as_str()),
+                tonic::metadata::KeyRef::Binary(_) => None,
+            })
+            .collect()
+    }
+}
+
 /// Serves `kvc.v1.Router` for `service`, `grpc.health.v1.Health` and gRPC reflection on
 /// `listener` until `stop` is cancelled (health turns `NOT_SERVING` as it stops), over TLS
 /// when `tls` is given, with every call but health checked against `token` when one is.
@@ -111,6 +142,7 @@ pub(crate) async fn spawn_grpc(
     stop: &CancellationToken,
     tls: Option<tonic::transport::ServerTlsConfig>,
     token: Option<Arc<crate::auth::Token>>,
+    telemetry: Telemetry,
 ) -> Result<JoinHandle<Result<(), ServeError>>, ServeError> {
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
@@ -121,7 +153,9 @@ pub(crate) async fn spawn_grpc(
         .set_serving::<pb::router_server::RouterServer<RouterGrpc>>()
         .await;
     let stop = stop.clone();
-    let router = RouterGrpc::new(Arc::clone(service)).into_server();
+    let router = RouterGrpc::new(Arc::clone(service))
+        .with_telemetry(telemetry)
+        .into_server();
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut builder = Server::builder();
     if let Some(tls) = tls {
@@ -264,14 +298,31 @@ impl pb::router_server::Router for RouterGrpc {
         request: Request<pb::RouteRequest>,
     ) -> Result<Response<pb::RouteDecision>, Status> {
         reached(&request);
+        let span = self.telemetry.request_span(
+            "kvc.v1.Router/Route",
+            "/kvc.v1.Router/Route",
+            &MetadataExtractor(request.metadata()),
+        );
         let req = request.into_inner();
         let hash_ids = req.block_hashes();
+        let core = req.to_core(&hash_ids);
+        if span.is_recording() {
+            span.record_session(None, core.session.zip(core.turn.map(|t| t.0)));
+        }
         let answer = self
             .check_size(req.encoded_len())
-            .and_then(|()| self.service.route(&req.to_core(&hash_ids)));
+            .and_then(|()| self.service.route(&core));
         match answer {
-            Ok(d) => Ok(Response::new(decision_to_pb(&d))),
+            Ok(d) => {
+                span.record_decision(&d);
+                span.record_grpc_code(0);
+                Ok(Response::new(decision_to_pb(&d)))
+            }
             Err(e) => {
+                if span.is_recording() {
+                    span.record_error(&e.to_string());
+                    span.record_grpc_code(e.code() as i32);
+                }
                 tracing::debug!(request_id = req.request_id, error = %e, "route refused");
                 Err(e.into())
             }

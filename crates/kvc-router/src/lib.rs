@@ -55,7 +55,8 @@
 //!   `engine = "vllm"` worker) can be given `local-prefill` decisions, which the HTTP front
 //!   forwards as the client's own request to it. Without `engine` or `serve-alone`, none is.
 //! - **Operations**: standard gRPC health and reflection, Prometheus text on `/metrics` (see
-//!   [`metrics`] for the series), `tracing` logs, graceful shutdown.
+//!   [`metrics`] for the series), `tracing` logs, graceful shutdown; with a `[tracing]`
+//!   table, OpenTelemetry spans per request and worker call over OTLP ([`telemetry`]).
 //!
 //! ## Running it
 //!
@@ -147,11 +148,14 @@ pub mod metrics;
 mod server;
 mod service;
 pub mod sessions;
+pub mod telemetry;
 pub mod tls;
 mod worker_http;
 mod workers;
 
-pub use config::{EngineSignalsConfig, HttpConfig, RouterConfig, SessionLimits, WorkerConfig};
+pub use config::{
+    EngineSignalsConfig, HttpConfig, RouterConfig, SessionLimits, TracingConfig, WorkerConfig,
+};
 pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::RouterGrpc;
 pub use server::{RunningRouter, serve, serve_service, spawn_background};

@@ -92,11 +92,16 @@ pub async fn serve_service(
     let grpc_tls = config.tls.grpc.as_ref().map(crate::tls::grpc_server_config);
     let http_tls = config.tls.http.as_ref().map(crate::tls::http_server_config);
     let (grpc_tls, http_tls) = (grpc_tls.transpose()?, http_tls.transpose()?);
+    // Tracing (off without a `[tracing]` table), shared by the fronts.
+    let telemetry = crate::telemetry::Telemetry::from_config(&config)?;
     // The HTTP front (its tokenizer file loaded, its workers' URLs parsed) before anything
     // is bound.
     let front = match (config.http_listen, config.epp_listen) {
         (None, None) => None,
-        _ => Some(crate::http::front_state_from_config(Arc::clone(&service))?),
+        _ => Some(crate::http::front_state_from_config(
+            Arc::clone(&service),
+            telemetry.clone(),
+        )?),
     };
     let http_app = match (config.http_listen, &front) {
         (Some(_), Some(front)) => Some(crate::auth::require_http(
@@ -130,8 +135,15 @@ pub async fn serve_service(
 
     let stop = CancellationToken::new();
     // The gRPC front (it builds its reflection service first: nothing runs yet if that fails).
-    let grpc =
-        crate::grpc::spawn_grpc(&service, grpc_listener, &stop, grpc_tls, tokens.grpc).await?;
+    let grpc = crate::grpc::spawn_grpc(
+        &service,
+        grpc_listener,
+        &stop,
+        grpc_tls,
+        tokens.grpc,
+        telemetry.clone(),
+    )
+    .await?;
     {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -227,6 +239,11 @@ pub async fn serve_service(
             );
             for b in background {
                 let _ = b.await;
+            }
+            // The spans still queued go to the collector (within its export deadline).
+            if telemetry.is_on() {
+                let t = telemetry.clone();
+                let _ = tokio::task::spawn_blocking(move || t.shutdown()).await;
             }
             grpc_result?;
             metrics_result?;

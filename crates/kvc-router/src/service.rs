@@ -86,6 +86,12 @@ pub struct RouterDecision {
     /// The decode worker the policy first planned direct-to-D on, when its snapshot probe could
     /// not admit the request and the request was re-routed.
     pub probe_rejected_by: Option<WorkerId>,
+    /// The chosen decode worker's `overlap` score component (blocks of the request the policy
+    /// counts on it holding), for the policies that score one (`kv-aware-v0`, `kvc-v2`).
+    pub decode_overlap: Option<u64>,
+    /// The policy's estimate of the request's prefill on the worker that prefills it, in
+    /// microseconds; 0 when the policy makes none.
+    pub predicted_prefill_us: u64,
 }
 
 /// How the request of a decision ended, for [`RouterService::report_outcome`].

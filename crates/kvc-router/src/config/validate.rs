@@ -3,7 +3,7 @@
 
 use super::{
     DEFAULT_BOOTSTRAP_PORT, EngineSignalsConfig, HttpConfig, Limits, RouterConfig, SessionLimits,
-    WorkerConfig, WorkerUrl,
+    TracingConfig, WorkerConfig, WorkerUrl,
 };
 use crate::error::ConfigError;
 use kvc_core::{EngineKind, WorkerRole};
@@ -100,6 +100,48 @@ impl HttpConfig {
             }
         }
         Ok(())
+    }
+}
+
+impl TracingConfig {
+    /// Checks the `[tracing]` table: `otlp-endpoint` an `http://host:port` URL, a service
+    /// name, `sample-ratio` within 0 to 1, positive intervals and queue.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let endpoint = self.otlp_endpoint.trim();
+        if endpoint.is_empty() {
+            return Err(ConfigError::Invalid(
+                "tracing.otlp-endpoint is required (the OTLP/gRPC collector, \
+                 `http://host:port`); leave the [tracing] table out for no traces"
+                    .into(),
+            ));
+        }
+        let uri: axum::http::Uri = endpoint.parse().map_err(|e| {
+            ConfigError::Invalid(format!(
+                "tracing.otlp-endpoint `{endpoint}` is not a URL ({e}): expected `http://host:port`"
+            ))
+        })?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+            return Err(ConfigError::Invalid(format!(
+                "tracing.otlp-endpoint `{endpoint}`: expected `http://host:port` (OTLP over \
+                 plaintext gRPC; `https` is not supported)"
+            )));
+        }
+        if self.service_name.trim().is_empty() {
+            return Err(ConfigError::Invalid(
+                "tracing.service-name must not be empty".into(),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.sample_ratio) {
+            return Err(ConfigError::Invalid(format!(
+                "tracing.sample-ratio must be within 0 and 1, not {}",
+                self.sample_ratio
+            )));
+        }
+        all_positive([
+            ("tracing.export-interval-ms", self.export_interval_ms),
+            ("tracing.export-timeout-ms", self.export_timeout_ms),
+            ("tracing.max-queued-spans", self.max_queued_spans as u64),
+        ])
     }
 }
 
@@ -309,6 +351,9 @@ impl RouterConfig {
         self.limits.validate()?;
         self.auth.validate()?;
         self.tls.validate()?;
+        if let Some(t) = &self.tracing {
+            t.validate()?;
+        }
         let mut seen = HashSet::new();
         for w in &self.workers {
             if !seen.insert(w.id) {

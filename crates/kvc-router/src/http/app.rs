@@ -7,6 +7,7 @@ use super::options::HttpOptions;
 use super::pairing::BootstrapRooms;
 use super::session::Sessions;
 use crate::RouterService;
+use crate::telemetry::Telemetry;
 use crate::worker_http::WorkerClient;
 use axum::http::HeaderName;
 use kvc_core::WorkerId;
@@ -23,6 +24,9 @@ pub(crate) struct App {
     pub(super) sessions: Sessions,
     pub(super) rooms: BootstrapRooms,
     pub(crate) options: HttpOptions,
+    /// The router's tracing (off unless configured): one span per request and per worker
+    /// call.
+    pub(crate) telemetry: Telemetry,
     /// [`HttpOptions::session_header`] as a header name; `None` when it is not one (then no
     /// worker request carries it).
     pub(crate) session_header: Option<HeaderName>,
@@ -36,6 +40,7 @@ impl App {
         service: Arc<RouterService>,
         workers: WorkerEndpoints,
         options: HttpOptions,
+        telemetry: Telemetry,
     ) -> App {
         let sessions = Sessions::new(service.config().sessions, options.infer_min_blocks);
         let session_keys = options
@@ -57,6 +62,7 @@ impl App {
             service,
             workers,
             options,
+            telemetry,
             session_keys,
             next_request: AtomicU64::new(1),
         }

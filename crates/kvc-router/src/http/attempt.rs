@@ -8,6 +8,7 @@ use super::endpoints::HttpWorker;
 use super::pairing::{PrefillLeg, PrefillResult, partner_timed_out};
 use super::request::Api;
 use super::responses::{answer_or_error, error_response, no_address, worker_answer};
+use crate::telemetry::{Leg, RequestSpan, WorkerCall};
 use crate::worker_http::{Call, ForwardError, WorkerAnswer};
 use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue, StatusCode};
@@ -32,6 +33,10 @@ pub(crate) struct ForwardedRequest {
     /// to every worker call so an engine that traces (vLLM's `--otlp-traces-endpoint`) joins
     /// the client's trace.
     pub(crate) trace_context: Vec<(HeaderName, HeaderValue)>,
+    /// The request's span (none when tracing is off or for the endpoint picker): each worker
+    /// call is its child, and the worker gets the call's own trace context in place of the
+    /// client's.
+    pub(crate) trace: RequestSpan,
 }
 
 /// The client's `traceparent` when it is a valid W3C trace context (version 00:
@@ -309,8 +314,11 @@ pub(super) struct Attempt<'a> {
     pub(super) app: &'a Arc<App>,
     pub(super) request: &'a ForwardedRequest,
     pub(super) decision: &'a Decision,
-    /// The session header for the workers.
+    /// The headers for D: the session header, the trace context (D's call span's when
+    /// tracing is on).
     pub(super) headers: Vec<(HeaderName, HeaderValue)>,
+    /// D's call span (none when tracing is off): the caller records D's answer on it.
+    pub(super) decode_call: WorkerCall,
 }
 
 impl<'a> Attempt<'a> {
@@ -319,11 +327,18 @@ impl<'a> Attempt<'a> {
         request: &'a ForwardedRequest,
         decision: &'a Decision,
     ) -> Self {
+        let decode_call =
+            request
+                .trace
+                .worker_call(decision.decode, Leg::Decode, request.api.path());
+        let mut headers = request.worker_headers(app);
+        decode_call.apply(&mut headers);
         Attempt {
             app,
             request,
             decision,
-            headers: request.worker_headers(app),
+            headers,
+            decode_call,
         }
     }
 
@@ -334,6 +349,7 @@ impl<'a> Attempt<'a> {
 
     /// Reports the decision's outcome.
     pub(super) fn report(&self, outcome: Outcome, resident_tokens: u64) {
+        self.request.trace.record_outcome(outcome);
         decision::report(
             &self.app.service,
             self.decision.id,
@@ -498,14 +514,11 @@ impl<'a> Attempt<'a> {
         };
         let payload = self.request.payload(&body);
         let prefill = prefill.map(|(p_id, p)| {
-            PrefillLeg::start(
-                app,
-                p_id,
-                p,
-                self.request.api.path(),
-                payload.clone(),
-                self.headers.clone(),
-            )
+            let path = self.request.api.path();
+            let call = self.request.trace.worker_call(p_id, Leg::Prefill, path);
+            let mut headers = self.headers.clone();
+            call.apply(&mut headers);
+            PrefillLeg::start(app, p_id, p, path, payload.clone(), headers, call)
         });
         app.breakers
             .on_dispatch(&app.service, self.decode(), app.service.now_ms());

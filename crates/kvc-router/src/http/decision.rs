@@ -2,6 +2,7 @@
 //! Decisions come back as `kvc-core` values; this is the only file of the front that sees
 //! the service's request and decision types.
 
+use crate::telemetry::RequestSpan;
 use crate::{DecisionOutcome, RequestError, RouterService};
 use kvc_core::{
     BlockHash, ExecutionMode, FallThroughReason, Outcome, RequestId, SessionId, TurnId, WorkerId,
@@ -54,6 +55,11 @@ impl RouteQuery {
         self.rejected_by = worker;
     }
 
+    /// The session and turn of the query, when it has a session.
+    pub(super) fn session(&self) -> Option<(SessionId, u32)> {
+        self.session.map(|(s, t)| (s, t.0))
+    }
+
     /// The policy's view of this query.
     fn request(&self) -> RouteRequest<'_> {
         RouteRequest {
@@ -92,7 +98,26 @@ pub(crate) fn route(
     query: &RouteQuery,
     excluded: &[WorkerId],
 ) -> Result<Decision, RequestError> {
-    let d = service.route_excluding(&query.request(), excluded)?;
+    route_traced(service, query, excluded, &RequestSpan::none())
+}
+
+/// [`route`], the decision (or the refusal) recorded on the request's span.
+pub(crate) fn route_traced(
+    service: &RouterService,
+    query: &RouteQuery,
+    excluded: &[WorkerId],
+    span: &RequestSpan,
+) -> Result<Decision, RequestError> {
+    let d = match service.route_excluding(&query.request(), excluded) {
+        Ok(d) => d,
+        Err(e) => {
+            if span.is_recording() {
+                span.record_error(&e.to_string());
+            }
+            return Err(e);
+        }
+    };
+    span.record_decision(&d);
     Ok(Decision {
         id: d.decision_id,
         mode: d.mode,

@@ -87,7 +87,8 @@
 //! client's bootstrap host would call it). No client header is forwarded but the W3C trace
 //! context: a worker request carries only `Content-Type`, the client's `traceparent` (when it
 //! is W3C's form, with its `tracestate` of at most 512 bytes; an engine that traces joins the
-//! client's trace), the session header the front sets and, to a vLLM worker, the router's own
+//! client's trace; with tracing on, [`crate::telemetry`], the router's worker-call span in the
+//! client's trace instead), the session header the front sets and, to a vLLM worker, the router's own
 //! `X-Request-Id`, so no `x-kvc-*` header of a client reaches a worker. A session id (the
 //! session header or
 //! `session_params.id`) longer than [`HttpOptions::max_session_id_bytes`]
@@ -461,6 +462,7 @@ pub(crate) use sse::{CompletionScan, UsageFilter};
 pub(crate) use vllm::{ask_for_usage, client_wants_usage};
 
 use crate::RouterService;
+use crate::telemetry::Telemetry;
 use std::sync::Arc;
 
 /// The HTTP front with the default [`HttpOptions`].
@@ -475,7 +477,18 @@ pub fn http_app_with(
     workers: WorkerEndpoints,
     options: HttpOptions,
 ) -> axum::Router {
-    routes::router(front_state(service, workers, options))
+    routes::router(front_state(service, workers, options, Telemetry::off()))
+}
+
+/// [`http_app_with`] with tracing: a span per request and per worker call, made by
+/// `telemetry` ([`crate::telemetry`]).
+pub fn http_app_traced(
+    service: Arc<RouterService>,
+    workers: WorkerEndpoints,
+    options: HttpOptions,
+    telemetry: Telemetry,
+) -> axum::Router {
+    routes::router(front_state(service, workers, options, telemetry))
 }
 
 /// The front's shared state, its health checks started when on.
@@ -483,11 +496,12 @@ fn front_state(
     service: Arc<RouterService>,
     workers: WorkerEndpoints,
     options: HttpOptions,
+    telemetry: Telemetry,
 ) -> Arc<app::App> {
     let health_checks = options
         .health_check_interval
         .filter(|i| !i.is_zero() && !workers.is_empty());
-    let app = Arc::new(app::App::new(service, workers, options));
+    let app = Arc::new(app::App::new(service, workers, options, telemetry));
     if let Some(interval) = health_checks {
         health::spawn_health_checks(&app, interval);
     }
@@ -497,19 +511,24 @@ fn front_state(
 /// The HTTP front as `service`'s configuration describes it: the `[http]` table's options
 /// (its tokenizer file loaded) and the workers' `http-url`s.
 pub fn http_app_from_config(service: Arc<RouterService>) -> Result<axum::Router, FrontError> {
-    Ok(routes::router(front_state_from_config(service)?))
+    Ok(routes::router(front_state_from_config(
+        service,
+        Telemetry::off(),
+    )?))
 }
 
 /// The front's shared state as `service`'s configuration describes it (options, worker
 /// endpoints, breakers, session book), its health checks started when on. The router binary
 /// builds it once and serves it both as this front and as the endpoint picker
-/// ([`crate::epp`]), so the two share sessions, breakers and request ids.
+/// ([`crate::epp`]), so the two share sessions, breakers and request ids; its requests are
+/// traced by `telemetry`.
 pub(crate) fn front_state_from_config(
     service: Arc<RouterService>,
+    telemetry: Telemetry,
 ) -> Result<Arc<app::App>, FrontError> {
     let options = HttpOptions::from_config(&service.config().http)?;
     let workers = WorkerEndpoints::from_config(service.config())?;
-    Ok(front_state(service, workers, options))
+    Ok(front_state(service, workers, options, telemetry))
 }
 
 /// The axum routes of the front over an existing shared state.

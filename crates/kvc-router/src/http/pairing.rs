@@ -5,6 +5,7 @@
 use super::app::App;
 use super::attempt::{counts_against_breaker, is_success};
 use super::endpoints::HttpWorker;
+use crate::telemetry::WorkerCall;
 use crate::worker_http::{Call, ForwardError, WorkerAnswer};
 use axum::body::Bytes;
 use axum::http::{HeaderName, HeaderValue};
@@ -70,7 +71,7 @@ fn lost(e: &tokio::task::JoinError) -> PrefillResult {
 }
 
 impl PrefillLeg {
-    /// Sends `payload` to prefill worker `id` at `p` on its own task.
+    /// Sends `payload` to prefill worker `id` at `p` on its own task, `call` its span.
     pub(super) fn start(
         app: &Arc<App>,
         id: WorkerId,
@@ -78,6 +79,7 @@ impl PrefillLeg {
         path: &'static str,
         payload: Bytes,
         headers: Vec<(HeaderName, HeaderValue)>,
+        mut call: WorkerCall,
     ) -> PrefillLeg {
         let timeout = app.options.request_timeout;
         app.breakers
@@ -94,6 +96,7 @@ impl PrefillLeg {
                     timeout,
                 })
                 .await;
+            call.record_answer(r.as_ref().map(|a| a.status));
             if partner_timed_out(&r) {
                 // P is up and says its decode partner never came: that is the partner's
                 // failure, judged where the partner is known (`Attempt::prefill_failed_first`).

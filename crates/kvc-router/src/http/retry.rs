@@ -15,6 +15,7 @@ use super::tokens::block_hashes;
 use super::trust::{check_session_id, strip_router_fields};
 use super::vllm::forward_vllm;
 use super::whole::forward_whole;
+use crate::telemetry::{HeaderExtractor, RequestSpan};
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -39,10 +40,19 @@ pub(super) async fn serve_request(
     headers: &HeaderMap,
     bytes: Bytes,
 ) -> Response {
-    match prepare_request(app, api, headers, bytes).await {
-        Ok(p) => route_and_forward(app, p.query, &p.request, p.stream, p.ends_session).await,
+    let span = app
+        .telemetry
+        .request_span("kvc.request", api.path(), &HeaderExtractor(headers));
+    let response = match prepare_request(app, api, headers, bytes).await {
+        Ok(mut p) => {
+            span.record_session(p.request.session_key.as_ref(), p.query.session());
+            p.request.trace = span.clone();
+            route_and_forward(app, p.query, &p.request, p.stream, p.ends_session).await
+        }
         Err(response) => response,
-    }
+    };
+    span.record_status(response.status().as_u16());
+    response
 }
 
 /// Everything the front reads from a client request before routing it: the body parsed, the
@@ -169,6 +179,7 @@ pub(crate) async fn prepare_request(
         body: req.body,
         client_bytes,
         trace_context: super::attempt::trace_context(headers),
+        trace: RequestSpan::none(),
     };
     Ok(Prepared {
         query,
@@ -196,7 +207,8 @@ async fn route_and_forward(
     let mut previous: Option<Response> = None;
     loop {
         app.breakers.tick(&app.service, app.service.now_ms());
-        let decision = match decision::route(&app.service, &query, &excluded) {
+        let decision = match decision::route_traced(&app.service, &query, &excluded, &request.trace)
+        {
             Ok(d) => d,
             Err(e) => return previous.unwrap_or_else(|| route_error_response(&e)),
         };

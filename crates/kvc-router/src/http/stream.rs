@@ -12,6 +12,7 @@ use super::pairing::PrefillLeg;
 use super::request::Api;
 use super::responses::{error_response, forward_error_response};
 use super::sse::{CompletionScan, UsageFilter, sse_error_event};
+use crate::telemetry::{RequestSpan, WorkerCall};
 use crate::worker_http::{ForwardError, WorkerAnswer, WorkerStream};
 use axum::body::Bytes;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -54,12 +55,14 @@ pub(super) async fn forward_stream(
                 admission_rejected: true,
                 body: Bytes::new(),
             };
+            attempt.decode_call.record_answer(Ok(stream.status));
             let answer = stream.read_rest(timeout).await.unwrap_or(lost_body);
             return attempt.refused(answer, prefill);
         }
         other => other,
     };
     let status = opened.as_ref().map(|s| s.status);
+    attempt.decode_call.record_answer(status);
     let head_failed = counts_against_breaker(status);
     let head_retryable = worth_retrying(status);
     // A 502-504 head with no retry left is relayed like any other answer.
@@ -93,6 +96,9 @@ pub(super) async fn forward_stream(
     let first = match first {
         Ok(Ok(piece)) => piece,
         failure => {
+            attempt
+                .decode_call
+                .record_failure("stream-broken", "no first piece of the answer");
             app.feed_breaker(d_id, true);
             if let Some(p) = prefill {
                 p.abandon(app);
@@ -135,6 +141,8 @@ pub(super) async fn forward_stream(
         timeout,
         expected_cached: leg.expected_cached,
         filter: strip_usage.then(UsageFilter::default),
+        call: std::mem::take(&mut attempt.decode_call),
+        trace: request.trace.clone(),
     };
     tokio::spawn(relay.run(stream, first, prefill, tx));
     let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
@@ -162,6 +170,10 @@ struct Relay {
     expected_cached: Option<u64>,
     /// Removes the usage chunk the client did not ask for ([`DecodeLeg::strip_usage`]).
     filter: Option<UsageFilter>,
+    /// D's call span (declared before `trace`: it ends first, within the request's span).
+    call: WorkerCall,
+    /// The request's span: it ends once the stream has (this holds it until then).
+    trace: RequestSpan,
 }
 
 impl Relay {
@@ -220,6 +232,7 @@ impl Relay {
                 Ok(None) => break true,
                 Err(message) => {
                     worker_broke = true;
+                    self.call.record_failure("stream-broken", &message);
                     tracing::warn!(request = self.request_id, error = %message, "stream ended early");
                     let _ = tx
                         .send(Ok(sse_error_event(self.api, &message, !ends_event)))
@@ -249,6 +262,7 @@ impl Relay {
         } else {
             (self.refusal.unwrap_or(Outcome::WorkerFailed), 0)
         };
+        self.trace.record_outcome(outcome);
         decision::report(
             &app.service,
             self.decision,

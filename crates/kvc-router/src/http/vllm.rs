@@ -13,6 +13,7 @@ use super::request::Api;
 use super::responses::worker_answer;
 use super::stream::forward_stream;
 use super::whole::forward_whole;
+use crate::telemetry::Leg;
 use crate::worker_http::{Call, WorkerAnswer};
 use axum::http::{HeaderName, HeaderValue};
 use kvc_core::{ExecutionMode, Outcome, WorkerId};
@@ -85,16 +86,21 @@ async fn prefill(
     app.breakers
         .on_dispatch(&app.service, p, app.service.now_ms());
     let payload = super::attempt::payload(&prefill_body(body, request.api.vllm()));
+    let mut call = request
+        .trace
+        .worker_call(p, Leg::Prefill, request.api.path());
+    let headers = call.headers(headers);
     let answer = app
         .client
         .post_whole(Call {
             base: endpoint.url.clone(),
             path: request.api.path(),
-            headers,
+            headers: &headers,
             body: payload,
             timeout: app.options.request_timeout,
         })
         .await;
+    call.record_answer(answer.as_ref().map(|a| a.status));
     app.feed_breaker(p, counts_against_breaker(answer.as_ref().map(|a| a.status)));
     match answer {
         Ok(a) if (200..300).contains(&a.status) => transfer_params(&a.body).ok_or_else(|| {
@@ -143,6 +149,7 @@ pub(super) async fn forward_vllm(
                 // The request itself is at fault: D would refuse it too.
                 let outcome =
                     refusal_outcome(answer.status, &answer.body).unwrap_or(Outcome::WorkerFailed);
+                request.trace.record_outcome(outcome);
                 decision::report(&app.service, decision.id, request.request_id, outcome, 0);
                 return AttemptResult::Answered(worker_answer(answer));
             }

@@ -36,10 +36,14 @@ pub(super) async fn forward_whole(
         Err(end) => return end,
     };
     let answer = match answer {
-        Ok(a) if a.admission_rejected => return attempt.refused(a, prefill),
+        Ok(a) if a.admission_rejected => {
+            attempt.decode_call.record_answer(Ok(a.status));
+            return attempt.refused(a, prefill);
+        }
         other => other,
     };
     let status = answer.as_ref().map(|a| a.status);
+    attempt.decode_call.record_answer(status);
     app.feed_breaker(attempt.decode(), counts_against_breaker(status));
     if worth_retrying(status) {
         let failed = attempt.decode_failed(prefill).await;

@@ -281,5 +281,11 @@ fn handed_out(id: u64, d: &Decision, probe_rejected_by: Option<WorkerId>) -> Rou
         recommended_pause_ms: d.recommended_pause_ms,
         need_tokens: d.need_tokens,
         probe_rejected_by,
+        // A count of blocks, scored as a float.
+        decode_overlap: d
+            .score(d.decode, d.change.decode_role)
+            .and_then(|e| e.component("overlap"))
+            .map(|o| o.max(0.0).round() as u64),
+        predicted_prefill_us: d.change.prefill_us,
     }
 }

@@ -11,7 +11,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use kvc_core::{Health, WorkerId, WorkerRole};
 use kvc_router::RouterConfig;
-use kvc_router::http::{BreakerState, HttpOptions, WorkerEndpoints, http_app_with};
+use kvc_router::http::{
+    BreakerState, HttpOptions, WorkerEndpoints, http_app_traced, http_app_with,
+};
+use kvc_router::telemetry::Telemetry;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -58,10 +61,23 @@ impl<M: Send + Sync + 'static> Front<M> {
     /// with `options`.
     pub async fn start(
         edit: impl FnOnce(&mut RouterConfig),
+        spawn: impl AsyncFnMut(&str) -> (Arc<M>, SocketAddr),
+        bootstrap: impl Fn(u32, WorkerRole) -> Option<u16>,
+        endpoints: impl FnOnce(&mut WorkerEndpoints),
+        options: HttpOptions,
+    ) -> Front<M> {
+        Self::start_traced(edit, spawn, bootstrap, endpoints, options, false).await
+    }
+
+    /// [`Front::start`], with `traced`: the front traced as the configuration's `[tracing]`
+    /// table says (`Telemetry::from_config`; off without one).
+    pub async fn start_traced(
+        edit: impl FnOnce(&mut RouterConfig),
         mut spawn: impl AsyncFnMut(&str) -> (Arc<M>, SocketAddr),
         bootstrap: impl Fn(u32, WorkerRole) -> Option<u16>,
         endpoints: impl FnOnce(&mut WorkerEndpoints),
         options: HttpOptions,
+        traced: bool,
     ) -> Front<M> {
         let cluster = Cluster::start(edit).await;
         let workers: Vec<(u32, WorkerRole)> = cluster
@@ -84,7 +100,12 @@ impl<M: Send + Sync + 'static> Front<M> {
             addrs.insert(id, addr);
         }
         endpoints(&mut http);
-        let app = http_app_with(cluster.service().clone(), http, options);
+        let app = if traced {
+            let telemetry = Telemetry::from_config(cluster.service().config()).unwrap();
+            http_app_traced(cluster.service().clone(), http, options, telemetry)
+        } else {
+            http_app_with(cluster.service().clone(), http, options)
+        };
         let addr = serve(app).await;
         Front {
             cluster,
