@@ -55,6 +55,9 @@ pub enum ServeError {
     /// The HTTP data-plane server failed.
     #[error("http server: {0}")]
     Http(std::io::Error),
+    /// The `kv-events-listen` socket could not be bound.
+    #[error("kv-events-listen: {0}")]
+    EventListener(String),
     /// A server task panicked or was cancelled.
     #[error("server task: {0}")]
     Join(String),

@@ -319,11 +319,22 @@ impl<'a> Attempt<'a> {
         request: &'a ForwardedRequest,
         decision: &'a Decision,
     ) -> Self {
+        let mut headers = request.worker_headers(app);
+        // A direct-to-D turn on a data-parallel engine goes to the rank holding the session.
+        if decision.mode == ExecutionMode::DirectToD
+            && let Some(h) = super::direct::rank_header(
+                &app.service,
+                decision.decode,
+                request.session_key.as_deref(),
+            )
+        {
+            headers.push(h);
+        }
         Attempt {
             app,
             request,
             decision,
-            headers: request.worker_headers(app),
+            headers,
         }
     }
 
