@@ -222,15 +222,21 @@ impl Listener {
     }
 
     /// Declares `worker`, named `name`, a listening worker: messages whose topic names it
-    /// (its own `topic`, when it has one, or `kv@name[@…]`) are its. Declaring a name or
-    /// topic again gives it to the later worker.
+    /// (its own `topic`, when it has one, or `kv@name[@…]`) are its. Declaring a worker
+    /// again adds the name and topic (its streams stay); declaring a name or topic again
+    /// gives it to the later worker.
     pub fn expect(&self, worker: WorkerId, name: &str, topic: Option<&str>) {
         let mut r = self.shared.routes.write();
-        let i = r.routes.len();
-        r.routes.push(Route {
-            worker,
-            ranks: Vec::new(),
-        });
+        let i = match r.routes.iter().position(|x| x.worker == worker) {
+            Some(i) => i,
+            None => {
+                r.routes.push(Route {
+                    worker,
+                    ranks: Vec::new(),
+                });
+                r.routes.len() - 1
+            }
+        };
         r.by_name.insert(name.to_owned(), i);
         if let Some(t) = topic.filter(|t| !t.is_empty()) {
             r.by_topic.insert(t.as_bytes().to_vec(), i);
@@ -248,7 +254,7 @@ impl Listener {
         cancel: CancellationToken,
     ) -> Option<Subscriber> {
         let mut r = self.shared.routes.write();
-        let route = r.routes.iter_mut().rev().find(|x| x.worker == cfg.worker)?;
+        let route = r.routes.iter_mut().find(|x| x.worker == cfg.worker)?;
         let rank = cfg.rank as usize;
         if route.ranks.len() <= rank {
             route.ranks.resize_with(rank + 1, || None);
