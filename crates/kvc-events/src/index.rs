@@ -22,6 +22,15 @@
 //! - Sessions: a block stored with a `session_id` counts toward that session's residency on
 //!   the worker ([`KvIndex::session_residency`]) until it is removed, dropped or cleared.
 //!   Session strings map to [`SessionId`] by [`SessionId::from_key`], the router's own rule.
+//! - Data-parallel ranks: an engine running several data-parallel ranks has one publisher
+//!   (and one prefix cache) per rank, so the index keeps each rank of a worker apart, with
+//!   its own pool bound ([`KvIndex::add_rank`], [`KvIndex::apply_rank`]). A method that
+//!   takes only a [`WorkerId`] to change or read one worker's blocks addresses its rank 0
+//!   (an engine without data parallelism). The answers a policy reads per worker —
+//!   [`KvIndex::overlap`], [`KvIndex::overlap_tokens`], [`KvIndex::session_residency`] —
+//!   give each worker its best rank's count (a request served by one rank reuses that
+//!   rank's cache only); [`KvIndex::overlap_ranks`] and [`KvIndex::session_residency_ranks`]
+//!   answer per rank, so a session's residency names the rank that holds it.
 //!
 //! Memory: a worker's map costs `(8 + 16) × 5/4 = 30` bytes per entry when full and the
 //! group map `(8 + 8) × 5/4 = 20` bytes per distinct key (both tables are capped at the slots
@@ -59,6 +68,12 @@ pub enum IndexError {
     /// The worker was added before.
     #[error("worker {0} is already in the index")]
     DuplicateWorker(WorkerId),
+    /// That data-parallel rank (above 0) of the worker was never added.
+    #[error("worker {0} rank {1} is not in the index")]
+    UnknownRank(WorkerId, u32),
+    /// That data-parallel rank (above 0) of the worker was added before.
+    #[error("worker {0} rank {1} is already in the index")]
+    DuplicateRank(WorkerId, u32),
     /// A pool of zero blocks.
     #[error("worker {0}: capacity must be at least one block")]
     ZeroCapacity(WorkerId),
@@ -105,11 +120,14 @@ impl std::ops::AddAssign for ApplyOutcome {
     }
 }
 
-/// How many leading blocks of a request one worker holds.
+/// How many leading blocks of a request one worker holds (its best data-parallel rank).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WorkerOverlap {
     /// The worker.
     pub worker: WorkerId,
+    /// The data-parallel rank holding them (the lowest on a tie; 0 for an engine without
+    /// data parallelism, or when no rank holds any).
+    pub rank: u32,
     /// Leading blocks of the request the worker holds.
     pub blocks: usize,
     /// The tokens those blocks cover (`blocks × the worker's block size`).
@@ -128,6 +146,7 @@ struct Entry {
 #[derive(Debug)]
 struct WorkerIndex {
     id: WorkerId,
+    rank: u32,
     spec: WorkerSpec,
     entries: FlatMap<Entry>,
     /// Own keys held by more than one entry of this worker, with the extra count.
@@ -138,7 +157,7 @@ struct WorkerIndex {
 #[derive(Debug, Default)]
 struct SessionSlot {
     id: Option<SessionId>,
-    /// (worker slot, blocks), only non-zero counts.
+    /// (worker-rank slot, blocks), only non-zero counts.
     per_worker: Vec<(u32, u32)>,
 }
 
@@ -217,11 +236,13 @@ impl Sessions {
     }
 }
 
-/// Blocks held per worker, keyed by kvc's chained hash (see the module doc).
+/// Blocks held per worker (and data-parallel rank), keyed by kvc's chained hash (see the
+/// module doc).
 #[derive(Debug, Default)]
 pub struct KvIndex {
+    /// One per (worker, rank), in the order added.
     workers: Vec<WorkerIndex>,
-    by_id: HashMap<WorkerId, usize>,
+    by_id: HashMap<(WorkerId, u32), usize>,
     groups: Vec<FlatMap<u64>>,
     sessions: Sessions,
     hasher: KeyHasher,
@@ -233,10 +254,25 @@ impl KvIndex {
         Self::default()
     }
 
-    /// Adds a worker. Workers keep the order they were added in every answer.
+    /// Adds a worker (its rank 0). Workers keep the order they were added in every answer.
     pub fn add_worker(&mut self, id: WorkerId, spec: WorkerSpec) -> Result<(), IndexError> {
-        if self.by_id.contains_key(&id) {
-            return Err(IndexError::DuplicateWorker(id));
+        self.add_rank(id, 0, spec)
+    }
+
+    /// Adds data-parallel rank `rank` of worker `id`, with that rank's pool. A worker's ranks
+    /// may be added in any order; the worker keeps the place its first rank was added at.
+    pub fn add_rank(
+        &mut self,
+        id: WorkerId,
+        rank: u32,
+        spec: WorkerSpec,
+    ) -> Result<(), IndexError> {
+        if self.by_id.contains_key(&(id, rank)) {
+            return Err(if rank == 0 {
+                IndexError::DuplicateWorker(id)
+            } else {
+                IndexError::DuplicateRank(id, rank)
+            });
         }
         if spec.capacity_blocks == 0 {
             return Err(IndexError::ZeroCapacity(id));
@@ -244,12 +280,13 @@ impl KvIndex {
         let slot = self.workers.len();
         self.workers.push(WorkerIndex {
             id,
+            rank,
             spec,
             entries: FlatMap::new(spec.capacity_blocks as usize),
             dups: HashMap::new(),
             next_stamp: 0,
         });
-        self.by_id.insert(id, slot);
+        self.by_id.insert((id, rank), slot);
         if slot / GROUP >= self.groups.len() {
             self.groups.push(FlatMap::new(0));
         }
@@ -257,18 +294,41 @@ impl KvIndex {
         Ok(())
     }
 
-    /// The workers, in the order they were added.
+    /// The workers (their rank 0), in the order they were added.
     pub fn workers(&self) -> impl Iterator<Item = (WorkerId, WorkerSpec)> + '_ {
-        self.workers.iter().map(|w| (w.id, w.spec))
+        self.workers
+            .iter()
+            .filter(|w| w.rank == 0)
+            .map(|w| (w.id, w.spec))
+    }
+
+    /// Every (worker, data-parallel rank) with its spec, in the order added.
+    pub fn ranks(&self) -> impl Iterator<Item = (WorkerId, u32, WorkerSpec)> + '_ {
+        self.workers.iter().map(|w| (w.id, w.rank, w.spec))
+    }
+
+    /// Whether rank `rank` of worker `id` is in the index.
+    pub fn has_rank(&self, id: WorkerId, rank: u32) -> bool {
+        self.by_id.contains_key(&(id, rank))
     }
 
     /// Changes a worker's pool size (its engine reported a new one); drops the oldest
     /// entries if it now holds more. Returns the entries dropped.
     pub fn set_capacity(&mut self, id: WorkerId, capacity_blocks: u32) -> Result<u64, IndexError> {
+        self.set_rank_capacity(id, 0, capacity_blocks)
+    }
+
+    /// [`KvIndex::set_capacity`] for one data-parallel rank.
+    pub fn set_rank_capacity(
+        &mut self,
+        id: WorkerId,
+        rank: u32,
+        capacity_blocks: u32,
+    ) -> Result<u64, IndexError> {
         if capacity_blocks == 0 {
             return Err(IndexError::ZeroCapacity(id));
         }
-        let w = self.slot(id)?;
+        let w = self.slot_of(id, rank)?;
         self.workers[w].spec.capacity_blocks = capacity_blocks;
         self.workers[w].entries.set_limit(capacity_blocks as usize);
         self.update_group_limit(w / GROUP);
@@ -291,16 +351,27 @@ impl KvIndex {
         self.groups[g].set_limit(limit);
     }
 
-    fn slot(&self, id: WorkerId) -> Result<usize, IndexError> {
-        self.by_id
-            .get(&id)
-            .copied()
-            .ok_or(IndexError::UnknownWorker(id))
+    fn slot_of(&self, id: WorkerId, rank: u32) -> Result<usize, IndexError> {
+        self.by_id.get(&(id, rank)).copied().ok_or(if rank == 0 {
+            IndexError::UnknownWorker(id)
+        } else {
+            IndexError::UnknownRank(id, rank)
+        })
     }
 
-    /// Applies one event of `worker` (see the module doc for the rules).
+    /// Applies one event of `worker` (its rank 0; see the module doc for the rules).
     pub fn apply(&mut self, worker: WorkerId, event: &Event) -> Result<ApplyOutcome, IndexError> {
-        let w = self.slot(worker)?;
+        self.apply_rank(worker, 0, event)
+    }
+
+    /// Applies one event published by data-parallel rank `rank` of `worker`.
+    pub fn apply_rank(
+        &mut self,
+        worker: WorkerId,
+        rank: u32,
+        event: &Event,
+    ) -> Result<ApplyOutcome, IndexError> {
+        let w = self.slot_of(worker, rank)?;
         Ok(match event {
             Event::Stored(s) => self.store(w, s),
             Event::Removed(r) => self.remove_blocks(w, r),
@@ -493,10 +564,15 @@ impl KvIndex {
         out
     }
 
-    /// Forgets everything a worker holds (its engine cleared its cache, restarted, or its
-    /// event history was lost).
+    /// Forgets everything a worker (its rank 0) holds (its engine cleared its cache,
+    /// restarted, or its event history was lost).
     pub fn clear(&mut self, worker: WorkerId) -> Result<u64, IndexError> {
-        let w = self.slot(worker)?;
+        self.clear_rank(worker, 0)
+    }
+
+    /// [`KvIndex::clear`] for one data-parallel rank.
+    pub fn clear_rank(&mut self, worker: WorkerId, rank: u32) -> Result<u64, IndexError> {
+        let w = self.slot_of(worker, rank)?;
         Ok(self.clear_slot(w))
     }
 
@@ -512,9 +588,14 @@ impl KvIndex {
         hashes.len() as u64
     }
 
-    /// Blocks a worker holds (0 for a worker not in the index).
+    /// Blocks a worker (its rank 0) holds (0 for a worker not in the index).
     pub fn indexed_blocks(&self, worker: WorkerId) -> usize {
-        self.slot(worker)
+        self.rank_blocks(worker, 0)
+    }
+
+    /// Blocks one data-parallel rank of a worker holds (0 for one not in the index).
+    pub fn rank_blocks(&self, worker: WorkerId, rank: u32) -> usize {
+        self.slot_of(worker, rank)
             .map_or(0, |w| self.workers[w].entries.len())
     }
 
@@ -523,9 +604,15 @@ impl KvIndex {
         self.workers.iter().map(|w| w.entries.len()).sum()
     }
 
-    /// A worker's blocks as (engine hash, own key), sorted: the index's exact content for it.
+    /// A worker's (rank 0's) blocks as (engine hash, own key), sorted: the index's exact
+    /// content for it.
     pub fn worker_blocks(&self, worker: WorkerId) -> Vec<(EngineHash, BlockKey)> {
-        let Ok(w) = self.slot(worker) else {
+        self.rank_entries(worker, 0)
+    }
+
+    /// [`KvIndex::worker_blocks`] for one data-parallel rank.
+    pub fn rank_entries(&self, worker: WorkerId, rank: u32) -> Vec<(EngineHash, BlockKey)> {
+        let Ok(w) = self.slot_of(worker, rank) else {
             return Vec::new();
         };
         let mut v: Vec<_> = self.workers[w]
@@ -537,11 +624,56 @@ impl KvIndex {
         v
     }
 
-    /// For each worker (in the order added), how many leading keys of `keys` it holds.
+    /// For each worker (in the order added), how many leading keys of `keys` its best
+    /// data-parallel rank holds.
     ///
     /// `keys` come from [`crate::chain_keys`] in one block size; workers of another block
-    /// size hold none of them. One pass down the chain for every group of 64 workers.
+    /// size hold none of them. One pass down the chain for every group of 64 worker ranks.
     pub fn overlap(&self, keys: &[BlockKey]) -> Vec<(WorkerId, usize)> {
+        let per_rank = self.slot_overlap(keys);
+        self.best_per_worker(|slot| per_rank[slot])
+            .into_iter()
+            .map(|(w, _, n)| (w, n))
+            .collect()
+    }
+
+    /// For each (worker, data-parallel rank), in the order added, how many leading keys of
+    /// `keys` it holds.
+    pub fn overlap_ranks(&self, keys: &[BlockKey]) -> Vec<(WorkerId, u32, usize)> {
+        self.slot_overlap(keys)
+            .into_iter()
+            .zip(&self.workers)
+            .map(|(n, w)| (w.id, w.rank, n))
+            .collect()
+    }
+
+    /// Per worker (in the order its first rank was added): the rank with the highest
+    /// `count(slot)` (the lowest rank on a tie) and that count.
+    fn best_per_worker<T: Ord + Copy>(
+        &self,
+        count: impl Fn(usize) -> T,
+    ) -> Vec<(WorkerId, u32, T)> {
+        let mut out: Vec<(WorkerId, u32, T)> = Vec::new();
+        let mut at: HashMap<WorkerId, usize> = HashMap::new();
+        for (slot, w) in self.workers.iter().enumerate() {
+            let n = count(slot);
+            match at.get(&w.id) {
+                Some(&i) => {
+                    let (_, rank, best) = &mut out[i];
+                    if n > *best || (n == *best && w.rank < *rank) {
+                        (*rank, *best) = (w.rank, n);
+                    }
+                }
+                None => {
+                    at.insert(w.id, out.len());
+                    out.push((w.id, w.rank, n));
+                }
+            }
+        }
+        out
+    }
+
+    fn slot_overlap(&self, keys: &[BlockKey]) -> Vec<usize> {
         let mut counts = vec![keys.len(); self.workers.len()];
         for (g, table) in self.groups.iter().enumerate() {
             let first = g * GROUP;
@@ -565,15 +697,12 @@ impl KvIndex {
                 }
             }
         }
-        self.workers
-            .iter()
-            .zip(counts)
-            .map(|(w, c)| (w.id, c))
-            .collect()
+        counts
     }
 
-    /// For each worker (in the order added), the leading blocks of a request's `tokens` it
-    /// holds, chained in the worker's own block size (one chain per distinct block size).
+    /// For each worker (in the order added), the leading blocks of a request's `tokens` its
+    /// best data-parallel rank holds, chained in the worker's own block size (one chain per
+    /// distinct block size).
     pub fn overlap_tokens(&mut self, tokens: &[u32]) -> Vec<WorkerOverlap> {
         let mut sizes: Vec<u32> = self
             .workers
@@ -587,6 +716,7 @@ impl KvIndex {
             .iter()
             .map(|w| WorkerOverlap {
                 worker: w.id,
+                rank: w.rank,
                 blocks: 0,
                 tokens: 0,
             })
@@ -595,27 +725,68 @@ impl KvIndex {
         for bs in sizes {
             keys.clear();
             self.hasher.chain_into(None, tokens, bs as usize, &mut keys);
-            for (slot, (_, blocks)) in self.overlap(&keys).into_iter().enumerate() {
+            for (slot, blocks) in self.slot_overlap(&keys).into_iter().enumerate() {
                 if self.workers[slot].spec.block_size.tokens() == bs {
                     out[slot].blocks = blocks;
                     out[slot].tokens = blocks as u64 * u64::from(bs);
                 }
             }
         }
-        out
+        self.best_per_worker(|slot| out[slot].blocks)
+            .into_iter()
+            .map(|(worker, rank, blocks)| {
+                let slot = self.by_id[&(worker, rank)];
+                WorkerOverlap {
+                    worker,
+                    rank,
+                    blocks,
+                    tokens: out[slot].tokens,
+                }
+            })
+            .collect()
     }
 
-    /// Blocks of `session` each worker holds (workers holding none are left out), in the
-    /// order the workers were added.
+    /// Blocks of `session` each worker holds on its best data-parallel rank (workers
+    /// holding none are left out), in the order the workers were added.
     pub fn session_residency(&self, session: SessionId) -> Vec<(WorkerId, u32)> {
+        let per_rank = self.session_slots(session);
+        if per_rank.is_empty() {
+            return Vec::new();
+        }
+        let count = |slot: usize| {
+            per_rank
+                .iter()
+                .find(|(s, _)| *s as usize == slot)
+                .map_or(0, |(_, n)| *n)
+        };
+        self.best_per_worker(count)
+            .into_iter()
+            .filter(|(_, _, n)| *n > 0)
+            .map(|(w, _, n)| (w, n))
+            .collect()
+    }
+
+    /// Blocks of `session` each (worker, data-parallel rank) holds, as (worker, rank,
+    /// blocks), ranks holding none left out, in the order the ranks were added: which rank
+    /// of a data-parallel engine holds the session.
+    pub fn session_residency_ranks(&self, session: SessionId) -> Vec<(WorkerId, u32, u32)> {
+        self.session_slots(session)
+            .into_iter()
+            .map(|(slot, n)| {
+                let w = &self.workers[slot as usize];
+                (w.id, w.rank, n)
+            })
+            .collect()
+    }
+
+    /// (slot, blocks) of a session, sorted by slot.
+    fn session_slots(&self, session: SessionId) -> Vec<(u32, u32)> {
         let Some(h) = self.sessions.handles.get(&session) else {
             return Vec::new();
         };
         let mut v: Vec<(u32, u32)> = self.sessions.slots[(*h - 1) as usize].per_worker.clone();
         v.sort_unstable();
-        v.into_iter()
-            .map(|(w, n)| (self.workers[w as usize].id, n))
-            .collect()
+        v
     }
 
     /// Sessions with at least one indexed block.

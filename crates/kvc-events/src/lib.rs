@@ -17,8 +17,11 @@
 //! - [`seq`]: [`SeqTracker`], what to do with each sequence number (apply, ignore, replay,
 //!   reset).
 //! - [`frames`]: the ZeroMQ framing of live messages, replay requests and replies.
-//! - [`subscriber`]: one tokio task per worker (a SUB socket, and a replay DEALER while a
-//!   replay runs) writing the shared index; counters in [`WorkerStats`].
+//! - [`subscriber`]: one tokio task per worker and data-parallel rank (a SUB socket, and a
+//!   replay DEALER while a replay runs) writing the shared index; counters in [`WorkerStats`].
+//! - [`listener`]: one SUB socket (per rank) that *binds*, for engines that connect their
+//!   PUB to the router; each message's topic names its worker, each worker's rank then read
+//!   by the same stream logic as a subscriber's.
 //! - [`publisher`]: PUB + replay ROUTER with a ring buffer, as an engine publishes.
 //!
 //! ## Use
@@ -63,6 +66,7 @@ pub mod encode;
 pub mod event;
 pub mod frames;
 pub mod index;
+pub mod listener;
 pub mod publisher;
 pub mod seq;
 pub mod stats;
@@ -73,6 +77,7 @@ pub use decode::{DecodeError, FieldError, decode_batch};
 pub use encode::encode_batch;
 pub use event::{BlockRemoved, BlockStored, EngineHash, Event, EventBatch, Medium};
 pub use index::{ApplyOutcome, IndexError, KvIndex, WorkerOverlap, WorkerSpec};
+pub use listener::{ListenError, Listener, ListenerConfig, ListenerStats, topic_worker};
 pub use publisher::{PublishError, Publisher, PublisherConfig};
 pub use seq::{LiveAction, ReplayAction, SeqTracker};
 pub use stats::{StatsSnapshot, WorkerStats};

@@ -7,6 +7,10 @@
 //! [`PublisherConfig::replay_topic_frame`] is off (SGLang's and older vLLM's). Payloads are
 //! vLLM's map shape ([`crate::encode`]).
 //!
+//! With [`PublisherConfig::connect`] the PUB socket connects to a subscriber that binds
+//! instead (what vLLM does with an endpoint `tcp://HOST:PORT` that names no wildcard, and
+//! llm-d's central mode relies on); the replay socket always binds.
+//!
 //! For tests, [`Publisher::publish_unsent`] numbers and buffers a batch without sending it
 //! on the PUB socket — the gap a slow subscriber would see.
 
@@ -24,8 +28,11 @@ use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage
 /// Where a publisher binds and what it keeps.
 #[derive(Debug, Clone)]
 pub struct PublisherConfig {
-    /// The PUB endpoint to bind, e.g. `tcp://127.0.0.1:5557` (port 0: any free port).
+    /// The PUB endpoint to bind, e.g. `tcp://127.0.0.1:5557` (port 0: any free port), or
+    /// with `connect` the subscriber's endpoint to connect to.
     pub endpoint: String,
+    /// Connect the PUB socket to `endpoint` (a subscriber that binds) instead of binding it.
+    pub connect: bool,
     /// The replay ROUTER endpoint to bind, if any.
     pub replay_endpoint: Option<String>,
     /// The topic frame of every message.
@@ -44,6 +51,7 @@ impl PublisherConfig {
     pub fn new(endpoint: impl Into<String>) -> Self {
         PublisherConfig {
             endpoint: endpoint.into(),
+            connect: false,
             replay_endpoint: None,
             topic: String::new(),
             buffer_steps: 10_000,
@@ -55,8 +63,8 @@ impl PublisherConfig {
 /// Why publishing failed.
 #[derive(Debug, Error)]
 pub enum PublishError {
-    /// A socket could not bind.
-    #[error("cannot bind {endpoint}: {error}")]
+    /// A socket could not bind (or, with `connect`, the PUB socket could not connect).
+    #[error("cannot bind or connect {endpoint}: {error}")]
     Bind {
         /// The endpoint.
         endpoint: String,
@@ -85,8 +93,8 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    /// Binds the sockets and starts the task; it stops when `cancel` fires or the publisher
-    /// is dropped.
+    /// Binds the sockets (connects the PUB one with [`PublisherConfig::connect`]) and starts
+    /// the task; it stops when `cancel` fires or the publisher is dropped.
     pub async fn bind(
         cfg: PublisherConfig,
         cancel: CancellationToken,
@@ -96,11 +104,19 @@ impl Publisher {
             error: e.to_string(),
         };
         let mut publisher = PubSocket::new();
-        let endpoint = publisher
-            .bind(&cfg.endpoint)
-            .await
-            .map_err(|e| bind_err(&cfg.endpoint, e))?
-            .to_string();
+        let endpoint = if cfg.connect {
+            publisher
+                .connect(&cfg.endpoint)
+                .await
+                .map_err(|e| bind_err(&cfg.endpoint, e))?;
+            cfg.endpoint.clone()
+        } else {
+            publisher
+                .bind(&cfg.endpoint)
+                .await
+                .map_err(|e| bind_err(&cfg.endpoint, e))?
+                .to_string()
+        };
         let (router, replay_endpoint) = match &cfg.replay_endpoint {
             Some(ep) => {
                 let mut r = RouterSocket::new();
@@ -119,7 +135,7 @@ impl Publisher {
         })
     }
 
-    /// The bound PUB endpoint (the port resolved).
+    /// The bound PUB endpoint (the port resolved), or the one connected to.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
     }

@@ -29,6 +29,7 @@ pub struct WorkerStats {
     pub(crate) invalid: AtomicU64,
     pub(crate) dropped: AtomicU64,
     pub(crate) connect_failures: AtomicU64,
+    pub(crate) other_rank: AtomicU64,
 }
 
 /// A copy of [`WorkerStats`] at one moment.
@@ -38,7 +39,8 @@ pub struct StatsSnapshot {
     pub indexed_blocks: u64,
     /// Last sequence number applied; `None` before the first.
     pub last_seq: Option<u64>,
-    /// Whether the SUB socket is connected.
+    /// Whether the SUB socket is connected (for a stream fed by a router-bound listener,
+    /// [`crate::listener`]: whether its task runs).
     pub connected: bool,
     /// Whether the index has caught up with the publisher once: the replay asked for on the
     /// first connection ended (or failed, the index then starting from the live stream), or,
@@ -80,6 +82,42 @@ pub struct StatsSnapshot {
     pub dropped: u64,
     /// Failed connection attempts to the event endpoint.
     pub connect_failures: u64,
+    /// Batches whose `data_parallel_rank` was not the stream's rank (indexed under the
+    /// stream's rank all the same).
+    pub other_rank: u64,
+}
+
+impl StatsSnapshot {
+    /// One worker's counters over its data-parallel ranks' streams: counts and indexed
+    /// blocks summed, `connected` and `synced` only when every stream is, `last_seq` the
+    /// highest of those applied (each stream numbers its own; read a rank's own for its
+    /// position). `None` for no stream.
+    pub fn merged(ranks: impl IntoIterator<Item = StatsSnapshot>) -> Option<StatsSnapshot> {
+        ranks.into_iter().reduce(|a, b| StatsSnapshot {
+            indexed_blocks: a.indexed_blocks + b.indexed_blocks,
+            last_seq: a.last_seq.max(b.last_seq),
+            connected: a.connected && b.connected,
+            synced: a.synced && b.synced,
+            batches: a.batches + b.batches,
+            blocks_stored: a.blocks_stored + b.blocks_stored,
+            blocks_removed: a.blocks_removed + b.blocks_removed,
+            cleared: a.cleared + b.cleared,
+            gaps: a.gaps + b.gaps,
+            replays: a.replays + b.replays,
+            replay_failures: a.replay_failures + b.replay_failures,
+            restarts: a.restarts + b.restarts,
+            resets: a.resets + b.resets,
+            duplicates: a.duplicates + b.duplicates,
+            malformed: a.malformed + b.malformed,
+            undecodable: a.undecodable + b.undecodable,
+            unknown: a.unknown + b.unknown,
+            skipped: a.skipped + b.skipped,
+            invalid: a.invalid + b.invalid,
+            dropped: a.dropped + b.dropped,
+            connect_failures: a.connect_failures + b.connect_failures,
+            other_rank: a.other_rank + b.other_rank,
+        })
+    }
 }
 
 impl WorkerStats {
@@ -116,6 +154,7 @@ impl WorkerStats {
             invalid: self.invalid.load(Relaxed),
             dropped: self.dropped.load(Relaxed),
             connect_failures: self.connect_failures.load(Relaxed),
+            other_rank: self.other_rank.load(Relaxed),
         }
     }
 
@@ -123,5 +162,45 @@ impl WorkerStats {
         if n > 0 {
             counter.fetch_add(n, Relaxed);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_merge_into_one_worker() {
+        let a = StatsSnapshot {
+            indexed_blocks: 3,
+            last_seq: Some(9),
+            connected: true,
+            synced: true,
+            gaps: 1,
+            ..StatsSnapshot::default()
+        };
+        let b = StatsSnapshot {
+            indexed_blocks: 4,
+            last_seq: None,
+            connected: true,
+            synced: false,
+            gaps: 2,
+            other_rank: 1,
+            ..StatsSnapshot::default()
+        };
+        let m = StatsSnapshot::merged([a, b]).unwrap();
+        assert_eq!(
+            (
+                m.indexed_blocks,
+                m.last_seq,
+                m.connected,
+                m.synced,
+                m.gaps,
+                m.other_rank
+            ),
+            (7, Some(9), true, false, 3, 1)
+        );
+        assert_eq!(StatsSnapshot::merged([a]), Some(a));
+        assert_eq!(StatsSnapshot::merged([]), None);
     }
 }

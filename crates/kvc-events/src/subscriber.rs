@@ -35,9 +35,11 @@ use bytes::Bytes;
 use kvc_core::WorkerId;
 use parking_lot::RwLock;
 use std::collections::VecDeque;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -48,11 +50,16 @@ use zeromq::{
 /// The index every subscriber writes and the router reads.
 pub type SharedIndex = Arc<RwLock<KvIndex>>;
 
-/// Where and how one worker's events are read.
+/// Where and how one worker's events are read (one data-parallel rank's stream).
 #[derive(Debug, Clone)]
 pub struct SubscriberConfig {
     /// The worker the events describe.
     pub worker: WorkerId,
+    /// The engine's data-parallel rank that publishes this stream (0 without data
+    /// parallelism): its blocks are indexed under that rank ([`KvIndex::apply_rank`]). A
+    /// batch that names another rank (`data_parallel_rank`) is still indexed under this one,
+    /// and counted (`other_rank`): the stream's endpoint says which rank's cache it is.
+    pub rank: u32,
     /// Its engine's block size and pool size (the worker is added to the index with it if
     /// absent).
     pub spec: WorkerSpec,
@@ -80,6 +87,7 @@ impl SubscriberConfig {
     pub fn new(worker: WorkerId, spec: WorkerSpec, endpoint: impl Into<String>) -> Self {
         SubscriberConfig {
             worker,
+            rank: 0,
             spec,
             endpoint: endpoint.into(),
             replay_endpoint: None,
@@ -102,34 +110,56 @@ pub struct Subscriber {
     pub task: JoinHandle<()>,
 }
 
-/// Starts the subscriber task of one worker (adds the worker to `index` if absent). Must be
-/// called inside a tokio runtime.
+/// Starts the subscriber task of one worker's rank (adds the rank to `index` if absent).
+/// Must be called inside a tokio runtime.
 pub fn spawn_subscriber(
     cfg: SubscriberConfig,
     index: SharedIndex,
     cancel: CancellationToken,
 ) -> Subscriber {
-    {
-        let mut idx = index.write();
-        if idx.workers().all(|(w, _)| w != cfg.worker) {
-            // The worker is absent and the spec was checked by `add_worker`'s only other
-            // failure (a zero capacity), which is logged.
-            if let Err(e) = idx.add_worker(cfg.worker, cfg.spec) {
-                tracing::error!(worker = %cfg.worker, "kv-events: {e}");
-            }
-        }
-    }
-    let stats = Arc::new(WorkerStats::new());
-    let run = Run {
-        cfg,
-        index,
-        stats: stats.clone(),
-        tracker: SeqTracker::new(),
-        limits: Limits::default(),
-    };
+    let (run, stats) = Run::new(cfg, index);
     let task = tokio::spawn(run.run(cancel));
     Subscriber { stats, task }
 }
+
+/// Starts the task of one worker's rank fed by `queue` instead of a socket of its own: the
+/// messages a router-bound SUB socket received with the worker's topic
+/// ([`crate::listener`]). The same sequence tracking, replay and counters as
+/// [`spawn_subscriber`]; `cfg.endpoint` and `cfg.topic` are not used. With no socket of its
+/// own there is no disconnection to see: a restarted engine shows by its sequence numbers
+/// starting again. Ends when cancelled or when the queue's sender is dropped.
+pub(crate) fn spawn_fed(
+    cfg: SubscriberConfig,
+    index: SharedIndex,
+    queue: mpsc::Receiver<ZmqMessage>,
+    cancel: CancellationToken,
+) -> Subscriber {
+    let (run, stats) = Run::new(cfg, index);
+    let task = tokio::spawn(run.run_fed(queue, cancel));
+    Subscriber { stats, task }
+}
+
+/// Where a stream's live messages come from: its own SUB socket, or the queue a listener
+/// fills.
+enum Feed<'a> {
+    Sub(&'a mut SubSocket),
+    Queue(&'a mut mpsc::Receiver<ZmqMessage>),
+}
+
+impl Feed<'_> {
+    async fn recv(&mut self) -> Result<ZmqMessage, String> {
+        match self {
+            Feed::Sub(s) => s.recv().await.map_err(|e| e.to_string()),
+            Feed::Queue(q) => q
+                .recv()
+                .await
+                .ok_or_else(|| "the listener stopped".to_owned()),
+        }
+    }
+}
+
+/// A SUB socket's peer events (a disconnected engine shows there).
+type PeerEvents = Pin<Box<dyn Stream<Item = SocketEvent> + Send>>;
 
 /// One warning per kind per second; the rest at debug level.
 #[derive(Debug, Default)]
@@ -139,6 +169,7 @@ struct Limits {
     undecodable: Option<Instant>,
     unknown: Option<Instant>,
     replay: Option<Instant>,
+    other_rank: Option<Instant>,
 }
 
 fn allow(last: &mut Option<Instant>) -> bool {
@@ -177,6 +208,35 @@ struct Run {
 }
 
 impl Run {
+    fn new(cfg: SubscriberConfig, index: SharedIndex) -> (Self, Arc<WorkerStats>) {
+        {
+            let mut idx = index.write();
+            if !idx.has_rank(cfg.worker, cfg.rank) {
+                // The rank is absent, so `add_rank`'s only other failure is a zero
+                // capacity, which is logged.
+                if let Err(e) = idx.add_rank(cfg.worker, cfg.rank, cfg.spec) {
+                    tracing::error!(worker = %cfg.worker, rank = cfg.rank, "kv-events: {e}");
+                }
+            }
+        }
+        let stats = Arc::new(WorkerStats::new());
+        let run = Run {
+            cfg,
+            index,
+            stats: stats.clone(),
+            tracker: SeqTracker::new(),
+            limits: Limits::default(),
+        };
+        (run, stats)
+    }
+
+    /// A stream fed by a listener's queue: one pump until cancelled or the queue closes.
+    async fn run_fed(mut self, mut queue: mpsc::Receiver<ZmqMessage>, cancel: CancellationToken) {
+        self.stats.connected.store(true, Relaxed);
+        let _ = self.pump(&mut Feed::Queue(&mut queue), None, &cancel).await;
+        self.stats.connected.store(false, Relaxed);
+    }
+
     async fn run(mut self, cancel: CancellationToken) {
         let mut backoff = self.cfg.backoff_min;
         loop {
@@ -185,11 +245,13 @@ impl Run {
                 r = self.connect() => r,
             };
             match connected {
-                Ok((mut sub, mut peer_events)) => {
+                Ok((mut sub, peer_events)) => {
                     backoff = self.cfg.backoff_min;
                     self.stats.connected.store(true, Relaxed);
-                    tracing::debug!(worker = %self.cfg.worker, endpoint = %self.cfg.endpoint, "kv-events: connected");
-                    let stopped = self.pump(&mut sub, &mut peer_events, &cancel).await;
+                    tracing::debug!(worker = %self.cfg.worker, rank = self.cfg.rank, endpoint = %self.cfg.endpoint, "kv-events: connected");
+                    let stopped = self
+                        .pump(&mut Feed::Sub(&mut sub), Some(peer_events), &cancel)
+                        .await;
                     self.stats.connected.store(false, Relaxed);
                     if stopped {
                         break;
@@ -219,14 +281,11 @@ impl Run {
 
     /// A SUB socket connected to the endpoint, and its peer events (a disconnected engine
     /// shows there: the socket itself goes on waiting, and over `ipc://` never reconnects).
-    async fn connect(
-        &self,
-    ) -> Result<(SubSocket, impl Stream<Item = SocketEvent> + Unpin + use<>), zeromq::ZmqError>
-    {
+    async fn connect(&self) -> Result<(SubSocket, PeerEvents), zeromq::ZmqError> {
         let mut opts = SocketOptions::default();
         opts.connect_timeout(self.cfg.connect_timeout);
         let mut sub = SubSocket::with_options(opts);
-        let peer_events = sub.monitor();
+        let peer_events: PeerEvents = Box::pin(sub.monitor());
         sub.subscribe(&self.cfg.topic).await?;
         sub.connect(&self.cfg.endpoint).await?;
         Ok((sub, peer_events))
@@ -237,8 +296,8 @@ impl Run {
     /// catches up by replay from 0.
     async fn pump(
         &mut self,
-        sub: &mut SubSocket,
-        peer_events: &mut (impl Stream<Item = SocketEvent> + Unpin),
+        sub: &mut Feed<'_>,
+        mut peer_events: Option<PeerEvents>,
         cancel: &CancellationToken,
     ) -> bool {
         if self.tracker.last().is_none() && self.cfg.replay_endpoint.is_some() {
@@ -251,12 +310,12 @@ impl Run {
             self.apply_held(held);
         }
         self.stats.synced.store(true, Relaxed);
-        let mut watching = true;
+        let mut watching = peer_events.is_some();
         loop {
             let msg = tokio::select! {
                 _ = cancel.cancelled() => return true,
                 m = sub.recv() => m,
-                event = peer_events.next(), if watching => match event {
+                event = next_event(&mut peer_events), if watching => match event {
                     Some(SocketEvent::Disconnected(_)) => {
                         limited!(self.limits.connect, worker = %self.cfg.worker, endpoint = %self.cfg.endpoint, "kv-events: the engine disconnected; reconnecting");
                         return false;
@@ -352,7 +411,7 @@ impl Run {
     async fn replay(
         &mut self,
         from: u64,
-        sub: &mut SubSocket,
+        sub: &mut Feed<'_>,
         held: &mut VecDeque<(u64, Bytes)>,
         cancel: &CancellationToken,
     ) -> bool {
@@ -375,7 +434,7 @@ impl Run {
     async fn replay_inner(
         &mut self,
         from: u64,
-        sub: &mut SubSocket,
+        sub: &mut Feed<'_>,
         held: &mut VecDeque<(u64, Bytes)>,
         cancel: &CancellationToken,
     ) -> Result<ReplayEnd, String> {
@@ -433,9 +492,9 @@ impl Run {
     /// Resets the worker's index and sequence history.
     fn reset(&mut self, why: &str) {
         WorkerStats::add(&self.stats.resets, 1);
-        tracing::info!(worker = %self.cfg.worker, "kv-events: index reset: {why}");
+        tracing::info!(worker = %self.cfg.worker, rank = self.cfg.rank, "kv-events: index reset: {why}");
         let mut idx = self.index.write();
-        let _ = idx.clear(self.cfg.worker);
+        let _ = idx.clear_rank(self.cfg.worker, self.cfg.rank);
         self.stats.indexed_blocks.store(0, Relaxed);
         drop(idx);
         self.tracker.reset();
@@ -454,17 +513,24 @@ impl Run {
                 return;
             }
         };
+        if let Some(r) = batch.dp_rank
+            && r != i64::from(self.cfg.rank)
+        {
+            WorkerStats::add(&self.stats.other_rank, 1);
+            limited!(self.limits.other_rank, worker = %self.cfg.worker, rank = self.cfg.rank, batch_rank = r, seq, "kv-events: a batch of this rank's stream names another data-parallel rank; indexed under the stream's rank (check the endpoints' port offsets)");
+        }
         let mut total = ApplyOutcome::default();
         let mut cleared = 0;
+        let (worker, rank) = (self.cfg.worker, self.cfg.rank);
         let indexed = {
             let mut idx = self.index.write();
             for e in &batch.events {
-                if let Ok(o) = idx.apply(self.cfg.worker, e) {
+                if let Ok(o) = idx.apply_rank(worker, rank, e) {
                     total += o;
                 }
                 cleared += u64::from(matches!(e, Event::AllCleared));
             }
-            idx.indexed_blocks(self.cfg.worker)
+            idx.rank_blocks(worker, rank)
         };
         let s = &self.stats;
         s.indexed_blocks.store(indexed as u64, Relaxed);
@@ -479,5 +545,13 @@ impl Run {
         if total.unknown() > 0 || total.invalid > 0 {
             limited!(self.limits.unknown, worker = %self.cfg.worker, seq, unknown_parent = total.unknown_parent, unknown_removal = total.unknown_removal, invalid = total.invalid, "kv-events: events name blocks the index does not hold");
         }
+    }
+}
+
+/// The next peer event, or `None` for a stream without them.
+async fn next_event(events: &mut Option<PeerEvents>) -> Option<SocketEvent> {
+    match events {
+        Some(e) => e.next().await,
+        None => None,
     }
 }

@@ -305,11 +305,13 @@ fn overlap_in_tokens_chains_each_block_size() {
         vec![
             WorkerOverlap {
                 worker: W1,
+                rank: 0,
                 blocks: 3,
                 tokens: 6
             },
             WorkerOverlap {
                 worker: W2,
+                rank: 0,
                 blocks: 1,
                 tokens: 4
             },
@@ -372,4 +374,68 @@ fn a_full_index_costs_at_most_64_bytes_per_block() {
         shared <= 34.0,
         "{shared} bytes per block when every worker holds the same blocks"
     );
+}
+
+#[test]
+fn data_parallel_ranks_are_kept_apart_and_answer_with_the_best_rank() {
+    let mut idx = KvIndex::new();
+    idx.add_rank(W1, 1, spec(1, 100)).unwrap();
+    idx.add_worker(W1, spec(1, 100)).unwrap();
+    idx.add_worker(W2, spec(1, 100)).unwrap();
+    assert_eq!(
+        idx.add_rank(W1, 1, spec(1, 100)),
+        Err(IndexError::DuplicateRank(W1, 1))
+    );
+    assert_eq!(
+        idx.apply_rank(W2, 3, &Event::AllCleared),
+        Err(IndexError::UnknownRank(W2, 3))
+    );
+    // The same engine hashes on two ranks are two caches: rank 1 holds three blocks of the
+    // session, rank 0 one; W2 one.
+    idx.apply_rank(
+        W1,
+        1,
+        &with_session(stored(&[1, 2, 3], None, &[1, 2, 3], 1), "sess-a"),
+    )
+    .unwrap();
+    idx.apply(W1, &with_session(stored(&[1], None, &[1], 1), "sess-a"))
+        .unwrap();
+    idx.apply(W2, &with_session(stored(&[7], None, &[1], 1), "sess-a"))
+        .unwrap();
+    let a = SessionId::from_key("sess-a");
+    assert_eq!(
+        idx.session_residency_ranks(a),
+        vec![(W1, 1, 3), (W1, 0, 1), (W2, 0, 1)]
+    );
+    // Per worker: its best rank's count; W1's place is where its first rank was added.
+    assert_eq!(idx.session_residency(a), vec![(W1, 3), (W2, 1)]);
+    let keys = chain_keys(&[1, 2, 3, 4], 1);
+    assert_eq!(idx.overlap(&keys), vec![(W1, 3), (W2, 1)]);
+    assert_eq!(
+        idx.overlap_ranks(&keys),
+        vec![(W1, 1, 3), (W1, 0, 1), (W2, 0, 1)]
+    );
+    let best = idx.overlap_tokens(&[1, 2, 3, 4]);
+    assert_eq!(
+        (best[0].worker, best[0].rank, best[0].blocks, best[0].tokens),
+        (W1, 1, 3, 3)
+    );
+    assert_eq!((best[1].worker, best[1].rank, best[1].blocks), (W2, 0, 1));
+    assert_eq!(
+        (
+            idx.rank_blocks(W1, 1),
+            idx.indexed_blocks(W1),
+            idx.total_blocks()
+        ),
+        (3, 1, 5)
+    );
+    assert_eq!(idx.workers().map(|(w, _)| w).collect::<Vec<_>>(), [W1, W2]);
+    // Clearing one rank leaves the other; a tie goes to the lowest rank.
+    assert_eq!(idx.clear_rank(W1, 1), Ok(3));
+    assert_eq!(idx.session_residency_ranks(a), vec![(W1, 0, 1), (W2, 0, 1)]);
+    assert_eq!(idx.overlap(&keys), vec![(W1, 1), (W2, 1)]);
+    // Rank 1 was added first, yet rank 0 answers when neither holds any.
+    let none = idx.overlap_tokens(&[9])[0];
+    assert_eq!((none.rank, none.blocks), (0, 0));
+    assert_eq!(idx.indexed_blocks(W1), 1);
 }

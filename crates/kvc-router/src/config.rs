@@ -93,6 +93,19 @@ pub struct RouterConfig {
     /// no spans and exports nothing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tracing: Option<TracingConfig>,
+    /// A ZeroMQ SUB socket the router binds for engines that *connect* their KV-event
+    /// publisher to it (`tcp://*:PORT`, `tcp://0.0.0.0:PORT` or `tcp://HOST:PORT`; llm-d's
+    /// "central" mode): vLLM connects for an endpoint `tcp://ROUTER:PORT` in its
+    /// `--kv-events-config`. Each message's topic names its worker: a worker's own
+    /// `kv-events-topic`, else `kv@NAME@MODEL` with the worker's `name`; a topic naming no
+    /// listening worker is counted and logged once, never indexed. Engines with several
+    /// data-parallel ranks connect rank `r` to `PORT + r`: the router binds as many ports as
+    /// the most `kv-events-ranks` of a listening worker. A listening worker is one with
+    /// `engine` and no `kv-events` (its own SUB socket is for engines that bind); one that
+    /// discovers its source listens when its engine says it connects out. `None` (the
+    /// default): every engine binds, and the router connects to each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_listen: Option<String>,
     /// The workers (`[[workers]]`).
     pub workers: Vec<WorkerConfig>,
 }
@@ -119,6 +132,7 @@ impl Default for RouterConfig {
             auth: crate::auth::AuthConfig::default(),
             tls: crate::tls::TlsConfig::default(),
             tracing: None,
+            kv_events_listen: None,
             workers: Vec::new(),
         }
     }
@@ -526,12 +540,21 @@ pub struct WorkerConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<String>,
     /// The engine's event replay socket (ZeroMQ ROUTER), `tcp://host:port`: missed events are
-    /// asked for again there; without it a gap resets the worker's index.
+    /// asked for again there; without it a gap resets the worker's index. With `kv-events`,
+    /// or on a worker that listens (the router's `kv-events-listen`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_replay: Option<String>,
-    /// The topic the engine publishes its events under (default: every topic).
+    /// The topic the engine publishes its events under (default: every topic; on a worker
+    /// that listens, `kv@<name>@…`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_topic: Option<String>,
+    /// How many data-parallel ranks the engine runs (default 1), each publishing its own
+    /// stream as vLLM does: rank `r` on `kv-events` and `kv-events-replay` with the port
+    /// plus `r` (tcp only), each indexed under its rank. With `kv-events`, or on a worker
+    /// that listens (its ranks connect to the router's port plus `r`). A worker that reads
+    /// its source from the engine is told every rank by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_ranks: Option<u32>,
     /// The engine's KV block (page) size in tokens, for its events. Default: what its
     /// `/metrics` reports (vLLM's `cache_config_info`); required for SGLang.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -571,6 +594,7 @@ impl WorkerConfig {
             kv_events: None,
             kv_events_replay: None,
             kv_events_topic: None,
+            kv_events_ranks: None,
             discover: None,
             drained: false,
             block_size: None,
@@ -632,6 +656,28 @@ impl WorkerConfig {
     /// and its load comes from the engine's `/metrics` (which also reports the block size).
     pub fn discovers_events(&self) -> bool {
         self.discovers() && self.kv_events.is_none() && self.metrics_url.is_some()
+    }
+
+    /// Whether its KV-cache events arrive at the router's `kv-events-listen` socket
+    /// (`router_listens`): it has `engine`, no `kv-events`, and does not read its source from
+    /// the engine (such a worker listens when its engine says it connects out).
+    pub fn listens_for_events(&self, router_listens: bool) -> bool {
+        router_listens
+            && self.engine.is_some()
+            && self.kv_events.is_none()
+            && !self.discovers_events()
+    }
+
+    /// `endpoint` as data-parallel rank `rank` uses it: vLLM's port offset (`tcp://H:P` →
+    /// `tcp://H:P+rank`); unchanged for rank 0, `None` for a non-tcp endpoint or a port past
+    /// 65535 of a rank above 0.
+    pub fn rank_endpoint(endpoint: &str, rank: u32) -> Option<String> {
+        if rank == 0 {
+            return Some(endpoint.to_owned());
+        }
+        let (base, port) = endpoint.strip_prefix("tcp://")?.rsplit_once(':')?;
+        let port = u32::from(port.parse::<u16>().ok()?) + rank;
+        (port <= u32::from(u16::MAX)).then(|| format!("tcp://{base}:{port}"))
     }
 
     /// Fills in what discovery derives from the configuration alone: `metrics-url` from

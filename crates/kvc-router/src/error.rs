@@ -58,6 +58,9 @@ pub enum ServeError {
     /// Tracing could not be started (the `[tracing]` table).
     #[error(transparent)]
     Tracing(#[from] TelemetryError),
+    /// The `kv-events-listen` socket could not be bound.
+    #[error("kv-events-listen: {0}")]
+    EventListener(String),
     /// A server task panicked or was cancelled.
     #[error("server task: {0}")]
     Join(String),

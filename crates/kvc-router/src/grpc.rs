@@ -288,6 +288,19 @@ fn worker_to_pb(w: ListedWorker) -> pb::WorkerInfo {
         kv_events_from: w.kv_events_from.to_owned(),
         warnings: w.warnings,
         drained: w.drained,
+        event_ranks: w
+            .event_ranks
+            .into_iter()
+            .map(|r| pb::RankEvents {
+                rank: r.rank,
+                endpoint: r.endpoint,
+                indexed_blocks: r.stats.indexed_blocks,
+                last_event_seq: r.stats.last_seq,
+                synced: r.stats.synced,
+                gaps: r.stats.gaps,
+                resets: r.stats.resets,
+            })
+            .collect(),
     }
 }
 

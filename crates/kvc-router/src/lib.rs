@@ -160,6 +160,6 @@ pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::RouterGrpc;
 pub use server::{RunningRouter, serve, serve_service, spawn_background};
 pub use service::{
-    DecisionOutcome, KV_EVENTS_CATCH_UP_MS, ListedWorker, ProbeOutcome, Reload, RouterDecision,
-    RouterService, SessionView, SharedClock,
+    DecisionOutcome, KV_EVENTS_CATCH_UP_MS, ListedWorker, ProbeOutcome, RankEvents, Reload,
+    RouterDecision, RouterService, SessionView, SharedClock,
 };

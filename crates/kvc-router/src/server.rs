@@ -154,6 +154,7 @@ pub async fn serve_service(
         });
     }
 
+    service.bind_event_listener(&stop).await?;
     let background = spawn_background(&service, &stop);
 
     let metrics = metrics_listener.map(|listener| {

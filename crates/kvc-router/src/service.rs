@@ -120,18 +120,35 @@ pub struct ListedWorker {
     pub state: WorkerState,
     /// Where that state comes from.
     pub source: StateSource,
-    /// The counters of its KV-event subscriber (indexed blocks, last sequence number, gaps …),
-    /// once one runs.
+    /// The counters of its KV-event streams over every data-parallel rank (indexed blocks
+    /// summed, the highest last sequence number, gaps …; see
+    /// [`kvc_events::StatsSnapshot::merged`]), once they run.
     pub events: Option<kvc_events::StatsSnapshot>,
-    /// Where its engine's KV-cache events are read (`tcp://…` or `ipc://…`), once known.
+    /// Each data-parallel rank's stream, lowest rank first (one for an engine without data
+    /// parallelism), once they run.
+    pub event_ranks: Vec<RankEvents>,
+    /// Where its engine's KV-cache events are read (`tcp://…` or `ipc://…`: rank 0's; the
+    /// router's `kv-events-listen` for an engine that connects to it), once known.
     pub kv_events: Option<String>,
-    /// Where that came from: `config`, `engine` (`GET /kv_event_sources`), or empty.
+    /// Where that came from: `config`, `engine` (`GET /kv_event_sources`), `listen` (the
+    /// engine connects to the router's `kv-events-listen` socket), or empty.
     pub kv_events_from: &'static str,
     /// What reading the engine found an operator should know: the last attempt's problem, and
     /// the last answer's warnings (no events, no replay, …).
     pub warnings: Vec<String>,
     /// Drained by the operator: out of rotation, its running requests left to finish.
     pub drained: bool,
+}
+
+/// One data-parallel rank's KV-event stream of a worker, as [`ListedWorker`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankEvents {
+    /// The rank.
+    pub rank: u32,
+    /// The PUB endpoint read (`None`: the rank connects to the router's `kv-events-listen`).
+    pub endpoint: Option<String>,
+    /// Its stream's counters (its own sequence numbers, blocks indexed under the rank).
+    pub stats: kvc_events::StatsSnapshot,
 }
 
 /// One session as [`RouterService::session_view`] reports it.
@@ -172,6 +189,9 @@ pub struct RouterService {
     started_ms: u64,
     /// Changes of any worker's health ([`fleet::FleetCache`]).
     health_epoch: Arc<AtomicU64>,
+    /// The `kv-events-listen` socket engines connect to, once bound
+    /// ([`RouterService::bind_event_listener`]).
+    kv_listener: std::sync::OnceLock<kvc_events::Listener>,
 }
 
 /// How long after start readiness waits for each worker's KV-cache events to catch up (the
@@ -254,6 +274,7 @@ impl RouterService {
             kv_index: Arc::new(RwLock::new(kvc_events::KvIndex::new())),
             started_ms,
             health_epoch,
+            kv_listener: std::sync::OnceLock::new(),
         };
         service.refresh_workers();
         Ok(service)
@@ -393,10 +414,54 @@ impl RouterService {
             .collect()
     }
 
-    /// Starts `worker`'s KV-event subscriber (until `stop`) once the engine's block size and
-    /// pool are known (configured, or reported by its `/metrics`); the index keeps at most the
-    /// worker's pool in blocks. Returns `false` while either is unknown (call again later),
-    /// `true` once started or when there is nothing to start.
+    /// Binds the `kv-events-listen` socket (one per data-parallel rank, rank `r` at the
+    /// port plus `r`), until `stop`, and declares the workers that listen (a discovering
+    /// worker is declared once its engine says it connects out). Nothing without the key.
+    pub async fn bind_event_listener(
+        &self,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> Result<(), crate::error::ServeError> {
+        let Some(endpoint) = &self.config.kv_events_listen else {
+            return Ok(());
+        };
+        if self.kv_listener.get().is_some() {
+            return Ok(());
+        }
+        let mut cfg = kvc_events::ListenerConfig::new(endpoint.clone());
+        cfg.ranks = self.config.event_listen_ranks();
+        let listener = kvc_events::Listener::bind(cfg, stop.child_token())
+            .await
+            .map_err(|e| crate::error::ServeError::EventListener(e.to_string()))?;
+        for w in &self.workers {
+            if let Some(source) = w.kv_events().filter(|s| s.listens()) {
+                listener.expect(w.id, &w.name, Some(source.topic.as_str()));
+            }
+        }
+        tracing::info!(endpoints = ?listener.endpoints(), "kv-events: listening for engines that connect");
+        let _ = self.kv_listener.set(listener);
+        Ok(())
+    }
+
+    /// The endpoints the `kv-events-listen` socket bound (ports resolved), rank 0's first;
+    /// empty before it is bound or without the key.
+    pub fn event_listen_endpoints(&self) -> Vec<String> {
+        self.kv_listener
+            .get()
+            .map(|l| l.endpoints().to_vec())
+            .unwrap_or_default()
+    }
+
+    /// What the `kv-events-listen` socket could not hand to a worker (unknown topics, …).
+    pub fn event_listener_stats(&self) -> Option<kvc_events::ListenerStats> {
+        self.kv_listener.get().map(kvc_events::Listener::stats)
+    }
+
+    /// Starts `worker`'s KV-event streams (until `stop`), one per data-parallel rank, once
+    /// the engine's block size and pool are known (configured, or reported by its
+    /// `/metrics`): a SUB socket connected to each rank's endpoint, or, for a rank that
+    /// connects to the router, a stream fed by the `kv-events-listen` socket; the index
+    /// keeps at most the worker's pool in blocks for each rank. Returns `false` while either
+    /// is unknown (call again later), `true` once started or when there is nothing to start.
     pub fn start_event_subscriber(
         &self,
         worker: WorkerId,
@@ -434,29 +499,76 @@ impl RouterService {
             block_size,
             capacity_blocks: capacity_blocks as u32,
         };
-        let mut cfg = kvc_events::SubscriberConfig::new(worker, spec, source.endpoint.clone());
-        cfg.replay_endpoint = source.replay.clone();
-        cfg.topic = source.topic.clone();
-        let subscriber =
-            kvc_events::spawn_subscriber(cfg, Arc::clone(&self.kv_index), stop.child_token());
-        tracing::info!(
-            worker = worker.0,
-            endpoint = %source.endpoint,
-            block_size = block_size.tokens(),
-            capacity_blocks,
-            "kv-events: subscribed"
-        );
-        let _ = entry.event_stats.set(subscriber.stats);
+        if source.ranks.iter().any(|r| r.endpoint.is_none()) && self.kv_listener.get().is_none() {
+            // The listener is bound before the event tasks start; until then there is
+            // nothing to read.
+            return false;
+        }
+        let mut streams = Vec::with_capacity(source.ranks.len());
+        for r in &source.ranks {
+            let mut cfg = kvc_events::SubscriberConfig::new(
+                worker,
+                spec,
+                r.endpoint.clone().unwrap_or_default(),
+            );
+            cfg.rank = r.rank;
+            cfg.replay_endpoint = r.replay.clone();
+            cfg.topic = source.topic.clone();
+            let subscriber = match &r.endpoint {
+                Some(endpoint) => {
+                    tracing::info!(
+                        worker = worker.0,
+                        rank = r.rank,
+                        endpoint = %endpoint,
+                        block_size = block_size.tokens(),
+                        capacity_blocks,
+                        "kv-events: subscribed"
+                    );
+                    kvc_events::spawn_subscriber(
+                        cfg,
+                        Arc::clone(&self.kv_index),
+                        stop.child_token(),
+                    )
+                }
+                None => {
+                    let Some(listener) = self.kv_listener.get() else {
+                        continue;
+                    };
+                    listener.expect(worker, &entry.name, Some(source.topic.as_str()));
+                    let Some(sub) =
+                        listener.start(cfg, Arc::clone(&self.kv_index), stop.child_token())
+                    else {
+                        tracing::error!(
+                            worker = worker.0,
+                            rank = r.rank,
+                            "kv-events: the rank's stream already runs"
+                        );
+                        continue;
+                    };
+                    tracing::info!(
+                        worker = worker.0,
+                        rank = r.rank,
+                        replay = r.replay.as_deref().unwrap_or("none"),
+                        block_size = block_size.tokens(),
+                        capacity_blocks,
+                        "kv-events: reading the engine's events on the listen socket"
+                    );
+                    sub
+                }
+            };
+            streams.push((r.rank, subscriber.stats));
+        }
+        let _ = entry.event_stats.set(streams);
         true
     }
 
-    /// Whether `worker`'s engine events say it holds none of `session`'s blocks (only once its
-    /// subscriber has applied events; `false` for a worker without events).
+    /// Whether `worker`'s engine events say it holds none of `session`'s blocks on any rank
+    /// (only once a stream of it has applied events; `false` for a worker without events).
     pub(crate) fn events_say_not_resident(&self, worker: WorkerId, session: SessionId) -> bool {
-        let Some(stats) = self.entry(worker.0).and_then(|e| e.event_stats.get()) else {
+        let Some(stats) = self.entry(worker.0).and_then(|e| e.event_stats()) else {
             return false;
         };
-        if stats.snapshot().last_seq.is_none() {
+        if stats.last_seq.is_none() {
             return false;
         }
         !self
@@ -465,6 +577,23 @@ impl RouterService {
             .session_residency(session)
             .iter()
             .any(|(w, n)| *w == worker && *n > 0)
+    }
+
+    /// The data-parallel rank of `worker` whose events hold the most of `session`'s blocks
+    /// (the lowest on a tie), for a worker read as several ranks; `None` for one rank, or
+    /// when no rank holds any.
+    pub fn resident_rank(&self, worker: WorkerId, session: SessionId) -> Option<u32> {
+        let ranks = self.entry(worker.0)?.event_stats.get()?.len();
+        if ranks < 2 {
+            return None;
+        }
+        self.kv_index
+            .read()
+            .session_residency_ranks(session)
+            .into_iter()
+            .filter(|(w, _, n)| *w == worker && *n > 0)
+            .max_by_key(|(_, rank, n)| (*n, std::cmp::Reverse(*rank)))
+            .map(|(_, rank, _)| rank)
     }
 
     /// Where the engines' KV-cache events place `session`: the worker that hosts sessions
@@ -672,10 +801,14 @@ impl RouterService {
                     role: w.role,
                     state: w.state_at(now),
                     events: w.event_stats(),
+                    ranks: w.rank_stats(),
                     cache_accounting: w.cache_accounting(),
-                    kv_events: w
-                        .kv_events()
-                        .map(|k| (k.endpoint.clone(), w.kv_events_from())),
+                    kv_events: w.kv_events().map(|k| {
+                        (
+                            k.shown(self.config.kv_events_listen.as_deref()),
+                            w.kv_events_from(),
+                        )
+                    }),
                     discovery_warnings: {
                         let d = w.discovery.lock();
                         d.warnings.len()
@@ -689,6 +822,7 @@ impl RouterService {
             sessions_tracked,
             pending_decisions,
             blocks,
+            listener: self.event_listener_stats(),
         }
     }
 
@@ -711,7 +845,23 @@ impl RouterService {
                 state: w.state_at(now),
                 source: w.source,
                 events: w.event_stats(),
-                kv_events: w.kv_events().map(|k| k.endpoint.clone()),
+                event_ranks: {
+                    let endpoints = w.kv_events().map(|k| k.ranks.clone()).unwrap_or_default();
+                    w.rank_stats()
+                        .into_iter()
+                        .map(|(rank, stats)| RankEvents {
+                            rank,
+                            endpoint: endpoints
+                                .iter()
+                                .find(|r| r.rank == rank)
+                                .and_then(|r| r.endpoint.clone()),
+                            stats,
+                        })
+                        .collect()
+                },
+                kv_events: w
+                    .kv_events()
+                    .map(|k| k.shown(self.config.kv_events_listen.as_deref())),
                 kv_events_from: w.kv_events_from(),
                 warnings: {
                     let d = w.discovery.lock();

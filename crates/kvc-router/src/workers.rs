@@ -112,8 +112,9 @@ pub(crate) struct WorkerEntry {
     /// What the engine's `/metrics` says is wrong with it for the router (prefix caching
     /// off), logged when it first appears.
     pub(crate) engine_warning: Mutex<Option<String>>,
-    /// The counters of the running event subscriber (set once it starts).
-    pub(crate) event_stats: OnceLock<Arc<kvc_events::WorkerStats>>,
+    /// The counters of the running event streams, one per data-parallel rank (set once they
+    /// start).
+    pub(crate) event_stats: OnceLock<Vec<(u32, Arc<kvc_events::WorkerStats>)>>,
     /// Whether the engine's answers report cached prompt tokens: 0 not known yet, 1 they do,
     /// 2 they do not ([`crate::RouterService::note_cache_accounting`]).
     pub(crate) cache_accounting: std::sync::atomic::AtomicU8,
@@ -145,14 +146,63 @@ pub(crate) struct DiscoveryState {
     pub(crate) models: Vec<String>,
 }
 
-/// Where a stock engine publishes its KV-cache events.
+/// Where a stock engine publishes its KV-cache events: one stream per data-parallel rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct KvEventsSource {
-    pub(crate) endpoint: String,
-    pub(crate) replay: Option<String>,
+    /// Every rank read, lowest first (at least one).
+    pub(crate) ranks: Vec<RankSource>,
     pub(crate) topic: String,
     /// Configured block size (else the one `/metrics` reports).
     pub(crate) block_size: Option<u32>,
+}
+
+/// One data-parallel rank's event stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RankSource {
+    pub(crate) rank: u32,
+    /// The PUB endpoint to connect to; `None`: the rank connects to the router's
+    /// `kv-events-listen` socket.
+    pub(crate) endpoint: Option<String>,
+    pub(crate) replay: Option<String>,
+}
+
+impl KvEventsSource {
+    /// The source `cfg` configures: `kv-events` (every rank at its port offset), or for a
+    /// worker that listens (`listening`: the router binds `kv-events-listen`) its ranks read
+    /// there; `None` otherwise.
+    pub(crate) fn configured(cfg: &WorkerConfig, listening: bool) -> Option<Self> {
+        if cfg.kv_events.is_none() && !cfg.listens_for_events(listening) {
+            return None;
+        }
+        let at = |ep: &Option<String>, rank: u32| {
+            ep.as_deref()
+                .and_then(|e| WorkerConfig::rank_endpoint(e, rank))
+        };
+        Some(KvEventsSource {
+            ranks: (0..cfg.kv_events_ranks.unwrap_or(1).max(1))
+                .map(|rank| RankSource {
+                    rank,
+                    endpoint: at(&cfg.kv_events, rank),
+                    replay: at(&cfg.kv_events_replay, rank),
+                })
+                .collect(),
+            topic: cfg.kv_events_topic.clone().unwrap_or_default(),
+            block_size: cfg.block_size,
+        })
+    }
+
+    /// Where rank 0's events are read: its endpoint, or `listen` for the router's socket.
+    pub(crate) fn shown(&self, listen: Option<&str>) -> String {
+        match self.ranks.first().and_then(|r| r.endpoint.as_deref()) {
+            Some(e) => e.to_owned(),
+            None => listen.unwrap_or("").to_owned(),
+        }
+    }
+
+    /// Whether rank 0 is read through the router's listen socket.
+    pub(crate) fn listens(&self) -> bool {
+        self.ranks.first().is_some_and(|r| r.endpoint.is_none())
+    }
 }
 
 /// A stock engine's Prometheus endpoint.
@@ -210,13 +260,8 @@ impl WorkerEntry {
             http_down: std::sync::atomic::AtomicBool::new(false),
             drained: std::sync::atomic::AtomicBool::new(cfg.drained),
             scraped,
-            kv_events: match &cfg.kv_events {
-                Some(endpoint) => OnceLock::from(KvEventsSource {
-                    endpoint: endpoint.clone(),
-                    replay: cfg.kv_events_replay.clone(),
-                    topic: cfg.kv_events_topic.clone().unwrap_or_default(),
-                    block_size: cfg.block_size,
-                }),
+            kv_events: match KvEventsSource::configured(cfg, router.kv_events_listen.is_some()) {
+                Some(source) => OnceLock::from(source),
                 None => OnceLock::new(),
             },
             discover: cfg
@@ -269,10 +314,12 @@ impl WorkerEntry {
         self.kv_events.get().is_some() || self.discover.is_some()
     }
 
-    /// Where the event source came from: `config`, `engine` (discovered) or `` (none yet).
+    /// Where the event source came from: `config`, `engine` (discovered), `listen` (the
+    /// engine connects to the router's `kv-events-listen` socket) or `` (none yet).
     pub(crate) fn kv_events_from(&self) -> &'static str {
         match (self.kv_events.get(), &self.discover) {
             (None, _) => "",
+            (Some(s), _) if s.listens() => "listen",
             (Some(_), Some(_)) => "engine",
             (Some(_), None) => "config",
         }
@@ -680,9 +727,18 @@ impl WorkerEntry {
         }
     }
 
-    /// The event subscriber's counters, once it runs.
+    /// The event streams' counters over every rank ([`kvc_events::StatsSnapshot::merged`]),
+    /// once they run.
     pub(crate) fn event_stats(&self) -> Option<kvc_events::StatsSnapshot> {
-        self.event_stats.get().map(|s| s.snapshot())
+        kvc_events::StatsSnapshot::merged(self.rank_stats().into_iter().map(|(_, s)| s))
+    }
+
+    /// Each rank's stream counters, lowest rank first (empty before they run).
+    pub(crate) fn rank_stats(&self) -> Vec<(u32, kvc_events::StatsSnapshot)> {
+        self.event_stats
+            .get()
+            .map(|v| v.iter().map(|(r, s)| (*r, s.snapshot())).collect())
+            .unwrap_or_default()
     }
 
     /// Whether the state comes from the engine's `/metrics`.

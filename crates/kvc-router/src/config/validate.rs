@@ -179,6 +179,11 @@ impl WorkerConfig {
     /// `http://host:port[/prefix]`, `bootstrap-port` only with `http-url`, `append-prefill =
     /// false` only on a decode worker.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_in(false)
+    }
+
+    /// [`WorkerConfig::validate`] in a router that binds `kv-events-listen` (`listening`).
+    pub(crate) fn validate_in(&self, listening: bool) -> Result<(), ConfigError> {
         let id = self.id;
         let invalid = |m: String| Err(ConfigError::Invalid(m));
         if id as usize >= MAX_WORKERS {
@@ -211,7 +216,7 @@ impl WorkerConfig {
                 ));
             }
         }
-        self.validate_kv_events()?;
+        self.validate_kv_events(listening)?;
         if self.capacity_tokens == 0 && !self.pool_from_engine() {
             return invalid(format!(
                 "worker {id} capacity-tokens must be positive (it may be left out only for an \
@@ -258,9 +263,11 @@ impl WorkerConfig {
     }
 
     /// The `kv-events*` and `block-size` keys: endpoints `tcp://host:port`, the replay
-    /// endpoint and topic only with `kv-events`, which needs `engine`, a source of load
-    /// (`metrics-url` or a snapshot) and a block size (set, or read from vLLM's `/metrics`).
-    fn validate_kv_events(&self) -> Result<(), ConfigError> {
+    /// endpoint, topic and ranks only with `kv-events` or on a worker that listens
+    /// (`listening`: the router binds `kv-events-listen`), which needs `engine`, a source of
+    /// load (`metrics-url` or a snapshot) and a block size (set, or read from vLLM's
+    /// `/metrics`); several ranks only over tcp, their ports within 65535.
+    fn validate_kv_events(&self, listening: bool) -> Result<(), ConfigError> {
         let id = self.id;
         let invalid = |m: String| Err(ConfigError::Invalid(m));
         for (key, value) in [
@@ -278,28 +285,66 @@ impl WorkerConfig {
         if self.block_size == Some(0) {
             return invalid(format!("worker {id} block-size must be positive"));
         }
-        if self.kv_events.is_none() {
-            if self.kv_events_replay.is_some() || self.kv_events_topic.is_some() {
+        let ranks = self.kv_events_ranks.unwrap_or(1);
+        if ranks == 0 {
+            return invalid(format!(
+                "worker {id} kv-events-ranks must be positive (the engine's data-parallel ranks)"
+            ));
+        }
+        let listens = self.listens_for_events(listening);
+        let what = if self.kv_events.is_some() {
+            "`kv-events`"
+        } else if listens {
+            "a worker that listens (the router's kv-events-listen, no kv-events)"
+        } else {
+            if self.kv_events_replay.is_some()
+                || self.kv_events_topic.is_some()
+                || self.kv_events_ranks.is_some()
+            {
+                let why = if self.discovers_events() {
+                    " (this worker reads its event sources, every rank's, from the engine)"
+                } else if listening {
+                    " (a worker listens only with `engine`)"
+                } else {
+                    ""
+                };
                 return invalid(format!(
-                    "worker {id}: `kv-events-replay` and `kv-events-topic` need `kv-events`"
+                    "worker {id}: `kv-events-replay`, `kv-events-topic` and `kv-events-ranks` \
+                     need `kv-events`, or the router's `kv-events-listen`{why}"
                 ));
             }
             return Ok(());
+        };
+        for (key, value) in [
+            ("kv-events", &self.kv_events),
+            ("kv-events-replay", &self.kv_events_replay),
+        ] {
+            if let Some(v) = value
+                && ranks > 1
+                && WorkerConfig::rank_endpoint(v, ranks - 1).is_none()
+            {
+                return invalid(format!(
+                    "worker {id} {key} `{v}` with kv-events-ranks = {ranks}: each rank's port is \
+                     the endpoint's plus its rank, so it must be tcp://host:port with a port \
+                     below {}",
+                    65_536 - ranks
+                ));
+            }
         }
         let Some(engine) = self.engine else {
             return invalid(format!(
-                "worker {id}: `kv-events` needs `engine` (`vllm` or `sglang`)"
+                "worker {id}: {what} needs `engine` (`vllm` or `sglang`)"
             ));
         };
         if self.metrics_url.is_none() && self.snapshot.is_none() {
             return invalid(format!(
-                "worker {id}: `kv-events` needs `metrics-url` (or a snapshot) for the worker's load"
+                "worker {id}: {what} needs `metrics-url` (or a snapshot) for the worker's load"
             ));
         }
         if self.block_size.is_none() && (engine == EngineKind::Sglang || self.metrics_url.is_none())
         {
             return invalid(format!(
-                "worker {id}: `kv-events` needs `block-size` (only vLLM's /metrics reports it)"
+                "worker {id}: {what} needs `block-size` (only vLLM's /metrics reports it)"
             ));
         }
         Ok(())
@@ -362,10 +407,54 @@ impl RouterConfig {
                     w.id
                 )));
             }
-            w.validate()?;
+            w.validate_in(self.kv_events_listen.is_some())?;
         }
+        self.validate_kv_events_listen()?;
         self.validate_unique_addresses()?;
         self.validate_topology()
+    }
+
+    /// `kv-events-listen`: `tcp://host:port` (host `*` for every interface); port 0 only when
+    /// no listening worker has several ranks (theirs follow the first port).
+    fn validate_kv_events_listen(&self) -> Result<(), ConfigError> {
+        let Some(ep) = &self.kv_events_listen else {
+            return Ok(());
+        };
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        let Some(port) = ep
+            .strip_prefix("tcp://")
+            .and_then(|r| r.rsplit_once(':'))
+            .filter(|(h, _)| !h.is_empty())
+            .and_then(|(_, p)| p.parse::<u16>().ok())
+        else {
+            return invalid(format!(
+                "kv-events-listen `{ep}` is not tcp://host:port (tcp://*:5557 binds every \
+                 interface)"
+            ));
+        };
+        let ranks = self.event_listen_ranks();
+        if ranks > 1 && (port == 0 || u32::from(port) + ranks - 1 > u32::from(u16::MAX)) {
+            return invalid(format!(
+                "kv-events-listen `{ep}`: a listening worker has kv-events-ranks = {ranks}, so \
+                 the router binds the port and the {} after it: give a fixed port below {}",
+                ranks - 1,
+                65_536 - ranks
+            ));
+        }
+        Ok(())
+    }
+
+    /// The ports `kv-events-listen` binds: the most `kv-events-ranks` of a listening worker
+    /// (at least 1).
+    pub fn event_listen_ranks(&self) -> u32 {
+        let listening = self.kv_events_listen.is_some();
+        self.workers
+            .iter()
+            .filter(|w| w.listens_for_events(listening))
+            .map(|w| w.kv_events_ranks.unwrap_or(1))
+            .max()
+            .unwrap_or(1)
+            .max(1)
     }
 
     /// No two workers share a name, a service `address`, a `snapshot` file, an `http-url`, a

@@ -333,6 +333,16 @@ impl<'a> Attempt<'a> {
                 .worker_call(decision.decode, Leg::Decode, request.api.path());
         let mut headers = request.worker_headers(app);
         decode_call.apply(&mut headers);
+        // A direct-to-D turn on a data-parallel engine goes to the rank holding the session.
+        if decision.mode == ExecutionMode::DirectToD
+            && let Some(h) = super::direct::rank_header(
+                &app.service,
+                decision.decode,
+                request.session_key.as_deref(),
+            )
+        {
+            headers.push(h);
+        }
         Attempt {
             app,
             request,

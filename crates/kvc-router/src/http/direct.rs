@@ -2,7 +2,25 @@
 //! that its engine appends the turn to the session it holds.
 
 use super::request::Api;
+use axum::http::{HeaderName, HeaderValue};
+use kvc_core::{SessionId, WorkerId};
 use serde_json::{Map, Value, json};
+
+/// The header vLLM's OpenAI server reads to serve a request on one data-parallel rank
+/// (`X-data-parallel-rank`, an integer; the engine's own balancing picks a rank without it).
+pub(crate) const DP_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+
+/// The rank header of a direct-to-D turn of `session_key` on `decode`: the rank whose
+/// KV-cache events hold the session, when the worker's events come as several ranks and
+/// one holds it; `None` otherwise (the engine then picks the rank).
+pub(crate) fn rank_header(
+    service: &crate::RouterService,
+    decode: WorkerId,
+    session_key: Option<&str>,
+) -> Option<(HeaderName, HeaderValue)> {
+    let rank = service.resident_rank(decode, SessionId::from_key(session_key?))?;
+    Some((DP_RANK, HeaderValue::from(rank)))
+}
 
 /// Adds the session's continuation parameters to a direct-to-D body: SGLang's `/generate`
 /// gets `session_params.id` = the session key, unless the client sent `session_params`

@@ -272,7 +272,11 @@
 //!   refusal, so admission is the router's own, from D's state before the decision leaves
 //!   [`RouterService::route_excluding`]: the engine events' eviction check (a D whose events
 //!   hold none of the session is not planned direct) and the probe of D's state (room for
-//!   the turn), as for every direct-to-D decision.
+//!   the turn), as for every direct-to-D decision. On a D whose events come as several
+//!   data-parallel ranks, the request carries `X-data-parallel-rank: <r>` with the rank
+//!   whose events hold the most of the session (vLLM's OpenAI server serves the request on
+//!   that rank); when no rank holds any, or D has one rank, no such header is sent and the
+//!   engine picks the rank.
 //! - *Honest cache accounting*: a direct-to-D answer is judged by the prompt tokens D says
 //!   it served from its cache, `usage.prompt_tokens_details.cached_tokens` (a whole answer's,
 //!   or a stream's final usage chunk). Fewer than half of the tokens the decision counted on

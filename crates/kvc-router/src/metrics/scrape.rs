@@ -22,8 +22,10 @@ pub struct WorkerSample {
     pub role: WorkerRole,
     /// Its last known state (health included), as the router judges it at scrape time.
     pub state: WorkerState,
-    /// Its KV-event subscriber's counters, when one runs.
+    /// Its KV-event streams' counters over every data-parallel rank, when they run.
     pub events: Option<kvc_events::StatsSnapshot>,
+    /// Each rank's stream counters, lowest rank first (empty before they run).
+    pub ranks: Vec<(u32, kvc_events::StatsSnapshot)>,
     /// Whether its engine's answers report the prompt tokens served from its cache
     /// (`None` until an answer has said either way).
     pub cache_accounting: Option<bool>,
@@ -48,6 +50,8 @@ pub struct Gauges {
     pub pending_decisions: usize,
     /// The policy state's block view and what its bounds removed so far.
     pub blocks: BlockSizes,
+    /// What the `kv-events-listen` socket could not hand to a worker, when it is bound.
+    pub listener: Option<kvc_events::ListenerStats>,
 }
 
 /// The policy state's block view and its drop counters, for the metrics.
@@ -173,6 +177,10 @@ pub(super) fn registry(metrics: &Metrics, gauges: &Gauges) -> Registry {
 
     worker_gauges(&mut r, &gauges.workers);
     event_gauges(&mut r, &gauges.workers);
+    rank_gauges(&mut r, &gauges.workers);
+    if let Some(l) = &gauges.listener {
+        listener_gauges(&mut r, l);
+    }
     let accounting = Family::<WorkerLabels, Gauge>::default();
     for w in &gauges.workers {
         if let Some(reported) = w.cache_accounting {
@@ -196,6 +204,73 @@ struct EventLabels {
     worker: u32,
     name: String,
     kind: &'static str,
+}
+
+/// The labels of one data-parallel rank's KV-event counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RankLabels {
+    worker: u32,
+    name: String,
+    rank: u32,
+    kind: &'static str,
+}
+
+/// The labels of the listen socket's counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+/// Each data-parallel rank's stream: blocks indexed under it, its own last sequence number,
+/// whether it caught up, its gaps and resets.
+fn rank_gauges(r: &mut Registry, workers: &[WorkerSample]) {
+    let family = Family::<RankLabels, Gauge>::default();
+    for w in workers {
+        for (rank, e) in &w.ranks {
+            for (kind, v) in [
+                ("indexed-blocks", e.indexed_blocks),
+                ("last-seq", e.last_seq.unwrap_or(0)),
+                ("synced", u64::from(e.synced)),
+                ("gaps", e.gaps),
+                ("resets", e.resets),
+                ("other-rank", e.other_rank),
+            ] {
+                family
+                    .get_or_create(&RankLabels {
+                        worker: w.id.0,
+                        name: w.name.clone(),
+                        rank: *rank,
+                        kind,
+                    })
+                    .set(count(v));
+            }
+        }
+    }
+    r.register(
+        "kvc_router_worker_kv_events_rank",
+        "KV-cache event stream of each data-parallel rank of each engine-backed worker (one rank for an engine without data parallelism): blocks indexed under the rank, its last sequence number applied, whether it caught up, and since start its gaps, index resets and batches naming another rank, by kind",
+        family,
+    );
+}
+
+/// The `kv-events-listen` socket: messages received, and those not handed to a worker, by
+/// why.
+fn listener_gauges(r: &mut Registry, l: &kvc_events::ListenerStats) {
+    let family = Family::<KindLabel, Gauge>::default();
+    for (kind, v) in [
+        ("received", l.received),
+        ("unknown-topic", l.unknown_topic),
+        ("not-started", l.not_started),
+        ("overflow", l.overflow),
+        ("malformed", l.malformed),
+    ] {
+        family.get_or_create(&KindLabel { kind }).set(count(v));
+    }
+    r.register(
+        "kvc_router_kv_events_listen",
+        "Messages the kv-events-listen socket received from engines that connect to the router, and those it could not hand to a worker: a topic naming no listening worker (never indexed), a worker whose stream had not started, a full stream queue, malformed frames; by kind",
+        family,
+    );
 }
 
 /// The labels of a worker's event source.
@@ -393,6 +468,7 @@ mod tests {
             role: WorkerRole::Decode,
             state,
             events: None,
+            ranks: Vec::new(),
         }
     }
 
@@ -413,6 +489,7 @@ mod tests {
                 dropped: 5,
                 session_dropped: 7,
             },
+            listener: None,
         };
         let text = Metrics::new().render(&gauges);
         let d1 = "{worker=\"1\",name=\"d1\",role=\"decode\"}";

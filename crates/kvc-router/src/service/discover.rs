@@ -26,8 +26,16 @@ impl RouterService {
             .get(url, "/kv_event_sources", timeout)
             .await;
         let found = match answer {
-            Ok(a) if a.status == 200 => crate::discovery::parse_event_sources(&a.body, &url.host)
-                .map_err(|e| (e.to_string(), false)),
+            Ok(a) if a.status == 200 => crate::discovery::parse_event_sources(
+                &a.body,
+                &url.host,
+                self.config.kv_events_listen.is_some(),
+            )
+            .map(|mut d| {
+                self.keep_listened_ranks(&mut d);
+                d
+            })
+            .map_err(|e| (e.to_string(), false)),
             Ok(a) if a.status == 404 => Err((
                 "GET /kv_event_sources answered 404: the engine is not vLLM 0.32 or later; set \
                  kv-events (and kv-events-replay, kv-events-topic) in its [[workers]] entry"
@@ -68,14 +76,17 @@ impl RouterService {
                 match d.source {
                     Some(mut source) => {
                         source.block_size = self.config.worker(worker).and_then(|c| c.block_size);
-                        tracing::info!(
-                            worker = worker.0,
-                            name = %entry.name,
-                            endpoint = %source.endpoint,
-                            replay = source.replay.as_deref().unwrap_or("none"),
-                            topic = %source.topic,
-                            "kv-events: source read from the engine"
-                        );
+                        for r in &source.ranks {
+                            tracing::info!(
+                                worker = worker.0,
+                                name = %entry.name,
+                                rank = r.rank,
+                                endpoint = r.endpoint.as_deref().unwrap_or("kv-events-listen"),
+                                replay = r.replay.as_deref().unwrap_or("none"),
+                                topic = %source.topic,
+                                "kv-events: source read from the engine"
+                            );
+                        }
                         entry.set_discovered(source);
                         None
                     }
@@ -95,6 +106,33 @@ impl RouterService {
                 };
                 Some(st.wait)
             }
+        }
+    }
+
+    /// Leaves out of a discovered source the ranks that connect to a `kv-events-listen`
+    /// port the router does not bind (rank `r` connects to the port plus `r`), each with a
+    /// warning naming the key that fixes it.
+    fn keep_listened_ranks(&self, d: &mut crate::discovery::Discovered) {
+        let bound = self.config.event_listen_ranks();
+        let Some(source) = d.source.as_mut() else {
+            return;
+        };
+        source.ranks.retain(|r| {
+            let kept = r.endpoint.is_some() || r.rank < bound;
+            if !kept {
+                d.warnings.push(format!(
+                    "rank {} connects to the router's kv-events-listen port plus {}, which the \
+                     router does not bind (it binds {bound} port(s)): give a listening worker \
+                     kv-events-ranks = {} so that the router binds them",
+                    r.rank,
+                    r.rank,
+                    r.rank + 1
+                ));
+            }
+            kept
+        });
+        if source.ranks.is_empty() {
+            d.source = None;
         }
     }
 
