@@ -297,6 +297,37 @@ impl RouterState {
         }
     }
 
+    /// Forgets what the state believes `worker` holds, for a worker taken out of the fleet:
+    /// every session placed or resident there counts as evicted from it (its next turn is
+    /// re-seeded elsewhere, as after an eviction), and its blocks leave both views of the
+    /// block index. Its block bound is kept, so a worker added later under the same id starts
+    /// empty with the same bound. Returns the sessions that were resident on it.
+    pub fn forget_worker(&mut self, worker: WorkerId) -> usize {
+        let mut resident = 0;
+        for route in self.sessions.values_mut() {
+            let placed = route.current_d == Some(worker);
+            if placed || route.live_on == Some(worker) {
+                let before = route.activity_key();
+                if placed && route.residency == Residency::Resident {
+                    resident += 1;
+                    route.residency = Residency::Evicted;
+                    route.resident_tokens = 0;
+                }
+                if route.live_on == Some(worker) {
+                    Self::drop_live(&mut self.index, route);
+                }
+                self.activity.update(before, route.activity_key());
+            }
+        }
+        let slot = worker.0 as usize;
+        if slot < MAX_WORKERS {
+            let bound = self.index.bound(slot);
+            self.index.set_bound(slot, 0);
+            self.index.set_bound(slot, bound);
+        }
+        resident
+    }
+
     /// Every session with routing state, in no particular order.
     pub fn sessions(&self) -> impl Iterator<Item = (SessionId, &SessionRoute)> + '_ {
         self.sessions.iter().map(|(id, r)| (*id, r))

@@ -784,6 +784,18 @@ impl WorkerUrl {
     }
 }
 
+impl WorkerConfig {
+    /// Parses one `[[workers]]` entry written as TOML (its keys, without the table's
+    /// header), with the keys read from its engine's URLs filled in as in a file; checked
+    /// with the rest of the fleet when it is added ([`crate::RouterService::add_worker`]).
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        let mut w: WorkerConfig =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        w.fill_from_engine_urls();
+        Ok(w)
+    }
+}
+
 impl RouterConfig {
     /// Parses and validates a TOML document.
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {

@@ -388,17 +388,46 @@ impl pb::router_server::Router for RouterGrpc {
         request: Request<pb::DrainWorkerRequest>,
     ) -> Result<Response<pb::DrainWorkerReply>, Status> {
         reached(&request);
-        if self.service.config().auth.grpc.is_none() {
-            return Err(Status::permission_denied(
-                "DrainWorker needs a bearer token on the gRPC listener ([auth.grpc]): on an \
-                 open listener any client could take workers out of rotation",
-            ));
-        }
+        control_plane(&self.service, "DrainWorker")?;
         let req = request.into_inner();
         match self.service.set_drained(WorkerId(req.worker), req.drain) {
             Some(was_drained) => Ok(Response::new(pb::DrainWorkerReply { was_drained })),
             None => Err(Status::not_found(format!("no worker {}", req.worker))),
         }
+    }
+
+    async fn add_worker(
+        &self,
+        request: Request<pb::AddWorkerRequest>,
+    ) -> Result<Response<pb::AddWorkerReply>, Status> {
+        reached(&request);
+        control_plane(&self.service, "AddWorker")?;
+        let req = request.into_inner();
+        let cfg = crate::config::WorkerConfig::from_toml_str(&req.worker_toml).map_err(|e| {
+            Status::invalid_argument(format!("worker_toml is not a [[workers]] entry: {e}"))
+        })?;
+        let worker = cfg.id;
+        self.service
+            .add_worker(cfg)
+            .map_err(|e| Status::new(e.code(), e.to_string()))?;
+        Ok(Response::new(pb::AddWorkerReply { worker }))
+    }
+
+    async fn remove_worker(
+        &self,
+        request: Request<pb::RemoveWorkerRequest>,
+    ) -> Result<Response<pb::RemoveWorkerReply>, Status> {
+        reached(&request);
+        control_plane(&self.service, "RemoveWorker")?;
+        let req = request.into_inner();
+        let removed = self
+            .service
+            .remove_worker(WorkerId(req.worker))
+            .map_err(|e| Status::new(e.code(), e.to_string()))?;
+        Ok(Response::new(pb::RemoveWorkerReply {
+            resident_sessions: removed.resident_sessions as u64,
+            in_flight: removed.in_flight as u64,
+        }))
     }
 
     async fn list_workers(
@@ -423,4 +452,15 @@ impl pb::router_server::Router for RouterGrpc {
         reached(&request);
         Ok(Response::new(pb::PingReply {}))
     }
+}
+
+/// Refuses control-plane call `what` on a gRPC listener without a bearer token.
+fn control_plane(service: &RouterService, what: &str) -> Result<(), Status> {
+    if service.config().auth.grpc.is_none() {
+        return Err(Status::permission_denied(format!(
+            "{what} needs a bearer token on the gRPC listener ([auth.grpc]): on an open \
+             listener any client could change the fleet"
+        )));
+    }
+    Ok(())
 }

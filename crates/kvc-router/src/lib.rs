@@ -160,6 +160,6 @@ pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::RouterGrpc;
 pub use server::{RunningRouter, serve, serve_service, spawn_background};
 pub use service::{
-    DecisionOutcome, KV_EVENTS_CATCH_UP_MS, ListedWorker, ProbeOutcome, RankEvents, Reload,
-    RouterDecision, RouterService, SessionView, SharedClock,
+    DecisionOutcome, FleetChange, KV_EVENTS_CATCH_UP_MS, ListedWorker, ProbeOutcome, RankEvents,
+    Reload, Removed, RouterDecision, RouterService, SessionView, SharedClock,
 };

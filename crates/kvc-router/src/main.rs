@@ -2,7 +2,8 @@
 //!
 //! Reads a TOML configuration (see `crates/kvc-router/examples/router.toml`), applies the
 //! command-line overrides, serves until SIGTERM or SIGINT, then stops gracefully. SIGHUP, or
-//! a change of the file's contents (checked every `--config-poll-ms`), re-reads the file: what a running router can take (each worker's `drained`) is applied,
+//! a change of the file's contents (checked every `--config-poll-ms`), re-reads the file: what
+//! a running router can take (workers added and removed, each worker's `drained`) is applied,
 //! the rest is logged as needing a restart, and a file that does not load changes nothing.
 //! Once both
 //! listeners are bound it prints one line on stdout:
@@ -75,8 +76,8 @@ struct Cli {
     stale_after_ms: Option<u64>,
 
     /// How often the configuration file is checked for a change, in milliseconds (a changed
-    /// file is re-read as on SIGHUP: each worker's `drained` applied, the rest reported as
-    /// needing a restart); 0 checks only on SIGHUP.
+    /// file is re-read as on SIGHUP: workers added and removed, each worker's `drained`
+    /// applied, the rest reported as needing a restart); 0 checks only on SIGHUP.
     #[arg(long, value_name = "MS", default_value_t = 2000)]
     config_poll_ms: u64,
 

@@ -312,32 +312,30 @@ pub fn spawn_background(
             }
         }));
     }
-    let every = Duration::from_millis(service.config().engine_signals.scrape_interval_ms);
     for worker in service.event_workers() {
-        // The source is read from the engine first when not configured; the subscriber
-        // starts once the engine's block size is known (its first scrape).
-        let svc = Arc::clone(service);
-        let stop = stop.clone();
-        tasks.push(tokio::spawn(async move {
-            while let Some(wait) = svc.discover_events(worker).await {
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = tokio::time::sleep(wait) => {}
-                }
-            }
-            let mut tick = ticker(every);
-            while !svc.start_event_subscriber(worker, &stop) && next_tick(&mut tick, &stop).await {}
-        }));
+        tasks.push(spawn_event_task(service, worker, stop));
     }
     for worker in service.scraped_workers() {
-        let svc = Arc::clone(service);
+        tasks.push(spawn_scrape_task(service, worker, stop));
+    }
+    // A worker added while the router runs gets the same tasks (the handles are not kept:
+    // each ends with `stop`, or when its worker leaves the fleet).
+    {
+        let weak = Arc::downgrade(service);
         let stop = stop.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut tick = ticker(every);
-            while next_tick(&mut tick, &stop).await {
-                svc.scrape_worker(worker).await;
+        let runtime = tokio::runtime::Handle::current();
+        service.watch_fleet(move |change| {
+            let (&crate::FleetChange::Added(id), Some(svc)) = (change, weak.upgrade()) else {
+                return;
+            };
+            let _guard = runtime.enter();
+            if svc.event_workers().contains(&id) {
+                drop(spawn_event_task(&svc, id, &stop));
             }
-        }));
+            if svc.scraped_workers().contains(&id) {
+                drop(spawn_scrape_task(&svc, id, &stop));
+            }
+        });
     }
     if service.has_polled_workers() {
         let svc = Arc::clone(service);
@@ -351,6 +349,47 @@ pub fn spawn_background(
         }));
     }
     tasks
+}
+
+/// `worker`'s KV-event task: the source read from the engine first when not configured, then
+/// the subscriber started once the engine's block size is known (its first scrape); until
+/// `stop`, or until the worker leaves the fleet.
+fn spawn_event_task(
+    service: &Arc<RouterService>,
+    worker: kvc_core::WorkerId,
+    stop: &CancellationToken,
+) -> JoinHandle<()> {
+    let svc = Arc::clone(service);
+    let stop = service.worker_task_token(worker, stop);
+    let every = Duration::from_millis(service.config().engine_signals.scrape_interval_ms);
+    tokio::spawn(async move {
+        while let Some(wait) = svc.discover_events(worker).await {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+        let mut tick = ticker(every);
+        while !svc.start_event_subscriber(worker, &stop) && next_tick(&mut tick, &stop).await {}
+    })
+}
+
+/// `worker`'s `/metrics` scraper, every `engine-signals.scrape-interval-ms`, until `stop` or
+/// until the worker leaves the fleet.
+fn spawn_scrape_task(
+    service: &Arc<RouterService>,
+    worker: kvc_core::WorkerId,
+    stop: &CancellationToken,
+) -> JoinHandle<()> {
+    let svc = Arc::clone(service);
+    let stop = service.worker_task_token(worker, stop);
+    let every = Duration::from_millis(service.config().engine_signals.scrape_interval_ms);
+    tokio::spawn(async move {
+        let mut tick = ticker(every);
+        while next_tick(&mut tick, &stop).await {
+            svc.scrape_worker(worker).await;
+        }
+    })
 }
 
 /// An interval for a periodic task: a late tick delays the next ones, none is made up for.

@@ -6,7 +6,7 @@
 //! (outcomes, `CommitEvict`, probes).
 
 mod changes;
-pub use changes::Reload;
+pub use changes::{FleetChange, Reload, Removed};
 mod discover;
 mod feedback;
 mod fleet;
@@ -175,8 +175,15 @@ pub struct SessionView {
 pub struct RouterService {
     config: RouterConfig,
     clock: SharedClock,
-    workers: Vec<WorkerEntry>,
-    slots: Vec<Option<usize>>,
+    /// The fleet now: replaced whole when a worker is added or removed
+    /// ([`RouterService::add_worker`], [`RouterService::remove_worker`]), so a reader holds
+    /// one consistent table for as long as it needs.
+    workers: RwLock<Arc<Workers>>,
+    /// Serialises the fleet's changes (each one reads the table, then replaces it).
+    changing: Mutex<()>,
+    /// Told of every worker added or removed (the HTTP front's endpoints, the background
+    /// tasks of a worker).
+    fleet_watchers: RwLock<Vec<changes::FleetWatcher>>,
     core: Mutex<Core>,
     local_commit: RwLock<HashMap<WorkerId, CommitSender>>,
     next_decision: AtomicU64,
@@ -192,6 +199,42 @@ pub struct RouterService {
     /// The `kv-events-listen` socket engines connect to, once bound
     /// ([`RouterService::bind_event_listener`]).
     kv_listener: std::sync::OnceLock<kvc_events::Listener>,
+}
+
+/// The workers of the fleet, in the order they were configured or added, and where each id's
+/// entry is.
+#[derive(Debug, Default)]
+pub(crate) struct Workers {
+    pub(crate) list: Vec<Arc<WorkerEntry>>,
+    /// Each worker's entry in the configuration, in the order of `list`.
+    pub(crate) configs: Vec<crate::config::WorkerConfig>,
+    /// Index into `list` by worker id (`MAX_WORKERS` long).
+    slots: Vec<Option<u32>>,
+}
+
+impl Workers {
+    fn new(list: Vec<Arc<WorkerEntry>>, configs: Vec<crate::config::WorkerConfig>) -> Self {
+        let mut slots = vec![None; MAX_WORKERS];
+        for (i, w) in list.iter().enumerate() {
+            slots[w.id.0 as usize] = Some(i as u32);
+        }
+        Workers {
+            list,
+            configs,
+            slots,
+        }
+    }
+
+    /// Worker `id`'s entry in the configuration.
+    pub(crate) fn config(&self, id: u32) -> Option<&crate::config::WorkerConfig> {
+        let i = (*self.slots.get(id as usize)?)?;
+        self.configs.get(i as usize)
+    }
+
+    fn get(&self, id: u32) -> Option<&Arc<WorkerEntry>> {
+        let i = (*self.slots.get(id as usize)?)?;
+        self.list.get(i as usize)
+    }
 }
 
 /// How long after start readiness waits for each worker's KV-cache events to catch up (the
@@ -211,7 +254,7 @@ impl std::fmt::Debug for RouterService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RouterService")
             .field("policy", &self.config.policy.name())
-            .field("workers", &self.workers)
+            .field("workers", &self.workers().list)
             .finish_non_exhaustive()
     }
 }
@@ -227,21 +270,18 @@ impl RouterService {
     pub fn with_clock(config: RouterConfig, clock: SharedClock) -> Result<Self, ConfigError> {
         config.validate()?;
         let health_epoch = Arc::new(AtomicU64::new(0));
-        let workers: Vec<WorkerEntry> = config
+        let workers: Vec<Arc<WorkerEntry>> = config
             .workers
             .iter()
             .map(|w| {
                 let mut entry = WorkerEntry::new(w, &config);
                 entry.share_health_epoch(&health_epoch);
-                entry
+                Arc::new(entry)
             })
             .collect();
         let fleet = fleet::FleetCache::new(&workers);
-        let mut slots = vec![None; MAX_WORKERS];
-        for (i, w) in workers.iter().enumerate() {
-            slots[w.id.0 as usize] = Some(i);
-        }
         let views: Vec<WorkerView> = workers.iter().map(|w| w.view_at(0)).collect();
+        let workers = Workers::new(workers, config.workers.clone());
         let bounds = config.limits.state_bounds(config.max_pending_decisions);
         let mut state = RouterState::with_bounds(&config.policy, &views, bounds);
         state.reserve_sessions(config.sessions.max_sessions);
@@ -265,8 +305,9 @@ impl RouterService {
             }),
             config,
             clock,
-            workers,
-            slots,
+            workers: RwLock::new(Arc::new(workers)),
+            changing: Mutex::new(()),
+            fleet_watchers: RwLock::new(Vec::new()),
             local_commit: RwLock::new(HashMap::new()),
             next_decision: AtomicU64::new(1),
             metrics: Metrics::new(),
@@ -301,15 +342,16 @@ impl RouterService {
         self.local_commit.write().insert(worker, sender);
     }
 
-    fn entry(&self, id: u32) -> Option<&WorkerEntry> {
-        self.slots
-            .get(id as usize)
-            .copied()
-            .flatten()
-            .map(|i| &self.workers[i])
+    /// The fleet as it is now (a worker added or removed after this call is not in it).
+    pub(crate) fn workers(&self) -> Arc<Workers> {
+        Arc::clone(&self.workers.read())
     }
 
-    fn entry_or_invalid(&self, id: u32) -> Result<&WorkerEntry, RequestError> {
+    fn entry(&self, id: u32) -> Option<Arc<WorkerEntry>> {
+        self.workers.read().get(id).cloned()
+    }
+
+    fn entry_or_invalid(&self, id: u32) -> Result<Arc<WorkerEntry>, RequestError> {
         self.entry(id)
             .ok_or_else(|| RequestError::InvalidArgument(format!("unknown worker {id}")))
     }
@@ -318,7 +360,7 @@ impl RouterService {
     /// `refresh-interval-ms`).
     pub fn refresh_workers(&self) {
         let now = self.now_ms();
-        for w in &self.workers {
+        for w in self.workers().list.iter() {
             w.refresh_snapshot(now);
         }
     }
@@ -328,7 +370,7 @@ impl RouterService {
     /// `poll-interval-ms`).
     pub async fn poll_workers(&self) {
         let clock = &self.clock;
-        for w in &self.workers {
+        for w in self.workers().list.iter() {
             if w.source == StateSource::Service && w.has_service() {
                 w.poll(|| clock.now_ms()).await;
             }
@@ -366,8 +408,9 @@ impl RouterService {
             return None;
         }
         // A worker whose engine answered it has no usable events is not waited for.
-        let behind: Vec<&str> = self
-            .workers
+        let workers = self.workers();
+        let behind: Vec<&str> = workers
+            .list
             .iter()
             .filter(|w| {
                 w.kv_events().is_some() || (w.discover.is_some() && !w.discovery.lock().answered)
@@ -407,7 +450,8 @@ impl RouterService {
 
     /// The workers with a `kv-events` endpoint, or one to read from the engine.
     pub fn event_workers(&self) -> Vec<WorkerId> {
-        self.workers
+        self.workers()
+            .list
             .iter()
             .filter(|w| w.has_event_source())
             .map(|w| w.id)
@@ -432,7 +476,7 @@ impl RouterService {
         let listener = kvc_events::Listener::bind(cfg, stop.child_token())
             .await
             .map_err(|e| crate::error::ServeError::EventListener(e.to_string()))?;
-        for w in &self.workers {
+        for w in self.workers().list.iter() {
             if let Some(source) = w.kv_events().filter(|s| s.listens()) {
                 listener.expect(w.id, &w.name, Some(source.topic.as_str()));
             }
@@ -616,7 +660,8 @@ impl RouterService {
 
     /// The workers whose state is scraped from their engine's `/metrics`.
     pub fn scraped_workers(&self) -> Vec<WorkerId> {
-        self.workers
+        self.workers()
+            .list
             .iter()
             .filter(|w| w.is_scraped())
             .map(|w| w.id)
@@ -625,7 +670,8 @@ impl RouterService {
 
     /// Whether any worker is polled through its service.
     pub fn has_polled_workers(&self) -> bool {
-        self.workers
+        self.workers()
+            .list
             .iter()
             .any(|w| w.source == StateSource::Service && w.has_service())
     }
@@ -641,7 +687,7 @@ impl RouterService {
     /// Every worker as a policy sees it now.
     pub fn worker_views(&self) -> Vec<WorkerView> {
         let now = self.now_ms();
-        self.workers.iter().map(|w| w.view_at(now)).collect()
+        self.workers().list.iter().map(|w| w.view_at(now)).collect()
     }
 
     /// Takes `worker` out of rotation (`down`), or returns it to what its state says: while
@@ -792,7 +838,8 @@ impl RouterService {
         let models = self.model_warnings();
         Gauges {
             workers: self
-                .workers
+                .workers()
+                .list
                 .iter()
                 .zip(models)
                 .map(|(w, model)| WorkerSample {
@@ -835,7 +882,8 @@ impl RouterService {
     pub fn list_workers(&self) -> Vec<ListedWorker> {
         let now = self.now_ms();
         let models = self.model_warnings();
-        self.workers
+        self.workers()
+            .list
             .iter()
             .zip(models)
             .map(|(w, model)| ListedWorker {

@@ -99,6 +99,11 @@ pub(crate) struct WorkerEntry {
     /// Drained by the operator (`drained` in its entry, or `DrainWorker`): out of rotation
     /// like a down worker, the requests it runs left to finish.
     pub(crate) drained: std::sync::atomic::AtomicBool,
+    /// Stops the worker's own background tasks (discovery, scrapes, event streams) when it
+    /// leaves the fleet: each task's token, cancelled by [`WorkerEntry::stop_tasks`].
+    tasks: Mutex<Vec<tokio_util::sync::CancellationToken>>,
+    /// Set once it left the fleet.
+    removed: std::sync::atomic::AtomicBool,
     /// The engine's `/metrics`, when the state comes from it.
     scraped: Option<Scraped>,
     /// The engine's KV-cache events, when the router indexes them: configured, or set once
@@ -259,6 +264,8 @@ impl WorkerEntry {
             health_epoch: Arc::default(),
             http_down: std::sync::atomic::AtomicBool::new(false),
             drained: std::sync::atomic::AtomicBool::new(cfg.drained),
+            tasks: Mutex::new(Vec::new()),
+            removed: std::sync::atomic::AtomicBool::new(false),
             scraped,
             kv_events: match KvEventsSource::configured(cfg, router.kv_events_listen.is_some()) {
                 Some(source) => OnceLock::from(source),
@@ -392,6 +399,38 @@ impl WorkerEntry {
     /// Shares the counter of health changes the router's workers add to.
     pub(crate) fn share_health_epoch(&mut self, epoch: &Arc<std::sync::atomic::AtomicU64>) {
         self.health_epoch = Arc::clone(epoch);
+    }
+
+    /// A token for one of the worker's background tasks: a child of `stop`, cancelled as well
+    /// when the worker leaves the fleet ([`WorkerEntry::stop_tasks`]; at once if it already
+    /// left).
+    pub(crate) fn task_token(
+        &self,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> tokio_util::sync::CancellationToken {
+        let token = stop.child_token();
+        let mut tasks = self.tasks.lock();
+        if self.removed() {
+            token.cancel();
+        }
+        tasks.retain(|t| !t.is_cancelled());
+        tasks.push(token.clone());
+        token
+    }
+
+    /// Stops the worker's background tasks for good: it left the fleet.
+    pub(crate) fn stop_tasks(&self) {
+        let mut tasks = self.tasks.lock();
+        self.removed
+            .store(true, std::sync::atomic::Ordering::Release);
+        for t in tasks.drain(..) {
+            t.cancel();
+        }
+    }
+
+    /// Whether the worker left the fleet ([`WorkerEntry::stop_tasks`]).
+    pub(crate) fn removed(&self) -> bool {
+        self.removed.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Drains the worker (or ends the drain); a change counts as a change of health. Returns

@@ -180,17 +180,26 @@ async fn a_reread_configuration_drains_and_names_what_needs_a_restart() {
     next.workers.push(added);
     next.sessions.ttl_ms += 1;
     let report = service.reload(&next);
-    assert_eq!(report.applied, ["worker 1 (`d1`) drained"]);
+    assert_eq!(
+        report.applied,
+        [
+            "worker 2 (`d2`) removed (0 resident session(s) move at their next turn, 0 \
+             request(s) in flight run on)",
+            "worker 1 (`d1`) drained",
+            "worker 3 (`d3`) added",
+        ]
+    );
     assert_eq!(
         report.needs_restart,
         [
-            "worker 0 (`p0`): capacity-tokens, http-url changed: needs a restart",
-            "worker 3 (`d3`) added: adding a worker needs a restart",
-            "worker 2 (`d2`) removed: removing a worker needs a restart (set drained = true \
-             meanwhile)",
+            "worker 0 (`p0`): capacity-tokens, http-url changed: needs a restart, or removing \
+             the worker and adding it back",
             "settings other than the workers changed: they need a restart",
         ]
     );
+    let listed: Vec<u32> = service.list_workers().iter().map(|w| w.id.0).collect();
+    assert_eq!(listed, [0, 1, 3]);
+    assert_eq!(service.set_drained(kvc_core::WorkerId(2), true), None);
     assert!(service.is_drained(kvc_core::WorkerId(1)));
     // The same file again changes nothing; undraining is applied.
     assert!(service.reload(&next).applied.is_empty());
@@ -200,4 +209,151 @@ async fn a_reread_configuration_drains_and_names_what_needs_a_restart() {
         ["worker 1 (`d1`) back in rotation"]
     );
     assert!(!service.is_drained(kvc_core::WorkerId(1)));
+}
+
+async fn remove(c: &mut Cluster, worker: u32) -> Result<pb::RemoveWorkerReply, tonic::Status> {
+    c.client
+        .remove_worker(authed(pb::RemoveWorkerRequest { worker }))
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+async fn add(c: &mut Cluster, worker_toml: &str) -> Result<u32, tonic::Status> {
+    c.client
+        .add_worker(authed(pb::AddWorkerRequest {
+            worker_toml: worker_toml.to_owned(),
+        }))
+        .await
+        .map(|r| r.into_inner().worker)
+}
+
+async fn listed_ids(c: &mut Cluster) -> Vec<u32> {
+    c.client
+        .list_workers(authed(pb::ListWorkersRequest {}))
+        .await
+        .unwrap()
+        .into_inner()
+        .workers
+        .iter()
+        .map(|w| w.id)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_worker_removed_and_one_added_by_the_control_plane() {
+    let (mut c, _dir) = with_token().await;
+    // Session 7 resident on its decode worker; session 8's first turn in flight there too.
+    let t1 = route(&mut c, route_req(1, Some(7), Some(1), 1_300, &[11, 12, 13])).await;
+    let home = t1.decode_worker;
+    let other = if home == 1 { 2 } else { 1 };
+    served(&mut c, &t1, 1, 1_340).await;
+    let mut in_flight = None;
+    for s in 0..8u64 {
+        let d = route(
+            &mut c,
+            route_req(20 + s, Some(300 + s), Some(1), 900, &[900 + s]),
+        )
+        .await;
+        if d.decode_worker == home {
+            in_flight = Some((d, 20 + s));
+            break;
+        }
+        served(&mut c, &d, 20 + s, 940).await;
+    }
+    let (pending, pending_id) = in_flight.expect("a new session on the session's worker");
+
+    let r = remove(&mut c, home).await.unwrap();
+    // Session 7, and the session whose first turn is in flight there.
+    assert_eq!((r.resident_sessions, r.in_flight), (2, 1));
+    assert_eq!(listed_ids(&mut c).await, [0, other]);
+    // The request in flight on it ends as usual, once, and leaves nothing counted there.
+    served(&mut c, &pending, pending_id, 940).await;
+    let view = c
+        .service()
+        .session_view(kvc_core::SessionId(pending_id + 280))
+        .unwrap();
+    assert_eq!(view.decode, Some(kvc_core::WorkerId(home)));
+    assert_ne!(view.residency, kvc_policy::Residency::Resident);
+    assert_eq!(view.held_blocks, 0);
+    let again = c
+        .client
+        .report_outcome(authed(pb::OutcomeReport {
+            decision_id: pending.decision_id,
+            request_id: pending_id,
+            outcome: Outcome::Ok.to_proto(),
+            resident_tokens: 940,
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), Code::NotFound);
+    // Session 7's next turn is re-seeded on the other decode worker.
+    let t2 = route(
+        &mut c,
+        route_req(2, Some(7), Some(2), 1_900, &[11, 12, 14, 15]),
+    )
+    .await;
+    assert_eq!(t2.decode_worker, other, "{t2:?}");
+    assert_ne!(t2.mode(), ExecutionMode::DirectToD);
+    served(&mut c, &t2, 2, 1_940).await;
+
+    // Not twice; never the last decode worker.
+    assert_eq!(
+        remove(&mut c, home).await.unwrap_err().code(),
+        Code::NotFound
+    );
+    let e = remove(&mut c, other).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(
+        e.message().contains("add its replacement first"),
+        "{}",
+        e.message()
+    );
+
+    // A new decode worker, from its [[workers]] entry; its snapshot published.
+    let snap = c.dir.0.join("w3.snap");
+    let mut writer =
+        kvc_admission::SnapshotWriter::create(&snap, kvc_core::WorkerId(3), common::CAPACITY, 64)
+            .unwrap();
+    let mut data = writer.empty_data();
+    data.free_tokens = common::CAPACITY;
+    data.publish_ms = c.now();
+    writer.publish(&data).unwrap();
+    let entry = format!(
+        "id = 3\nname = \"d3\"\nrole = \"decode\"\ncapacity-tokens = {}\nsnapshot = {:?}\n",
+        common::CAPACITY,
+        snap.display().to_string()
+    );
+    assert_eq!(add(&mut c, &entry).await.unwrap(), 3);
+    assert_eq!(listed_ids(&mut c).await, [0, other, 3]);
+    assert_eq!(
+        add(&mut c, &entry).await.unwrap_err().code(),
+        Code::FailedPrecondition,
+        "the same id twice"
+    );
+    let bad = add(&mut c, "id = 4\nrole = \"decoder\"\n")
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument);
+    assert!(bad.message().contains("decoder"), "{}", bad.message());
+    let e = c
+        .client
+        .add_worker(pb::AddWorkerRequest {
+            worker_toml: entry.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+
+    // With the other decode worker drained, new sessions go to the added one.
+    assert!(!drain(&mut c, other, true).await.unwrap());
+    for s in 0..4u64 {
+        let d = route(
+            &mut c,
+            route_req(40 + s, Some(500 + s), Some(1), 900, &[1_500 + s]),
+        )
+        .await;
+        assert_eq!(d.decode_worker, 3, "{d:?}");
+        served(&mut c, &d, 40 + s, 940).await;
+    }
+    let _keep = writer;
 }

@@ -29,7 +29,27 @@ pub fn bin_dir() -> PathBuf {
     dir
 }
 
+/// A loopback port free now, for a server started next.
 pub fn free_port() -> u16 {
+    // Below the kernel's ephemeral range: a port picked from it and released may be taken
+    // again, before the server binds it, by any process's outgoing connection or bind(0).
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768)
+        .clamp(12_000, 65_535);
+    let span = low - 10_000;
+    let start = std::process::id().wrapping_mul(7_919);
+    for _ in 0..span {
+        let k = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 10_000 + start.wrapping_add(k.wrapping_mul(104_729)) % span;
+        if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
+            drop(l);
+            return port as u16;
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

@@ -32,6 +32,9 @@ enum Op {
     Forget {
         session: u64,
     },
+    ForgetWorker {
+        worker: u32,
+    },
     FirstToken {
         back: usize,
     },
@@ -56,6 +59,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u64..12, 1u32..5).prop_map(|(session, worker)| Op::Reject { session, worker }),
         1 => (0u64..12, 1u32..5).prop_map(|(session, worker)| Op::Evict { session, worker }),
         1 => (0u64..12).prop_map(|session| Op::Forget { session }),
+        1 => (1u32..5).prop_map(|worker| Op::ForgetWorker { worker }),
         2 => (0usize..8).prop_map(|back| Op::FirstToken { back }),
     ]
 }
@@ -144,6 +148,9 @@ fn run(
                 });
             }
             Op::Forget { session } => state.forget_session(SessionId(*session)),
+            Op::ForgetWorker { worker } => {
+                state.forget_worker(WorkerId(*worker));
+            }
             Op::FirstToken { back } => {
                 if let Some(&(request_id, _, _)) =
                     applied.iter().rev().nth(*back % applied.len().max(1))
@@ -277,4 +284,61 @@ fn block_bounds_derive_from_the_pool() {
     assert_eq!(state.worker_block_bound(WorkerId(9)), 4_096);
     state.set_worker_blocks(WorkerId(9), 1_024);
     assert_eq!(state.worker_block_bound(WorkerId(9)), 8);
+}
+
+/// A worker taken out of the fleet: its resident sessions count as evicted from it, its
+/// blocks leave both views, its bound stays, and the other workers keep theirs.
+#[test]
+fn a_forgotten_worker_holds_nothing_and_its_sessions_are_evicted() {
+    let mut state = RouterState::new(&kvc_config(), &workers());
+    let blocks: Vec<BlockHash> = (0..6).map(BlockHash).collect();
+    for (k, (session, decode)) in [(1u64, 1u32), (2, 1), (3, 2)].into_iter().enumerate() {
+        let request_id = RequestId(k as u64);
+        let change = StateChange {
+            request_id,
+            session: Some(SessionId(session)),
+            now_ms: 1_000,
+            decode: WorkerId(decode),
+            decode_role: WorkerRole::Decode,
+            prefill: Some(WorkerId(0)),
+            direct: false,
+            blocks: blocks
+                .iter()
+                .map(|b| BlockHash(b.0 + 100 * session))
+                .collect(),
+            reject_count: None,
+            prefill_us: 0,
+        };
+        state.apply(&change);
+        state.observe(&Observation::Completed {
+            request_id,
+            session: Some(SessionId(session)),
+            worker: WorkerId(decode),
+            outcome: Outcome::Ok,
+            resident_tokens: 700,
+            direct: false,
+        });
+    }
+    let bound = state.worker_block_bound(WorkerId(1));
+    assert_eq!(state.live_blocks(WorkerId(1)), 12);
+    assert_eq!(state.seen_blocks(WorkerId(1)), 12);
+    assert_eq!(state.live_blocks(WorkerId(2)), 6);
+
+    assert_eq!(state.forget_worker(WorkerId(1)), 2);
+    assert_eq!(state.live_blocks(WorkerId(1)), 0);
+    assert_eq!(state.seen_blocks(WorkerId(1)), 0);
+    assert_eq!(state.worker_block_bound(WorkerId(1)), bound);
+    for s in [1, 2] {
+        let route = state.session(SessionId(s)).unwrap();
+        assert_eq!(route.residency, Residency::Evicted);
+        assert_eq!(route.resident_tokens, 0);
+    }
+    assert_eq!(
+        state.session(SessionId(3)).unwrap().residency,
+        Residency::Resident
+    );
+    assert_eq!(state.live_blocks(WorkerId(2)), 6);
+    assert_eq!(state.seen_blocks(WorkerId(2)), 6);
+    // Nothing left to forget the second time.
+    assert_eq!(state.forget_worker(WorkerId(1)), 0);
 }

@@ -2,7 +2,7 @@
 //! client that reaches them, the circuit breakers, the session book and the settings.
 
 use super::breaker::Breakers;
-use super::endpoints::{HttpWorker, WorkerEndpoints};
+use super::endpoints::{HttpWorker, LiveEndpoints, WorkerEndpoints};
 use super::options::HttpOptions;
 use super::pairing::BootstrapRooms;
 use super::session::Sessions;
@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Everything a request handler needs, shared by all of them.
 pub(crate) struct App {
     pub(crate) service: Arc<RouterService>,
-    pub(crate) workers: WorkerEndpoints,
+    /// Where each worker is reached: kept up to date as workers join and leave the fleet.
+    pub(crate) workers: LiveEndpoints,
     pub(super) client: WorkerClient,
     pub(crate) breakers: Breakers,
     pub(super) sessions: Sessions,
@@ -43,6 +44,11 @@ impl App {
         telemetry: Telemetry,
     ) -> App {
         let sessions = Sessions::new(service.config().sessions, options.infer_min_blocks);
+        let workers = LiveEndpoints::new(workers);
+        {
+            let workers = workers.clone();
+            service.watch_fleet(move |change| workers.apply(change));
+        }
         let session_keys = options
             .session_headers
             .iter()
@@ -93,6 +99,6 @@ impl App {
 
     /// Worker `id`'s endpoint.
     pub(crate) fn endpoint(&self, id: WorkerId) -> Option<HttpWorker> {
-        self.workers.get(id).cloned()
+        self.workers.get(id)
     }
 }

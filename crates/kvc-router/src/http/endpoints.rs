@@ -4,7 +4,9 @@
 use super::error::FrontError;
 use crate::config::{RouterConfig, WorkerUrl};
 use kvc_core::{EngineKind, WorkerId};
+use parking_lot::RwLock;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 pub use crate::config::DEFAULT_BOOTSTRAP_PORT;
 
@@ -106,6 +108,11 @@ impl WorkerEndpoints {
         self.workers.iter().map(|(id, w)| (*id, w))
     }
 
+    /// Forgets worker `id`'s endpoint (it left the fleet).
+    pub fn remove(&mut self, id: WorkerId) {
+        self.workers.remove(&id);
+    }
+
     /// Number of workers registered.
     pub fn len(&self) -> usize {
         self.workers.len()
@@ -114,6 +121,64 @@ impl WorkerEndpoints {
     /// Whether no worker is registered.
     pub fn is_empty(&self) -> bool {
         self.workers.is_empty()
+    }
+}
+
+/// The endpoints as the running front reads them: those it started with, and those of the
+/// workers added since ([`LiveEndpoints::apply`]), without those removed.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct LiveEndpoints(Arc<RwLock<WorkerEndpoints>>);
+
+impl LiveEndpoints {
+    pub(crate) fn new(endpoints: WorkerEndpoints) -> Self {
+        LiveEndpoints(Arc::new(RwLock::new(endpoints)))
+    }
+
+    /// Takes in a worker added (with an `http-url`) or removed.
+    pub(crate) fn apply(&self, change: &crate::FleetChange) {
+        match change {
+            crate::FleetChange::Joining(cfg) => {
+                let Some(url) = &cfg.http_url else { return };
+                let mut w = self.0.write();
+                match w.insert(cfg.worker_id(), url, cfg.bootstrap_port) {
+                    Ok(()) => w.set_engine(cfg.worker_id(), cfg.engine),
+                    Err(e) => tracing::error!(worker = cfg.id, "{e}"),
+                }
+            }
+            crate::FleetChange::Removed(id) => self.0.write().remove(*id),
+            crate::FleetChange::Added(_) => {}
+        }
+    }
+
+    /// Worker `id`'s endpoint.
+    pub(crate) fn get(&self, id: WorkerId) -> Option<HttpWorker> {
+        self.0.read().get(id).cloned()
+    }
+
+    /// See [`WorkerEndpoints::is_vllm`].
+    pub(crate) fn is_vllm(&self, id: WorkerId) -> bool {
+        self.0.read().is_vllm(id)
+    }
+
+    /// See [`WorkerEndpoints::any_vllm`].
+    pub(crate) fn any_vllm(&self) -> bool {
+        self.0.read().any_vllm()
+    }
+
+    /// See [`WorkerEndpoints::all_vllm`].
+    pub(crate) fn all_vllm(&self) -> bool {
+        self.0.read().all_vllm()
+    }
+
+    /// Every worker and its endpoint now, in no particular order.
+    pub(crate) fn iter(&self) -> std::vec::IntoIter<(WorkerId, HttpWorker)> {
+        let now: Vec<_> = self
+            .0
+            .read()
+            .iter()
+            .map(|(id, w)| (id, w.clone()))
+            .collect();
+        now.into_iter()
     }
 }
 

@@ -1,16 +1,48 @@
-//! The fleet changed by its operator while the router runs: a worker drained or put back
-//! ([`RouterService::set_drained`]), and a re-read configuration applied as far as a running
-//! router can ([`RouterService::reload`]).
+//! The fleet changed by its operator while the router runs: a worker added
+//! ([`RouterService::add_worker`]), drained or put back ([`RouterService::set_drained`]) or
+//! removed ([`RouterService::remove_worker`]), and a re-read configuration applied as far as a
+//! running router can ([`RouterService::reload`]).
 
-use super::RouterService;
+use super::{RouterService, Workers};
 use crate::config::{RouterConfig, WorkerConfig};
+use crate::error::RequestError;
+use crate::workers::WorkerEntry;
 use kvc_core::WorkerId;
+use kvc_policy::{Fleet, WorkerView};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
+
+/// What is told of each change of the fleet ([`RouterService::watch_fleet`]).
+pub(super) type FleetWatcher = Box<dyn Fn(&FleetChange) + Send + Sync>;
+
+/// A worker that joined or left the fleet, as the watchers registered with
+/// [`RouterService::watch_fleet`] are told.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FleetChange {
+    /// A worker is about to join, with its configuration entry: told before any decision can
+    /// choose it (so that, e.g., the HTTP front knows where to reach it first).
+    Joining(Box<WorkerConfig>),
+    /// The worker joined: it is in the fleet (its background tasks may start).
+    Added(WorkerId),
+    /// A worker left: told once no decision can choose it any more.
+    Removed(WorkerId),
+}
+
+/// What [`RouterService::remove_worker`] left behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Removed {
+    /// Sessions that were resident on it, or placed there by a decision still in flight:
+    /// each is re-seeded on another worker at its next turn.
+    pub resident_sessions: usize,
+    /// Decisions on it still awaiting their outcome: their requests run on, and their
+    /// outcomes are taken as usual when they come.
+    pub in_flight: usize,
+}
 
 /// What [`RouterService::reload`] did with a re-read configuration.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Reload {
-    /// The changes applied (a worker drained or back in rotation).
+    /// The changes applied (a worker added, removed, drained or back in rotation).
     pub applied: Vec<String>,
     /// The changes left for a restart, each naming the worker and the keys.
     pub needs_restart: Vec<String>,
@@ -38,7 +70,159 @@ fn changed_keys(a: &WorkerConfig, b: &WorkerConfig) -> Vec<String> {
     keys
 }
 
+/// Why `list`'s workers cannot serve together (no decode worker left, colocated and P/D
+/// workers mixed …), if they cannot.
+fn fleet_problem(list: &[Arc<WorkerEntry>]) -> Option<String> {
+    let views: Vec<WorkerView> = list.iter().map(|w| w.view_at(0)).collect();
+    Fleet::new(&views).err().map(|e| e.to_string())
+}
+
 impl RouterService {
+    /// Calls `watcher` for every worker added or removed from now on, on the thread that
+    /// makes the change (see [`FleetChange`] for when each is told).
+    pub fn watch_fleet(&self, watcher: impl Fn(&FleetChange) + Send + Sync + 'static) {
+        self.fleet_watchers.write().push(Box::new(watcher));
+    }
+
+    fn tell_watchers(&self, change: &FleetChange) {
+        for w in self.fleet_watchers.read().iter() {
+            w(change);
+        }
+    }
+
+    /// Adds a worker to the running fleet, configured by `cfg` as a `[[workers]]` entry: it
+    /// is checked with the fleet as the configuration file's workers are (its id unused and
+    /// below the limit, its keys valid, the fleet still one the policy can route), then
+    /// takes new sessions as soon as its state says it is up; an engine it only names by
+    /// `http-url` is discovered as at start. Errors: `FailedPrecondition` for an id in use or
+    /// a fleet the policy cannot route, `InvalidArgument` for an entry that is not valid.
+    pub fn add_worker(&self, cfg: WorkerConfig) -> Result<(), RequestError> {
+        let _changing = self.changing.lock();
+        let now = self.workers();
+        if now.get(cfg.id).is_some() {
+            return Err(RequestError::FailedPrecondition(format!(
+                "worker {} is already in the fleet (`{}`): remove it first, or use another id",
+                cfg.id,
+                now.config(cfg.id)
+                    .map_or_else(String::new, WorkerConfig::display_name)
+            )));
+        }
+        let mut whole = self.config.clone();
+        whole.workers = now.configs.clone();
+        whole.workers.push(cfg.clone());
+        whole.validate().map_err(|e| {
+            RequestError::InvalidArgument(format!(
+                "worker {} (`{}`) not added: {e}",
+                cfg.id,
+                cfg.display_name()
+            ))
+        })?;
+        let mut entry = WorkerEntry::new(&cfg, &self.config);
+        entry.share_health_epoch(&self.health_epoch);
+        let entry = Arc::new(entry);
+        let mut list = now.list.clone();
+        list.push(Arc::clone(&entry));
+        if let Some(problem) = fleet_problem(&list) {
+            return Err(RequestError::FailedPrecondition(format!(
+                "worker {} (`{}`) not added: {problem}",
+                cfg.id,
+                cfg.display_name()
+            )));
+        }
+        let mut configs = now.configs.clone();
+        configs.push(cfg.clone());
+        let table = Arc::new(Workers::new(list, configs));
+        let id = cfg.worker_id();
+        self.tell_watchers(&FleetChange::Joining(Box::new(cfg.clone())));
+        {
+            let mut core = self.core.lock();
+            core.state
+                .set_worker_blocks(cfg.worker_id(), cfg.capacity_tokens);
+            core.state
+                .set_direct_append(cfg.worker_id(), cfg.can_append_prefill());
+            core.fleet.rebuild(&table.list);
+            *self.workers.write() = table;
+        }
+        entry.refresh_snapshot(self.now_ms());
+        self.health_epoch.fetch_add(1, Ordering::Release);
+        tracing::info!(worker = cfg.id, name = %entry.name, role = ?cfg.role, "worker added to the fleet");
+        self.tell_watchers(&FleetChange::Added(id));
+        Ok(())
+    }
+
+    /// Removes `worker` from the running fleet: it takes no new request from now on, its
+    /// background tasks stop, the router forgets what it believed the worker held (the
+    /// sessions resident there are re-seeded elsewhere at their next turn), and what its
+    /// engine's events said leaves the index. Requests already sent to it run on; their
+    /// outcomes are taken as usual, once each. Errors: `NotFound` for a worker not in the
+    /// fleet, `FailedPrecondition` when the workers left could not serve (the last decode
+    /// worker, …).
+    pub fn remove_worker(&self, worker: WorkerId) -> Result<Removed, RequestError> {
+        let _changing = self.changing.lock();
+        let now = self.workers();
+        let Some(entry) = now.get(worker.0).cloned() else {
+            return Err(RequestError::NotFound(format!(
+                "worker {} is not in the fleet",
+                worker.0
+            )));
+        };
+        let keep: Vec<usize> = (0..now.list.len())
+            .filter(|&i| now.list[i].id != worker)
+            .collect();
+        let list: Vec<Arc<WorkerEntry>> = keep.iter().map(|&i| Arc::clone(&now.list[i])).collect();
+        if let Some(problem) = fleet_problem(&list) {
+            return Err(RequestError::FailedPrecondition(format!(
+                "worker {} (`{}`) not removed: without it, {problem}; add its replacement first \
+                 (or drain it)",
+                worker.0, entry.name
+            )));
+        }
+        let configs = keep.iter().map(|&i| now.configs[i].clone()).collect();
+        let table = Arc::new(Workers::new(list, configs));
+        let removed = {
+            let mut core = self.core.lock();
+            *self.workers.write() = table;
+            let core = &mut *core;
+            core.fleet.rebuild(&self.workers().list);
+            let resident_sessions = core.state.forget_worker(worker);
+            let in_flight = core.pending.values().filter(|p| p.decode == worker).count();
+            Removed {
+                resident_sessions,
+                in_flight,
+            }
+        };
+        entry.stop_tasks();
+        self.local_commit.write().remove(&worker);
+        let _ = self.kv_index.write().clear(worker);
+        self.health_epoch.fetch_add(1, Ordering::Release);
+        tracing::info!(
+            worker = worker.0,
+            name = %entry.name,
+            resident_sessions = removed.resident_sessions,
+            in_flight = removed.in_flight,
+            "worker removed from the fleet: its sessions move at their next turn"
+        );
+        self.tell_watchers(&FleetChange::Removed(worker));
+        Ok(removed)
+    }
+
+    /// A token for a background task of `worker`: cancelled with `stop`, and when the worker
+    /// leaves the fleet (already cancelled for a worker not in it).
+    pub fn worker_task_token(
+        &self,
+        worker: WorkerId,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> tokio_util::sync::CancellationToken {
+        match self.entry(worker.0) {
+            Some(e) => e.task_token(stop),
+            None => {
+                let t = stop.child_token();
+                t.cancel();
+                t
+            }
+        }
+    }
+
     /// Drains `worker` (`true`) or puts it back in rotation (`false`): a drained worker gets no
     /// new session and no turn (its sessions move at their next turn, as off a down worker),
     /// and the requests it runs finish. Returns whether it was drained before; `None` for an
@@ -63,25 +247,53 @@ impl RouterService {
             .is_some_and(|e| e.drained.load(Ordering::Relaxed))
     }
 
-    /// Applies what a re-read configuration changes that a running router can take: each
-    /// worker's `drained`. Everything else that differs from the configuration the router
-    /// started with (a worker added or removed, another key of a worker, any other setting)
-    /// is reported, not applied: it needs a restart.
+    /// Applies what a re-read configuration changes that a running router can take: workers
+    /// added ([`RouterService::add_worker`]) and removed ([`RouterService::remove_worker`]),
+    /// and each worker's `drained`. Everything else that differs from the running
+    /// configuration (another key of a worker, any other setting) is reported, not applied:
+    /// it needs a restart, or, for a worker, removing it and adding it back.
     pub fn reload(&self, new: &RouterConfig) -> Reload {
         let mut report = Reload::default();
+        let now = self.workers();
+        // Removed first: an id given to another engine is taken out, then added anew.
+        for old in &now.configs {
+            let replaced = new
+                .worker(WorkerId(old.id))
+                .is_some_and(|w| w.role != old.role);
+            if new.worker(WorkerId(old.id)).is_some() && !replaced {
+                continue;
+            }
+            match self.remove_worker(WorkerId(old.id)) {
+                Ok(r) => report.applied.push(format!(
+                    "worker {} (`{}`) removed ({} resident session(s) move at their next turn, \
+                     {} request(s) in flight run on)",
+                    old.id,
+                    old.display_name(),
+                    r.resident_sessions,
+                    r.in_flight
+                )),
+                Err(e) => report.needs_restart.push(e.to_string()),
+            }
+        }
+        let now = self.workers();
         for w in &new.workers {
-            let Some(old) = self.config.worker(WorkerId(w.id)) else {
-                report.needs_restart.push(format!(
-                    "worker {} (`{}`) added: adding a worker needs a restart",
-                    w.id,
-                    w.display_name()
-                ));
+            let Some(old) = now.config(w.id) else {
+                match self.add_worker(w.clone()) {
+                    Ok(()) => report.applied.push(format!(
+                        "worker {} (`{}`) added{}",
+                        w.id,
+                        w.display_name(),
+                        if w.drained { ", drained" } else { "" }
+                    )),
+                    Err(e) => report.needs_restart.push(e.to_string()),
+                }
                 continue;
             };
             let changed = changed_keys(old, w);
             if !changed.is_empty() {
                 report.needs_restart.push(format!(
-                    "worker {} (`{}`): {} changed: needs a restart",
+                    "worker {} (`{}`): {} changed: needs a restart, or removing the worker and \
+                     adding it back",
                     w.id,
                     w.display_name(),
                     changed.join(", ")
@@ -97,16 +309,6 @@ impl RouterService {
                     } else {
                         "back in rotation"
                     }
-                ));
-            }
-        }
-        for old in &self.config.workers {
-            if new.worker(WorkerId(old.id)).is_none() {
-                report.needs_restart.push(format!(
-                    "worker {} (`{}`) removed: removing a worker needs a restart (set drained = \
-                     true meanwhile)",
-                    old.id,
-                    old.display_name()
                 ));
             }
         }

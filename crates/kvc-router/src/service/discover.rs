@@ -75,7 +75,8 @@ impl RouterService {
                 }
                 match d.source {
                     Some(mut source) => {
-                        source.block_size = self.config.worker(worker).and_then(|c| c.block_size);
+                        source.block_size =
+                            self.workers().config(worker.0).and_then(|c| c.block_size);
                         for r in &source.ranks {
                             tracing::info!(
                                 worker = worker.0,
@@ -140,7 +141,8 @@ impl RouterService {
     /// engines' `/v1/models` said during discovery).
     pub(super) fn model_warnings(&self) -> Vec<Option<String>> {
         let served: Vec<Vec<String>> = self
-            .workers
+            .workers()
+            .list
             .iter()
             .map(|w| w.discovery.lock().models.clone())
             .collect();

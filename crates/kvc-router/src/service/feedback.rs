@@ -21,7 +21,9 @@ impl RouterService {
     /// resident there is left as it was (the caller then routes again with `rejected_by`).
     /// `NOT_FOUND` for a decision already reported or dropped; `INVALID_ARGUMENT` when the
     /// request id is not the decision's, or when `resident_tokens` exceeds the decode worker's
-    /// `capacity-tokens` (the decision then stays pending).
+    /// `capacity-tokens` (the decision then stays pending). A decision on a worker removed
+    /// from the fleet since is taken with no resident tokens: the router counts on nothing
+    /// there.
     pub fn report_outcome(&self, report: &DecisionOutcome) -> Result<(), RequestError> {
         let outcome = report.outcome;
         let now = self.now_ms();
@@ -39,16 +41,23 @@ impl RouterService {
                 report.decision_id, p.request_id.0, report.request_id.0
             )));
         }
-        let capacity = self.entry(p.decode.0).map_or(0, |e| e.pool_tokens());
-        if report.resident_tokens > capacity {
+        let entry = self.entry(p.decode.0);
+        // A worker that left the fleet since holds nothing the router counts on.
+        let resident_tokens = if entry.is_some() {
+            report.resident_tokens
+        } else {
+            0
+        };
+        let capacity = entry.as_ref().map_or(0, |e| e.pool_tokens());
+        if resident_tokens > capacity {
             return Err(RequestError::InvalidArgument(format!(
                 "resident_tokens {} exceeds the capacity of worker {} ({capacity} tokens)",
                 report.resident_tokens, p.decode.0
             )));
         }
         core.pending.remove(&report.decision_id);
-        if let Some(e) = self.entry(p.decode.0) {
-            e.note_released(report.resident_tokens);
+        if let Some(e) = entry {
+            e.note_released(resident_tokens);
         }
         let refused = p.direct && outcome == Outcome::Rejected;
         core.state.observe(&Observation::Completed {
@@ -56,7 +65,7 @@ impl RouterService {
             session: if refused { None } else { p.session },
             worker: p.decode,
             outcome,
-            resident_tokens: report.resident_tokens,
+            resident_tokens,
             direct: p.direct,
         });
         if let Some(s) = p.session
@@ -143,7 +152,7 @@ impl RouterService {
     ) -> Result<ProbeOutcome, RequestError> {
         let entry = self.entry_or_invalid(worker.0)?;
         let now = self.now_ms();
-        let outcome = probe_entry(entry, need_tokens, session, now);
+        let outcome = probe_entry(&entry, need_tokens, session, now);
         self.metrics.record_probe(outcome.kind);
         Ok(outcome)
     }

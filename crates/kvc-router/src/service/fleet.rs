@@ -8,6 +8,7 @@ use super::RouterService;
 use crate::workers::WorkerEntry;
 use kvc_core::{Health, WorkerId, WorkerState};
 use kvc_policy::{Fleet, PolicyError, WorkerStates};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The policy's fleet and when its health was last worked out.
@@ -28,7 +29,7 @@ pub(super) struct FleetCache {
 
 impl FleetCache {
     /// The fleet of `workers`, its health to be worked out at the first decision.
-    pub(super) fn new(workers: &[WorkerEntry]) -> Self {
+    pub(super) fn new(workers: &[Arc<WorkerEntry>]) -> Self {
         let views: Vec<_> = workers.iter().map(|w| w.view_at(0)).collect();
         FleetCache {
             fleet: Fleet::new(&views),
@@ -44,7 +45,7 @@ impl FleetCache {
     /// since, or the clock went back.
     pub(super) fn at(
         &mut self,
-        workers: &[WorkerEntry],
+        workers: &[Arc<WorkerEntry>],
         epoch: &AtomicU64,
         now_ms: u64,
     ) -> Result<&Fleet, PolicyError> {
@@ -68,6 +69,14 @@ impl FleetCache {
             self.passes += 1;
         }
         Ok(fleet)
+    }
+
+    /// The fleet of `workers` after a worker joined or left: its health worked out again at
+    /// the next decision; the pass count goes on.
+    pub(super) fn rebuild(&mut self, workers: &[Arc<WorkerEntry>]) {
+        let passes = self.passes;
+        *self = FleetCache::new(workers);
+        self.passes = passes;
     }
 
     /// Passes over every worker so far.

@@ -122,7 +122,9 @@ impl RouterService {
         }
         self.forget(core);
 
-        let fleet = core.fleet.at(&self.workers, &self.health_epoch, now)?;
+        let fleet = core
+            .fleet
+            .at(&self.workers().list, &self.health_epoch, now)?;
         // Workers excluded for this one decision: a copy of the fleet with them down.
         let excluded;
         let fleet = if exclude.is_empty() {
@@ -191,7 +193,7 @@ impl RouterService {
             let d = decision.decode;
             let admitted = match self.entry(d.0) {
                 Some(entry) => {
-                    let p = probe_entry(entry, decision.need_tokens, session, now);
+                    let p = probe_entry(&entry, decision.need_tokens, session, now);
                     self.metrics.record_probe(p.kind);
                     p.reply.can_admit
                 }
