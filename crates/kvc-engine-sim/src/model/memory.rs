@@ -3,7 +3,7 @@
 
 use super::engine::Engine;
 use super::types::{Event, Failure, Micros, Wake, micros};
-use super::worker::Stage;
+use super::worker::{Stage, Worker};
 use kvc_admission::{Resident, ResidentState, plan_eviction};
 use kvc_core::{FailureStage, SessionId, WorkerId};
 use std::cmp::Reverse;
@@ -309,7 +309,7 @@ impl Engine {
             else {
                 return true;
             };
-            if a.job.input + a.generated < allowed || allowed >= full {
+            if Worker::step_fits(a, allowed, full) {
                 return true;
             }
             // Room for the token this step writes (SGLang allocates decode KV token by token).

@@ -28,10 +28,16 @@ impl Engine {
         }
         // Without mixed batches (SGLang's default), a waiting prefill runs alone and the decode
         // batch resumes after it; with them, one iteration carries both.
+        // The decode batch and its context, one job lookup each.
+        let mut ctx = 0u64;
         let decode: Vec<(usize, u32)> = if pieces.is_empty() || self.profile.fit.mixed_batches {
             wk.running
                 .iter()
-                .map(|id| (*id, self.jobs[id].epoch))
+                .map(|id| {
+                    let a = &self.jobs[id];
+                    ctx += a.job.input + a.generated;
+                    (*id, a.epoch)
+                })
                 .collect()
         } else {
             Vec::new()
@@ -44,13 +50,6 @@ impl Engine {
             secs += self.profile.prefill_seconds(cost_pieces);
         }
         if !decode.is_empty() {
-            let ctx: u64 = decode
-                .iter()
-                .map(|(id, _)| {
-                    let a = &self.jobs[id];
-                    a.job.input + a.generated
-                })
-                .sum();
             secs += self.profile.decode_step_seconds(decode.len(), ctx);
         }
         let end = now + self.jittered(secs).max(1);
@@ -111,17 +110,23 @@ impl Engine {
             }
         }
         for (id, epoch) in decode {
-            if !self
+            let Some(a) = self
                 .jobs
-                .get(&id)
-                .is_some_and(|a| a.epoch == epoch && a.stage == Stage::Decode)
-            {
+                .get_mut(&id)
+                .filter(|a| a.epoch == epoch && a.stage == Stage::Decode)
+            else {
                 continue;
-            }
-            if hosts && !self.grow(w, id, now) {
-                continue;
-            }
-            let a = self.jobs.get_mut(&id).expect("job");
+            };
+            // The room this step writes is usually there already ([`Engine::grow`]'s first
+            // test); only a job short of it takes the way through `grow`.
+            let a = if hosts && !self.workers[w.0 as usize].has_room_for_step(a) {
+                if !self.grow(w, id, now) {
+                    continue;
+                }
+                self.jobs.get_mut(&id).expect("job")
+            } else {
+                a
+            };
             a.generated += 1;
             if a.generated >= a.job.output {
                 self.finish(id, now);

@@ -148,3 +148,21 @@ pub(super) struct Worker {
     /// Tokens of retracted requests' KV held in the host pool of a decode-only worker.
     pub(super) host_backup: u64,
 }
+
+impl Worker {
+    /// Whether running job `a` (of a session resident here, if it is) has room for the token
+    /// its next decode step writes without growing its session: no resident entry, the token
+    /// already allocated, or the session already at its full size.
+    pub(super) fn has_room_for_step(&self, a: &Active) -> bool {
+        let full = (a.job.input + a.job.output).min(self.capacity);
+        self.residents
+            .get(&a.job.session)
+            .is_none_or(|r| Self::step_fits(a, r.tokens, full))
+    }
+
+    /// Whether job `a`'s next token fits the `allowed` tokens its session holds, given the
+    /// `full` size the session may grow to.
+    pub(super) fn step_fits(a: &Active, allowed: u64, full: u64) -> bool {
+        a.job.input + a.generated < allowed || allowed >= full
+    }
+}
