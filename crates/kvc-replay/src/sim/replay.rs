@@ -28,6 +28,10 @@ use kvc_policy::{Fleet, Observation, RouteRequest, WorkerStates};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 
+/// A table keyed by trace index, with a fixed (unseeded) hash: looked up for every event of a
+/// request, never iterated (so its order cannot reach an output).
+type ByIndex<V> = HashMap<usize, V, foldhash::fast::FixedState>;
+
 /// Something the loop does at a point of simulated time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Scheduled {
@@ -158,12 +162,12 @@ struct Replay<'a> {
     waiting: BTreeSet<(Micros, usize)>,
     in_flight: usize,
     /// Requests read and not finished, by trace index.
-    live: HashMap<usize, Live>,
+    live: ByIndex<Live>,
     /// A turn read before the turn it follows finished: that turn's index → its index.
-    awaiting: HashMap<usize, usize>,
+    awaiting: ByIndex<usize>,
     /// A finished turn whose session's next turn is not read yet: its index → (finish time,
     /// the sequence number the next turn's readiness takes).
-    finished: HashMap<usize, (Micros, u64)>,
+    finished: ByIndex<(Micros, u64)>,
     /// Records finished ahead of an earlier one, by trace index.
     early: BTreeMap<usize, RequestRecord>,
     /// Trace index of the next record to hand to the sink.
@@ -266,9 +270,9 @@ pub fn run_stream(
         now: 0,
         waiting: BTreeSet::new(),
         in_flight: 0,
-        live: HashMap::new(),
-        awaiting: HashMap::new(),
-        finished: HashMap::new(),
+        live: ByIndex::default(),
+        awaiting: ByIndex::default(),
+        finished: ByIndex::default(),
         early: BTreeMap::new(),
         next_record: 0,
         sink,
