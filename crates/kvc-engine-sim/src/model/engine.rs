@@ -3,7 +3,7 @@
 use super::cache::PrefixCache;
 use super::profile::Profile;
 use super::types::{EngineOptions, Event, Micros, Wake, micros};
-use super::worker::{Active, Worker};
+use super::worker::{Active, Iteration, Worker};
 use kvc_core::HashIds;
 use kvc_core::{Capabilities, Health, SessionId, WorkerId, WorkerRole, WorkerState};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -26,6 +26,8 @@ pub struct Engine {
     pub(super) wakes: Vec<(Micros, Wake)>,
     pub(super) jitter_state: u64,
     pub(super) jitter: f64,
+    /// Emptied lists of an ended iteration, reused by the next one that starts.
+    pub(super) spare: Iteration,
 }
 
 impl Engine {
@@ -90,6 +92,7 @@ impl Engine {
             wakes: Vec::new(),
             jitter_state: seed ^ 0x9e37_79b9_7f4a_7c15,
             jitter,
+            spare: Iteration::default(),
         }
     }
 

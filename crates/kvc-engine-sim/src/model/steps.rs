@@ -14,40 +14,47 @@ impl Engine {
             return;
         }
         let mut budget = self.profile.fit.chunk_tokens;
-        let mut pieces: Vec<(usize, u64, u32)> = Vec::new();
-        let mut cost_pieces: Vec<(u64, u64)> = Vec::new();
-        for &id in &wk.prefill_q {
-            if budget == 0 {
-                break;
+        // The lists of the last iteration that ended, emptied, keep their room.
+        let mut pieces = std::mem::take(&mut self.spare.prefill);
+        let mut decode = std::mem::take(&mut self.spare.decode);
+        let mut prefill_cost = 0.0;
+        if !wk.prefill_q.is_empty() {
+            let mut cost_pieces = Vec::new();
+            for &id in &wk.prefill_q {
+                if budget == 0 {
+                    break;
+                }
+                let a = &self.jobs[&id];
+                let take = a.remaining.min(budget);
+                budget -= take;
+                pieces.push((id, take, a.epoch));
+                cost_pieces.push((take, a.done_ctx));
             }
-            let a = &self.jobs[&id];
-            let take = a.remaining.min(budget);
-            budget -= take;
-            pieces.push((id, take, a.epoch));
-            cost_pieces.push((take, a.done_ctx));
+            if !pieces.is_empty() {
+                prefill_cost = self.profile.prefill_seconds(cost_pieces);
+            }
         }
         // Without mixed batches (SGLang's default), a waiting prefill runs alone and the decode
         // batch resumes after it; with them, one iteration carries both.
         // The decode batch and its context, one job lookup each.
         let mut ctx = 0u64;
-        let decode: Vec<(usize, u32)> = if pieces.is_empty() || self.profile.fit.mixed_batches {
-            wk.running
-                .iter()
-                .map(|id| {
-                    let a = &self.jobs[id];
-                    ctx += a.job.input + a.generated;
-                    (*id, a.epoch)
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+        if pieces.is_empty() || self.profile.fit.mixed_batches {
+            decode.extend(wk.running.iter().map(|id| {
+                let a = &self.jobs[id];
+                ctx += a.job.input + a.generated;
+                (*id, a.epoch)
+            }));
+        }
         if pieces.is_empty() && decode.is_empty() {
+            self.spare = Iteration {
+                prefill: pieces,
+                decode,
+            };
             return;
         }
         let mut secs = 0.0;
         if !pieces.is_empty() {
-            secs += self.profile.prefill_seconds(cost_pieces);
+            secs += prefill_cost;
         }
         if !decode.is_empty() {
             secs += self.profile.decode_step_seconds(decode.len(), ctx);
@@ -71,8 +78,8 @@ impl Engine {
 
     pub(super) fn end_iteration(&mut self, w: WorkerId, now: Micros) {
         let Some(Iteration {
-            prefill: pieces,
-            decode,
+            prefill: mut pieces,
+            mut decode,
         }) = self.workers[w.0 as usize].iteration.take()
         else {
             return;
@@ -87,7 +94,7 @@ impl Engine {
             let wk = &mut self.workers[w.0 as usize];
             wk.token_ratio = (wk.token_ratio - step).max(p.min_new_token_ratio);
         }
-        for (id, take, epoch) in pieces {
+        for (id, take, epoch) in pieces.drain(..) {
             // A job retracted (or failed) since the iteration started lost this work.
             let Some(a) = self.jobs.get_mut(&id).filter(|a| a.epoch == epoch) else {
                 continue;
@@ -109,7 +116,7 @@ impl Engine {
                 }
             }
         }
-        for (id, epoch) in decode {
+        for (id, epoch) in decode.drain(..) {
             let Some(a) = self
                 .jobs
                 .get_mut(&id)
@@ -133,6 +140,10 @@ impl Engine {
             }
         }
         self.workers[w.0 as usize].settling = false;
+        self.spare = Iteration {
+            prefill: pieces,
+            decode,
+        };
         self.start_iteration_if_idle(w, now);
     }
 

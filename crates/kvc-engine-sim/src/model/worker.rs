@@ -112,7 +112,7 @@ impl Active {
 }
 
 /// What one running iteration of a worker carries.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(super) struct Iteration {
     /// Prefill chunks: (job, tokens, job epoch).
     pub(super) prefill: Vec<(usize, u64, u32)>,
