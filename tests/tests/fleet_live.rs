@@ -7,7 +7,9 @@
 
 mod common;
 
-use common::{Guard, bin_dir, free_port, gen_trace, http_get, read_json, wait_within};
+use common::{
+    Guard, bin_dir, free_port, gen_trace, http_get, read_json, start_http_live, wait_within,
+};
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -77,39 +79,19 @@ fn a_worker_added_drained_and_removed_under_a_live_replay_loses_no_request() {
     let requests = std::fs::read_to_string(&trace).unwrap().lines().count();
     let http = format!("127.0.0.1:{}", free_port());
     let metrics = format!("127.0.0.1:{}", free_port());
-    let (written, config, ready, out) = (
+    let (written, config, out) = (
         dir.join("written.toml"),
         dir.join("router.toml"),
-        dir.join("ready.json"),
         dir.join("run"),
     );
-    let mut live = Command::new(&replay)
-        .args(["live", "--quiet", "--topology", "1p3d", "--policy", "kvc"])
-        .args(["--speedup", "16", "--connect-timeout-s", "30"])
-        .arg("--http-router")
-        .arg(format!("http://{http}"))
-        .arg("--snapshot-dir")
-        .arg(dir.join("snap"))
-        .arg("--http-router-config")
-        .arg(&written)
-        .arg("--ready-file")
-        .arg(&ready)
-        .arg("--trace")
-        .arg(&trace)
-        .arg("--out")
-        .arg(&out)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ready.exists() {
-        assert!(Instant::now() < deadline, "the workers never came up");
-        assert!(
-            live.try_wait().unwrap().is_none(),
-            "the replay stopped early"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut live = start_http_live(
+        &replay,
+        &dir,
+        &trace,
+        ("1p3d", "16"),
+        &format!("http://{http}"),
+        &written,
+    );
     // The router starts with p0, d0 and d1; d2 (id 3) is added while the replay runs.
     let (head, workers) = split_workers(&std::fs::read_to_string(&written).unwrap());
     assert_eq!(workers.len(), 4);

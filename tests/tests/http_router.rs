@@ -7,10 +7,11 @@
 mod common;
 
 use common::{
-    Guard, bin_dir, free_port, gen_trace, http_get, mode_shares, read_json, run_sim, wait_within,
+    Guard, bin_dir, free_port, gen_trace, http_get, mode_shares, read_json, run_sim,
+    start_http_live, wait_within,
 };
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[test]
 fn kvc_router_binary_in_front_of_simulated_http_workers() {
@@ -22,43 +23,15 @@ fn kvc_router_binary_in_front_of_simulated_http_workers() {
     let trace = gen_trace(&replay, &dir, 3, 3);
     let http = format!("127.0.0.1:{}", free_port());
     let metrics = format!("127.0.0.1:{}", free_port());
-    let (config, ready, out) = (
-        dir.join("router.toml"),
-        dir.join("ready.json"),
-        dir.join("run"),
+    let (config, out) = (dir.join("router.toml"), dir.join("run"));
+    let mut live = start_http_live(
+        &replay,
+        &dir,
+        &trace,
+        ("1p2d", "40"),
+        &format!("http://{http}"),
+        &config,
     );
-    let mut live = Command::new(&replay)
-        .args(["live", "--quiet", "--topology", "1p2d", "--policy", "kvc"])
-        .args([
-            "--speedup",
-            "40",
-            "--connect-timeout-s",
-            "30",
-            "--http-router",
-        ])
-        .arg(format!("http://{http}"))
-        .arg("--snapshot-dir")
-        .arg(dir.join("snap"))
-        .arg("--http-router-config")
-        .arg(&config)
-        .arg("--ready-file")
-        .arg(&ready)
-        .arg("--trace")
-        .arg(&trace)
-        .arg("--out")
-        .arg(&out)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ready.exists() {
-        assert!(Instant::now() < deadline, "the workers never came up");
-        assert!(
-            live.try_wait().unwrap().is_none(),
-            "the replay stopped early"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
     let workers = read_json(&dir, "ready.json");
     assert_eq!(workers["workers"].as_array().unwrap().len(), 3);
     let router = Guard(

@@ -190,3 +190,46 @@ pub fn swe_with_one_too_long(
         .unwrap()
         .0
 }
+
+/// A `kvc-replay live --http-router` run: simulated HTTP workers for `topology`, replaying
+/// `trace` at `speedup` against the router at `router` (`http://…`), its output in `dir/run`.
+/// Returns once the workers are up and the router configuration for them is written to
+/// `config` (the replay then waits for the router).
+pub fn start_http_live(
+    replay: &Path,
+    dir: &Path,
+    trace: &Path,
+    (topology, speedup): (&str, &str),
+    router: &str,
+    config: &Path,
+) -> Child {
+    let ready = dir.join("ready.json");
+    let mut live = Command::new(replay)
+        .args(["live", "--quiet", "--topology", topology, "--policy", "kvc"])
+        .args(["--speedup", speedup, "--connect-timeout-s", "30"])
+        .arg("--http-router")
+        .arg(router)
+        .arg("--snapshot-dir")
+        .arg(dir.join("snap"))
+        .arg("--http-router-config")
+        .arg(config)
+        .arg("--ready-file")
+        .arg(&ready)
+        .arg("--trace")
+        .arg(trace)
+        .arg("--out")
+        .arg(dir.join("run"))
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline, "the workers never came up");
+        assert!(
+            live.try_wait().unwrap().is_none(),
+            "the replay stopped early"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    live
+}
