@@ -1099,6 +1099,64 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         events(&router, "indexed-blocks") > 0.0,
         "rebuilt from the new engine's events"
     );
+    drop(router);
+
+    // 7c. D started again without --kv-events-config: a router that reads the engines warns
+    // for it (ListWorkers and /metrics), naming the flag, and still routes through it.
+    let start = engines.dir.join("d0.start");
+    let command = std::fs::read_to_string(&start).unwrap();
+    let without: String = command
+        .split(' ')
+        .scan(false, |skip, word| {
+            let out = if *skip || word == "--kv-events-config" {
+                None
+            } else {
+                Some(word)
+            };
+            *skip = word == "--kv-events-config";
+            Some(out)
+        })
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        command.contains("--kv-events-config") && !without.contains("--kv-events-config"),
+        "{without}"
+    );
+    std::fs::write(&start, &without).unwrap();
+    engines.restart("d0");
+    let bare = engines.router_config("no-events", &["metrics-url", "kv-events"]);
+    let quiet = start_router(&bare, &engines.dir.join("router-no-events.log"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let warned = loop {
+        let listed = quiet.list_workers();
+        let d = listed
+            .into_iter()
+            .find(|w| w.name == "d0")
+            .expect("d0 listed");
+        if !d.warnings.is_empty() || Instant::now() >= deadline {
+            break d;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("real_vllm: d0 without events: {:?}", warned.warnings);
+    assert!(
+        warned
+            .warnings
+            .iter()
+            .any(|w| w.contains("publishes no KV-cache events") && w.contains("--kv-events-config")),
+        "{warned:?}"
+    );
+    assert_eq!(warned.kv_events, None, "{warned:?}");
+    assert!(
+        quiet
+            .metric("kvc_router_worker_discovery_warnings", &["name=\"d0\""])
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    let mut after = Session::new("no-events-chat", Api::Chat, false, 14);
+    let (turn, _) = after.send(&quiet.http);
+    assert_eq!(turn.status, 200, "{turn:?}");
 }
 
 /// What the router counted so far: requests keyed by `source`, and decisions of each mode.
