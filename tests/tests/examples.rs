@@ -117,7 +117,19 @@ fn the_kubernetes_picker_runs_two_replicas_with_its_ports_and_probes() {
             .iter()
             .any(|p| p["port"] == port)
     );
-    let deployment = kind("Deployment")[0];
+    // The picker's Deployment: the one whose pods the picker's Service selects.
+    let selects = |d: &Value| {
+        let labels = &d["spec"]["template"]["metadata"]["labels"];
+        service["spec"]["selector"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .all(|(k, v)| &labels[k] == v)
+    };
+    let deployment = kind("Deployment")
+        .into_iter()
+        .find(|d| selects(d))
+        .expect("the picker's Deployment");
     assert_eq!(deployment["spec"]["replicas"], 2);
     let container = &deployment["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(container["livenessProbe"]["grpc"]["service"], "liveness");
@@ -135,4 +147,73 @@ fn the_kubernetes_picker_runs_two_replicas_with_its_ports_and_probes() {
         let url = w.http_url.as_deref().unwrap();
         assert_eq!(w.metrics_url, Some(format!("{url}/metrics")));
     }
+    // Its workers are the pool's pods: the ConfigMap names the pool, which kvc-router reads
+    // (selector and port) as the API serves it.
+    let pool_cfg = cfg
+        .inference_pool
+        .as_ref()
+        .expect("an [inference-pool] table");
+    assert_eq!(pool["metadata"]["name"], pool_cfg.name.as_str());
+    assert_eq!(pool["apiVersion"], pool_cfg.api_version.as_str());
+    let spec = kvc_router::pool::parse_pool(&serde_json::to_vec(pool).unwrap()).unwrap();
+    assert_eq!(spec.port, 8000);
+    // The model servers' pods are selected by it, each with a role the router reads.
+    let mut pods = Vec::new();
+    for d in kind("Deployment") {
+        let template = &d["spec"]["template"];
+        let labels = template["metadata"]["labels"].as_object().unwrap();
+        if !spec
+            .selector
+            .iter()
+            .all(|(k, v)| labels.get(k).and_then(Value::as_str) == Some(v.as_str()))
+        {
+            continue;
+        }
+        let serves_on_port = template["spec"]["containers"][0]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["containerPort"] == u64::from(spec.port));
+        assert!(serves_on_port, "{}", d["metadata"]["name"]);
+        pods.push(serde_json::json!({
+            "metadata": {"name": d["metadata"]["name"], "labels": labels},
+            "status": {"phase": "Running", "podIP": "10.0.0.1",
+                       "conditions": [{"type": "Ready", "status": "True"}]},
+        }));
+    }
+    let list = serde_json::to_vec(&serde_json::json!({"items": pods})).unwrap();
+    let pods =
+        kvc_router::pool::parse_pods(&list, &pool_cfg.role_label, pool_cfg.default_role).unwrap();
+    let roles: Vec<_> = pods.iter().map(|p| p.role.clone().unwrap()).collect();
+    assert_eq!(
+        roles,
+        vec![kvc_core::WorkerRole::Decode, kvc_core::WorkerRole::Prefill],
+        "{pods:?}"
+    );
+    // The picker's service account may read the pool and list its pods.
+    let account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+        .as_str()
+        .expect("the picker runs with a service account");
+    assert!(
+        kind("ServiceAccount")
+            .iter()
+            .any(|a| a["metadata"]["name"] == account)
+    );
+    let binding = kind("RoleBinding")
+        .into_iter()
+        .find(|b| b["subjects"][0]["name"] == account)
+        .expect("a RoleBinding of the picker's service account");
+    let role = kind("Role")
+        .into_iter()
+        .find(|r| r["metadata"]["name"] == binding["roleRef"]["name"])
+        .expect("the bound Role");
+    let group = pool_cfg.api_version.split('/').next().unwrap();
+    let grants = |group: &str, resource: &str, verb: &str| {
+        role["rules"].as_array().unwrap().iter().any(|r| {
+            let has = |key: &str, v: &str| r[key].as_array().unwrap().iter().any(|x| x == v);
+            has("apiGroups", group) && has("resources", resource) && has("verbs", verb)
+        })
+    };
+    assert!(grants(group, "inferencepools", "get"));
+    assert!(grants("", "pods", "list"));
 }

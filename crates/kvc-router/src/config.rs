@@ -5,7 +5,7 @@ use crate::error::ConfigError;
 use kvc_core::{Capabilities, EngineKind, WorkerId, WorkerRole};
 use kvc_policy::PolicyConfig;
 use serde::{Deserialize, Serialize};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 mod validate;
@@ -106,8 +106,152 @@ pub struct RouterConfig {
     /// default): every engine binds, and the router connects to each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_listen: Option<String>,
+    /// A Kubernetes InferencePool whose pods join the fleet as workers (the
+    /// `[inference-pool]` table, read by [`crate::pool`]); `None` (the default): the workers
+    /// are the `[[workers]]` entries only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_pool: Option<InferencePoolConfig>,
     /// The workers (`[[workers]]`).
     pub workers: Vec<WorkerConfig>,
+}
+
+/// The `[inference-pool]` table: the Gateway API Inference Extension's InferencePool whose
+/// ready pods are the router's workers, read from the Kubernetes API every `poll-ms` (the
+/// pool's `spec.selector` and target port, then the pods it selects). A ready pod joins as an
+/// `engine = "vllm"` worker named by the pod, with `http-url` `http://POD_IP:PORT`, and is
+/// discovered like any such worker (events, block size, pool size); a pod that is not ready
+/// or is terminating is drained; a pod gone (or given another IP) is removed. Its role is its
+/// `role-label` (llm-d's `llm-d.ai/role`: `prefill`, `decode`, `both` or `colocated`), else
+/// `default-role`. The `[[workers]]` entries of the file may run beside the pool's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct InferencePoolConfig {
+    /// The InferencePool's name. Required.
+    pub name: String,
+    /// Its namespace. Default: the router pod's own (its service account's `namespace`
+    /// file).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// The Kubernetes API, `https://host:port` or `http://host:port` (e.g. a `kubectl
+    /// proxy` beside the router). Default: `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`,
+    /// as in every pod.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_url: Option<String>,
+    /// The bearer token sent to the API, re-read at every poll (tokens are rotated).
+    /// Default: the service account's token file; none is sent when that file is absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
+    /// The certificate authority (PEM) the API's certificate is checked against, for an
+    /// `https` API. Default: the service account's `ca.crt`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// The InferencePool's API group and version: `inference.networking.k8s.io/v1` (the
+    /// default) or the older `inference.networking.x-k8s.io/v1alpha2`.
+    pub api_version: String,
+    /// How often the pool and its pods are read. Default 2,000 ms.
+    pub poll_ms: u64,
+    /// Deadline of one call to the API. Default 5,000 ms.
+    pub timeout_ms: u64,
+    /// The pod label that gives a pod's role. Default `llm-d.ai/role`.
+    pub role_label: String,
+    /// The role of a pod without that label. Default `colocated`.
+    pub default_role: WorkerRole,
+    /// The lowest worker id a pod is given: each new pod takes the lowest id from here up
+    /// that no worker holds (keep the `[[workers]]` ids below it). Default 1,024.
+    pub first_id: u32,
+}
+
+/// The Kubernetes API's address: `http(s)://host[:port]` (no path).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiUrl {
+    /// `https` (checked against the CA) or plain `http`.
+    pub https: bool,
+    /// The host, without brackets for an IPv6 address.
+    pub host: String,
+    /// The port (default 443 for `https`, 80 for `http`).
+    pub port: u16,
+}
+
+impl ApiUrl {
+    /// Reads `http(s)://host[:port]`, with an optional trailing `/`.
+    pub fn parse(url: &str) -> Result<ApiUrl, String> {
+        let (https, rest) = if let Some(r) = url.strip_prefix("https://") {
+            (true, r)
+        } else if let Some(r) = url.strip_prefix("http://") {
+            (false, r)
+        } else {
+            return Err("expected `https://host:port` or `http://host:port`".into());
+        };
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.contains('/') {
+            return Err("expected no path after the host and port".into());
+        }
+        let default_port = if https { 443 } else { 80 };
+        let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+            let (host, after) = v6
+                .split_once(']')
+                .ok_or("an IPv6 host without its closing `]`")?;
+            match after.strip_prefix(':') {
+                Some(p) => (host, Some(p)),
+                None if after.is_empty() => (host, None),
+                None => return Err(format!("`{after}` after the IPv6 host")),
+            }
+        } else {
+            match rest.rsplit_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (rest, None),
+            }
+        };
+        if host.is_empty() {
+            return Err("no host".into());
+        }
+        let port = match port {
+            Some(p) => p
+                .parse::<u16>()
+                .ok()
+                .filter(|&p| p != 0)
+                .ok_or_else(|| format!("port `{p}` is not a port"))?,
+            None => default_port,
+        };
+        Ok(ApiUrl {
+            https,
+            host: host.to_owned(),
+            port,
+        })
+    }
+
+    /// `host:port` as a `Host` header and a socket address say it.
+    pub(crate) fn authority(&self) -> String {
+        match self.host.parse::<IpAddr>() {
+            Ok(IpAddr::V6(_)) => format!("[{}]:{}", self.host, self.port),
+            _ => format!("{}:{}", self.host, self.port),
+        }
+    }
+}
+
+impl std::fmt::Display for ApiUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scheme = if self.https { "https" } else { "http" };
+        write!(f, "{scheme}://{}", self.authority())
+    }
+}
+
+impl Default for InferencePoolConfig {
+    fn default() -> Self {
+        InferencePoolConfig {
+            name: String::new(),
+            namespace: None,
+            api_url: None,
+            token_file: None,
+            ca_file: None,
+            api_version: "inference.networking.k8s.io/v1".to_owned(),
+            poll_ms: 2_000,
+            timeout_ms: 5_000,
+            role_label: "llm-d.ai/role".to_owned(),
+            default_role: WorkerRole::Colocated,
+            first_id: 1_024,
+        }
+    }
 }
 
 impl Default for RouterConfig {
@@ -133,6 +277,7 @@ impl Default for RouterConfig {
             tls: crate::tls::TlsConfig::default(),
             tracing: None,
             kv_events_listen: None,
+            inference_pool: None,
             workers: Vec::new(),
         }
     }

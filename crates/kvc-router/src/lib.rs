@@ -145,6 +145,7 @@ mod error;
 pub mod grpc;
 pub mod http;
 pub mod metrics;
+pub mod pool;
 mod server;
 mod service;
 pub mod sessions;
@@ -154,7 +155,8 @@ mod worker_http;
 mod workers;
 
 pub use config::{
-    EngineSignalsConfig, HttpConfig, RouterConfig, SessionLimits, TracingConfig, WorkerConfig,
+    EngineSignalsConfig, HttpConfig, InferencePoolConfig, RouterConfig, SessionLimits,
+    TracingConfig, WorkerConfig,
 };
 pub use error::{ConfigError, RequestError, ServeError};
 pub use grpc::RouterGrpc;

@@ -92,6 +92,13 @@ pub async fn serve_service(
     let grpc_tls = config.tls.grpc.as_ref().map(crate::tls::grpc_server_config);
     let http_tls = config.tls.http.as_ref().map(crate::tls::http_server_config);
     let (grpc_tls, http_tls) = (grpc_tls.transpose()?, http_tls.transpose()?);
+    // The inference pool's reader (its API, namespace, token and CA found) before anything is
+    // bound.
+    let pool = config
+        .inference_pool
+        .as_ref()
+        .map(crate::pool::PoolReader::from_config)
+        .transpose()?;
     // Tracing (off without a `[tracing]` table), shared by the fronts.
     let telemetry = crate::telemetry::Telemetry::from_config(&config)?;
     // The HTTP front (its tokenizer file loaded, its workers' URLs parsed) before anything
@@ -155,7 +162,10 @@ pub async fn serve_service(
     }
 
     service.bind_event_listener(&stop).await?;
-    let background = spawn_background(&service, &stop);
+    let mut background = spawn_background(&service, &stop);
+    if let Some(pool) = pool {
+        background.push(pool.spawn(Arc::clone(&service), stop.clone()));
+    }
 
     let metrics = metrics_listener.map(|listener| {
         let stop = stop.clone();

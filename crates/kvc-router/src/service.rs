@@ -199,6 +199,9 @@ pub struct RouterService {
     /// The `kv-events-listen` socket engines connect to, once bound
     /// ([`RouterService::bind_event_listener`]).
     kv_listener: std::sync::OnceLock<kvc_events::Listener>,
+    /// The workers the inference pool's pods joined as ([`crate::pool`]): theirs to add and
+    /// remove, left alone by a re-read of the file.
+    pool_owned: RwLock<std::collections::HashSet<u32>>,
 }
 
 /// The workers of the fleet, in the order they were configured or added, and where each id's
@@ -316,6 +319,7 @@ impl RouterService {
             started_ms,
             health_epoch,
             kv_listener: std::sync::OnceLock::new(),
+            pool_owned: RwLock::new(std::collections::HashSet::new()),
         };
         service.refresh_workers();
         Ok(service)

@@ -91,6 +91,26 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// A rustls client configuration trusting only the certificates of the PEM file `ca` (named
+/// `table.key` in errors), for calls the router makes to a TLS server (ALPN `http/1.1`).
+pub(crate) fn client_config(
+    table: &str,
+    key: &str,
+    ca: &Path,
+) -> Result<Arc<rustls::ClientConfig>, ConfigError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in certificates(table, key, ca)? {
+        roots.add(cert).map_err(|e| invalid(table, key, ca, e))?;
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ConfigError::Invalid(format!("{table}: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
 /// The HTTP front's rustls configuration from `tls` (ALPN `http/1.1`).
 pub fn http_server_config(tls: &ListenerTls) -> Result<Arc<rustls::ServerConfig>, ConfigError> {
     const TABLE: &str = "tls.http";

@@ -442,3 +442,63 @@ fn defaults_round_trip_through_toml() {
     let text = toml::to_string(&cfg).unwrap();
     assert_eq!(RouterConfig::from_toml_str(&text).unwrap(), cfg);
 }
+
+#[test]
+fn the_example_files_inference_pool_table_gives_the_defaults() {
+    // The commented-out table of the example file, uncommented, is accepted, and the values
+    // it shows are the defaults.
+    let text = include_str!("../../examples/router.toml");
+    let start = text.find("# [inference-pool]").unwrap();
+    let table: String = text[start..]
+        .lines()
+        .take_while(|l| l.starts_with("# "))
+        .map(|l| format!("{}\n", &l[2..]))
+        .collect();
+    let cfg = RouterConfig::from_toml_str(&table).unwrap();
+    let pool = cfg.inference_pool.unwrap();
+    assert_eq!(
+        pool,
+        InferencePoolConfig {
+            name: "vllm-pd".into(),
+            namespace: Some("llm".into()),
+            api_url: Some("https://10.96.0.1:443".into()),
+            token_file: Some("/var/run/secrets/kubernetes.io/serviceaccount/token".into()),
+            ca_file: Some("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt".into()),
+            ..InferencePoolConfig::default()
+        }
+    );
+    assert!(cfg.workers.is_empty());
+}
+
+#[test]
+fn inference_pool_tables_that_cannot_be_followed_are_refused() {
+    let cases = [
+        ("", "inference-pool.name is required"),
+        (
+            "name = \"p\"\nnamespace = \"\"",
+            "namespace must not be empty",
+        ),
+        ("name = \"p\"\napi-version = \"v9\"", "api-version `v9`"),
+        (
+            "name = \"p\"\napi-url = \"10.96.0.1\"",
+            "api-url `10.96.0.1`",
+        ),
+        (
+            "name = \"p\"\npoll-ms = 0",
+            "inference-pool.poll-ms must be positive",
+        ),
+        (
+            "name = \"p\"\nrole-label = \"\"",
+            "role-label must not be empty",
+        ),
+        ("name = \"p\"\nfirst-id = 4096", "first-id 4096"),
+        ("name = \"p\"\ndefault-role = \"router\"", "default-role"),
+        ("name = \"p\"\npods = 3", "pods"),
+    ];
+    for (body, expected) in cases {
+        let err = RouterConfig::from_toml_str(&format!("[inference-pool]\n{body}\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(expected), "{body:?}: {err}");
+    }
+}

@@ -2,8 +2,8 @@
 //! whole configuration's (unique ids and addresses, roles that can route).
 
 use super::{
-    DEFAULT_BOOTSTRAP_PORT, EngineSignalsConfig, HttpConfig, Limits, RouterConfig, SessionLimits,
-    TracingConfig, WorkerConfig, WorkerUrl,
+    DEFAULT_BOOTSTRAP_PORT, EngineSignalsConfig, HttpConfig, InferencePoolConfig, Limits,
+    RouterConfig, SessionLimits, TracingConfig, WorkerConfig, WorkerUrl,
 };
 use crate::error::ConfigError;
 use kvc_core::{EngineKind, WorkerRole};
@@ -98,6 +98,59 @@ impl HttpConfig {
                     )));
                 }
             }
+        }
+        Ok(())
+    }
+}
+
+impl InferencePoolConfig {
+    /// The API versions of the InferencePool that are read.
+    pub const API_VERSIONS: [&'static str; 2] = [
+        "inference.networking.k8s.io/v1",
+        "inference.networking.x-k8s.io/v1alpha2",
+    ];
+
+    /// Checks the `[inference-pool]` table: a name, a known API version, an `http(s)://host:port`
+    /// API when given, positive intervals, a role label, and room for pods above `first-id`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.name.is_empty() {
+            return Err(ConfigError::Invalid(
+                "inference-pool.name is required (the InferencePool whose pods are the workers)"
+                    .into(),
+            ));
+        }
+        if self.namespace.as_deref() == Some("") {
+            return Err(ConfigError::Invalid(
+                "inference-pool.namespace must not be empty (leave it out for the router pod's own)"
+                    .into(),
+            ));
+        }
+        if !Self::API_VERSIONS.contains(&self.api_version.as_str()) {
+            return Err(ConfigError::Invalid(format!(
+                "inference-pool.api-version `{}`: expected one of {}",
+                self.api_version,
+                Self::API_VERSIONS.join(", ")
+            )));
+        }
+        if let Some(url) = &self.api_url {
+            super::ApiUrl::parse(url).map_err(|e| {
+                ConfigError::Invalid(format!("inference-pool.api-url `{url}`: {e}"))
+            })?;
+        }
+        all_positive([
+            ("inference-pool.poll-ms", self.poll_ms),
+            ("inference-pool.timeout-ms", self.timeout_ms),
+        ])?;
+        if self.role_label.is_empty() {
+            return Err(ConfigError::Invalid(
+                "inference-pool.role-label must not be empty".into(),
+            ));
+        }
+        if self.first_id as usize >= MAX_WORKERS {
+            return Err(ConfigError::Invalid(format!(
+                "inference-pool.first-id {} leaves no id for a pod: worker ids are below {MAX_WORKERS}",
+                self.first_id
+            )));
         }
         Ok(())
     }
@@ -398,6 +451,9 @@ impl RouterConfig {
         self.tls.validate()?;
         if let Some(t) = &self.tracing {
             t.validate()?;
+        }
+        if let Some(pool) = &self.inference_pool {
+            pool.validate()?;
         }
         let mut seen = HashSet::new();
         for w in &self.workers {

@@ -97,56 +97,81 @@ impl RouterService {
     /// `http-url` is discovered as at start. Errors: `FailedPrecondition` for an id in use or
     /// a fleet the policy cannot route, `InvalidArgument` for an entry that is not valid.
     pub fn add_worker(&self, cfg: WorkerConfig) -> Result<(), RequestError> {
+        self.add_workers(vec![cfg])
+    }
+
+    /// Adds several workers at once, as [`RouterService::add_worker`] adds one: all or none,
+    /// the fleet checked with all of them (so a prefill worker and a decode worker can join
+    /// a fleet that neither could join alone).
+    pub fn add_workers(&self, cfgs: Vec<WorkerConfig>) -> Result<(), RequestError> {
         let _changing = self.changing.lock();
         let now = self.workers();
-        if now.get(cfg.id).is_some() {
-            return Err(RequestError::FailedPrecondition(format!(
-                "worker {} is already in the fleet (`{}`): remove it first, or use another id",
-                cfg.id,
-                now.config(cfg.id)
-                    .map_or_else(String::new, WorkerConfig::display_name)
-            )));
+        let names = || {
+            cfgs.iter()
+                .map(|c| format!("{} (`{}`)", c.id, c.display_name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let label = |cfgs: &[WorkerConfig]| match cfgs {
+            [one] => format!("worker {} (`{}`)", one.id, one.display_name()),
+            _ => format!("workers {}", names()),
+        };
+        for cfg in &cfgs {
+            if now.get(cfg.id).is_some() {
+                return Err(RequestError::FailedPrecondition(format!(
+                    "worker {} is already in the fleet (`{}`): remove it first, or use another id",
+                    cfg.id,
+                    now.config(cfg.id)
+                        .map_or_else(String::new, WorkerConfig::display_name)
+                )));
+            }
         }
         let mut whole = self.config.clone();
         whole.workers = now.configs.clone();
-        whole.workers.push(cfg.clone());
+        whole.workers.extend(cfgs.iter().cloned());
         whole.validate().map_err(|e| {
-            RequestError::InvalidArgument(format!(
-                "worker {} (`{}`) not added: {e}",
-                cfg.id,
-                cfg.display_name()
-            ))
+            RequestError::InvalidArgument(format!("{} not added: {e}", label(&cfgs)))
         })?;
-        let mut entry = WorkerEntry::new(&cfg, &self.config);
-        entry.share_health_epoch(&self.health_epoch);
-        let entry = Arc::new(entry);
         let mut list = now.list.clone();
-        list.push(Arc::clone(&entry));
+        let mut entries = Vec::with_capacity(cfgs.len());
+        for cfg in &cfgs {
+            let mut entry = WorkerEntry::new(cfg, &self.config);
+            entry.share_health_epoch(&self.health_epoch);
+            let entry = Arc::new(entry);
+            list.push(Arc::clone(&entry));
+            entries.push(entry);
+        }
         if let Some(problem) = fleet_problem(&list) {
             return Err(RequestError::FailedPrecondition(format!(
-                "worker {} (`{}`) not added: {problem}",
-                cfg.id,
-                cfg.display_name()
+                "{} not added: {problem}",
+                label(&cfgs)
             )));
         }
         let mut configs = now.configs.clone();
-        configs.push(cfg.clone());
+        configs.extend(cfgs.iter().cloned());
         let table = Arc::new(Workers::new(list, configs));
-        let id = cfg.worker_id();
-        self.tell_watchers(&FleetChange::Joining(Box::new(cfg.clone())));
+        for cfg in &cfgs {
+            self.tell_watchers(&FleetChange::Joining(Box::new(cfg.clone())));
+        }
         {
             let mut core = self.core.lock();
-            core.state
-                .set_worker_blocks(cfg.worker_id(), cfg.capacity_tokens);
-            core.state
-                .set_direct_append(cfg.worker_id(), cfg.can_append_prefill());
+            for cfg in &cfgs {
+                core.state
+                    .set_worker_blocks(cfg.worker_id(), cfg.capacity_tokens);
+                core.state
+                    .set_direct_append(cfg.worker_id(), cfg.can_append_prefill());
+            }
             core.fleet.rebuild(&table.list);
             *self.workers.write() = table;
         }
-        entry.refresh_snapshot(self.now_ms());
+        for (cfg, entry) in cfgs.iter().zip(&entries) {
+            entry.refresh_snapshot(self.now_ms());
+            tracing::info!(worker = cfg.id, name = %entry.name, role = ?cfg.role, "worker added to the fleet");
+        }
         self.health_epoch.fetch_add(1, Ordering::Release);
-        tracing::info!(worker = cfg.id, name = %entry.name, role = ?cfg.role, "worker added to the fleet");
-        self.tell_watchers(&FleetChange::Added(id));
+        for cfg in &cfgs {
+            self.tell_watchers(&FleetChange::Added(cfg.worker_id()));
+        }
         Ok(())
     }
 
@@ -192,6 +217,7 @@ impl RouterService {
             }
         };
         entry.stop_tasks();
+        self.pool_owned.write().remove(&worker.0);
         self.local_commit.write().remove(&worker);
         let _ = self.kv_index.write().clear(worker);
         self.health_epoch.fetch_add(1, Ordering::Release);
@@ -204,6 +230,37 @@ impl RouterService {
         );
         self.tell_watchers(&FleetChange::Removed(worker));
         Ok(removed)
+    }
+
+    /// Adds the workers of some of the inference pool's pods ([`crate::pool`]): as
+    /// [`RouterService::add_workers`], and a re-read of the file leaves them alone.
+    pub(crate) fn add_pool_workers(&self, cfgs: Vec<WorkerConfig>) -> Result<(), RequestError> {
+        let ids: Vec<u32> = cfgs.iter().map(|c| c.id).collect();
+        self.pool_owned.write().extend(ids.iter().copied());
+        let added = self.add_workers(cfgs);
+        if added.is_err() {
+            let mut owned = self.pool_owned.write();
+            for id in &ids {
+                owned.remove(id);
+            }
+        }
+        added
+    }
+
+    /// Whether `worker` joined for one of the inference pool's pods.
+    pub(crate) fn is_pool_worker(&self, worker: u32) -> bool {
+        self.pool_owned.read().contains(&worker)
+    }
+
+    /// The lowest worker id from `from` up that no worker holds, if any is left.
+    pub(crate) fn lowest_free_id(&self, from: u32) -> Option<u32> {
+        let now = self.workers();
+        (from..kvc_policy::MAX_WORKERS as u32).find(|&id| now.get(id).is_none())
+    }
+
+    /// The name worker `id` has in the fleet, if it is in it.
+    pub(crate) fn worker_name(&self, id: u32) -> Option<String> {
+        self.entry(id).map(|e| e.name.clone())
     }
 
     /// A token for a background task of `worker`: cancelled with `stop`, and when the worker
@@ -255,8 +312,12 @@ impl RouterService {
     pub fn reload(&self, new: &RouterConfig) -> Reload {
         let mut report = Reload::default();
         let now = self.workers();
-        // Removed first: an id given to another engine is taken out, then added anew.
+        // Removed first: an id given to another engine is taken out, then added anew. The
+        // inference pool's workers are the pool's, not the file's.
         for old in &now.configs {
+            if self.is_pool_worker(old.id) {
+                continue;
+            }
             let replaced = new
                 .worker(WorkerId(old.id))
                 .is_some_and(|w| w.role != old.role);
@@ -277,6 +338,17 @@ impl RouterService {
         }
         let now = self.workers();
         for w in &new.workers {
+            if self.is_pool_worker(w.id) {
+                report.needs_restart.push(format!(
+                    "worker {} (`{}`) not added: id {} is held by the inference pool's pod `{}`; \
+                     give the file's workers ids below inference-pool.first-id",
+                    w.id,
+                    w.display_name(),
+                    w.id,
+                    self.worker_name(w.id).unwrap_or_default()
+                ));
+                continue;
+            }
             let Some(old) = now.config(w.id) else {
                 match self.add_worker(w.clone()) {
                     Ok(()) => report.applied.push(format!(
