@@ -109,6 +109,10 @@ pub struct RouterState {
     cursors: [Option<WorkerId>; 3],
     /// Decode workers that take no direct-to-D turn (no decode-side append-prefill).
     no_direct: WorkerSet,
+    /// Workers whose grow-only view the policy never reads, so none is kept: under `kvc` and
+    /// `kvc-v2`, the workers that prefill for no other (that view is read only of the
+    /// workers a P→D prefill can run on).
+    seen_unread: WorkerSet,
 }
 
 fn role_index(role: WorkerRole) -> usize {
@@ -144,7 +148,17 @@ impl RouterState {
             _ => crate::KvcConfig::default().active_window_ms,
         };
         let mut index = BlockIndex::new(bounds.blocks_for(0, block_size));
+        let mut seen_unread = WorkerSet::EMPTY;
+        let reads_seen_of_every_worker =
+            !matches!(config, PolicyConfig::Kvc(_) | PolicyConfig::KvcV2(_));
         for w in workers {
+            if !reads_seen_of_every_worker
+                && (w.id.0 as usize) < MAX_WORKERS
+                && w.role != WorkerRole::Colocated
+                && !w.caps.prefill
+            {
+                seen_unread.insert(w.id.0 as usize);
+            }
             if (w.id.0 as usize) < MAX_WORKERS {
                 index.set_bound(
                     w.id.0 as usize,
@@ -175,6 +189,7 @@ impl RouterState {
             pair_failures: Map::default(),
             cursors: [None; 3],
             no_direct: WorkerSet::EMPTY,
+            seen_unread,
         }
     }
 
@@ -210,6 +225,13 @@ impl RouterState {
     /// The most blocks the block view keeps for `worker` in each view.
     pub fn worker_block_bound(&self, worker: WorkerId) -> u32 {
         self.index.bound(worker.0 as usize)
+    }
+
+    /// Whether the grow-only view is kept for `worker`: not for a worker whose view the policy
+    /// never reads (under `kvc` and `kvc-v2`, a worker of the initial fleet that prefills for
+    /// no other); always for one that joined later.
+    pub fn keeps_seen(&self, worker: WorkerId) -> bool {
+        !self.seen_unread.contains(worker.0 as usize)
     }
 
     /// Blocks the grow-only view holds for `worker` (at most its bound).
@@ -303,6 +325,8 @@ impl RouterState {
     /// block index. Its block bound is kept, so a worker added later under the same id starts
     /// empty with the same bound. Returns the sessions that were resident on it.
     pub fn forget_worker(&mut self, worker: WorkerId) -> usize {
+        // An id given to another worker later keeps its grow-only view.
+        self.seen_unread.remove(worker.0 as usize);
         let mut resident = 0;
         for route in self.sessions.values_mut() {
             let placed = route.current_d == Some(worker);

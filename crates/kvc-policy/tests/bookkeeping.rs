@@ -186,8 +186,11 @@ fn router_state_bookkeeping() {
     r.state.forget_session(sid(5));
     assert!(r.state.session(sid(5)).is_none());
     assert_eq!(r.state.resident_depth(dd, &t1), 0);
-    assert_eq!(r.state.seen_depth(dd, &t1), 12);
+    // The grow-only view stays on P; the policy reads none of a D that prefills for no
+    // other, so none is kept there.
     assert_eq!(r.state.seen_depth(p, &t1), 12);
+    assert!(!r.state.keeps_seen(dd) && r.state.keeps_seen(p));
+    assert_eq!(r.state.seen_depth(dd, &t1), 0);
     // Unknown ids are harmless.
     r.state.observe(&Observation::Evicted {
         session: sid(404),

@@ -436,8 +436,9 @@ fn completion_without_resident_tokens_ends_residency() {
         (Residency::NotResident, 0)
     );
     assert_eq!(r.state.resident_depth(d.decode, &t1), 0);
+    let p = d.prefill.expect("a first turn goes P→D");
     assert_eq!(
-        r.state.seen_depth(d.decode, &t1),
+        r.state.seen_depth(p, &t1),
         12,
         "the grow-only view keeps them"
     );

@@ -66,8 +66,10 @@ impl RouterState {
         }
         self.pending.insert(change.request_id, pending);
         self.bound_pending();
-        self.index
-            .record_seen(change.decode.0 as usize, &change.blocks);
+        if !self.seen_unread.contains(change.decode.0 as usize) {
+            self.index
+                .record_seen(change.decode.0 as usize, &change.blocks);
+        }
         self.cursors[role_index(change.decode_role)] = Some(change.decode);
 
         let Some(sid) = change.session else {

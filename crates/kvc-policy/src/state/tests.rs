@@ -290,7 +290,9 @@ fn block_bounds_derive_from_the_pool() {
 /// blocks leave both views, its bound stays, and the other workers keep theirs.
 #[test]
 fn a_forgotten_worker_holds_nothing_and_its_sessions_are_evicted() {
-    let mut state = RouterState::new(&kvc_config(), &workers());
+    // (kv-aware-v0 keeps every worker's grow-only view.)
+    let v0 = PolicyConfig::from_name("kv-aware-v0").unwrap();
+    let mut state = RouterState::new(&v0, &workers());
     let blocks: Vec<BlockHash> = (0..6).map(BlockHash).collect();
     for (k, (session, decode)) in [(1u64, 1u32), (2, 1), (3, 2)].into_iter().enumerate() {
         let request_id = RequestId(k as u64);
@@ -341,4 +343,42 @@ fn a_forgotten_worker_holds_nothing_and_its_sessions_are_evicted() {
     assert_eq!(state.seen_blocks(WorkerId(2)), 6);
     // Nothing left to forget the second time.
     assert_eq!(state.forget_worker(WorkerId(1)), 0);
+}
+
+/// Under `kvc` (and `kvc-v2`) the grow-only view of a worker that prefills for no other is
+/// never read, so none is kept; under the baselines, and for a prefill worker, it is.
+#[test]
+fn the_grow_only_view_is_kept_only_where_the_policy_reads_it() {
+    let blocks: Vec<BlockHash> = (0..6).map(BlockHash).collect();
+    let seen_after_one_turn = |config: &PolicyConfig| {
+        let mut state = RouterState::new(config, &workers());
+        state.apply(&StateChange {
+            request_id: RequestId(1),
+            session: Some(SessionId(1)),
+            now_ms: 1_000,
+            decode: WorkerId(1),
+            decode_role: WorkerRole::Decode,
+            prefill: Some(WorkerId(0)),
+            direct: false,
+            blocks: blocks.clone(),
+            reject_count: None,
+            prefill_us: 0,
+        });
+        let kept: Vec<bool> = (0..3).map(|w| state.keeps_seen(WorkerId(w))).collect();
+        let seen = (state.seen_blocks(WorkerId(0)), state.seen_blocks(WorkerId(1)));
+        (kept, seen, state)
+    };
+    for name in ["kvc", "kvc-v2"] {
+        let (kept, seen, mut state) = seen_after_one_turn(&PolicyConfig::from_name(name).unwrap());
+        assert_eq!(kept, vec![true, false, false], "{name}");
+        assert_eq!(seen, (6, 0), "{name}");
+        // The id given to another worker later keeps its view.
+        state.forget_worker(WorkerId(1));
+        assert!(state.keeps_seen(WorkerId(1)), "{name}");
+    }
+    for name in ["kv-aware-v0", "cache-aware", "round-robin"] {
+        let (kept, seen, _) = seen_after_one_turn(&PolicyConfig::from_name(name).unwrap());
+        assert_eq!(kept, vec![true, true, true], "{name}");
+        assert_eq!(seen, (6, 6), "{name}");
+    }
 }
