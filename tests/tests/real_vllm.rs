@@ -1125,6 +1125,8 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
     );
     std::fs::write(&start, &without).unwrap();
     engines.restart("d0");
+    // (P, killed in 7a, back: the router is ready only with a fleet that can serve.)
+    engines.restart("p0");
     let bare = engines.router_config("no-events", &["metrics-url", "kv-events"]);
     let quiet = start_router(&bare, &engines.dir.join("router-no-events.log"));
     let deadline = Instant::now() + Duration::from_secs(60);
