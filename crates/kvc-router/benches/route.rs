@@ -18,10 +18,9 @@
 mod common;
 
 use criterion::{Criterion, Throughput};
-use kvc_core::WorkerRole;
 use kvc_proto::pb;
 use kvc_proto::pb::router_client::RouterClient;
-use kvc_router::{RouterConfig, RunningRouter, WorkerConfig};
+use kvc_router::RunningRouter;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -47,28 +46,7 @@ impl Fixture {
     /// `sessions` sessions.
     fn new(sessions: u64) -> Fixture {
         let rt = common::runtime();
-        let dir = common::scratch_dir("router-bench");
-        let now = common::now_ms();
-        let mut cfg = RouterConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            metrics_listen: None,
-            // The snapshots are published once; keep them fresh for the whole run.
-            stale_after_ms: 3_600_000,
-            max_pending_decisions: 10_000,
-            ..RouterConfig::default()
-        };
-        let mut writers = Vec::new();
-        for (i, role) in [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode]
-            .into_iter()
-            .enumerate()
-        {
-            let (path, w) = common::fresh_snapshot(&dir, i, now);
-            writers.push(w);
-            cfg.workers.push(WorkerConfig {
-                snapshot: Some(path),
-                ..WorkerConfig::new(i as u32, role, common::POOL_TOKENS)
-            });
-        }
+        let (cfg, writers, dir) = common::one_p_two_d("router-bench");
         let (router, client) = rt.block_on(async {
             let router = kvc_router::serve(cfg, std::future::pending())
                 .await

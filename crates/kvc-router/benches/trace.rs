@@ -25,10 +25,10 @@ mod common;
 
 use axum::http::{HeaderMap, HeaderValue};
 use criterion::Criterion;
-use kvc_core::{BlockHash, Outcome, RequestId, SessionId, TurnId, WorkerRole};
+use kvc_core::{BlockHash, Outcome, RequestId, SessionId, TurnId};
 use kvc_policy::RouteRequest;
 use kvc_router::telemetry::{HeaderExtractor, Telemetry};
-use kvc_router::{DecisionOutcome, RouterConfig, RouterService, TracingConfig, WorkerConfig};
+use kvc_router::{DecisionOutcome, RouterService, TracingConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SpanData, SpanExporter};
 use std::time::Instant;
@@ -88,26 +88,7 @@ impl Fixture {
     /// A router over one prefill and two decode workers, with tracing off and tracing on
     /// (every sampled span handed to [`Discard`]).
     fn new() -> Fixture {
-        let dir = common::scratch_dir("trace-bench");
-        let now = common::now_ms();
-        let mut cfg = RouterConfig {
-            metrics_listen: None,
-            stale_after_ms: 3_600_000,
-            max_pending_decisions: 10_000,
-            ..RouterConfig::default()
-        };
-        let mut writers = Vec::new();
-        for (i, role) in [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode]
-            .into_iter()
-            .enumerate()
-        {
-            let (path, w) = common::fresh_snapshot(&dir, i, now);
-            writers.push(w);
-            cfg.workers.push(WorkerConfig {
-                snapshot: Some(path),
-                ..WorkerConfig::new(i as u32, role, common::POOL_TOKENS)
-            });
-        }
+        let (cfg, writers, _) = common::one_p_two_d("trace-bench");
         let tracing = TracingConfig {
             otlp_endpoint: "http://127.0.0.1:4317".to_owned(),
             ..TracingConfig::default()

@@ -361,6 +361,22 @@ pub fn spawn_background(
     tasks
 }
 
+/// Spawns `task` for `worker`, given the service, the worker's own stop token (cancelled with
+/// `stop` or when the worker leaves the fleet) and the scrape interval.
+fn spawn_worker_task<F>(
+    service: &Arc<RouterService>,
+    worker: kvc_core::WorkerId,
+    stop: &CancellationToken,
+    task: impl FnOnce(Arc<RouterService>, CancellationToken, Duration) -> F,
+) -> JoinHandle<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let stop = service.worker_task_token(worker, stop);
+    let every = Duration::from_millis(service.config().engine_signals.scrape_interval_ms);
+    tokio::spawn(task(Arc::clone(service), stop, every))
+}
+
 /// `worker`'s KV-event task: the source read from the engine first when not configured, then
 /// the subscriber started once the engine's block size is known (its first scrape); until
 /// `stop`, or until the worker leaves the fleet.
@@ -369,10 +385,7 @@ fn spawn_event_task(
     worker: kvc_core::WorkerId,
     stop: &CancellationToken,
 ) -> JoinHandle<()> {
-    let svc = Arc::clone(service);
-    let stop = service.worker_task_token(worker, stop);
-    let every = Duration::from_millis(service.config().engine_signals.scrape_interval_ms);
-    tokio::spawn(async move {
+    spawn_worker_task(service, worker, stop, move |svc, stop, every| async move {
         while let Some(wait) = svc.discover_events(worker).await {
             tokio::select! {
                 () = stop.cancelled() => return,
@@ -391,10 +404,7 @@ fn spawn_scrape_task(
     worker: kvc_core::WorkerId,
     stop: &CancellationToken,
 ) -> JoinHandle<()> {
-    let svc = Arc::clone(service);
-    let stop = service.worker_task_token(worker, stop);
-    let every = Duration::from_millis(service.config().engine_signals.scrape_interval_ms);
-    tokio::spawn(async move {
+    spawn_worker_task(service, worker, stop, move |svc, stop, every| async move {
         let mut tick = ticker(every);
         while next_tick(&mut tick, &stop).await {
             svc.scrape_worker(worker).await;

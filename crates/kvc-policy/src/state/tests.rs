@@ -365,7 +365,10 @@ fn the_grow_only_view_is_kept_only_where_the_policy_reads_it() {
             prefill_us: 0,
         });
         let kept: Vec<bool> = (0..3).map(|w| state.keeps_seen(WorkerId(w))).collect();
-        let seen = (state.seen_blocks(WorkerId(0)), state.seen_blocks(WorkerId(1)));
+        let seen = (
+            state.seen_blocks(WorkerId(0)),
+            state.seen_blocks(WorkerId(1)),
+        );
         (kept, seen, state)
     };
     for name in ["kvc", "kvc-v2"] {

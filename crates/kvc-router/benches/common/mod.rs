@@ -1,4 +1,4 @@
-//! What the router benchmarks share: the workers' snapshot files.
+//! What the router benchmarks share: the workers' snapshot files and a 1P2D fleet of them.
 
 use kvc_core::WorkerId;
 use std::path::{Path, PathBuf};
@@ -43,4 +43,43 @@ pub(crate) fn scratch_dir(name: &str) -> PathBuf {
 pub(crate) fn now_ms() -> u64 {
     use kvc_admission::Clock;
     kvc_admission::SystemClock.now_ms()
+}
+
+/// A router configuration over one prefill and two decode workers, each with a fresh snapshot
+/// file in a scratch folder named `name` (kept fresh for an hour: they are published once),
+/// the writers, which must live as long as the router reads them, and the folder.
+#[allow(
+    dead_code,
+    reason = "the endpoint-picker bench builds a fleet of its own"
+)]
+pub(crate) fn one_p_two_d(
+    name: &str,
+) -> (
+    kvc_router::RouterConfig,
+    Vec<kvc_admission::SnapshotWriter>,
+    PathBuf,
+) {
+    use kvc_core::WorkerRole;
+    let dir = scratch_dir(name);
+    let now = now_ms();
+    let mut cfg = kvc_router::RouterConfig {
+        listen: "127.0.0.1:0".parse().expect("an address"),
+        metrics_listen: None,
+        stale_after_ms: 3_600_000,
+        max_pending_decisions: 10_000,
+        ..kvc_router::RouterConfig::default()
+    };
+    let mut writers = Vec::new();
+    for (i, role) in [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode]
+        .into_iter()
+        .enumerate()
+    {
+        let (path, w) = fresh_snapshot(&dir, i, now);
+        writers.push(w);
+        cfg.workers.push(kvc_router::WorkerConfig {
+            snapshot: Some(path),
+            ..kvc_router::WorkerConfig::new(i as u32, role, POOL_TOKENS)
+        });
+    }
+    (cfg, writers, dir)
 }
