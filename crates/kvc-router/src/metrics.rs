@@ -32,6 +32,7 @@
 //! | `kvc_router_worker_kv_events` | gauge | `worker`, `name`, `kind` (`indexed-blocks`, `last-seq`, and since start `batches`, `gaps`, `replays`, `replay-failures`, `resets`, `malformed`, `unknown-blocks`, `dropped-blocks`, `connect-failures`; `synced` 1 once the first replay after start has ended), for workers with `kv-events` |
 //! | `kvc_router_worker_kv_events_rank` | gauge | `worker`, `name`, `rank`, `kind` (`indexed-blocks`, `last-seq`, `synced`, and since start `gaps`, `resets`, `other-rank`): each data-parallel rank's own stream |
 //! | `kvc_router_kv_events_listen` | gauge | `kind` (`received`, `unknown-topic`, `not-started`, `overflow`, `malformed`): the `kv-events-listen` socket, when configured |
+//! | `kvc_router_inference_pool` | gauge | `kind` (`pods`, `ready`, `unknown-role` at the last read that answered; `workers` the pods are now; since start `reads`, `read-failures`; `failing` 1 while the last read failed), with an `[inference-pool]` table |
 //! | `kvc_router_worker_drained` | gauge | `worker`, `name`, `role`: 1 while the operator has the worker drained (`DrainWorker`, or `drained` in its entry re-read on SIGHUP) |
 //! | `kvc_router_worker_kv_events_source` | gauge | `worker`, `name`, `endpoint`, `from` (`config`, or `engine`: read from vLLM's `GET /kv_event_sources`); 1 per worker whose event source is known |
 //! | `kvc_router_worker_discovery_warnings` | gauge | `worker`, `name`: what reading the engine found wrong (discovery's last problem and warnings, prefix caching off; the text in `ListWorkers`), for workers with any, or whose event source was read from the engine |
@@ -53,7 +54,7 @@
 mod scrape;
 
 pub use kvc_core::{CommitKind, ProbeKind};
-pub use scrape::{BlockSizes, Gauges, WorkerSample};
+pub use scrape::{BlockSizes, Gauges, PoolStats, WorkerSample};
 
 use kvc_core::{
     BreakerState, ExecutionMode, FallThroughReason, Forgotten, Outcome, StableName, WorkerId,

@@ -433,6 +433,8 @@ pub(crate) struct PoolReader {
     problem: Option<String>,
     /// Pods left out, already warned of.
     warned: std::collections::BTreeSet<String>,
+    /// What `/metrics` shows of the reader.
+    stats: crate::metrics::PoolStats,
 }
 
 impl PoolReader {
@@ -515,6 +517,7 @@ impl PoolReader {
             known: BTreeMap::new(),
             problem: None,
             warned: std::collections::BTreeSet::new(),
+            stats: crate::metrics::PoolStats::default(),
         })
     }
 
@@ -569,20 +572,33 @@ impl PoolReader {
 
     /// One poll: the pool and its pods read, the fleet made to follow them.
     pub(crate) async fn poll(&mut self, svc: &RouterService) {
+        self.stats.reads += 1;
         match self.read().await {
             Ok((spec, pods)) => {
                 if let Some(p) = self.problem.take() {
                     tracing::info!(pool = %self.cfg.name, "inference pool read again (it failed: {p})");
                 }
                 self.apply(svc, &spec, &pods);
+                self.stats.failing = false;
+                self.stats.pods = pods.len();
+                self.stats.ready = pods.iter().filter(|p| p.ready).count();
+                self.stats.unknown_role = pods.iter().filter(|p| p.role.is_err()).count();
             }
             Err(e) => {
+                self.stats.read_failures += 1;
+                self.stats.failing = true;
                 if self.problem.as_deref() != Some(e.as_str()) {
                     tracing::warn!(pool = %self.cfg.name, "inference pool not read, the fleet is left as it is: {e}");
                     self.problem = Some(e);
                 }
             }
         }
+        self.stats.workers = self
+            .known
+            .iter()
+            .filter(|(name, w)| svc.worker_name(w.id).as_deref() == Some(name.as_str()))
+            .count();
+        svc.set_pool_stats(self.stats);
     }
 
     fn apply(&mut self, svc: &RouterService, spec: &PoolSpec, pods: &[Pod]) {

@@ -202,6 +202,8 @@ pub struct RouterService {
     /// The workers the inference pool's pods joined as ([`crate::pool`]): theirs to add and
     /// remove, left alone by a re-read of the file.
     pool_owned: RwLock<std::collections::HashSet<u32>>,
+    /// What the inference pool's reader last found ([`crate::pool`]), once it has read.
+    pool_stats: Mutex<Option<crate::metrics::PoolStats>>,
 }
 
 /// The workers of the fleet, in the order they were configured or added, and where each id's
@@ -320,6 +322,7 @@ impl RouterService {
             health_epoch,
             kv_listener: std::sync::OnceLock::new(),
             pool_owned: RwLock::new(std::collections::HashSet::new()),
+            pool_stats: Mutex::new(None),
         };
         service.refresh_workers();
         Ok(service)
@@ -874,6 +877,7 @@ impl RouterService {
             pending_decisions,
             blocks,
             listener: self.event_listener_stats(),
+            pool: *self.pool_stats.lock(),
         }
     }
 

@@ -256,6 +256,24 @@ async fn the_pools_ready_pods_are_the_fleet_as_they_come_and_go() {
         .into_inner();
     assert_eq!(first.decode_worker, 1024, "{first:?}");
 
+    // /metrics says what the last read found: four pods, three ready, one left out for its
+    // role label, two workers; no read failed.
+    let pool_gauge = |m: &[common::Sample], kind: &str| {
+        common::value(m, "kvc_router_inference_pool", &[("kind", kind)])
+    };
+    let m = c.metrics().await;
+    for (kind, v) in [
+        ("pods", 4.0),
+        ("ready", 3.0),
+        ("unknown-role", 1.0),
+        ("workers", 2.0),
+        ("read-failures", 0.0),
+        ("failing", 0.0),
+    ] {
+        assert_eq!(pool_gauge(&m, kind), v, "{kind}");
+    }
+    assert!(pool_gauge(&m, "reads") >= 1.0);
+
     // A re-read of the file (no [[workers]]) leaves the pool's workers alone.
     let report = c.service().reload(&c.service().config().clone());
     assert_eq!(report, kvc_router::Reload::default());
@@ -312,6 +330,11 @@ async fn the_pools_ready_pods_are_the_fleet_as_they_come_and_go() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(api.lock().refused >= 2, "the token was not re-read");
+    // (Read failures counted, the last read failing, the workers unchanged.)
+    let m = c.metrics().await;
+    assert!(pool_gauge(&m, "read-failures") >= 2.0);
+    assert_eq!(pool_gauge(&m, "failing"), 1.0);
+    assert_eq!(pool_gauge(&m, "workers"), 2.0);
     assert_eq!(api.lock().served, served, "a failing API served a call");
     assert_eq!(
         fleet(&c),

@@ -52,6 +52,27 @@ pub struct Gauges {
     pub blocks: BlockSizes,
     /// What the `kv-events-listen` socket could not hand to a worker, when it is bound.
     pub listener: Option<kvc_events::ListenerStats>,
+    /// The inference pool's reader, when an `[inference-pool]` table is configured.
+    pub pool: Option<PoolStats>,
+}
+
+/// What the inference pool's reader found at its last read, and its reads since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Pods the pool selects, at the last read that answered.
+    pub pods: usize,
+    /// Of those, the ready ones.
+    pub ready: usize,
+    /// Of those, the ones whose role label names no role (left out).
+    pub unknown_role: usize,
+    /// Workers the pool's pods are now.
+    pub workers: usize,
+    /// Reads of the pool and its pods since start.
+    pub reads: u64,
+    /// Of those, the ones that failed (the fleet left as it was).
+    pub read_failures: u64,
+    /// Whether the last read failed.
+    pub failing: bool,
 }
 
 /// The policy state's block view and its drop counters, for the metrics.
@@ -181,6 +202,9 @@ pub(super) fn registry(metrics: &Metrics, gauges: &Gauges) -> Registry {
     if let Some(l) = &gauges.listener {
         listener_gauges(&mut r, l);
     }
+    if let Some(p) = &gauges.pool {
+        pool_gauges(&mut r, p);
+    }
     let accounting = Family::<WorkerLabels, Gauge>::default();
     for w in &gauges.workers {
         if let Some(reported) = w.cache_accounting {
@@ -269,6 +293,27 @@ fn listener_gauges(r: &mut Registry, l: &kvc_events::ListenerStats) {
     r.register(
         "kvc_router_kv_events_listen",
         "Messages the kv-events-listen socket received from engines that connect to the router, and those it could not hand to a worker: a topic naming no listening worker (never indexed), a worker whose stream had not started, a full stream queue, malformed frames; by kind",
+        family,
+    );
+}
+
+/// The inference pool's reader: its pods at the last read, and its reads since start.
+fn pool_gauges(r: &mut Registry, p: &PoolStats) {
+    let family = Family::<KindLabel, Gauge>::default();
+    for (kind, v) in [
+        ("pods", p.pods as u64),
+        ("ready", p.ready as u64),
+        ("unknown-role", p.unknown_role as u64),
+        ("workers", p.workers as u64),
+        ("reads", p.reads),
+        ("read-failures", p.read_failures),
+        ("failing", u64::from(p.failing)),
+    ] {
+        family.get_or_create(&KindLabel { kind }).set(count(v));
+    }
+    r.register(
+        "kvc_router_inference_pool",
+        "The inference pool's pods at the last read that answered (selected, ready, left out for their role label) and the workers they are, and its reads of the Kubernetes API since start (failed ones, and whether the last one failed), by kind",
         family,
     );
 }
@@ -490,6 +535,7 @@ mod tests {
                 session_dropped: 7,
             },
             listener: None,
+            pool: None,
         };
         let text = Metrics::new().render(&gauges);
         let d1 = "{worker=\"1\",name=\"d1\",role=\"decode\"}";

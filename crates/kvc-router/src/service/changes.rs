@@ -247,6 +247,11 @@ impl RouterService {
         added
     }
 
+    /// Records what the inference pool's reader found (shown on `/metrics`).
+    pub(crate) fn set_pool_stats(&self, stats: crate::metrics::PoolStats) {
+        *self.pool_stats.lock() = Some(stats);
+    }
+
     /// Whether `worker` joined for one of the inference pool's pods.
     pub(crate) fn is_pool_worker(&self, worker: u32) -> bool {
         self.pool_owned.read().contains(&worker)
