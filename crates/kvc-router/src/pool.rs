@@ -22,23 +22,18 @@ use crate::RouterService;
 pub use crate::config::ApiUrl;
 use crate::config::{InferencePoolConfig, WorkerConfig};
 use crate::error::ConfigError;
-use http_body_util::BodyExt as _;
 use hyper::body::Bytes;
 use kvc_core::{EngineKind, WorkerId, WorkerRole};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::sync::CancellationToken;
 
 /// Where a pod finds its service account's token, CA and namespace.
 pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
-
-/// The largest answer read from the API (a pod list of thousands of pods fits).
-const MAX_ANSWER_BYTES: usize = 64 << 20;
 
 /// What the InferencePool says of its pods: the labels that select them and the port they
 /// serve on.
@@ -331,97 +326,6 @@ pub fn pod_worker(id: u32, pod: &str, url: &str, role: WorkerRole) -> WorkerConf
     w
 }
 
-/// The Kubernetes API as the pool's reader calls it.
-struct Api {
-    url: ApiUrl,
-    tls: Option<tokio_rustls::TlsConnector>,
-    token_file: Option<PathBuf>,
-    timeout: Duration,
-}
-
-impl Api {
-    /// `GET path`: the status and the body, or why there is none.
-    async fn get(&self, path: &str) -> Result<(u16, Bytes), String> {
-        let token = match &self.token_file {
-            Some(f) => match std::fs::read_to_string(f) {
-                Ok(t) => Some(t.trim().to_owned()),
-                Err(e) => return Err(format!("cannot read the token file {}: {e}", f.display())),
-            },
-            None => None,
-        };
-        let call = async {
-            let tcp = tokio::net::TcpStream::connect((self.url.host.as_str(), self.url.port))
-                .await
-                .map_err(|e| format!("cannot connect to {}: {e}", self.url))?;
-            let _ = tcp.set_nodelay(true);
-            match &self.tls {
-                None => get_over(tcp, &self.url, path, token.as_deref()).await,
-                Some(connector) => {
-                    let name = tokio_rustls::rustls::pki_types::ServerName::try_from(
-                        self.url.host.clone(),
-                    )
-                    .map_err(|e| format!("`{}` is not a TLS server name: {e}", self.url.host))?;
-                    let tls = connector
-                        .connect(name, tcp)
-                        .await
-                        .map_err(|e| format!("TLS with {}: {e}", self.url))?;
-                    get_over(tls, &self.url, path, token.as_deref()).await
-                }
-            }
-        };
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r,
-            Err(_) => Err(format!(
-                "{} did not answer GET {path} within {} ms",
-                self.url,
-                self.timeout.as_millis()
-            )),
-        }
-    }
-}
-
-/// One HTTP/1.1 `GET path` over `io`.
-async fn get_over<S>(
-    io: S,
-    url: &ApiUrl,
-    path: &str,
-    token: Option<&str>,
-) -> Result<(u16, Bytes), String>
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
-            .await
-            .map_err(|e| format!("HTTP with {url}: {e}"))?;
-    let conn = tokio::spawn(conn);
-    let mut req = hyper::Request::get(path)
-        .header(hyper::header::HOST, url.authority())
-        .header(hyper::header::ACCEPT, "application/json");
-    if let Some(t) = token {
-        req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
-    }
-    let req = req
-        .body(http_body_util::Empty::<Bytes>::new())
-        .map_err(|e| format!("GET {path}: {e}"))?;
-    let answer = async {
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| format!("GET {url}{path}: {e}"))?;
-        let status = resp.status().as_u16();
-        let body = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
-            .collect()
-            .await
-            .map_err(|e| format!("GET {url}{path}: the answer: {e}"))?
-            .to_bytes();
-        Ok((status, body))
-    }
-    .await;
-    conn.abort();
-    answer
-}
-
 /// Reads the pool and its pods every `poll-ms`, and makes the fleet follow them.
 pub(crate) struct PoolReader {
     cfg: InferencePoolConfig,
@@ -593,18 +497,20 @@ impl PoolReader {
                 }
             }
         }
-        self.stats.workers = self
-            .known
-            .iter()
-            .filter(|(name, w)| svc.worker_name(w.id).as_deref() == Some(name.as_str()))
-            .count();
+        self.retain_in_fleet(svc);
+        self.stats.workers = self.known.len();
         svc.set_pool_stats(self.stats);
     }
 
-    fn apply(&mut self, svc: &RouterService, spec: &PoolSpec, pods: &[Pod]) {
-        // Workers the operator removed (RemoveWorker) are known no more: their pods join anew.
+    /// Forgets the pods whose workers left the fleet some other way (`RemoveWorker`): they
+    /// join anew at the next read.
+    fn retain_in_fleet(&mut self, svc: &RouterService) {
         self.known
             .retain(|name, w| svc.worker_name(w.id).as_deref() == Some(name.as_str()));
+    }
+
+    fn apply(&mut self, svc: &RouterService, spec: &PoolSpec, pods: &[Pod]) {
+        self.retain_in_fleet(svc);
         for p in pods {
             if let Err(why) = &p.role
                 && self.warned.insert(format!("{}: {why}", p.name))
@@ -746,5 +652,8 @@ impl PoolReader {
     }
 }
 
+mod api;
 #[cfg(test)]
 mod tests;
+
+use api::Api;

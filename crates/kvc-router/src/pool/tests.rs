@@ -1,5 +1,6 @@
 use super::*;
 use serde_json::json;
+use std::path::PathBuf;
 
 fn pod(name: &str, ip: Option<&str>, ready: bool, role: Option<&str>) -> Value {
     let mut labels = json!({"app": "vllm"});
