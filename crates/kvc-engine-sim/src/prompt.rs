@@ -49,17 +49,85 @@ pub fn prompt_text(hashes: &[BlockHash], input_length: u64, block: BlockSize) ->
     let bs = u64::from(block.tokens());
     let mut out = String::with_capacity(input_length as usize * 7);
     for p in 0..input_length {
-        let b = p / bs;
-        let id = match hashes.get(b as usize) {
-            Some(h) => h.0,
-            None => mix(hashes.last().map_or(0, |h| h.0) ^ b.rotate_left(32)),
-        };
+        let id = block_id_at(hashes, p, bs);
         if p > 0 {
             out.push(' ');
         }
         push_word(&mut out, id, p % bs);
     }
     out
+}
+
+/// The block id of position `p` (blocks of `bs` tokens): the listed id, or one derived from
+/// the last listed id and the block's index past the list.
+fn block_id_at(hashes: &[BlockHash], p: u64, bs: u64) -> u64 {
+    let b = p / bs;
+    match hashes.get(b as usize) {
+        Some(h) => h.0,
+        None => mix(hashes.last().map_or(0, |h| h.0) ^ b.rotate_left(32)),
+    }
+}
+
+/// Prompt text for a real engine's tokenizer: a list of words each of which, written after a
+/// space, is one token of the engine's vocabulary, so that a prompt of `n` positions is `n`
+/// tokens and two prompts share exactly as many leading tokens as they share leading
+/// positions (where [`prompt_text`]'s made-up words split into several tokens each, a
+/// different number per word). Every position is written as a space and its word.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptWords {
+    words: Vec<String>,
+}
+
+impl PromptWords {
+    /// The fewest words a list may hold: with fewer, blocks would share too many words by
+    /// chance.
+    pub const MIN_WORDS: usize = 16;
+
+    /// A word list; `None` if it holds fewer than [`Self::MIN_WORDS`] words, or a word that is
+    /// empty or holds whitespace.
+    pub fn new(mut words: Vec<String>) -> Option<PromptWords> {
+        words.sort();
+        words.dedup();
+        let ok = words.len() >= Self::MIN_WORDS
+            && words
+                .iter()
+                .all(|w| !w.is_empty() && !w.chars().any(char::is_whitespace));
+        ok.then_some(PromptWords { words })
+    }
+
+    /// The words, sorted.
+    pub fn words(&self) -> &[String] {
+        &self.words
+    }
+
+    /// The prompt of a request of `input_length` positions with block ids `hashes` (blocks of
+    /// `block` tokens): ` word` per position, the word chosen by the block id and the position
+    /// within the block (as [`prompt_text`] does).
+    ///
+    /// ```
+    /// use kvc_core::{BlockHash, BlockSize};
+    /// use kvc_engine_sim::prompt::PromptWords;
+    ///
+    /// let words = PromptWords::new((0..20).map(|i| format!("w{i}")).collect()).unwrap();
+    /// let block = BlockSize::new(4).unwrap();
+    /// let a = words.text(&[BlockHash(7), BlockHash(8)], 6, block);
+    /// let b = words.text(&[BlockHash(7), BlockHash(9)], 8, block);
+    /// assert_eq!(a.split(' ').count(), 7); // a leading space, then six words
+    /// let w = |s: &str| s.split(' ').skip(1).map(str::to_owned).collect::<Vec<_>>();
+    /// assert_eq!(w(&a)[..4], w(&b)[..4]);
+    /// ```
+    pub fn text(&self, hashes: &[BlockHash], input_length: u64, block: BlockSize) -> String {
+        let bs = u64::from(block.tokens());
+        let n = self.words.len() as u64;
+        let mut out = String::with_capacity(input_length as usize * 8);
+        for p in 0..input_length {
+            let id = block_id_at(hashes, p, bs);
+            let v = mix(id ^ mix(p % bs));
+            out.push(' ');
+            out.push_str(&self.words[(v % n) as usize]);
+        }
+        out
+    }
 }
 
 /// A 64-bit key of a prompt's text (FNV-1a), used to find the trace request a worker was sent.
@@ -127,5 +195,46 @@ mod tests {
         let w = words(&t);
         assert_eq!(w.len(), 12);
         assert_ne!(w[4..8], w[8..12]);
+    }
+
+    #[test]
+    fn word_lists_give_one_word_per_position_shared_where_blocks_are() {
+        let list = PromptWords::new((0..40).map(|i| format!("x{i}")).collect()).unwrap();
+        let block = BlockSize::new(32).unwrap();
+        let a = list.text(&[BlockHash(1), BlockHash(2), BlockHash(3)], 80, block);
+        let b = list.text(&[BlockHash(1), BlockHash(2), BlockHash(4)], 96, block);
+        assert!(a.starts_with(' ') && !a.contains("  "));
+        let (wa, wb): (Vec<&str>, Vec<&str>) = (words(&a)[1..].to_vec(), words(&b)[1..].to_vec());
+        assert_eq!(wa.len(), 80);
+        assert_eq!(wb.len(), 96);
+        assert_eq!(wa[..64], wb[..64]);
+        let differing = wa[64..]
+            .iter()
+            .zip(&wb[64..])
+            .filter(|(x, y)| x != y)
+            .count();
+        assert!(differing > 8, "only {differing} of 16 words differ");
+        assert!(wa.iter().all(|w| list.words().iter().any(|l| l == w)));
+        // The same inputs give the same text.
+        assert_eq!(
+            a,
+            list.text(&[BlockHash(1), BlockHash(2), BlockHash(3)], 80, block)
+        );
+    }
+
+    #[test]
+    fn short_or_blank_word_lists_are_refused() {
+        assert_eq!(
+            PromptWords::new((0..15).map(|i| format!("x{i}")).collect()),
+            None
+        );
+        let mut words: Vec<String> = (0..20).map(|i| format!("x{i}")).collect();
+        // Duplicates do not count twice.
+        assert_eq!(PromptWords::new(vec!["x".to_owned(); 20]), None);
+        words.push("two words".into());
+        assert_eq!(PromptWords::new(words.clone()), None);
+        words.pop();
+        words.push(String::new());
+        assert_eq!(PromptWords::new(words), None);
     }
 }

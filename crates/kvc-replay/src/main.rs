@@ -25,6 +25,9 @@ enum Command {
     /// Replay a trace on a real clock through a real router in front of simulated workers:
     /// kvc-router over gRPC, or any router over HTTP (--http, --http-router URL).
     Live(Box<cli::live::Args>),
+    /// Replay a trace on a real clock against real engines, or any router in front of them,
+    /// over HTTP (OpenAI /v1/completions); records TTFT, latency, modes and cached tokens.
+    Drive(Box<cli::drive::Args>),
     /// Standalone simulated vLLM workers (1p3d by default) serving any client's prompts,
     /// GPU-free, until Ctrl-C; writes a kvc-router configuration for them.
     Workers(Box<cli::workers::Args>),
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
         Command::Stats(args) => cli::stats::run(args),
         Command::Sim(args) => cli::sim::run(args),
         Command::Live(args) => cli::live::run(*args),
+        Command::Drive(args) => cli::drive::run(*args),
         Command::Workers(args) => cli::workers::run(*args),
         Command::Compare(args) => cli::compare::run(args),
         Command::Report(args) => cli::report::run(args),

@@ -2,6 +2,7 @@
 
 pub(crate) mod compare;
 pub(crate) mod demo;
+pub(crate) mod drive;
 pub(crate) mod generate;
 pub(crate) mod live;
 pub(crate) mod policies;

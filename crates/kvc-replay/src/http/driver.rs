@@ -9,7 +9,7 @@ use http_body_util::{BodyExt, Full};
 use kvc_core::EngineKind;
 use kvc_core::sse::{SseEvent, SseScanner};
 use kvc_engine_sim::http::{SharedState, connector};
-use kvc_engine_sim::prompt::{prompt_key, prompt_text};
+use kvc_engine_sim::prompt::{PromptWords, prompt_key, prompt_text};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,6 +34,21 @@ pub struct DriveOptions {
     /// The workers' API: SGLang's `/generate`, or (`vllm`) OpenAI's `/v1/completions` with
     /// `stream_options.include_usage` on streams.
     pub engine: EngineKind,
+    /// The model named in each request.
+    pub model: String,
+    /// The words prompts are written in: made-up words ([`prompt_text`]), or a real
+    /// tokenizer's one-token words ([`PromptWords`]).
+    pub words: Option<Arc<PromptWords>>,
+}
+
+impl DriveOptions {
+    /// The prompt text of trace request `r`.
+    pub(crate) fn prompt(&self, trace: &Trace, r: &crate::trace::TraceRequest) -> String {
+        match &self.words {
+            Some(w) => w.text(&r.hash_ids, r.input_length, trace.block_size()),
+            None => prompt_text(&r.hash_ids, r.input_length, trace.block_size()),
+        }
+    }
 }
 
 /// What the client saw of one request.
@@ -52,12 +67,20 @@ pub(crate) struct ClientSide {
     /// The router's `x-kvc-prefill-failed` header was there: the decode worker served a P→D
     /// request alone after its prefill worker failed.
     pub(crate) prefill_failed: bool,
+    /// The router's `x-kvc-prefill-worker` and `x-kvc-decode-worker` headers, when it sends them.
+    pub(crate) prefill_worker: Option<String>,
+    pub(crate) decode_worker: Option<String>,
     /// The answer completed (2xx, and a stream that ended with `[DONE]` and no error event).
     pub(crate) complete: bool,
     /// The answer says the input is over the model's limit.
     pub(crate) input_too_long: bool,
     /// Why the request failed, when it did.
     pub(crate) error: Option<String>,
+    /// The prompt tokens the answer's usage counted, when it says.
+    pub(crate) prompt_tokens: Option<u64>,
+    /// The prompt tokens the answer's usage says the engine found cached
+    /// (`usage.prompt_tokens_details.cached_tokens`, or SGLang's `meta_info.cached_tokens`).
+    pub(crate) cached_tokens: Option<u64>,
 }
 
 type Client = hyper_util::client::legacy::Client<
@@ -65,10 +88,12 @@ type Client = hyper_util::client::legacy::Client<
     Full<Bytes>,
 >;
 
-/// Sends every request of the trace; returns what the client saw, by trace index.
+/// Sends every request of the trace; returns what the client saw, by trace index. `shared`:
+/// the simulated workers the requests go to (each prompt is registered there, for the worker
+/// to find its trace request by), or `None` for real engines.
 pub(crate) async fn drive(
     trace: Arc<Trace>,
-    shared: Arc<SharedState>,
+    shared: Option<Arc<SharedState>>,
     opts: DriveOptions,
     start: Instant,
     speedup: f64,
@@ -163,7 +188,7 @@ fn body_of(
 
 async fn send(
     trace: &Trace,
-    shared: &SharedState,
+    shared: &Option<Arc<SharedState>>,
     client: &Client,
     opts: &DriveOptions,
     i: usize,
@@ -171,11 +196,13 @@ async fn send(
     dispatch: Instant,
 ) -> ClientSide {
     let r = &trace.requests[i];
-    let text = prompt_text(&r.hash_ids, r.input_length, trace.block_size());
+    let text = opts.prompt(trace, r);
     let key = prompt_key(&text);
-    let body = body_of(trace, shared.model(), i, &text, opts.stream, opts.engine);
+    let body = body_of(trace, &opts.model, i, &text, opts.stream, opts.engine);
     drop(text);
-    shared.register(key, i);
+    if let Some(shared) = shared {
+        shared.register(key, i);
+    }
     let sent = Instant::now();
     let mut side = ClientSide {
         ready,
@@ -187,9 +214,13 @@ async fn send(
         mode: None,
         reason: None,
         prefill_failed: false,
+        prefill_worker: None,
+        decode_worker: None,
         complete: false,
         input_too_long: false,
         error: None,
+        prompt_tokens: None,
+        cached_tokens: None,
     };
     let session_key = format!("s{}", r.session.0);
     let result = tokio::time::timeout(
@@ -208,7 +239,9 @@ async fn send(
         }
     }
     side.done = Instant::now();
-    shared.unregister(key, i);
+    if let Some(shared) = shared {
+        shared.unregister(key, i);
+    }
     side
 }
 
@@ -246,6 +279,8 @@ async fn exchange(
     side.mode = header("x-kvc-mode");
     side.reason = header("x-kvc-reason");
     side.prefill_failed = header("x-kvc-prefill-failed").is_some();
+    side.prefill_worker = header("x-kvc-prefill-worker");
+    side.decode_worker = header("x-kvc-decode-worker");
     let ok = resp.status().is_success();
     let mut body = resp.into_body();
     let mut events = StreamedAnswer::default();
@@ -275,6 +310,8 @@ async fn exchange(
             return Err(format!("error event: {e}"));
         }
         side.complete = events.done && events.completion.is_some();
+        side.prompt_tokens = events.usage.prompt;
+        side.cached_tokens = events.usage.cached;
         if !side.complete {
             return Err("the stream ended without its last event".into());
         }
@@ -285,6 +322,9 @@ async fn exchange(
             .pointer("/meta_info/completion_tokens")
             .or_else(|| v.pointer("/usage/completion_tokens"))
             .is_some();
+        let usage = Usage::of(&v);
+        side.prompt_tokens = usage.prompt;
+        side.cached_tokens = usage.cached;
         if !side.complete {
             return Err(format!("the answer has no meta_info or usage: {v}"));
         }
@@ -304,6 +344,34 @@ struct StreamedAnswer {
     done: bool,
     /// The last error event, as JSON text.
     error: Option<String>,
+    /// The prompt counts the last event that carried them said.
+    usage: Usage,
+}
+
+/// The prompt counts an answer reports.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Usage {
+    prompt: Option<u64>,
+    cached: Option<u64>,
+}
+
+impl Usage {
+    /// Reads OpenAI's `usage` (`prompt_tokens`, `prompt_tokens_details.cached_tokens`) or
+    /// SGLang's `meta_info` (`prompt_tokens`, `cached_tokens`).
+    fn of(v: &Value) -> Usage {
+        let at = |a: &str, b: &str| {
+            v.pointer(a)
+                .or_else(|| v.pointer(b))
+                .and_then(Value::as_u64)
+        };
+        Usage {
+            prompt: at("/usage/prompt_tokens", "/meta_info/prompt_tokens"),
+            cached: at(
+                "/usage/prompt_tokens_details/cached_tokens",
+                "/meta_info/cached_tokens",
+            ),
+        }
+    }
 }
 
 impl StreamedAnswer {
@@ -336,6 +404,10 @@ impl StreamedAnswer {
         if text.is_some_and(|t| !t.is_empty()) {
             self.first_token = true;
         }
+        let usage = Usage::of(&v);
+        if usage.prompt.is_some() {
+            self.usage = usage;
+        }
         if let Some(n) = v
             .pointer("/meta_info/completion_tokens")
             .or_else(|| v.pointer("/usage/completion_tokens"))
@@ -358,7 +430,7 @@ impl StreamedAnswer {
 
 #[cfg(test)]
 mod tests {
-    use super::StreamedAnswer;
+    use super::{StreamedAnswer, Usage};
 
     #[test]
     fn events_split_across_chunks_are_read_whole() {
@@ -372,6 +444,33 @@ mod tests {
         assert_eq!(s.completion, Some(9));
         assert!(s.done);
         assert_eq!(s.error, None);
+    }
+
+    #[test]
+    fn the_usage_chunk_gives_the_prompt_and_cached_counts() {
+        let mut s = StreamedAnswer::default();
+        s.feed(b"data: {\"choices\": [{\"text\": \"x\"}], \"usage\": null}\n\n");
+        assert_eq!(s.usage, Usage::default());
+        s.feed(b"data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 900, \"completion_tokens\": 4, \"prompt_tokens_details\": {\"cached_tokens\": 864}}}\n\ndata: [DONE]\n\n");
+        s.finish();
+        assert_eq!(
+            s.usage,
+            Usage {
+                prompt: Some(900),
+                cached: Some(864)
+            }
+        );
+        assert_eq!(s.completion, Some(4));
+        // No details: the prompt count alone.
+        let v: serde_json::Value =
+            serde_json::from_str(r#"{"usage": {"prompt_tokens": 7}}"#).unwrap();
+        assert_eq!(
+            Usage::of(&v),
+            Usage {
+                prompt: Some(7),
+                cached: None
+            }
+        );
     }
 
     #[test]

@@ -21,6 +21,7 @@
 //! in wall milliseconds. It is measured for streamed requests that completed.
 
 pub mod driver;
+pub mod engines;
 mod serve;
 
 pub use driver::DriveOptions;
@@ -345,6 +346,8 @@ pub fn live_http(
         time_scale: cfg.time_scale,
         concurrency: cfg.concurrency,
         engine: opts.workers.engine,
+        model: workers.shared().model().to_owned(),
+        words: None,
     };
     let wall = Instant::now();
     // Trace time 0 is now: engine time keeps running from the workers' start.
@@ -356,7 +359,7 @@ pub fn live_http(
     let sides = rt.block_on(async {
         let mut task = tokio::spawn(driver::drive(
             trace.clone(),
-            shared.clone(),
+            Some(shared.clone()),
             drive_opts,
             start,
             speedup,
@@ -617,9 +620,13 @@ mod tests {
             mode: Some(mode.to_owned()),
             reason: None,
             prefill_failed,
+            prefill_worker: None,
+            decode_worker: None,
             complete: true,
             input_too_long: false,
             error: None,
+            prompt_tokens: None,
+            cached_tokens: None,
         };
         let d = WorkerId(1);
         let served = |path| Served {
