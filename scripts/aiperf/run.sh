@@ -6,6 +6,10 @@
 #
 # Usage: scripts/aiperf/run.sh [--conversations N] [--turns T] [--isl TOKENS] [--osl TOKENS]
 #                              [--concurrency C] [--speedup X] [--topology 1pNd] [--out DIR]
+#                              [--real-vllm ENGINES_DIR]
+# --real-vllm: real vLLM engines started by scripts/real-vllm/up.sh ENGINES_DIR instead of
+#   simulated workers: kvc-router runs with the ENGINES_DIR/kvc-router.toml written there, and
+#   aiperf counts tokens with the engines' own tokenizer.
 # Needs python3 (with venv) and PyPI the first time (aiperf 0.13.0 goes into DIR/venv). No
 # other network: aiperf's tokenizer is built locally (scripts/aiperf/tokenizer.py). Everything
 # listens on 127.0.0.1 only; the run is bounded by N × T requests and 15 minutes.
@@ -22,8 +26,10 @@ topology=1p3d
 out="$root/target/aiperf"
 aiperf_version=0.13.0
 limit_s=900
+real=""
+request_timeout_s=120
 
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --conversations) conversations="$2"; shift 2 ;;
@@ -34,6 +40,7 @@ while [ $# -gt 0 ]; do
     --speedup) speedup="$2"; shift 2 ;;
     --topology) topology="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
+    --real-vllm) real="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "aiperf: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -55,7 +62,13 @@ fi
 #    prompt corpus, as kvc-router's default tokenizer and the simulated workers count.
 corpus="$("$venv/bin/python" -c 'import aiperf, os; print(os.path.join(os.path.dirname(aiperf.__file__), "dataset", "generator", "assets", "shakespeare.txt"))')"
 tokenizer="$out/tokenizer"
-"$venv/bin/python" "$root/scripts/aiperf/tokenizer.py" "$corpus" "$tokenizer"
+if [ -n "$real" ]; then
+  request_timeout_s=600 # a CPU engine prefills a long prompt in seconds, and stalls on P->D transfers
+  [ -s "$real/ready.json" ] || { log "no engines in $real (run scripts/real-vllm/up.sh first)"; exit 1; }
+  tokenizer="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["model"])' "$real/ready.json")"
+else
+  "$venv/bin/python" "$root/scripts/aiperf/tokenizer.py" "$corpus" "$tokenizer"
+fi
 
 # 3. Our binaries.
 log "building kvc-replay and kvc-router (release)"
@@ -74,25 +87,31 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# 4. Standalone simulated workers and kvc-router in front of them.
+# 4. Standalone simulated workers (or the real engines) and kvc-router in front of them.
 run="$out/run"
 rm -rf "$run"; mkdir -p "$run"
-"$target/release/kvc-replay" workers --topology "$topology" --speedup "$speedup" \
-  --snapshot-dir "$run/snapshots" --ready-file "$run/ready.json" \
-  --write-router-config "$run/kvc-router.toml" --router-http-listen "127.0.0.1:$router_port" \
-  --router-listen 127.0.0.1:0 --router-metrics-listen "127.0.0.1:$metrics_port" \
-  --duration-s "$limit_s" >"$run/workers.out" 2>"$run/workers.log" &
-workers_pid=$!
-for _ in $(seq 1 300); do
-  [ -s "$run/ready.json" ] && break
-  kill -0 "$workers_pid" 2>/dev/null || { log "the workers stopped; see $run/workers.log"; exit 1; }
-  sleep 0.1
-done
-[ -s "$run/ready.json" ] || { log "the workers never came up"; exit 1; }
-cat "$run/workers.out" >&2
+if [ -n "$real" ]; then
+  router_port="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["router-http"].rsplit(":", 1)[1])' "$real/ready.json")"
+  metrics_port=$((router_port + 1))
+  cp "$real/kvc-router.toml" "$run/kvc-router.toml"
+else
+  "$target/release/kvc-replay" workers --topology "$topology" --speedup "$speedup" \
+    --snapshot-dir "$run/snapshots" --ready-file "$run/ready.json" \
+    --write-router-config "$run/kvc-router.toml" --router-http-listen "127.0.0.1:$router_port" \
+    --router-listen 127.0.0.1:0 --router-metrics-listen "127.0.0.1:$metrics_port" \
+    --duration-s "$limit_s" >"$run/workers.out" 2>"$run/workers.log" &
+  workers_pid=$!
+  for _ in $(seq 1 300); do
+    [ -s "$run/ready.json" ] && break
+    kill -0 "$workers_pid" 2>/dev/null || { log "the workers stopped; see $run/workers.log"; exit 1; }
+    sleep 0.1
+  done
+  [ -s "$run/ready.json" ] || { log "the workers never came up"; exit 1; }
+  cat "$run/workers.out" >&2
+fi
 "$target/release/kvc-router" --config "$run/kvc-router.toml" --log warn >"$run/router.log" 2>&1 &
 router_pid=$!
-for _ in $(seq 1 100); do
+for _ in $(seq 1 600); do
   curl -sf "http://127.0.0.1:$router_port/health" >/dev/null 2>&1 && break
   kill -0 "$router_pid" 2>/dev/null || { log "kvc-router stopped; see $run/router.log"; exit 1; }
   sleep 0.2
@@ -106,7 +125,7 @@ log "kvc-router on 127.0.0.1:$router_port (model $model); $conversations convers
   --endpoint-type chat --streaming --tokenizer "$tokenizer" \
   --conversation-num "$conversations" --conversation-turn-mean "$turns" --conversation-turn-stddev 0 \
   --isl "$isl" --isl-stddev 0 --osl "$osl" --osl-stddev 0 --concurrency "$concurrency" \
-  --session-header x-session-id --random-seed 7 --request-timeout-seconds 120 \
+  --session-header x-session-id --random-seed 7 --request-timeout-seconds "$request_timeout_s" \
   --benchmark-duration "$limit_s" --ui-type none --artifact-dir "$run/aiperf" 2>"$run/aiperf.log" \
   | tee "$run/aiperf.out"
 

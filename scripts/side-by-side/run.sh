@@ -64,19 +64,11 @@ case "$topology" in
 esac
 
 mkdir -p "$out"
-log() { echo "side-by-side: $*" >&2; }
+tag=side-by-side
+# shellcheck source=scripts/side-by-side/lib.sh
+. "$root/scripts/side-by-side/lib.sh"
 
-# 1. The peers, from PyPI, each in its own virtual environment (installed together,
-#    sglang-router shadows SMG's argument parser).
-install() { # install VENV PACKAGE VERSION EXECUTABLE
-  local venv="$1" package="$2" version="$3" exe="$4"
-  if ! "$venv/bin/$exe" --help >/dev/null 2>&1 \
-     || [ "$("$venv/bin/pip" show "$package" 2>/dev/null | sed -n 's/^Version: //p')" != "$version" ]; then
-    log "installing $package==$version into $venv"
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package==$version"
-  fi
-}
+# 1. The peers, from PyPI, each in its own virtual environment.
 venv="$out/venv"
 if [ "$engine" = sglang ]; then
   install "$venv" sglang-router "$sglang_version" sglang-router
@@ -114,10 +106,6 @@ wait_for_file() {
     sleep 0.1
   done
   log "timed out waiting for $1"; exit 1
-}
-
-port_busy() {
-  python3 -c 'import socket,sys; s=socket.socket(); sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)' "$1"
 }
 
 # run NAME ROUTER_PORT METRICS_PORT WORKER_PORT BOOTSTRAP_PORT DIALECT: starts the replay's

@@ -1,0 +1,283 @@
+#!/usr/bin/env bash
+# Side by side on real vLLM: kvc-router and its peers, each in turn in front of the same real
+# engines (the CPU build of scripts/real-vllm/), two engines for every leg, the same prompts
+# for every leg with the engines' prefix caches emptied before each (/reset_prefix_cache).
+# Prints one table (also OUT/table.md); each leg's raw records stay under OUT/runs/LEG/repN/.
+#
+# Legs, two engines each:
+#   on 1P1D (NixlConnector P/D):
+#     kvc-1p1d          kvc-router, policy kvc, each engine kept to its role
+#     vllm-router-1p1d  vllm-router --vllm-pd-disaggregation --policy kv_aware with decode
+#                       session affinity, fed by the prefill engine's KV events
+#   on 2 colocated engines:
+#     kvc-2x            kvc-router, policy kvc, both engines serving turns alone
+#     vllm-router-2x    vllm-router --policy kv_aware with session affinity, fed by both
+#                       engines' KV events
+#     smg-2x            smg --policy cache_aware --sticky-sessions on x-session-id
+#     round-robin-2x    vllm-router --policy round_robin: the floor
+#
+# The workload: the SWE-agent generator (SESSIONS sessions started within 30 s), scaled to a
+# CPU engine (token counts divided by FACTOR, the first TURNS turns of each session, outputs
+# capped at 64 tokens: contexts of a few thousand tokens growing turn by turn, seconds between
+# turns), replayed by `kvc-replay drive` on a real clock with prompts in the engine
+# tokenizer's one-token words, so every engine counts each prompt as the trace does.
+#
+# Usage: scripts/side-by-side/real.sh [--reps 3] [--sessions 4] [--turns 6] [--factor 4]
+#          [--seed 7] [--only LEG[,LEG...]] [--out DIR] [--peers DIR]
+# --only runs just the named legs (their engines are started as needed) and tables every leg
+#   found in DIR. --peers: where the peers' venvs live (shared with run.sh).
+# Needs python3 (with venv) and PyPI the first time (vLLM CPU, vllm-router, smg). Each
+# topology's engines are started once (about 2 minutes) and stopped when its legs are done;
+# a leg takes 1-3 minutes. Everything listens on 127.0.0.1 only.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+reps=3
+sessions=4
+turns=6
+factor=4
+seed=7
+only=""
+out="$root/target/side-by-side-real"
+peers="$root/target/side-by-side"
+vllm_router_version=0.1.17
+smg_version=1.13.0
+peer_port=18090
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --reps) reps="$2"; shift 2 ;;
+    --sessions) sessions="$2"; shift 2 ;;
+    --turns) turns="$2"; shift 2 ;;
+    --factor) factor="$2"; shift 2 ;;
+    --seed) seed="$2"; shift 2 ;;
+    --only) only=",$2,"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    --peers) peers="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "side-by-side-real: unknown option $1" >&2; usage >&2; exit 2 ;;
+  esac
+done
+for n in "$reps" "$sessions" "$turns" "$factor"; do
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "side-by-side-real: expected a positive count, got $n" >&2; exit 2; }
+done
+all_legs="kvc-1p1d vllm-router-1p1d kvc-2x vllm-router-2x smg-2x round-robin-2x"
+if [ -n "$only" ]; then
+  for leg in ${only//,/ }; do
+    [[ " $all_legs " == *" $leg "* ]] || { echo "side-by-side-real: no leg $leg (legs: $all_legs)" >&2; exit 2; }
+  done
+fi
+
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+tag=side-by-side-real
+# shellcheck source=scripts/side-by-side/lib.sh
+. "$root/scripts/side-by-side/lib.sh"
+
+# 1. The peers, and our binaries.
+install "$peers/vllm-router-venv" vllm-router "$vllm_router_version" vllm-router
+install "$peers/smg-venv" smg "$smg_version" smg
+log "building kvc-replay and kvc-router (release)"
+(cd "$root" && cargo build --release --locked --quiet -p kvc-replay -p kvc-router)
+target="${CARGO_TARGET_DIR:-$root/target}"
+replay="$target/release/kvc-replay"
+kvc_router="$target/release/kvc-router"
+
+# 2. The trace, the same for every leg.
+"$replay" gen swe --seed "$seed" --sessions "$sessions" --start-span 30 --out "$out/swe.jsonl" --quiet
+block="$(python3 "$root/scripts/side-by-side/scale_trace.py" "$out/swe.jsonl" "$out/trace.jsonl" \
+  --factor "$factor" --turns "$turns" --max-output 64)"
+"$replay" stats "$out/trace.jsonl" --block-size "$block" 2>/dev/null | sed -n '1,6p' >&2 || true
+
+engines=""
+router_pid=""
+relay_pid=""
+vllm_python="$("$root/scripts/real-vllm/install.sh" | tail -n 1)"
+cleanup() {
+  if [ -n "$router_pid" ]; then kill "$router_pid" 2>/dev/null || true; fi
+  if [ -n "$relay_pid" ]; then kill "$relay_pid" 2>/dev/null || true; fi
+  if [ -n "$engines" ]; then "$root/scripts/real-vllm/down.sh" "$engines" || true; fi
+}
+trap cleanup EXIT
+
+# ready FIELD [ROLE] : from the engines' ready.json, the model directory ("model"), or the
+# engines' http-url / kv-events / kv-events-replay, one a line, of every engine (or of ROLE).
+ready() {
+  python3 - "$engines/ready.json" "$@" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+field = sys.argv[2]
+if field == "model":
+    print(r["model"])
+else:
+    for e in r["engines"]:
+        if len(sys.argv) < 4 or e["role"] == sys.argv[3]:
+            print(e[field])
+PY
+}
+
+scrape() { # scrape DIR WHEN: every engine's /metrics into DIR/ENGINE.WHEN.prom
+  local i=0 url
+  for url in $(ready http-url); do
+    curl -fsS --max-time 30 "$url/metrics" >"$1/engine$i.$2.prom" \
+      || { log "engine $url did not answer /metrics"; return 1; }
+    i=$((i + 1))
+  done
+}
+
+# relay DIR ROLE: vllm-router takes KV events from tcp:// endpoints only, and the engines
+# publish on ipc:// (a vLLM engine binds tcp only on every interface): kv_relay.py republishes
+# each ROLE engine's events on tcp://127.0.0.1:19300+2i (replay on the next port). Prints
+# "URL=EVENTS URL=REPLAY" per engine.
+relay() {
+  local dir="$1" role="$2" specs=() i=0 e r
+  while IFS=$'\t' read -r e r; do
+    specs+=("$e,$r=$((19300 + 2 * i))")
+    i=$((i + 1))
+  done < <(python3 - "$engines/ready.json" "$role" <<'PY'
+import json, sys
+for e in json.load(open(sys.argv[1]))["engines"]:
+    if e["role"] == sys.argv[2]:
+        print(e["kv-events"], e["kv-events-replay"], sep="\t")
+PY
+)
+  "$vllm_python" "$root/scripts/side-by-side/kv_relay.py" "${specs[@]}" >"$dir/relay.out" 2>"$dir/relay.log" &
+  relay_pid=$!
+  for _ in $(seq 1 100); do
+    [ "$(wc -l <"$dir/relay.out")" -ge "$i" ] && break
+    kill -0 "$relay_pid" 2>/dev/null || { log "the KV event relay stopped; see $dir/relay.log"; exit 1; }
+    sleep 0.1
+  done
+  python3 - "$engines/ready.json" "$role" "$dir/relay.out" <<'PY'
+import json, sys
+relayed = {l.split()[0]: l.split()[1:] for l in open(sys.argv[3])}
+for e in json.load(open(sys.argv[1]))["engines"]:
+    if e["role"] == sys.argv[2]:
+        ev, rp = relayed[e["kv-events"]]
+        print(f'{e["http-url"]}={ev} {e["http-url"]}={rp}')
+PY
+}
+
+start_router() { # start_router LEG DIR: the leg's router, in the background; sets router_pid, url, mode
+  local leg="$1" dir="$2" model p d x0 x1 a b c
+  model="$(ready model)"
+  url="http://127.0.0.1:$peer_port"
+  mode=colocated
+  case "$leg" in
+    kvc-1p1d|kvc-2x)
+      url="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["router-http"])' "$engines/ready.json")"
+      mode=unknown
+      "$kvc_router" --config "$engines/kvc-router.toml" --log warn >"$dir/router.log" 2>&1 &
+      ;;
+    vllm-router-1p1d)
+      p="$(ready http-url prefill)"; d="$(ready http-url decode)"
+      relay "$dir" prefill >"$dir/relay.urls" # not in a subshell: it sets relay_pid
+      mode=prefill-decode
+      "$peers/vllm-router-venv/bin/vllm-router" --vllm-pd-disaggregation --policy kv_aware \
+        --kv-aware-session-affinity-ttl-secs 3600 --kv-event-model "$model" --kv-event-block-size "$block_engine" \
+        --prefill "$p" --decode "$d" --pd-kv-events "$(cut -d' ' -f1 "$dir/relay.urls")" \
+        --request-timeout-secs 600 --host 127.0.0.1 --port "$peer_port" --log-level warning \
+        --prometheus-host 127.0.0.1 --prometheus-port "$((peer_port + 1))" >"$dir/router.log" 2>&1 &
+      ;;
+    vllm-router-2x)
+      { read -r x0; read -r x1; } < <(ready http-url)
+      relay "$dir" colocated >"$dir/relay.urls"
+      { read -r a b; read -r c d; } <"$dir/relay.urls"
+      "$peers/vllm-router-venv/bin/vllm-router" --worker-urls "$x0" "$x1" --policy kv_aware \
+        --kv-aware-session-affinity-ttl-secs 3600 --kv-event-model "$model" --kv-event-block-size "$block_engine" \
+        --kv-event-source "$a" --kv-event-source "$c" \
+        --kv-event-replay-source "$b" --kv-event-replay-source "$d" \
+        --request-timeout-secs 600 --host 127.0.0.1 --port "$peer_port" --log-level warning \
+        --prometheus-host 127.0.0.1 --prometheus-port "$((peer_port + 1))" >"$dir/router.log" 2>&1 &
+      ;;
+    smg-2x)
+      # shellcheck disable=SC2046
+      "$peers/smg-venv/bin/smg" launch --worker-urls $(ready http-url) --policy cache_aware \
+        --sticky-sessions --routing-key-headers x-session-id --request-timeout-secs 600 \
+        --host 127.0.0.1 --port "$peer_port" --log-level warn \
+        --prometheus-host 127.0.0.1 --prometheus-port "$((peer_port + 1))" >"$dir/router.log" 2>&1 &
+      ;;
+    round-robin-2x)
+      # shellcheck disable=SC2046
+      "$peers/vllm-router-venv/bin/vllm-router" --worker-urls $(ready http-url) --policy round_robin \
+        --request-timeout-secs 600 --host 127.0.0.1 --port "$peer_port" --log-level warning \
+        --prometheus-host 127.0.0.1 --prometheus-port "$((peer_port + 1))" >"$dir/router.log" 2>&1 &
+      ;;
+  esac
+  router_pid=$!
+}
+
+stop_router() {
+  local pid
+  for pid in "$router_pid" "$relay_pid"; do
+    [ -n "$pid" ] || continue
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  router_pid=""
+  relay_pid=""
+}
+
+run_leg() { # run_leg LEG TOPOLOGY REP
+  local leg="$1" topology="$2" rep="$3" dir url mode
+  dir="$out/runs/$leg/rep$rep"
+  rm -rf "$dir"; mkdir -p "$dir"
+  for u in $(ready http-url); do
+    curl -fsS --max-time 60 -X POST "$u/reset_prefix_cache" >/dev/null \
+      || { log "$u did not empty its prefix cache"; exit 1; }
+  done
+  scrape "$dir" before
+  start_router "$leg" "$dir"
+  log "leg $leg, repetition $rep: router on $url"
+  local t=0
+  until curl -fsS -o /dev/null --max-time 5 "$url/health" 2>/dev/null; do
+    if ! kill -0 "$router_pid" 2>/dev/null; then
+      log "router of leg $leg exited; see $dir/router.log"; tail -5 "$dir/router.log" >&2; exit 1
+    fi
+    t=$((t + 1))
+    [ "$t" -lt 180 ] || { log "router of leg $leg not healthy within 180 s; see $dir/router.log"; stop_router; exit 1; }
+    sleep 1
+  done
+  if ! "$replay" drive --url "$url" --model "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["served-model-name"])' "$engines/ready.json")" \
+      --trace "$out/trace.jsonl" --block-size "$block" --tokenizer "$(ready model)/tokenizer.json" \
+      --label "$leg" --topology "$topology" --unlabelled-mode "$mode" --connect-timeout-s 180 \
+      --out "$dir" >"$dir/drive.out" 2>"$dir/drive.log"; then
+    log "leg $leg failed; see $dir/drive.log and $dir/router.log"
+    tail -5 "$dir/drive.log" >&2
+    stop_router
+    exit 1
+  fi
+  grep -E '^answered' "$dir/drive.out" >&2 || true
+  scrape "$dir" after
+  stop_router
+}
+
+# 3. Each topology's engines once, its legs REPS times (the legs' order rotating per
+#    repetition, so that no leg always runs first on freshly started engines).
+for topology in 1p1d 2x; do
+  legs=()
+  for leg in $all_legs; do
+    [[ "$leg" == *"-$topology" ]] || continue
+    [ -z "$only" ] || [[ "$only" == *",$leg,"* ]] || continue
+    legs+=("$leg")
+  done
+  [ ${#legs[@]} -gt 0 ] || continue
+  engines="$out/engines-$topology"
+  "$root/scripts/real-vllm/down.sh" "$engines" 2>/dev/null || true
+  log "starting real vLLM engines: $topology"
+  "$root/scripts/real-vllm/up.sh" "$topology" "$engines" >/dev/null
+  block_engine="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["engines"][0]["block-size"])' "$engines/ready.json")"
+  for rep in $(seq 1 "$reps"); do
+    n=${#legs[@]}
+    for i in $(seq 0 $((n - 1))); do
+      run_leg "${legs[$(((i + rep - 1) % n))]}" "$topology" "$rep"
+    done
+  done
+  "$root/scripts/real-vllm/down.sh" "$engines"
+  engines=""
+done
+
+# 4. The table.
+python3 "$root/scripts/side-by-side/real_table.py" --trace "$out/trace.jsonl" "$out/runs" | tee "$out/table.md"
+log "wrote $out/table.md"

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Tables the side-by-side runs on real vLLM (scripts/side-by-side/real.sh).
+
+Usage: real_table.py [--trace FILE] RUNS_DIR
+
+RUNS_DIR/LEG/repN/ holds one repetition of a leg: kvc-replay drive's summary.json, drive.json
+and metrics.jsonl, and every engine's /metrics before and after it (engineI.before.prom,
+engineI.after.prom). Each cell is the mean over the repetitions, with the lowest and highest
+in brackets when there are several. Seconds are wall seconds on the real engines.
+
+- prompt tokens computed: the engines' own count of prompt tokens they computed
+  (vllm:prompt_tokens_by_source_total{source="local_compute"}, summed over the engines, the
+  leg's increase), as a share of the trace's prompt tokens; a P/D request's tokens computed
+  on P count once, D's pulled KV not at all.
+- cached share (answers): usage.prompt_tokens_details.cached_tokens over prompt_tokens, as the
+  answers report it (a P/D decode engine counts the KV it pulled as cached).
+- router and API (ms/request): the clients' latency minus the engines' own request time
+  (vllm:e2e_request_latency_seconds, summed over the engines), per request: the router, the
+  engines' HTTP servers and loopback.
+Then, per repetition, kvc-router's better configuration against the best peer on each
+headline figure (TTFT mean, p50, p90; latency mean, p50), as kvc / peer.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+LEGS = [
+    ("kvc-1p1d", "kvc-router (kvc, 1P1D)"),
+    ("kvc-2x", "kvc-router (kvc, 2 colocated)"),
+    ("vllm-router-1p1d", "vllm-router 0.1.17 (P/D kv_aware)"),
+    ("vllm-router-2x", "vllm-router 0.1.17 (kv_aware, 2 colocated)"),
+    ("smg-2x", "smg 1.13.0 (cache_aware sticky, 2 colocated)"),
+    ("round-robin-2x", "round-robin (2 colocated)"),
+]
+OURS = ("kvc-1p1d", "kvc-2x")
+HEADLINE = [("ttft_s", "mean"), ("ttft_s", "p50"), ("ttft_s", "p90"),
+            ("latency_s", "mean"), ("latency_s", "p50")]
+PROM = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"real_table.py: {path}: {e}")
+
+
+def prom(path):
+    """name -> {labels: value} of one /metrics scrape."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            m = PROM.match(line)
+            if m:
+                out.setdefault(m.group(1), {})[m.group(2) or ""] = float(m.group(3))
+    return out
+
+
+def engine_delta(d, name, label=None):
+    """The increase of metric NAME (the series whose labels hold LABEL), summed over engines."""
+    total = 0.0
+    for f in sorted(os.listdir(d)):
+        if not f.endswith(".before.prom"):
+            continue
+        before = prom(os.path.join(d, f))
+        after = prom(os.path.join(d, f.replace(".before.", ".after.")))
+        for labels, v in after.get(name, {}).items():
+            if label is None or label in labels:
+                total += v - before.get(name, {}).get(labels, 0.0)
+    return total
+
+
+def rep_figures(d):
+    s = load(os.path.join(d, "summary.json"))
+    r = load(os.path.join(d, "drive.json"))
+    latencies = []
+    with open(os.path.join(d, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("latency_s") is not None:
+                latencies.append(rec["latency_s"])
+    fig = {f"{k} {stat}": s[k][stat] for k in ("ttft_s", "latency_s")
+           for stat in ("mean", "p50", "p90", "p99")}
+    computed = engine_delta(d, "vllm:prompt_tokens_by_source_total", 'source="local_compute"')
+    fig["computed share"] = computed / r["trace_prompt_tokens"] if r["trace_prompt_tokens"] else 0.0
+    fig["cached share"] = r["reported_cached_share"]
+    fig["direct"] = s["direct_to_d_rate"]
+    engine_s = engine_delta(d, "vllm:e2e_request_latency_seconds_sum")
+    fig["overhead ms"] = 1000.0 * (sum(latencies) - engine_s) / len(latencies) if latencies else 0.0
+    fig["mechanism errors"] = s["mechanism_errors"]
+    fig["errors"] = sum(r["errors"].values())
+    fig["answered"] = r["answered"]
+    fig["requests"] = r["requests"]
+    fig["error kinds"] = r["errors"]
+    fig["mismatches"] = r["token_count_mismatches"]
+    return fig
+
+
+def cell(values, fmt):
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return fmt.format(mean)
+    return f"{fmt.format(mean)} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace")
+    ap.add_argument("runs")
+    a = ap.parse_args()
+    legs = []
+    for key, name in LEGS:
+        d = os.path.join(a.runs, key)
+        if not os.path.isdir(d):
+            continue
+        reps = sorted((r for r in os.listdir(d) if r.startswith("rep")
+                       and os.path.exists(os.path.join(d, r, "drive.json"))),
+                      key=lambda r: int(r[3:]))
+        if reps:
+            legs.append((key, name, [rep_figures(os.path.join(d, r)) for r in reps]))
+    if not legs:
+        sys.exit(f"real_table.py: no leg with results under {a.runs}")
+
+    rows = []
+    for k, label in (("ttft_s", "TTFT"), ("latency_s", "latency")):
+        for stat in ("mean", "p50", "p90", "p99"):
+            rows.append((f"{label} {stat} (s)", f"{k} {stat}", "{:.2f}"))
+    rows += [("prompt tokens computed", "computed share", "{:.3f}"),
+             ("cached share (answers)", "cached share", "{:.3f}"),
+             ("direct-to-D share", "direct", "{:.3f}"),
+             ("router and API (ms/request)", "overhead ms", "{:.0f}")]
+    table = []
+    for title, key, fmt in rows:
+        table.append((title, [cell([f[key] for f in figs], fmt) for _, _, figs in legs]))
+    table.append(("mechanism errors", [str(sum(f["mechanism errors"] for f in figs)) for _, _, figs in legs]))
+    table.append(("errors (all kinds)", [
+        str(sum(f["errors"] for f in figs)) + (" " + ",".join(sorted({k for f in figs for k in f["error kinds"]})) if any(f["errors"] for f in figs) else "")
+        for _, _, figs in legs]))
+    table.append(("answered", [f"{sum(f['answered'] for f in figs)}/{sum(f['requests'] for f in figs)}" for _, _, figs in legs]))
+    table.append(("repetitions", [str(len(figs)) for _, _, figs in legs]))
+
+    if a.trace:
+        print(f"Real vLLM (CPU build), two engines per leg; trace {os.path.basename(a.trace)}, "
+              "the same prompts for every leg, prefix caches emptied before each.")
+        print("Mean over the repetitions (lowest–highest).\n")
+    width = max(len(t) for t, _ in table)
+    cols = [max(len(n), max(len(v[i]) for _, v in table)) for i, (_, n, _) in enumerate(legs)]
+    print("| " + "metric".ljust(width) + " | " + " | ".join(n.rjust(c) for (_, n, _), c in zip(legs, cols)) + " |")
+    print("|" + "-" * (width + 2) + "|" + "|".join("-" * (c + 1) + ":" for c in cols) + "|")
+    for title, vals in table:
+        print("| " + title.ljust(width) + " | " + " | ".join(v.rjust(c) for v, c in zip(vals, cols)) + " |")
+
+    ours = [l for l in legs if l[0] in OURS]
+    peers = [l for l in legs if l[0] not in OURS]
+    if not ours or not peers:
+        return
+    n = min(len(figs) for _, _, figs in legs)
+    print("\nkvc-router's better configuration / the best peer, per repetition (below 1: kvc ahead):\n")
+    print("| figure | " + " | ".join(f"rep {i + 1}" for i in range(n)) + " |")
+    print("|---|" + "---:|" * n)
+    for k, stat in HEADLINE:
+        key = f"{k} {stat}"
+        cells = []
+        for i in range(n):
+            best_ours = min(ours, key=lambda l: l[2][i][key])
+            best_peer = min(peers, key=lambda l: l[2][i][key])
+            ratio = best_ours[2][i][key] / best_peer[2][i][key] if best_peer[2][i][key] else float("inf")
+            cells.append(f"{ratio:.2f} ({best_ours[0]} vs {best_peer[0]})")
+        label = "TTFT" if k == "ttft_s" else "latency"
+        print(f"| {label} {stat} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
