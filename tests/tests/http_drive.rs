@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Guard, bin_dir, free_port, http_get, read_json};
+use common::{Guard, bin_dir, free_port, http_get, read_json, wait_for_ready_file};
 use serde_json::{Value, json};
 use std::net::TcpStream;
 use std::path::Path;
@@ -117,15 +117,7 @@ fn a_trace_is_driven_through_the_router_and_straight_to_a_worker() {
             .spawn()
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ready.exists() {
-        assert!(Instant::now() < deadline, "the workers never came up");
-        assert!(
-            workers.0.try_wait().unwrap().is_none(),
-            "the workers stopped early"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_ready_file(&mut workers.0, &ready);
     let ready_json: Value =
         serde_json::from_str(&std::fs::read_to_string(&ready).unwrap()).unwrap();
     let decode_url = ready_json["workers"]

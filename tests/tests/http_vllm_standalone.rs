@@ -9,7 +9,7 @@
 mod common;
 
 use common::http::{Answer, post};
-use common::{Guard, bin_dir, free_port, http_get};
+use common::{Guard, bin_dir, free_port, http_get, wait_for_ready_file};
 use serde_json::{Value, json};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -158,15 +158,7 @@ fn a_client_s_own_chat_is_served_direct_to_d_on_its_second_turn() {
             .spawn()
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ready.exists() {
-        assert!(Instant::now() < deadline, "the workers never came up");
-        assert!(
-            workers.0.try_wait().unwrap().is_none(),
-            "the workers stopped early"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_ready_file(&mut workers.0, &ready);
     // The addresses printed: one line per worker, with its engine signals.
     let mut printed = String::new();
     let mut stdout = workers.0.stdout.take().unwrap();

@@ -650,7 +650,14 @@ impl WorkerEntry {
             return;
         };
         let released = self.released.load(std::sync::atomic::Ordering::Relaxed);
-        let answer = client.get(&scraped.url, "", timeout).await;
+        let mut answer = client.get(&scraped.url, "", timeout).await;
+        // A kept-alive connection the engine's server closed just as the scrape went out
+        // (uvicorn closes idle ones after 5 s) breaks without saying anything of the engine:
+        // asked once more, on a new connection, a live engine answers.
+        if matches!(answer, Err(crate::worker_http::ForwardError::Broken(_))) {
+            tracing::debug!(worker = self.id.0, url = %scraped.url.uri(""), "engine metrics scrape broke; asking again");
+            answer = client.get(&scraped.url, "", timeout).await;
+        }
         let now = now_ms();
         // A busy engine can be slow to answer /metrics (a CPU engine's API server waits out a
         // long prefill): a scrape that only ran out of time leaves the last good state to age
@@ -931,5 +938,52 @@ mod tests {
         snap.live.write().state.used_tokens = 50_000;
         snap.note_released(20_000);
         assert_eq!(snap.state_at(0).used_tokens, 50_000);
+    }
+
+    #[tokio::test]
+    async fn a_scrape_whose_connection_breaks_is_asked_once_more_before_the_worker_leaves() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // A server that closes the first `breaks` connections after reading the request (as
+        // an engine closing an idle kept-alive connection does), then answers.
+        async fn serve(breaks: usize) -> std::net::SocketAddr {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            tokio::spawn(async move {
+                let mut seen = 0;
+                loop {
+                    let (mut sock, _) = listener.accept().await.unwrap();
+                    let mut buf = [0u8; 4096];
+                    let _ = sock.read(&mut buf).await;
+                    seen += 1;
+                    if seen <= breaks {
+                        drop(sock);
+                        continue;
+                    }
+                    let body = "vllm:num_requests_running{model_name=\"m\"} 2\n\
+                                vllm:num_requests_waiting{model_name=\"m\"} 0\n\
+                                vllm:kv_cache_usage_perc{model_name=\"m\"} 0.5\n";
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = sock.write_all(head.as_bytes()).await;
+                    let _ = sock.write_all(body.as_bytes()).await;
+                }
+            });
+            addr
+        }
+        let client = HttpClient::new(crate::worker_http::PoolOptions::default());
+        let timeout = Duration::from_secs(5);
+        for (breaks, health, used) in [(1, Health::Healthy, 50_000), (2, Health::Down, 0)] {
+            let addr = serve(breaks).await;
+            let mut cfg = WorkerConfig::new(1, WorkerRole::Decode, 100_000);
+            cfg.engine = Some(EngineKind::Vllm);
+            cfg.metrics_url = Some(format!("http://{addr}/metrics"));
+            let w = WorkerEntry::new(&cfg, &crate::RouterConfig::default());
+            w.scrape(&client, timeout, || 0).await;
+            let state = w.state_at(0);
+            assert_eq!(state.health, health, "{breaks} broken connection(s)");
+            assert_eq!(state.used_tokens, used, "{breaks} broken connection(s)");
+        }
     }
 }

@@ -98,6 +98,19 @@ pub fn mode_shares(summary: &serde_json::Value) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// Waits (30 s at most) for `child`, still running, to write the file at `ready`.
+pub fn wait_for_ready_file(child: &mut Child, ready: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline, "the workers never came up");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the workers stopped early"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Waits for `child` to exit within `limit`; kills it and panics past the deadline.
 pub fn wait_within(child: &mut Child, limit: Duration, what: &str) -> std::process::ExitStatus {
     let deadline = Instant::now() + limit;

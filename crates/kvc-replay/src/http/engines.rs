@@ -19,7 +19,7 @@ use crate::live::LiveError;
 use crate::sim::SimOutput;
 use crate::sim::metrics::{RequestRecord, RunConfig, Summary};
 use crate::trace::Trace;
-use kvc_core::{EngineKind, ExecutionMode, FallThroughReason, Outcome};
+use kvc_core::{EngineKind, ExecutionMode, Outcome};
 use kvc_engine_sim::prompt::PromptWords;
 use serde::Serialize;
 use std::collections::BTreeSet;
@@ -321,44 +321,25 @@ fn records_of(
                 UnlabelledMode::Colocated => Some(ExecutionMode::Colocated),
                 UnlabelledMode::Unknown => None,
             });
-        let first = if served { c.first } else { None };
-        let ready = secs(c.ready);
         let cached = if served {
             c.cached_tokens.unwrap_or(0)
         } else {
             0
         };
-        records.push(RequestRecord {
-            index: i,
-            session: r.session,
-            turn: r.turn,
-            scheduled_s: ready,
-            dispatch_s: secs(c.dispatch),
-            first_token_s: first.map(secs),
-            done_s: secs(c.done),
-            ttft_s: first.map(|f| secs(f) - ready),
-            latency_s: secs(c.done) - ready,
-            wait_s: secs(c.dispatch) - ready,
+        let parts = super::RecordParts {
             mode,
-            reason: c
-                .reason
-                .as_deref()
-                .and_then(|r| r.parse::<FallThroughReason>().ok())
-                .filter(|_| mode != Some(ExecutionMode::DirectToD)),
             prefill: c.prefill_worker.clone(),
             decode: c.decode_worker.clone(),
-            input_tokens: r.input_length,
-            cached_tokens: cached,
-            uncached_tokens: if served {
+            first: if served { c.first } else { None },
+            cached,
+            uncached: if served {
                 r.input_length.saturating_sub(cached)
             } else {
                 0
             },
-            output_tokens: r.output_length,
             outcome,
-            retractions: 0,
-            failure: None,
-        });
+        };
+        records.push(super::client_record(i, r, c, secs, parts));
     }
     if report.reported_prompt_tokens > 0 {
         report.reported_cached_share =

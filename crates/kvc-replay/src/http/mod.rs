@@ -515,38 +515,21 @@ fn build_records(
                 from_worker_ms: back.as_secs_f64() * 1e3,
             });
         }
-        let ready = secs(c.ready);
-        records.push(RequestRecord {
-            index: i,
-            session: r.session,
-            turn: r.turn,
-            scheduled_s: ready,
-            dispatch_s: secs(c.dispatch),
-            first_token_s: first.map(secs),
-            done_s: secs(c.done),
-            ttft_s: first.map(|f| secs(f) - ready),
-            latency_s: secs(c.done) - ready,
-            wait_s: secs(c.dispatch) - ready,
+        let (cached, uncached) = if s.path.is_some() {
+            (s.cached, r.input_length.saturating_sub(s.cached))
+        } else {
+            (s.cached, 0)
+        };
+        let parts = RecordParts {
             mode,
-            reason: c
-                .reason
-                .as_deref()
-                .and_then(|r| r.parse::<FallThroughReason>().ok())
-                .filter(|_| mode != Some(ExecutionMode::DirectToD)),
             prefill,
             decode,
-            input_tokens: r.input_length,
-            cached_tokens: s.cached,
-            uncached_tokens: if s.path.is_some() {
-                r.input_length.saturating_sub(s.cached)
-            } else {
-                0
-            },
-            output_tokens: r.output_length,
+            first,
+            cached,
+            uncached,
             outcome,
-            retractions: 0,
-            failure: None,
-        });
+        };
+        records.push(client_record(i, r, c, secs, parts));
     }
     let report = HttpReport {
         router,
@@ -559,6 +542,57 @@ fn build_records(
         first_errors,
     };
     (records, report)
+}
+
+/// Where a request the client saw through was served and how it ended, for its record.
+struct RecordParts {
+    mode: Option<ExecutionMode>,
+    prefill: Option<String>,
+    decode: Option<String>,
+    /// When the first token reached the client (`None`: not served, or not streamed).
+    first: Option<Instant>,
+    cached: u64,
+    uncached: u64,
+    outcome: Outcome,
+}
+
+/// The record of request `i` from the client's timings (`secs`: an instant as the record's
+/// seconds) and where and how it was served.
+fn client_record(
+    i: usize,
+    r: &crate::trace::TraceRequest,
+    c: &ClientSide,
+    secs: impl Fn(Instant) -> f64,
+    s: RecordParts,
+) -> RequestRecord {
+    let ready = secs(c.ready);
+    RequestRecord {
+        index: i,
+        session: r.session,
+        turn: r.turn,
+        scheduled_s: ready,
+        dispatch_s: secs(c.dispatch),
+        first_token_s: s.first.map(&secs),
+        done_s: secs(c.done),
+        ttft_s: s.first.map(|f| secs(f) - ready),
+        latency_s: secs(c.done) - ready,
+        wait_s: secs(c.dispatch) - ready,
+        mode: s.mode,
+        reason: c
+            .reason
+            .as_deref()
+            .and_then(|r| r.parse::<FallThroughReason>().ok())
+            .filter(|_| s.mode != Some(ExecutionMode::DirectToD)),
+        prefill: s.prefill,
+        decode: s.decode,
+        input_tokens: r.input_length,
+        cached_tokens: s.cached,
+        uncached_tokens: s.uncached,
+        output_tokens: r.output_length,
+        outcome: s.outcome,
+        retractions: 0,
+        failure: None,
+    }
 }
 
 fn lost_record(i: usize, r: &crate::trace::TraceRequest) -> RequestRecord {
