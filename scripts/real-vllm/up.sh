@@ -25,7 +25,8 @@
 # socket is reachable from this machine only.
 #
 # Environment: KVC_REAL_VLLM_PORT_BASE (default 18200; engine i uses BASE+10i .. BASE+10i+3),
-# KVC_REAL_VLLM_KV_GIB (KV pool per engine, GiB, default 1), KVC_REAL_VLLM_MAX_MODEL_LEN
+# KVC_REAL_VLLM_KV_GIB (KV pool per engine, GiB, default 1), KVC_REAL_VLLM_THREADS (compute
+# threads per engine, default the cores divided among the engines), KVC_REAL_VLLM_MAX_MODEL_LEN
 # (default 16384), KVC_REAL_VLLM_DEFAULT_MAX_TOKENS (the output limit of a request that sets
 # none, as coding agents' requests do: default 64, where the engine would otherwise decode up
 # to its context), KVC_REAL_VLLM_START_TIMEOUT (seconds per engine, default 420), KVC_REAL_VLLM_CACHE
@@ -52,6 +53,9 @@ start_timeout="${KVC_REAL_VLLM_START_TIMEOUT:-420}"
 router_port="${KVC_REAL_VLLM_ROUTER_PORT:-18080}"
 cache="${KVC_REAL_VLLM_CACHE:-$HOME/.cache/kvc/real-vllm}"
 block_size=32 # the CPU attention backend needs a multiple of 32
+cores="$(nproc 2>/dev/null || echo 2)"
+threads="${KVC_REAL_VLLM_THREADS:-$(( cores / ${#roles[@]} > 0 ? cores / ${#roles[@]} : 1 ))}"
+[[ "$threads" =~ ^[1-9][0-9]*$ ]] || { echo "real-vllm: KVC_REAL_VLLM_THREADS must be a positive count, got $threads" >&2; exit 2; }
 served="kvc-tiny"
 
 if [ -f "$out/ready.json" ]; then
@@ -97,12 +101,17 @@ start_engine() { # index name role
   # cores (0, 1, ...), and an idle NixlConnector engine keeps two threads spinning there (its
   # UCX progress thread and its worker loop): a second engine pinned beside them starved and
   # never finished starting. Unpinned, the kernel shares the cores among the engines.
+  # OMP_NUM_THREADS: the machine's cores divided among the engines (at least one each), as
+  # each engine of a GPU cluster has its own GPU. With more compute threads than cores, two
+  # engines busy at once spin in each other's OpenMP barriers: on 2 cores with 2 threads per
+  # engine, the side-by-side legs decoded 3-5x slower whenever both engines were busy, and
+  # the more evenly a router spread the sessions the slower it was.
   # The command is kept as OUT_DIR/NAME.start, so restart.sh can start the engine again.
   {
     echo "#!/usr/bin/env bash"
     echo "# Starts engine $name as scripts/real-vllm/up.sh did."
     printf 'exec env'
-    printf ' %q' VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS="${KVC_REAL_VLLM_THREADS:-2}" \
+    printf ' %q' VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS="$threads" \
       VLLM_CPU_KVCACHE_SPACE="$kv_gib" VLLM_SERVER_DEV_MODE=1 VLLM_HOST_IP=127.0.0.1 \
       VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" \
       UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \

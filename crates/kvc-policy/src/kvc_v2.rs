@@ -40,7 +40,10 @@
 //! that D ([`crate::RouterState::observe`]), so a session migrates only after N rejects with no
 //! success in between, which avoids the thrashing of a permanent counter.
 //!
-//! Colocated topologies: every decision is `colocated`, to the best worker by the same score.
+//! Colocated topologies: every decision is `colocated`. A session resident on a healthy worker
+//! stays there (strict stickiness, as a direct-to-D turn does) unless that worker is over the
+//! hard cap while another is at or below it; every other turn goes to the best worker by the
+//! same score.
 //!
 //! Score components: `overlap` (blocks), `overlap_term`, `sticky_term`, `capacity_term`,
 //! `load_term`, `committed_fraction`; `total` is the sum of the four terms.
@@ -559,9 +562,15 @@ pub(crate) fn route_with(
         let current = session
             .and_then(|s| s.current_d)
             .filter(|d| ctx.healthy_d.contains(d.0 as usize));
-        let w = v2
-            .pick(current, None, None, &mut scores)
-            .unwrap_or(WorkerId(0));
+        let best = v2.pick(current, None, None, &mut scores);
+        // Strict stickiness, as for a direct-to-D turn: a session resident on a healthy
+        // worker stays there (its next turn is an append to what that worker holds) unless
+        // the worker is over the hard cap while another is not. Moving it for a lighter
+        // queue would prefill its whole context again elsewhere.
+        let w = match v2.resident_d(session) {
+            Some(d) if !v2.over_cap(d) || !v2.any_under(&V2::without(&v2.hosts, d)) => d,
+            _ => best.unwrap_or(WorkerId(0)),
+        };
         let cached = ctx.cached_on(w, BlockView::Live, cfg.block_size);
         return Ok(ctx.finish(Plan::colocated(w, cached, scores), knobs));
     }

@@ -50,6 +50,35 @@ fn colocated_topology_is_colocated_for_every_policy() {
 }
 
 #[test]
+fn kvc_keeps_a_resident_colocated_session_on_its_worker_until_that_worker_is_over_the_cap() {
+    for name in ["kvc", "kvc-v2"] {
+        let mut ws = dp(2);
+        let mut r = Router::named(name, &ws);
+        let home = r.serve(&ws, Some((7, 1)), &ctx_blocks(7, 0, 10)).decode;
+        let other = WorkerId(1 - home.0);
+        // Another session active on the home worker, requests queued there, the other idle:
+        // a score-only choice would move session 7 and prefill its 14 blocks again.
+        r.serve(&ws, Some((8, 1)), &ctx_blocks(8, 0, 2));
+        set_load(&mut ws, home.0, 3, 2);
+        let d = r.serve(&ws, Some((7, 2)), &ctx_blocks(7, 0, 12));
+        assert_eq!(d.mode, ExecutionMode::Colocated, "{name}");
+        assert_eq!(d.decode, home, "{name}: stays where its context is");
+        assert_eq!(d.cached_tokens, 14 * BS, "{name}");
+        // Over the hard cap while the other worker is not: it moves.
+        set_used(&mut ws, home.0, 95_000);
+        let d = r.serve(&ws, Some((7, 3)), &ctx_blocks(7, 0, 14));
+        assert_eq!(
+            d.decode, other,
+            "{name}: moved off a worker over the hard cap"
+        );
+        // Both over the cap: nowhere better, it stays on its (new) worker.
+        set_used(&mut ws, other.0, 95_000);
+        let d = r.serve(&ws, Some((7, 4)), &ctx_blocks(7, 0, 15));
+        assert_eq!(d.decode, other, "{name}");
+    }
+}
+
+#[test]
 fn first_turns_and_one_offs_are_seeded_through_p() {
     let ws = pd(1, 2);
     let b = ctx_blocks(1, 0, 3);

@@ -203,15 +203,19 @@ fn starts_serves_and_stops_on_sigterm() {
         let (_, body) = common::http_get(metrics, "/metrics").await;
         assert!(body.contains("kvc_router_sessions_tracked 0"));
         // The HTTP front answers: no worker is routable yet, so /health is 503 with a JSON
-        // error; /v1/models lists the model.
+        // error; /v1/models asks the workers, and nothing listens at their address.
         let (head, body) = common::http_get(http, "/health").await;
         assert!(head.starts_with("HTTP/1.1 503"), "{head}");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["error"]["message"], "no routable worker");
         let (head, body) = common::http_get(http, "/v1/models").await;
-        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(head.starts_with("HTTP/1.1 503"), "{head}");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(v["object"], "list");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("no worker answered GET /v1/models (worker "),
+            "{message}"
+        );
     });
 
     // The runtime (and its idle client connection) stays alive: the grace period bounds the

@@ -241,11 +241,42 @@ async fn health_and_models_answer() {
     assert_eq!(r.status, 200);
     assert_eq!(r.body["status"], "ok");
     assert_eq!(r.body["healthy_workers"], 3);
+    // The engines' own model, not the configured fallback name.
     let r = s.request("GET", "/v1/models").await;
     assert_eq!(r.status, 200);
     assert_eq!(r.body["object"], "list");
-    assert_eq!(r.body["data"][0]["id"], "test-model");
+    assert_eq!(r.body["data"][0]["id"], "engine-model");
     assert_eq!(r.body["data"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn models_come_from_a_worker_that_answers_and_their_absence_is_a_503_naming_each() {
+    let s = start_full(|_| {}, without_resilience).await;
+    let down = |id: u32| {
+        s.mocks[&id]
+            .up
+            .store(false, std::sync::atomic::Ordering::SeqCst)
+    };
+    down(0);
+    let r = s.request("GET", "/v1/models").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body["data"][0]["id"], "engine-model");
+    assert_ne!(r.body["data"][0]["owned_by"], "kvc");
+    down(1);
+    down(2);
+    let r = s.request("GET", "/v1/models").await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    let message = r.body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("no worker answered GET /v1/models"),
+        "{message}"
+    );
+    for id in 0..3 {
+        assert!(
+            message.contains(&format!("worker {id}: HTTP 503")),
+            "{message}"
+        );
+    }
 }
 
 #[tokio::test]

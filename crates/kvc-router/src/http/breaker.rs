@@ -234,7 +234,6 @@ impl Breakers {
     }
 
     /// `worker`'s state (closed when never used).
-    #[cfg(test)]
     pub(crate) fn state(&self, worker: WorkerId) -> BreakerState {
         self.table
             .get(&worker)

@@ -20,7 +20,7 @@
 //! | `GET /v1/sessions/{key}` | where the router holds session `key`: `decode_worker` (id) and `decode_worker_name`, `residency` (`resident`, `not-resident`, `evicted`), `resident_tokens`, `blocks` of its last request and `held_blocks` of them placed on that worker, `moves`; 404 when it holds none |
 //! | `GET /health`, `GET /readyz` | readiness: 200 while a new request can be routed, else 503 saying why |
 //! | `GET /livez` | liveness: 200 whenever the process answers |
-//! | `GET /v1/models` | the configured model name, OpenAI list shape |
+//! | `GET /v1/models` | the workers' models (the first worker's own `/v1/models` to answer), OpenAI list shape |
 //!
 //! Every error the front answers itself has a JSON body, `{"error": {"message": "...",
 //! "type": "...", "code": <status>}}` — on the Messages paths Anthropic's shape instead,

@@ -30,7 +30,8 @@ pub struct HttpOptions {
     pub request_timeout: Duration,
     /// The pool of connections to the workers.
     pub pool: PoolOptions,
-    /// The model name `/v1/models` lists. Default `default`.
+    /// The model name `/v1/models` lists when no worker is reached over HTTP (else it lists
+    /// what the workers' own `/v1/models` says). Default `default`.
     pub model: String,
     /// Largest request body accepted, in bytes; larger ones get 413 with a JSON error.
     /// Default 16 MiB.

@@ -306,16 +306,64 @@ async fn liveness() -> Response {
     json_response(StatusCode::OK, &json!({ "status": "ok" }))
 }
 
-/// The configured model name, in OpenAI's list shape.
+/// The models the workers serve: the first of them (workers whose breaker is closed first,
+/// at most [`MODELS_ASKED`]) to answer its own `GET /v1/models` with OpenAI's list has its
+/// entries relayed, so a client learns the name to send. With no worker reached over HTTP,
+/// the configured name ([`super::HttpOptions::model`]); 503 naming each worker's problem when
+/// none of those asked answered.
 async fn models(State(app): State<Arc<App>>) -> Response {
-    json_response(
-        StatusCode::OK,
-        &json!({
-            "object": "list",
-            "data": [{ "id": app.options.model, "object": "model", "owned_by": "kvc" }],
-        }),
+    let list = |ids: &[String]| {
+        let data: Vec<_> = ids
+            .iter()
+            .map(|id| json!({ "id": id, "object": "model", "owned_by": "kvc" }))
+            .collect();
+        json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))
+    };
+    let mut workers: Vec<_> = app.workers.iter().collect();
+    workers.sort_by_key(|(id, _)| app.breakers.state(*id) != kvc_core::BreakerState::Closed);
+    if workers.is_empty() {
+        // Nothing to ask (workers reached over gRPC only): the configured name.
+        return list(std::slice::from_ref(&app.options.model));
+    }
+    let timeout = app.options.health_check_timeout;
+    let mut problems = Vec::new();
+    for (id, w) in workers.into_iter().take(MODELS_ASKED) {
+        let problem = match app.client.get(&w.url, "/v1/models", timeout).await {
+            Ok(a) if a.status == 200 => match model_entries(&a.body) {
+                // The engine's own entries (with what it adds, such as `max_model_len`).
+                Some(data) => {
+                    return json_response(
+                        StatusCode::OK,
+                        &json!({ "object": "list", "data": data }),
+                    );
+                }
+                None => "not an OpenAI model list".to_owned(),
+            },
+            Ok(a) => format!("HTTP {}", a.status),
+            Err(e) => e.to_string(),
+        };
+        problems.push(format!("worker {}: {problem}", id.0));
+    }
+    error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable",
+        &format!(
+            "no worker answered GET /v1/models ({})",
+            problems.join("; ")
+        ),
     )
 }
+
+/// The `data` entries of an OpenAI model list, when every one has a string `id` and there is
+/// at least one.
+fn model_entries(body: &[u8]) -> Option<Vec<serde_json::Value>> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let data = v.get_mut("data")?.as_array_mut().map(std::mem::take)?;
+    (!data.is_empty() && data.iter().all(|m| m["id"].is_string())).then_some(data)
+}
+
+/// How many workers `GET /v1/models` asks, in turn, before it gives up.
+const MODELS_ASKED: usize = 3;
 
 /// 404 for a path the front does not serve.
 async fn not_found(uri: Uri) -> Response {

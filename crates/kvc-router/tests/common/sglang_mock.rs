@@ -126,6 +126,22 @@ async fn mock_health(State(m): State<Arc<Mock>>) -> StatusCode {
     }
 }
 
+/// `GET /v1/models` as an engine answers it: model `engine-model` while up, 503 when down.
+async fn mock_models(State(m): State<Arc<Mock>>) -> axum::response::Response {
+    if m.up.load(std::sync::atomic::Ordering::SeqCst) {
+        json_response(
+            StatusCode::OK,
+            &serde_json::json!({"object": "list",
+                "data": [{"id": "engine-model", "object": "model", "owned_by": m.name}]}),
+        )
+    } else {
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{} is down", m.name),
+        )
+    }
+}
+
 /// A [`Mock`] named `name` (answering), serving on a fresh loopback port.
 pub async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
     let mock = Arc::new(Mock {
@@ -137,6 +153,7 @@ pub async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
     });
     let app = worker_routes(mock_handler)
         .route("/health", axum::routing::get(mock_health))
+        .route("/v1/models", axum::routing::get(mock_models))
         .with_state(mock.clone());
     let addr = front::serve(app).await;
     (mock, addr)
