@@ -116,12 +116,9 @@ for _ in $(seq 1 600); do
   kill -0 "$router_pid" 2>/dev/null || { log "kvc-router stopped; see $run/router.log"; exit 1; }
   sleep 0.2
 done
-if [ -n "$real" ]; then
-  # kvc-router's /v1/models names no engine's model (it answers "default"): the engines' own.
-  model="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["served-model-name"])' "$real/ready.json")"
-else
-  model="$(curl -sf "http://127.0.0.1:$router_port/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')"
-fi
+# The name the engines serve, as kvc-router's /v1/models relays it from them.
+model="$(curl -sf "http://127.0.0.1:$router_port/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')" \
+  || { log "kvc-router's /v1/models named no model; see $run/router.log"; exit 1; }
 log "kvc-router on 127.0.0.1:$router_port (model $model); $conversations conversations × $turns turns, concurrency $concurrency"
 
 # 5. aiperf: multi-turn synthetic conversations, streamed, each conversation's id in the
