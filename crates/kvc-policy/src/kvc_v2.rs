@@ -363,6 +363,12 @@ impl V2<'_, '_> {
         (s.residency == Residency::Resident && self.hosts.contains(d.0 as usize)).then_some(d)
     }
 
+    /// Whether a session resident on host `d` stays there: `d` is at or below the hard cap, or
+    /// no host is (strict stickiness).
+    fn may_stay(&self, d: WorkerId) -> bool {
+        !self.over_cap(d) || !self.any_under(&self.hosts)
+    }
+
     /// The D of a P→D path that is not a reject-driven migration: the resident D if it may be
     /// used (strict stickiness), otherwise the best by score.
     fn sticky_or_best(
@@ -376,7 +382,7 @@ impl V2<'_, '_> {
             .filter(|d| self.hosts.contains(d.0 as usize));
         let best = self.pick(healthy_current, None, paths, scores);
         if let Some(d) = self.resident_d(session)
-            && (!self.over_cap(d) || !self.any_under(&self.hosts))
+            && self.may_stay(d)
         {
             return d;
         }
@@ -568,7 +574,7 @@ pub(crate) fn route_with(
         // the worker is over the hard cap while another is not. Moving it for a lighter
         // queue would prefill its whole context again elsewhere.
         let w = match v2.resident_d(session) {
-            Some(d) if !v2.over_cap(d) || !v2.any_under(&V2::without(&v2.hosts, d)) => d,
+            Some(d) if v2.may_stay(d) => d,
             _ => best.unwrap_or(WorkerId(0)),
         };
         let cached = ctx.cached_on(w, BlockView::Live, cfg.block_size);

@@ -312,18 +312,14 @@ async fn liveness() -> Response {
 /// the configured name ([`super::HttpOptions::model`]); 503 naming each worker's problem when
 /// none of those asked answered.
 async fn models(State(app): State<Arc<App>>) -> Response {
-    let list = |ids: &[String]| {
-        let data: Vec<_> = ids
-            .iter()
-            .map(|id| json!({ "id": id, "object": "model", "owned_by": "kvc" }))
-            .collect();
+    let list = |data: serde_json::Value| {
         json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))
     };
     let mut workers: Vec<_> = app.workers.iter().collect();
     workers.sort_by_key(|(id, _)| app.breakers.state(*id) != kvc_core::BreakerState::Closed);
     if workers.is_empty() {
         // Nothing to ask (workers reached over gRPC only): the configured name.
-        return list(std::slice::from_ref(&app.options.model));
+        return list(json!([{ "id": app.options.model, "object": "model", "owned_by": "kvc" }]));
     }
     let timeout = app.options.health_check_timeout;
     let mut problems = Vec::new();
@@ -331,12 +327,7 @@ async fn models(State(app): State<Arc<App>>) -> Response {
         let problem = match app.client.get(&w.url, "/v1/models", timeout).await {
             Ok(a) if a.status == 200 => match model_entries(&a.body) {
                 // The engine's own entries (with what it adds, such as `max_model_len`).
-                Some(data) => {
-                    return json_response(
-                        StatusCode::OK,
-                        &json!({ "object": "list", "data": data }),
-                    );
-                }
+                Some(data) => return list(serde_json::Value::Array(data)),
                 None => "not an OpenAI model list".to_owned(),
             },
             Ok(a) => format!("HTTP {}", a.status),
