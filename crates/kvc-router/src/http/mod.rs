@@ -117,7 +117,11 @@
 //! a user message, an assistant reply and a user message, a tool result) therefore has its
 //! previous request's hashed tokens as its prefix, whatever the tokenizer merges across a
 //! message boundary and wherever the generation prompt fell in a block. The input length is
-//! the number of tokens, the generation prompt's included.
+//! the number of tokens, the generation prompt's included. A tokenizer file whose tokens never
+//! cross a space between two words (byte-level BPEs, checked at load) is used piece by piece
+//! (`http/pieces.rs`): text is cut before such a space every kilobyte or so and each piece's
+//! tokens are cached (64 MiB at most), so a turn that repeats the previous turn's text
+//! tokenizes only its new part, with the ids a whole encoding gives.
 //!
 //! **Session and turn.** The session key is the first header of [`HttpOptions::session_headers`]
 //! the request has (`http.session-headers`), else a field of the body: for `/generate`
@@ -426,6 +430,7 @@ mod infer;
 mod listener;
 mod options;
 mod pairing;
+mod pieces;
 mod request;
 mod responses;
 mod retry;

@@ -3,6 +3,7 @@
 //! (`block_hashes`, `fallback_tokens`) live in [`kvc_core::text`], shared with the simulated
 //! workers.
 
+use super::pieces::{CACHE_TOKENS, Piecewise};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -42,6 +43,9 @@ pub struct Tokenizer {
 struct Loaded {
     path: PathBuf,
     tokenizer: tokenizers::Tokenizer,
+    /// Piece-by-piece encoding with a cache ([`super::pieces`]), where it gives the whole
+    /// encoding's ids.
+    piecewise: Option<Piecewise>,
 }
 
 impl Tokenizer {
@@ -67,12 +71,38 @@ impl Tokenizer {
         tokenizer
             .encode_fast("kvc tokenizer check", true)
             .map_err(|e| fail(format!("cannot encode text: {e}")))?;
+        let piecewise = Piecewise::for_tokenizer(&tokenizer, CACHE_TOKENS);
+        if piecewise.is_none() {
+            tracing::info!(
+                tokenizer = %path.display(),
+                "this tokenizer does not split text where the router cuts it into pieces: \
+                 every prompt is tokenized whole"
+            );
+        }
         Ok(Tokenizer {
             loaded: Some(Arc::new(Loaded {
                 path: path.to_owned(),
                 tokenizer,
+                piecewise,
             })),
         })
+    }
+
+    /// Whether text is tokenized piece by piece with a cache ([`super::pieces`]): a tokenizer
+    /// file whose tokens never cross the router's cut points. `false` for the fallback.
+    pub fn piecewise(&self) -> bool {
+        self.loaded
+            .as_deref()
+            .is_some_and(|l| l.piecewise.is_some())
+    }
+
+    /// Pieces of text found in the cache and pieces tokenized, since the start (zeros when
+    /// not [`Tokenizer::piecewise`]).
+    pub fn piece_counts(&self) -> (u64, u64) {
+        self.loaded
+            .as_deref()
+            .and_then(|l| l.piecewise.as_ref())
+            .map_or((0, 0), Piecewise::counts)
     }
 
     /// The file it was loaded from; `None` for the fallback.
@@ -86,8 +116,15 @@ impl Tokenizer {
         let Some(loaded) = &self.loaded else {
             return fallback_tokens(text);
         };
-        match loaded.tokenizer.encode_fast(text, true) {
-            Ok(encoding) => encoding.get_ids().to_vec(),
+        let ids = match &loaded.piecewise {
+            Some(p) => p.encode(&loaded.tokenizer, text),
+            None => loaded
+                .tokenizer
+                .encode_fast(text, true)
+                .map(|e| e.get_ids().to_vec()),
+        };
+        match ids {
+            Ok(ids) => ids,
             Err(e) => {
                 tracing::warn!(
                     tokenizer = %loaded.path.display(),
@@ -168,6 +205,7 @@ impl Eq for Tokenizer {}
 
 #[cfg(test)]
 mod tests {
+    use super::super::pieces::{PIECE_BYTES, piece_ranges};
     use super::*;
     use kvc_core::BlockSize;
 
@@ -247,6 +285,130 @@ mod tests {
             format!("{:?}", Tokenizer::fallback()),
             "Tokenizer(whitespace fallback)"
         );
+    }
+
+    /// A byte-level BPE `tokenizer.json` (GPT-2's pre-tokenizer) with a few merges, that adds
+    /// `<s>` before and `</s>` after every text.
+    fn byte_level_json() -> String {
+        let mut vocab = serde_json::Map::new();
+        let mut alphabet: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
+            .into_iter()
+            .collect();
+        alphabet.sort_unstable();
+        for c in alphabet {
+            let id = vocab.len();
+            vocab.insert(c.to_string(), id.into());
+        }
+        let merges = [
+            ("Ġ", "t"),
+            ("Ġt", "h"),
+            ("Ġth", "e"),
+            ("e", "r"),
+            ("i", "n"),
+            ("Ġ", "a"),
+            ("o", "n"),
+            ("Ġ", "c"),
+            ("Ġc", "a"),
+        ];
+        for (a, b) in merges {
+            let id = vocab.len();
+            vocab.insert(format!("{a}{b}"), id.into());
+        }
+        let (bos, eos) = (vocab.len(), vocab.len() + 1);
+        let special = |id: usize, content: &str| {
+            serde_json::json!({"id": id, "content": content, "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true})
+        };
+        serde_json::json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": [special(bos, "<s>"), special(eos, "</s>")],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false,
+                "trim_offsets": true, "use_regex": true},
+            "post_processor": {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                    {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                    {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {
+                    "<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]},
+                    "</s>": {"id": "</s>", "ids": [eos], "tokens": ["</s>"]}}},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab,
+                "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()},
+        })
+        .to_string()
+    }
+
+    /// A long agent-like prompt: `turns` turns of prose, code and tool output.
+    fn conversation(turns: usize) -> String {
+        let mut text = String::from("You are a coding agent. Use the tools.\n");
+        for t in 0..turns {
+            text.push_str(&format!(
+                "<user> turn {t}: the cat ran the tests, then fix the error in src/lib.rs \
+                 line {}.\n<tool> $ cargo test\n  running 12 tests ... ok  ({t}.5 s)\n\
+                 fn main() {{ let x = vec![1, 2, {t}]; }}\nÜnïcödé café 東京\n\n",
+                t * 7
+            ));
+        }
+        text
+    }
+
+    #[test]
+    fn a_byte_level_tokenizer_is_used_piece_by_piece_with_the_whole_texts_ids() {
+        let dir = Dir::new("pieces");
+        let path = dir.file("tokenizer.json", &byte_level_json());
+        let t = Tokenizer::from_file(&path).unwrap();
+        assert!(t.piecewise());
+        let whole = tokenizers::Tokenizer::from_file(&path).unwrap();
+        let ids = |text: &str| whole.encode_fast(text, true).unwrap().get_ids().to_vec();
+        for text in [
+            "",
+            "the",
+            "  the cat  ",
+            &conversation(1),
+            &conversation(60),
+        ] {
+            assert_eq!(t.encode(text), ids(text), "{text:?}");
+        }
+        let (bos, eos) = (265, 266);
+        let first = t.encode(&conversation(60));
+        assert_eq!((first[0], *first.last().unwrap()), (bos, eos));
+
+        // The next turn repeats the earlier text: only its last pieces are tokenized again.
+        let (hits0, misses0) = t.piece_counts();
+        let pieces = piece_ranges(&conversation(61), PIECE_BYTES).len() as u64;
+        assert!(pieces > 8, "{pieces}");
+        assert_eq!(t.encode(&conversation(61)), ids(&conversation(61)));
+        let (hits, misses) = t.piece_counts();
+        assert!(
+            misses - misses0 <= 2,
+            "{} of {pieces} tokenized",
+            misses - misses0
+        );
+        assert_eq!((hits - hits0) + (misses - misses0), pieces);
+    }
+
+    #[test]
+    fn a_tokenizer_whose_tokens_cross_the_cut_points_is_used_whole() {
+        // No pre-tokenizer: a word-level vocabulary sees the whole text as one word.
+        let dir = Dir::new("whole");
+        let mut v: serde_json::Value = serde_json::from_str(&word_level_json(&["a"])).unwrap();
+        v["pre_tokenizer"] = serde_json::Value::Null;
+        let path = dir.file("tokenizer.json", &v.to_string());
+        let t = Tokenizer::from_file(&path).unwrap();
+        assert!(!t.piecewise());
+        let long = "alpha beta ".repeat(400);
+        assert_eq!(t.encode(&long), vec![0]);
+        assert_eq!(t.piece_counts(), (0, 0));
+        assert!(!Tokenizer::fallback().piecewise());
     }
 
     #[test]
