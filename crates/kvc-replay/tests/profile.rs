@@ -66,8 +66,10 @@ static NEXT: AtomicU64 = AtomicU64::new(0);
 /// so the whole sweep takes well under a minute: a prefill of 2,048 new tokens ~130 ms,
 /// decode steps of 9–18 ms, a 4,080-token transfer ~240 ms.
 fn true_profile() -> Profile {
-    let mut p = Profile::default();
-    p.name = "profiled-sim".into();
+    let mut p = Profile {
+        name: "profiled-sim".into(),
+        ..Profile::default()
+    };
     p.fit.prefill_efficiency = 0.15;
     p.fit.prefill_overhead_ms = 30.0;
     p.fit.decode_efficiency = 0.7;

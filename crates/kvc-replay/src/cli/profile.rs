@@ -57,8 +57,8 @@ OUT-stem.fit.json with every point: inputs, each measured time, the median, the 
 and the relative residual.
 
 Example, a vLLM engine and a NixlConnector pair on one H100 each:
-  kvc-replay profile --url http://10.0.0.5:8000 \\
-    --prefill-url http://10.0.0.6:8000 --decode-url http://10.0.0.7:8000 \\
+  kvc-replay profile --url http://gpu-a:8000 \\
+    --prefill-url http://gpu-b:8000 --decode-url http://gpu-c:8000 \\
     --facts profiles/qwen3-30b-a3b-h100.toml --out my-h100.toml";
 
 /// Options of `kvc-replay profile`.

@@ -24,16 +24,18 @@
 //! | module | job |
 //! |---|---|
 //! | [`plan`] | the sweep plan from the engine's limits, and the never-seen token-id prompts (pure) |
-//! | [`fit`] | least squares, residuals, the decode-step and transfer estimates, the profile and its report (pure) |
+//! | [`fit`] | least squares, residuals, the work of a point, the decode-step and transfer estimates, the factors (pure) |
+//! | [`report`] | each sweep's points and fit, the engine's facts, the profile built and its TOML with the residuals (pure) |
 //! | `engine` | the HTTP calls to an engine and their timing (I/O) |
 //! | `run` | the sweeps carried out against the engines, in order, with progress lines |
 
 mod engine;
 pub mod fit;
 pub mod plan;
+pub mod report;
 mod run;
 
-pub use fit::{FitReport, ProfileRun};
+pub use report::{FitReport, ProfileRun};
 pub use run::{fit_json_path, profile_engine, write_profile};
 
 use kvc_engine_sim::model::Profile;

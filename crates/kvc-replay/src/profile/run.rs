@@ -3,11 +3,9 @@
 //! and the profile and its report written.
 
 use super::engine::{Completion, Engines, ServedModel};
-use super::fit::{
-    self, EngineFacts, Factor, FitReport, Measured, ProfileRun, StepEstimate, StreamTimes,
-    SweepReport, decode_bytes, prefill_flops,
-};
+use super::fit::{self, Factor, StepEstimate, StreamTimes, decode_bytes, prefill_flops};
 use super::plan::{Limits, Plan, Prompts, TRANSFER_OUTPUT};
+use super::report::{self, EngineFacts, FitReport, Measured, ProfileRun, SweepReport};
 use super::{ProfileError, ProfileOptions};
 use crate::live::LiveError;
 use kvc_core::openai::{VllmApi, nixl_prefill_body};
@@ -55,7 +53,7 @@ pub fn write_profile(run: &ProfileRun, out: &Path) -> Result<PathBuf, ProfileErr
             message: e.to_string(),
         })
     };
-    write(out, &fit::profile_toml(run, &name)?)?;
+    write(out, &report::profile_toml(run, &name)?)?;
     let mut report =
         serde_json::to_string_pretty(&run.report).map_err(|e| ProfileError::Write {
             path: json_path.display().to_string(),
@@ -276,7 +274,7 @@ impl<'a> Run<'a> {
             plan.requests()
         ));
         let prefill = self.prefill_sweep(&plan, &facts, &engine).await?;
-        let (prefill_fit, mut prefill_report) = fit::fit_points(
+        let (prefill_fit, mut prefill_report) = report::fit_points(
             "prefill",
             "t = prefill_overhead + FLOPs(new, cached) / (prefill_efficiency x peak_flops)",
             &prefill,
@@ -285,7 +283,7 @@ impl<'a> Run<'a> {
         prefill_report.factors = prefill_factors.to_vec();
         self.say(&summary(&prefill_report));
         let decode = self.decode_sweep(&plan, &facts, &engine.model).await?;
-        let (decode_fit, mut decode_report) = fit::fit_points(
+        let (decode_fit, mut decode_report) = report::fit_points(
             "decode",
             "t = decode_overhead + bytes(batch, context) / (decode_efficiency x hbm_bytes_per_s)",
             &decode,
@@ -310,7 +308,7 @@ impl<'a> Run<'a> {
                         (&prefill_fit.line, &decode_fit.line),
                     )
                     .await?;
-                let (transfer_fit, mut report) = fit::fit_points(
+                let (transfer_fit, mut report) = report::fit_points(
                     "transfer",
                     "t = transfer_setup + tokens x kv_bytes_per_token / transfer_bytes_per_s \
                      (t: D's first token less one decode step and P's unfinished prefill)",
@@ -339,13 +337,14 @@ impl<'a> Run<'a> {
             .clone()
             .unwrap_or_else(|| default_name(&engine.model));
         let mut warnings = std::mem::take(&mut self.warnings);
-        let profile = fit::build_profile(&facts, &name, &engine, chunk, &factors, &mut warnings)?;
+        let profile =
+            report::build_profile(&facts, &name, &engine, chunk, &factors, &mut warnings)?;
         let secs = started
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or(Duration::ZERO)
             .as_secs();
         let report = FitReport {
-            measured_at: fit::rfc3339(secs),
+            measured_at: report::rfc3339(secs),
             url: self.url.clone(),
             prefill_url: opts.pair.as_ref().map(|p| base(&p.prefill)),
             decode_url: opts.pair.as_ref().map(|p| base(&p.decode)),
