@@ -14,9 +14,9 @@
 //!   token. The profiler cannot tell it from the engine's work (to a user it is part of what
 //!   a request costs): the fixed costs absorb its constant part and the prefill and transfer
 //!   slopes its per-token part, by a few percent. The test measures it first on workers whose
-//!   engine computes nothing ([`serving_cost`]) and accepts a factor anywhere between the
-//!   engine model's value and the value with that cost included, widened by three standard
-//!   errors.
+//!   engine has the same fixed costs at infinite speed ([`serving_cost`]) and accepts a factor
+//!   anywhere between the engine model's value and the value with that cost included, widened
+//!   by three standard errors.
 //! - **Transfer semantics.** A simulated decode worker emits the first token the moment the
 //!   KV has arrived, with none of the decode step vLLM runs then, and a simulated prefill
 //!   worker whose prefix cache holds the whole prompt recomputes nothing where vLLM recomputes
@@ -80,16 +80,14 @@ fn true_profile() -> Profile {
     p
 }
 
-/// The profile of engines that compute nothing: what remains of a request's time is the
-/// workers' serving cost.
-fn instant_profile() -> Profile {
+/// The true profile at infinite speed: a prefill iteration, a decode step and a transfer
+/// cost their fixed costs alone. What a request takes beyond those on such workers is their
+/// serving cost (including the engine thread's wake-up after sleeping through them).
+fn fixed_cost_profile() -> Profile {
     let mut p = true_profile();
     p.hardware.peak_flops = 1e30;
     p.hardware.hbm_bytes_per_s = 1e30;
-    p.fit.prefill_overhead_ms = 0.0;
-    p.fit.decode_overhead_ms = 0.0;
     p.fit.transfer_bytes_per_s = 1e30;
-    p.fit.transfer_setup_ms = 0.0;
     p
 }
 
@@ -214,18 +212,23 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// What the simulated workers' serving adds to the engine model's time, measured on workers
-/// whose engine computes nothing.
+/// running [`fixed_cost_profile`], less the fixed costs.
 #[derive(Debug)]
 struct ServingCost {
-    /// A colocated worker's time to the first token for a prompt of `T` tokens: `a + b T`.
+    /// A colocated worker's time to the first token for a prompt of `T` tokens, beyond its one
+    /// prefill iteration: `a + b T`.
     colocated: Line,
-    /// By prompt length: P's round trip and D's time to the first token of the two P/D calls.
+    /// By prompt length: P's round trip, and D's time to the first token beyond P's one
+    /// iteration and the transfer's setup, of the two P/D calls (P's cache warmed first).
     pair: Vec<(u64, f64, f64)>,
 }
 
 fn serving_cost(rt: &tokio::runtime::Runtime, dir: &Path, transfer_sizes: &[u64]) -> ServingCost {
-    let colocated = start(rt, dir, "1dp", false, instant_profile());
-    let pair = start(rt, dir, "1p1d", false, instant_profile());
+    let truth = true_profile();
+    let iteration = truth.fit.prefill_overhead_ms / 1e3;
+    let setup = truth.fit.transfer_setup_ms / 1e3;
+    let colocated = start(rt, dir, "1dp", false, fixed_cost_profile());
+    let pair = start(rt, dir, "1p1d", false, fixed_cost_profile());
     let client: Client =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .build(kvc_engine_sim::http::connector());
@@ -233,19 +236,33 @@ fn serving_cost(rt: &tokio::runtime::Runtime, dir: &Path, transfer_sizes: &[u64]
     let mut next = 0;
     let mut prompt = |len: u64| {
         next += 1;
-        prompts.tokens(next, len)
+        (next, prompts.tokens(next, len))
     };
     let url = format!("http://{}/v1/completions", colocated.addrs()[0]);
     let mut points = Vec::new();
-    for t in [64, 512, 1024, 2048, 3072, 4096] {
+    // As the prefill sweep sends them: new tokens within one chunk, after a cached prefix.
+    for (new, cached) in [
+        (64, 0),
+        (512, 0),
+        (1024, 0),
+        (2048, 0),
+        (1024, 2048),
+        (2048, 2048),
+    ] {
         let times: Vec<f64> = (0..5)
             .map(|i| {
-                let b = completion(&prompt(t), 1, true);
-                rt.block_on(timed_post(&client, &url, &b, &format!("c{t}-{i}")))
+                let (n, tokens) = prompt(new + cached);
+                if cached > 0 {
+                    let warm = completion(&prompts.tokens(n, cached), 1, false);
+                    rt.block_on(timed_post(&client, &url, &warm, &format!("w{n}")));
+                }
+                let b = completion(&tokens, 1, true);
+                rt.block_on(timed_post(&client, &url, &b, &format!("c{n}-{i}")))
                     .0
+                    - iteration
             })
             .collect();
-        points.push((t as f64, median(times)));
+        points.push(((new + cached) as f64, median(times)));
     }
     let colocated_line = fit_sweep("calibration", &points)
         .expect("a serving-cost line")
@@ -258,18 +275,25 @@ fn serving_cost(rt: &tokio::runtime::Runtime, dir: &Path, transfer_sizes: &[u64]
     for &n in transfer_sizes {
         let (mut ps, mut ds) = (Vec::new(), Vec::new());
         for i in 0..5 {
-            let original = completion(&prompt(n), 2, true);
+            let (_, tokens) = prompt(n);
+            let id = format!("cal-{n}-{i}");
+            rt.block_on(timed_post(
+                &client,
+                &p_url,
+                &completion(&tokens, 1, false),
+                &id,
+            ));
+            let original = completion(&tokens, 2, true);
             let p_body = Value::Object(nixl_prefill_body(
                 original.as_object().unwrap(),
                 VllmApi::Completions,
             ));
-            let id = format!("cal-{n}-{i}");
             let (p_rt, p_answer) = rt.block_on(timed_post(&client, &p_url, &p_body, &id));
             let mut d_body = original;
             d_body["kv_transfer_params"] = p_answer["kv_transfer_params"].clone();
             let (d, _) = rt.block_on(timed_post(&client, &d_url, &d_body, &id));
             ps.push(p_rt);
-            ds.push(d);
+            ds.push(d - iteration - setup);
         }
         pd.push((n, median(ps), median(ds)));
     }
@@ -558,9 +582,10 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
         })
         .collect();
     eprintln!(
-        "profiled in {:.1} s (serving cost {:.3} ms + {:.3} µs per prompt token; configured \
-         transfer {} B/s, {} ms)\n{}",
+        "serving cost measured and engines profiled in {:.1} s, the sweep {:.1} s (serving \
+         cost {:.3} ms + {:.3} µs per prompt token; configured transfer {} B/s, {} ms)\n{}",
         wall.as_secs_f64(),
+        r.wall_s,
         cost.colocated.intercept * 1e3,
         cost.colocated.slope * 1e6,
         truth.fit.transfer_bytes_per_s,

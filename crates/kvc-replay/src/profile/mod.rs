@@ -18,8 +18,36 @@
 //!
 //! Every intercept holds whatever a request costs whatever its size: the engine's own fixed
 //! cost, and the HTTP round trip, request parsing and streaming at the client (the profiler
-//! reports the client's `GET /health` round trip beside it). That is the cost a request sees,
-//! which is what the simulator's overheads stand for.
+//! reports the client's `GET /health` round trip beside it); a cost per prompt token of the
+//! server's request handling lands in the prefill and transfer slopes the same way. That is
+//! the cost a request sees, which is what the simulator's overheads stand for.
+//!
+//! Two readings depend on what the engine does, and are chosen from what it shows:
+//! - an engine that streams one chunk per token (vLLM) gives the decode step as the median
+//!   gap between tokens while every stream decodes; one that streams several tokens a chunk
+//!   (the simulated workers: the first token, then the rest) as the mean gap of the stream
+//!   that started last ([`fit::decode_step`]);
+//! - a prefill engine that answers P's call only once it has prefilled (vLLM) leaves nothing
+//!   to take off D's wait; one that answers at once and prefills while D waits (the simulated
+//!   workers) has the prefill its answer did not cover taken off too ([`fit::transfer_seconds`]).
+//!
+//! Measuring an engine and writing its profile (`profile.fit.json` goes beside it):
+//!
+//! ```no_run
+//! use kvc_replay::profile::{PdUrls, ProfileOptions, profile_engine, write_profile};
+//!
+//! let mut opts = ProfileOptions::new("http://127.0.0.1:8000");
+//! opts.pair = Some(PdUrls {
+//!     prefill: "http://127.0.0.1:8100".into(),
+//!     decode: "http://127.0.0.1:8200".into(),
+//! });
+//! opts.peak_flops = Some(989e12);
+//! opts.seed = 42;
+//! let run = profile_engine(&opts, &mut |line| eprintln!("{line}"))?;
+//! println!("prefill efficiency {:.3}", run.profile.fit.prefill_efficiency);
+//! write_profile(&run, std::path::Path::new("profile.toml"))?;
+//! # Ok::<(), kvc_replay::profile::ProfileError>(())
+//! ```
 //!
 //! | module | job |
 //! |---|---|
@@ -167,7 +195,9 @@ pub struct ProfileOptions {
     pub decode_tokens: u64,
     /// The profile's name (default: the model's, with `-profiled`).
     pub name: Option<String>,
-    /// Seeds the prompts' token ids.
+    /// Seeds the prompts' token ids. Two runs with one seed send the same prompts: against
+    /// the same engine, the second would find the first's cached (the command line seeds
+    /// from the clock).
     pub seed: u64,
     /// Most wall time one request may take.
     pub request_timeout: Duration,
