@@ -328,12 +328,13 @@ impl Check {
     /// The timing resolution allowed beyond the standard errors: the workers, their engine
     /// thread and the profiler's client share the machine's two cores, so a stream's chunks
     /// reach the client a fraction of a millisecond late when others end at the same moment
-    /// (a decode batch finishing) — 0.75 ms on a fixed cost, 1 % on a rate.
+    /// (a decode batch finishing), and more so on a loaded machine — 2 ms on a fixed cost,
+    /// 3 % on a rate (a run on a quiet machine stays within 0.75 ms and 1 %).
     fn allowance(&self) -> f64 {
         if self.key.ends_with("_ms") {
-            0.75
+            2.0
         } else {
-            0.01 * self.model
+            0.03 * self.model
         }
     }
 
