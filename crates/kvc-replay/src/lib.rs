@@ -14,6 +14,8 @@
 //! - [`http`] replays a trace through any HTTP router in front of the simulated engines of
 //!   `kvc-engine-sim` (`kvc-replay live --http`), or serves those engines to any client
 //!   (`kvc-replay workers`).
+//! - [`profile`] measures a live engine with a bounded sweep and fits an engine profile to it
+//!   (`kvc-replay profile`).
 //! - [`output`] and [`report`] write and read run directories (`metrics.jsonl`,
 //!   `summary.json`, `occupancy.csv`), compare runs and draw SVG plots (`kvc-replay compare`,
 //!   `kvc-replay report`, `kvc-replay demo`).
@@ -56,6 +58,7 @@
 pub mod http;
 pub mod live;
 pub mod output;
+pub mod profile;
 pub mod report;
 pub mod sim;
 pub mod trace;

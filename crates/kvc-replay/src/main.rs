@@ -28,6 +28,9 @@ enum Command {
     /// Replay a trace on a real clock against real engines, or any router in front of them,
     /// over HTTP (OpenAI /v1/completions); records TTFT, latency, modes and cached tokens.
     Drive(Box<cli::drive::Args>),
+    /// Measure a live engine (vLLM) with a bounded sweep and write an engine profile fitted to
+    /// it (prefill, decode and P/D transfer factors), with the fit's residuals.
+    Profile(Box<cli::profile::Args>),
     /// Standalone simulated vLLM workers (1p3d by default) serving any client's prompts,
     /// GPU-free, until Ctrl-C; writes a kvc-router configuration for them.
     Workers(Box<cli::workers::Args>),
@@ -49,6 +52,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => cli::sim::run(args),
         Command::Live(args) => cli::live::run(*args),
         Command::Drive(args) => cli::drive::run(*args),
+        Command::Profile(args) => cli::profile::run(*args),
         Command::Workers(args) => cli::workers::run(*args),
         Command::Compare(args) => cli::compare::run(args),
         Command::Report(args) => cli::report::run(args),

@@ -6,6 +6,7 @@ pub(crate) mod drive;
 pub(crate) mod generate;
 pub(crate) mod live;
 pub(crate) mod policies;
+pub(crate) mod profile;
 pub(crate) mod report;
 pub(crate) mod sim;
 pub(crate) mod stats;

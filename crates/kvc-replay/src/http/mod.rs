@@ -231,7 +231,7 @@ fn write_file(path: &Path, text: &str) -> Result<(), LiveError> {
 }
 
 /// Waits until `GET <url>/health` answers 2xx.
-async fn wait_healthy(url: &str, timeout: Duration) -> Result<(), LiveError> {
+pub(crate) async fn wait_healthy(url: &str, timeout: Duration) -> Result<(), LiveError> {
     let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .build_http();

@@ -1,0 +1,463 @@
+//! What a profile run reports: each sweep's points with their fitted times, the engine's facts,
+//! the profile built from the fits, and the TOML it is written as, opened by a comment of what
+//! was measured and the residuals. Pure: no I/O.
+
+use super::ProfileError;
+use super::fit::{Factor, Line, Residuals, SweepFit, fit_sweep, median, relative};
+use kvc_engine_sim::model::Profile;
+use serde::Serialize;
+use serde_json::Value;
+
+/// One measured point of a sweep, with its fitted time.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Point {
+    /// What was sent (sizes, batch).
+    pub inputs: Value,
+    /// The work: FLOPs (prefill), bytes read per step (decode), KV bytes shipped (transfer).
+    pub x: f64,
+    /// Each measurement, seconds.
+    pub measured_s: Vec<f64>,
+    /// Their median: what was fitted.
+    pub median_s: f64,
+    /// The fitted line's time.
+    pub fitted_s: f64,
+    /// `(fitted − median) / median`.
+    pub residual: f64,
+    /// What else was seen (cached tokens reported, the decode method, P's round trip, …).
+    pub seen: Value,
+}
+
+/// One sweep's fit: the model, the factors, the residuals and every point.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SweepReport {
+    /// `prefill`, `decode` or `transfer`.
+    pub sweep: String,
+    /// The model fitted.
+    pub model: String,
+    /// The factors it gave.
+    pub factors: Vec<Factor>,
+    /// The line in seconds and its units of work.
+    pub line: Line,
+    /// How well it fits.
+    pub residuals: Residuals,
+    /// Every point.
+    pub points: Vec<Point>,
+}
+
+/// A sweep's points, measured: inputs, work, each measurement and what else was seen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Measured {
+    /// What was sent.
+    pub inputs: Value,
+    /// The work.
+    pub x: f64,
+    /// Each measurement, seconds.
+    pub seconds: Vec<f64>,
+    /// What else was seen.
+    pub seen: Value,
+}
+
+/// The median of each point's measurements fitted by [`fit_sweep`], and its report without
+/// factors (the caller adds them).
+pub fn fit_points(
+    sweep: &'static str,
+    model: &str,
+    points: &[Measured],
+) -> Result<(SweepFit, SweepReport), ProfileError> {
+    let xy: Vec<(f64, f64)> = points.iter().map(|p| (p.x, median(&p.seconds))).collect();
+    let fit = fit_sweep(sweep, &xy)?;
+    let report = SweepReport {
+        sweep: sweep.into(),
+        model: model.into(),
+        factors: Vec::new(),
+        line: fit.line,
+        residuals: fit.residuals,
+        points: points
+            .iter()
+            .map(|p| {
+                let m = median(&p.seconds);
+                let fitted = fit.line.at(p.x);
+                Point {
+                    inputs: p.inputs.clone(),
+                    x: p.x,
+                    measured_s: p.seconds.clone(),
+                    median_s: m,
+                    fitted_s: fitted,
+                    residual: relative(fitted, m),
+                    seen: p.seen.clone(),
+                }
+            })
+            .collect(),
+    };
+    Ok((fit, report))
+}
+
+/// What the engine said about itself.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EngineFacts {
+    /// The model requests named.
+    pub model: String,
+    /// `max_model_len` of its `/v1/models` entry, when given.
+    pub max_model_len: Option<u64>,
+    /// `block_size` of `vllm:cache_config_info`.
+    pub block_size: u64,
+    /// `num_gpu_blocks` of `vllm:cache_config_info`.
+    pub num_gpu_blocks: u64,
+    /// The KV pool: blocks × block size.
+    pub pool_tokens: u64,
+}
+
+/// Everything a run measured and fitted: what `OUT.fit.json` holds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FitReport {
+    /// When the run started (UTC, RFC 3339).
+    pub measured_at: String,
+    /// The colocated engine.
+    pub url: String,
+    /// The prefill engine of the pair, when measured.
+    pub prefill_url: Option<String>,
+    /// The decode engine of the pair, when measured.
+    pub decode_url: Option<String>,
+    /// Where the model and hardware facts came from.
+    pub facts: String,
+    /// What the engine said about itself.
+    pub engine: EngineFacts,
+    /// The longest context a sweep sent.
+    pub context_cap: u64,
+    /// The chunked-prefill budget the prefill sweep stayed within.
+    pub chunk_tokens: u64,
+    /// Measurements of each point (their median is fitted).
+    pub repeats: usize,
+    /// The prompts' seed.
+    pub seed: u64,
+    /// Requests sent.
+    pub requests: usize,
+    /// Wall seconds the sweeps took.
+    pub wall_s: f64,
+    /// Median round trip of `GET /health` at the client, ms: part of every fitted fixed cost.
+    pub client_rtt_ms: f64,
+    /// The prefill sweep.
+    pub prefill: SweepReport,
+    /// The decode sweep.
+    pub decode: SweepReport,
+    /// The transfer sweep (`None`: no pair; the facts' transfer factors were kept).
+    pub transfer: Option<SweepReport>,
+    /// What the user should know.
+    pub warnings: Vec<String>,
+}
+
+/// A measured profile and its report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProfileRun {
+    /// The profile (valid: [`Profile::parse`] accepts its TOML).
+    pub profile: Profile,
+    /// What was measured and how well it fits.
+    pub report: FitReport,
+}
+
+/// The profile of a run: the facts profile's `[model]` facts (with `max_input_tokens` from
+/// the engine's `max_model_len` when it gave one), its `[hardware]` with the pool measured,
+/// the fitted factors, and every other `[fit]` factor kept. A `max_input_tokens` the measured
+/// pool cannot hold in 512-token blocks is lowered to what it can, with a warning.
+pub fn build_profile(
+    facts: &Profile,
+    name: &str,
+    engine: &EngineFacts,
+    chunk_tokens: u64,
+    factors: &[Factor],
+    warnings: &mut Vec<String>,
+) -> Result<Profile, ProfileError> {
+    let mut p = facts.clone();
+    p.name = name.to_owned();
+    p.hardware.kv_pool_tokens = engine.pool_tokens;
+    if let Some(len) = engine.max_model_len {
+        p.model.max_input_tokens = len;
+    }
+    let room = engine.pool_tokens / 512 * 512;
+    if p.model.max_input_tokens.div_ceil(512) * 512 > engine.pool_tokens {
+        warnings.push(format!(
+            "model.max_input_tokens lowered from {} to {room}: the simulator needs the longest \
+             input to fit the KV pool ({} tokens) in 512-token blocks",
+            p.model.max_input_tokens, engine.pool_tokens
+        ));
+        p.model.max_input_tokens = room;
+    }
+    p.fit.chunk_tokens = chunk_tokens;
+    for f in factors {
+        let slot = match f.key.as_str() {
+            "fit.prefill_efficiency" => &mut p.fit.prefill_efficiency,
+            "fit.prefill_overhead_ms" => &mut p.fit.prefill_overhead_ms,
+            "fit.decode_efficiency" => &mut p.fit.decode_efficiency,
+            "fit.decode_overhead_ms" => &mut p.fit.decode_overhead_ms,
+            "fit.transfer_bytes_per_s" => &mut p.fit.transfer_bytes_per_s,
+            "fit.transfer_setup_ms" => &mut p.fit.transfer_setup_ms,
+            other => {
+                return Err(ProfileError::Invalid(format!("no profile key {other}")));
+            }
+        };
+        *slot = f.value;
+    }
+    let text = toml::to_string(&p).map_err(|e| ProfileError::Invalid(e.to_string()))?;
+    Profile::parse(&text, "the measured profile").map_err(|e| ProfileError::Invalid(e.to_string()))
+}
+
+/// The profile as TOML, opened by a comment saying what was measured, when, against which
+/// engine and model, and each sweep's residuals; `points_file` names the report with every
+/// point.
+pub fn profile_toml(run: &ProfileRun, points_file: &str) -> Result<String, ProfileError> {
+    let r = &run.report;
+    let body = toml::to_string(&run.profile).map_err(|e| ProfileError::Invalid(e.to_string()))?;
+    let mut h = String::new();
+    let mut line = |s: &str| {
+        h.push_str(if s.is_empty() { "#" } else { "# " });
+        h.push_str(s);
+        h.push('\n');
+    };
+    line(&format!(
+        "Engine profile measured by `kvc-replay profile` on {} against {} (model {}).",
+        r.measured_at, r.url, r.engine.model
+    ));
+    if let (Some(p), Some(d)) = (&r.prefill_url, &r.decode_url) {
+        line(&format!("Transfer measured on the P/D pair {p} -> {d}."));
+    }
+    line(&format!(
+        "[model] and [hardware] facts from {}; hardware.kv_pool_tokens = {} blocks x {} tokens \
+         (vllm:cache_config_info){}.",
+        r.facts,
+        r.engine.num_gpu_blocks,
+        r.engine.block_size,
+        match r.engine.max_model_len {
+            Some(l) => format!("; model.max_input_tokens from max_model_len {l}"),
+            None => String::new(),
+        }
+    ));
+    line(&format!(
+        "{} requests in {:.1} s, contexts up to {} tokens, chunked-prefill budget {}, each point \
+         the median of {} (seed {}).",
+        r.requests, r.wall_s, r.context_cap, r.chunk_tokens, r.repeats, r.seed
+    ));
+    line(&format!(
+        "Fixed costs include the client's round trip (GET /health: {:.2} ms).",
+        r.client_rtt_ms
+    ));
+    line("");
+    line("Fit residuals (relative error of the fitted time; factors with one standard error):");
+    let sweeps = [Some(&r.prefill), Some(&r.decode), r.transfer.as_ref()];
+    for s in sweeps.into_iter().flatten() {
+        line(&format!(
+            "  {:<8} {:>3} points, RMS {:.2} %, max {:.2} %; {}",
+            s.sweep,
+            s.residuals.points,
+            s.residuals.rms_rel * 100.0,
+            s.residuals.max_rel * 100.0,
+            s.factors
+                .iter()
+                .map(|f| format!("{} = {} ± {}", f.key, sig(f.value), sig(f.stderr)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    if r.transfer.is_none() {
+        line(
+            "  transfer not measured (no --prefill-url/--decode-url): transfer factors kept from the facts.",
+        );
+    }
+    for w in &r.warnings {
+        line(&format!("warning: {w}"));
+    }
+    line(&format!(
+        "Every point, measured and fitted: {points_file} beside this file."
+    ));
+    h.push('\n');
+    h.push_str(&body);
+    Ok(h)
+}
+
+/// `v` with four significant digits.
+fn sig(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return format!("{v}");
+    }
+    let digits = 3 - v.abs().log10().floor() as i32;
+    if (0..=6).contains(&digits) {
+        format!("{v:.prec$}", prec = digits as usize)
+    } else {
+        format!("{v:.3e}")
+    }
+}
+
+/// `secs` since the Unix epoch as RFC 3339 UTC (`2026-12-01T09:30:00Z`).
+pub fn rfc3339(secs: u64) -> String {
+    let days = secs / 86_400;
+    let rem = secs % 86_400;
+    // Days since 1970-01-01 to a civil date (proleptic Gregorian), era by era of 400 years.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_profile_keeps_the_facts_and_takes_the_fits() {
+        let facts = Profile::default();
+        let engine = EngineFacts {
+            model: "m".into(),
+            max_model_len: Some(4096),
+            block_size: 32,
+            num_gpu_blocks: 2048,
+            pool_tokens: 65_536,
+        };
+        let factors = [
+            Factor {
+                key: "fit.prefill_efficiency".into(),
+                value: 0.3,
+                stderr: 0.01,
+            },
+            Factor {
+                key: "fit.decode_overhead_ms".into(),
+                value: 7.5,
+                stderr: 0.1,
+            },
+        ];
+        let mut warnings = Vec::new();
+        let p = build_profile(&facts, "mine", &engine, 2048, &factors, &mut warnings).unwrap();
+        assert_eq!(p.name, "mine");
+        assert_eq!(p.model.max_input_tokens, 4096);
+        assert_eq!(p.hardware.kv_pool_tokens, 65_536);
+        assert_eq!(p.fit.chunk_tokens, 2048);
+        assert_eq!(
+            (p.fit.prefill_efficiency, p.fit.decode_overhead_ms),
+            (0.3, 7.5)
+        );
+        assert_eq!(p.fit.decode_efficiency, facts.fit.decode_efficiency);
+        assert_eq!(p.fit.pressure, facts.fit.pressure);
+        assert_eq!(p.model.layers, facts.model.layers);
+        assert!(warnings.is_empty());
+        // No max_model_len and a small pool: the facts' limit is lowered to fit it.
+        let small = EngineFacts {
+            max_model_len: None,
+            pool_tokens: 20_000,
+            ..engine
+        };
+        let p = build_profile(&facts, "mine", &small, 2048, &[], &mut warnings).unwrap();
+        assert_eq!(p.model.max_input_tokens, 19_968);
+        assert!(warnings[0].contains("lowered"), "{warnings:?}");
+    }
+
+    #[test]
+    fn dates_are_rfc3339_utc() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_798_761_599), "2026-12-31T23:59:59Z");
+    }
+
+    #[test]
+    fn significant_digits() {
+        assert_eq!(sig(0.41234), "0.4123");
+        assert_eq!(sig(30.91), "30.91");
+        assert_eq!(sig(5.0e9), "5.000e9");
+        assert_eq!(sig(0.0), "0");
+    }
+
+    #[test]
+    fn the_toml_opens_with_what_was_measured_and_the_residuals_and_loads() {
+        // t = 2 ms + x / 1e12 over three exact points.
+        let measured: Vec<Measured> = [1e9, 2e9, 4e9]
+            .iter()
+            .map(|&x| Measured {
+                inputs: serde_json::json!({ "x": x }),
+                x,
+                seconds: vec![0.002 + x / 1e12, 0.002 + x / 1e12 + 1e-6],
+                seen: Value::Null,
+            })
+            .collect();
+        let (fit, mut prefill) = fit_points("prefill", "t = a + b x", &measured).unwrap();
+        assert!(
+            (fit.line.intercept - 0.0020005).abs() < 1e-9,
+            "{:?}",
+            fit.line
+        );
+        assert_eq!(prefill.points.len(), 3);
+        assert_eq!(prefill.points[0].measured_s.len(), 2);
+        assert!(prefill.points.iter().all(|p| p.residual.abs() < 1e-9));
+        prefill.factors = vec![Factor {
+            key: "fit.prefill_efficiency".into(),
+            value: 0.25,
+            stderr: 0.001,
+        }];
+        let mut decode = prefill.clone();
+        decode.sweep = "decode".into();
+        let engine = EngineFacts {
+            model: "kvc-tiny".into(),
+            max_model_len: Some(4096),
+            block_size: 32,
+            num_gpu_blocks: 2048,
+            pool_tokens: 65_536,
+        };
+        let mut warnings = vec!["decode: something to know".to_owned()];
+        let profile = build_profile(
+            &Profile::default(),
+            "tiny",
+            &engine,
+            512,
+            &[],
+            &mut warnings,
+        )
+        .unwrap();
+        let run = ProfileRun {
+            profile,
+            report: FitReport {
+                measured_at: rfc3339(1_798_761_599),
+                url: "http://127.0.0.1:18080".into(),
+                prefill_url: None,
+                decode_url: None,
+                facts: "the embedded default profile".into(),
+                engine,
+                context_cap: 4096,
+                chunk_tokens: 512,
+                repeats: 2,
+                seed: 7,
+                requests: 96,
+                wall_s: 12.5,
+                client_rtt_ms: 0.2,
+                prefill,
+                decode,
+                transfer: None,
+                warnings,
+            },
+        };
+        let text = profile_toml(&run, "tiny.fit.json").unwrap();
+        let head: Vec<&str> = text.lines().take_while(|l| l.starts_with('#')).collect();
+        assert!(
+            head[0]
+                .contains("2026-12-31T23:59:59Z against http://127.0.0.1:18080 (model kvc-tiny)")
+        );
+        let row = head.iter().find(|l| l.starts_with("#   prefill ")).unwrap();
+        assert!(
+            row.contains("3 points, RMS 0.00 %") && row.contains("fit.prefill_efficiency = 0.2500"),
+            "{row}"
+        );
+        assert!(head.iter().any(|l| l.contains("transfer not measured")));
+        assert!(
+            head.iter()
+                .any(|l| l.contains("warning: decode: something to know"))
+        );
+        assert!(head.iter().any(|l| l.contains("tiny.fit.json")));
+        assert_eq!(Profile::parse(&text, "written").unwrap(), run.profile);
+    }
+}

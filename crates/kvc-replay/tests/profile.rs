@@ -1,0 +1,696 @@
+//! `kvc-replay profile` against simulated vLLM workers whose engine profile is known: a
+//! colocated worker for the prefill and decode sweeps and a 1p1d NixlConnector pair for the
+//! transfer, in process, on a real clock (speedup 1, no jitter). Each fitted factor must come
+//! back within 15 % of the engine model's value and within three of the standard errors the
+//! profiler reports (plus a stated timing resolution) of what the workers can show; the
+//! profile written must load with
+//! `Profile::load` and carry its residuals. Also the clear errors against a closed port and
+//! against servers that are not vLLM.
+//!
+//! What the profiler sees besides the engine model, and how the expected values allow for it:
+//! - **Serving cost.** Every request also pays the workers' HTTP path: the round trip, the
+//!   JSON of its token ids read and hashed into blocks, the engine thread's hand-offs. Here
+//!   (a debug build) that is about half a millisecond plus half a microsecond per prompt
+//!   token. The profiler cannot tell it from the engine's work (to a user it is part of what
+//!   a request costs): the fixed costs absorb its constant part and the prefill and transfer
+//!   slopes its per-token part, by a few percent. The test measures it first on workers whose
+//!   engine has the same fixed costs at infinite speed ([`serving_cost`]) and accepts a factor
+//!   anywhere between the engine model's value and the value with that cost included, widened
+//!   by three standard errors.
+//! - **Transfer semantics.** A simulated decode worker emits the first token the moment the
+//!   KV has arrived, with none of the decode step vLLM runs then, and a simulated prefill
+//!   worker whose prefix cache holds the whole prompt recomputes nothing where vLLM recomputes
+//!   the last block; the simulated P also answers at once and prefills while D waits. The
+//!   profiler, made for vLLM, takes off one decode step and one block's prefill: so on these
+//!   workers it reads the true transfer less those, and the expected transfer line is worked
+//!   out the same way from the true profile ([`transfer_model`]).
+//! - **Timing resolution.** The workers, their engine thread and the profiler's client share
+//!   two cores; what is left beyond the standard errors is allowed for explicitly
+//!   ([`Check::allowance`]: 0.75 ms on a fixed cost, 1 % on a rate).
+//! - **Streaming.** The simulated workers stream the first token, then the rest in one chunk:
+//!   the decode step is read as the mean gap of the last stream to start (its first token
+//!   comes once every stream has prefilled, and all of them then decode in step).
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use kvc_core::openai::{VllmApi, nixl_prefill_body};
+use kvc_core::{EngineKind, EvictionMode, StateSource, Topology};
+use kvc_engine_sim::ClusterSpec;
+use kvc_engine_sim::http::{HttpWorkers, StandaloneOptions, WorkerOptions};
+use kvc_engine_sim::model::Profile;
+use kvc_replay::profile::fit::{Line, fit_sweep};
+use kvc_replay::profile::plan::{Limits, Plan, Prompts};
+use kvc_replay::profile::{
+    PdUrls, ProfileError, ProfileOptions, fit_json_path, profile_engine, write_profile,
+};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Block size of the simulated workers' prefix caches and of their `/metrics`.
+const BLOCK: u64 = 16;
+
+/// The sweep's limits: contexts up to 4,096 tokens, prefill chunks of 2,048.
+const MAX_CONTEXT: u64 = 4096;
+const CHUNK: u64 = 2048;
+
+/// Measurements of each point: the median of three sets aside one delayed by the machine's
+/// other work.
+const REPEATS: usize = 3;
+
+/// Distinct snapshot folders for the workers of one test process.
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+/// The simulated engines' profile: the default model and hardware facts with factors chosen
+/// so the whole sweep takes well under a minute: a prefill of 2,048 new tokens ~130 ms,
+/// decode steps of 9–18 ms, a 4,080-token transfer ~240 ms.
+fn true_profile() -> Profile {
+    let mut p = Profile {
+        name: "profiled-sim".into(),
+        ..Profile::default()
+    };
+    p.fit.prefill_efficiency = 0.15;
+    p.fit.prefill_overhead_ms = 30.0;
+    p.fit.decode_efficiency = 0.7;
+    p.fit.decode_overhead_ms = 6.0;
+    p.fit.chunk_tokens = CHUNK;
+    p.fit.transfer_bytes_per_s = 2e9;
+    p.fit.transfer_setup_ms = 40.0;
+    p
+}
+
+/// The true profile at infinite speed: a prefill iteration, a decode step and a transfer
+/// cost their fixed costs alone. What a request takes beyond those on such workers is their
+/// serving cost (including the engine thread's wake-up after sleeping through them).
+fn fixed_cost_profile() -> Profile {
+    let mut p = true_profile();
+    p.hardware.peak_flops = 1e30;
+    p.hardware.hbm_bytes_per_s = 1e30;
+    p.fit.transfer_bytes_per_s = 1e30;
+    p
+}
+
+/// Standalone simulated vLLM workers of `topology` running `profile` on `rt`, with
+/// vLLM-named `/metrics` when `metrics`.
+fn start(
+    rt: &tokio::runtime::Runtime,
+    dir: &Path,
+    topology: &str,
+    metrics: bool,
+    profile: Profile,
+) -> HttpWorkers {
+    let standalone = StandaloneOptions::default();
+    assert_eq!(u64::from(standalone.block_size.tokens()), BLOCK);
+    let cluster = ClusterSpec {
+        topology: topology.parse::<Topology>().unwrap(),
+        local_prefill: true,
+        profile,
+        eviction: EvictionMode::IdleLru,
+        seed: 0,
+        jitter: 0.0,
+        block_size: standalone.block_size,
+    };
+    let snapshots = dir.join(format!(
+        "{topology}-{}",
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&snapshots).unwrap();
+    let opts = WorkerOptions {
+        speedup: 1.0,
+        http_base_port: None,
+        bootstrap_base_port: None,
+        snapshot_dir: snapshots,
+        table_slots: 64,
+        model: "sim-model".into(),
+        router_state: if metrics {
+            StateSource::Events
+        } else {
+            StateSource::Snapshot
+        },
+        engine_base_port: None,
+        engine: EngineKind::Vllm,
+        faults: Default::default(),
+        pd_shim: false,
+    };
+    HttpWorkers::start_standalone(rt.handle(), &cluster, &opts, standalone).expect("workers start")
+}
+
+/// A temporary folder, removed with the value.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "kvc-profile-{tag}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+type Client = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    Full<Bytes>,
+>;
+
+/// Posts `body` to `url`: seconds to the first streamed chunk that carries a choice (or to
+/// the whole answer), and a whole answer's JSON.
+async fn timed_post(client: &Client, url: &str, body: &Value, request_id: &str) -> (f64, Value) {
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .header("x-request-id", request_id)
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let sent = Instant::now();
+    let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+        .await
+        .expect("an answer in time")
+        .expect("an answer");
+    assert!(resp.status().is_success(), "{url}: {}", resp.status());
+    let mut answer = resp.into_body();
+    let mut seen = Vec::new();
+    let mut first = None;
+    while let Some(frame) = answer.frame().await {
+        if let Some(d) = frame.unwrap().data_ref() {
+            seen.extend_from_slice(d);
+            if first.is_none() && String::from_utf8_lossy(&seen).contains("\"choices\":[{") {
+                first = Some(sent.elapsed().as_secs_f64());
+            }
+        }
+    }
+    if body["stream"] == true {
+        (first.expect("a token chunk"), Value::Null)
+    } else {
+        (
+            sent.elapsed().as_secs_f64(),
+            serde_json::from_slice(&seen).unwrap(),
+        )
+    }
+}
+
+fn completion(tokens: &[u32], max_tokens: u64, stream: bool) -> Value {
+    let mut b = json!({"model": "sim-model", "prompt": tokens, "max_tokens": max_tokens,
+                       "temperature": 0.0, "ignore_eos": true, "stream": stream});
+    if stream {
+        b["stream_options"] = json!({"include_usage": true});
+    }
+    b
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// What the simulated workers' serving adds to the engine model's time, measured on workers
+/// running [`fixed_cost_profile`], less the fixed costs.
+#[derive(Debug)]
+struct ServingCost {
+    /// A colocated worker's time to the first token for a prompt of `T` tokens, beyond its one
+    /// prefill iteration: `a + b T`.
+    colocated: Line,
+    /// By prompt length: P's round trip, and D's time to the first token beyond P's one
+    /// iteration and the transfer's setup, of the two P/D calls (P's cache warmed first).
+    pair: Vec<(u64, f64, f64)>,
+}
+
+fn serving_cost(rt: &tokio::runtime::Runtime, dir: &Path, transfer_sizes: &[u64]) -> ServingCost {
+    let truth = true_profile();
+    let iteration = truth.fit.prefill_overhead_ms / 1e3;
+    let setup = truth.fit.transfer_setup_ms / 1e3;
+    let colocated = start(rt, dir, "1dp", false, fixed_cost_profile());
+    let pair = start(rt, dir, "1p1d", false, fixed_cost_profile());
+    let client: Client =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build(kvc_engine_sim::http::connector());
+    let prompts = Prompts::new(99);
+    let mut next = 0;
+    let mut prompt = |len: u64| {
+        next += 1;
+        (next, prompts.tokens(next, len))
+    };
+    let url = format!("http://{}/v1/completions", colocated.addrs()[0]);
+    let mut points = Vec::new();
+    // As the prefill sweep sends them: new tokens within one chunk, after a cached prefix.
+    for (new, cached) in [
+        (64, 0),
+        (512, 0),
+        (1024, 0),
+        (2048, 0),
+        (1024, 2048),
+        (2048, 2048),
+    ] {
+        let times: Vec<f64> = (0..5)
+            .map(|i| {
+                let (n, tokens) = prompt(new + cached);
+                if cached > 0 {
+                    let warm = completion(&prompts.tokens(n, cached), 1, false);
+                    rt.block_on(timed_post(&client, &url, &warm, &format!("w{n}")));
+                }
+                let b = completion(&tokens, 1, true);
+                rt.block_on(timed_post(&client, &url, &b, &format!("c{n}-{i}")))
+                    .0
+                    - iteration
+            })
+            .collect();
+        points.push(((new + cached) as f64, median(times)));
+    }
+    let colocated_line = fit_sweep("calibration", &points)
+        .expect("a serving-cost line")
+        .line;
+    let (p_url, d_url) = (
+        format!("http://{}/v1/completions", pair.addrs()[0]),
+        format!("http://{}/v1/completions", pair.addrs()[1]),
+    );
+    let mut pd = Vec::new();
+    for &n in transfer_sizes {
+        let (mut ps, mut ds) = (Vec::new(), Vec::new());
+        for i in 0..5 {
+            let (_, tokens) = prompt(n);
+            let id = format!("cal-{n}-{i}");
+            rt.block_on(timed_post(
+                &client,
+                &p_url,
+                &completion(&tokens, 1, false),
+                &id,
+            ));
+            let original = completion(&tokens, 2, true);
+            let p_body = Value::Object(nixl_prefill_body(
+                original.as_object().unwrap(),
+                VllmApi::Completions,
+            ));
+            let (p_rt, p_answer) = rt.block_on(timed_post(&client, &p_url, &p_body, &id));
+            let mut d_body = original;
+            d_body["kv_transfer_params"] = p_answer["kv_transfer_params"].clone();
+            let (d, _) = rt.block_on(timed_post(&client, &d_url, &d_body, &id));
+            ps.push(p_rt);
+            ds.push(d - iteration - setup);
+        }
+        pd.push((n, median(ps), median(ds)));
+    }
+    colocated.stop().unwrap();
+    pair.stop().unwrap();
+    ServingCost {
+        colocated: colocated_line,
+        pair: pd,
+    }
+}
+
+/// What the profiler reads as the transfer of `n` tokens on the simulated pair, by the
+/// engine model alone: D's first token comes after P's one iteration (the prompt cached) and
+/// the transfer; the profiler takes off a decode step and one block's prefill.
+fn transfer_model(truth: &Profile, n: u64) -> f64 {
+    truth.prefill_seconds([(0, n)]) + truth.transfer_seconds(n)
+        - truth.decode_step_seconds(1, n)
+        - truth.prefill_seconds([(BLOCK, n - BLOCK)])
+}
+
+/// One factor's check: the fitted value, its reported standard error, the engine model's
+/// value, and the value with the workers' serving cost included.
+struct Check {
+    key: &'static str,
+    fitted: f64,
+    stderr: f64,
+    model: f64,
+    served: f64,
+}
+
+impl Check {
+    /// The timing resolution allowed beyond the standard errors: the workers, their engine
+    /// thread and the profiler's client share the machine's two cores, so a stream's chunks
+    /// reach the client a fraction of a millisecond late when others end at the same moment
+    /// (a decode batch finishing), and more so on a loaded machine — 2 ms on a fixed cost,
+    /// 3 % on a rate (a run on a quiet machine stays within 0.75 ms and 1 %).
+    fn allowance(&self) -> f64 {
+        if self.key.ends_with("_ms") {
+            2.0
+        } else {
+            0.03 * self.model
+        }
+    }
+
+    /// Within 15 % of the model's value, and within three standard errors (and the
+    /// allowance) of the range between the model's value and the served one.
+    fn problems(&self) -> Option<String> {
+        let slack = 3.0 * self.stderr + self.allowance();
+        let lo = self.model.min(self.served) - slack;
+        let hi = self.model.max(self.served) + slack;
+        let off = (self.fitted - self.model).abs() / self.model;
+        (off > 0.15 || !(lo..=hi).contains(&self.fitted)).then(|| {
+            format!(
+                "{}: fitted {} ± {}, model {}, with serving cost {} ({:.1} % off)",
+                self.key,
+                self.fitted,
+                self.stderr,
+                self.model,
+                self.served,
+                off * 100.0
+            )
+        })
+    }
+}
+
+fn factor(report: &Value, sweep: &str, key: &str) -> (f64, f64) {
+    let f = report[sweep]["factors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["key"] == key)
+        .unwrap_or_else(|| panic!("{sweep} has {key}"));
+    (f["value"].as_f64().unwrap(), f["stderr"].as_f64().unwrap())
+}
+
+#[test]
+fn the_profiler_recovers_the_simulated_engines_profile() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = TempDir::new("sim");
+    let truth = true_profile();
+    let plan = Plan::new(&Limits {
+        chunk_tokens: CHUNK,
+        context_cap: MAX_CONTEXT,
+        pool_tokens: truth.hardware.kv_pool_tokens,
+        block_size: BLOCK,
+        decode_tokens: 32,
+        repeats: REPEATS,
+        transfer: true,
+    })
+    .unwrap();
+    let started = Instant::now();
+    let cost = serving_cost(&rt, &dir.0, &plan.transfer);
+    let colocated = start(&rt, &dir.0, "1dp", true, truth.clone());
+    let pair = start(&rt, &dir.0, "1p1d", false, truth.clone());
+    let mut opts = ProfileOptions::new(format!("http://{}/", colocated.addrs()[0]));
+    opts.metrics_url = Some(colocated.engine_urls()[0].metrics_url.clone());
+    opts.pair = Some(PdUrls {
+        prefill: format!("http://{}", pair.addrs()[0]),
+        decode: format!("http://{}", pair.addrs()[1]),
+    });
+    opts.chunk_tokens = Some(CHUNK);
+    opts.max_context = MAX_CONTEXT;
+    opts.repeats = REPEATS;
+    opts.seed = 7;
+    let mut lines = Vec::new();
+    let run = profile_engine(&opts, &mut |l: &str| lines.push(l.to_owned()))
+        .expect("the profile is measured");
+    colocated.stop().unwrap();
+    pair.stop().unwrap();
+    let wall = started.elapsed();
+
+    // The engine's own facts, the plan's size and the progress lines.
+    let r = &run.report;
+    assert_eq!(r.engine.model, "sim-model");
+    assert_eq!((r.engine.block_size, r.engine.pool_tokens), (BLOCK, 92_160));
+    assert_eq!(r.context_cap, MAX_CONTEXT);
+    assert_eq!(r.requests, plan.requests());
+    let measured = (plan.prefill.len() + plan.decode.len() + plan.transfer.len()) * REPEATS;
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("(repeat")).count(),
+        measured,
+        "one line per measurement: {lines:#?}"
+    );
+    assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+    // The cached prefixes were found cached, the fresh prompts were not.
+    for p in r.prefill.points.iter() {
+        let want = p.inputs["cached_tokens"].as_u64().unwrap();
+        for got in p.seen["reported_cached_tokens"].as_array().unwrap() {
+            assert_eq!(got.as_u64(), Some(want), "{p:?}");
+        }
+    }
+    assert_eq!(
+        r.transfer.as_ref().unwrap().points.len(),
+        plan.transfer.len()
+    );
+    assert!(
+        wall < Duration::from_secs(60),
+        "the sweep took {:.1} s",
+        wall.as_secs_f64()
+    );
+
+    // The profile written, read back.
+    let out = dir.0.join("sim.toml");
+    let json_path = write_profile(&run, &out).expect("the profile is written");
+    assert_eq!(json_path, dir.0.join("sim.fit.json"));
+    assert_eq!(json_path, fit_json_path(&out));
+    let loaded = Profile::load(&out).expect("the written profile loads");
+    assert_eq!(loaded, run.profile);
+    assert_eq!(loaded.model, truth.model);
+    assert_eq!(loaded.fit.pressure, truth.fit.pressure);
+    assert_eq!(loaded.fit.chunk_tokens, CHUNK);
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.starts_with("# Engine profile measured by `kvc-replay profile`"));
+    assert!(text.contains("(model sim-model)"), "{text}");
+    assert!(text.contains("# Fit residuals"), "{text}");
+    for sweep in ["prefill", "decode", "transfer"] {
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("#   {sweep} ")))
+            .unwrap_or_else(|| panic!("a residual row for {sweep}: {text}"));
+        assert!(row.contains("RMS") && row.contains("max"), "{row}");
+    }
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    let points = report["prefill"]["points"].as_array().unwrap();
+    assert_eq!(points.len(), plan.prefill.len());
+    for p in points {
+        assert_eq!(p["measured_s"].as_array().unwrap().len(), REPEATS);
+        let (m, f) = (
+            p["median_s"].as_f64().unwrap(),
+            p["fitted_s"].as_f64().unwrap(),
+        );
+        assert!((p["residual"].as_f64().unwrap() - (f - m) / m).abs() < 1e-12);
+    }
+
+    // What the profiler should see.
+    let kv = truth.kv_bytes_per_token();
+    let prefill_served = fit_sweep(
+        "prefill",
+        &r.prefill
+            .points
+            .iter()
+            .map(|p| {
+                let n = p.inputs["new_tokens"].as_u64().unwrap();
+                let c = p.inputs["cached_tokens"].as_u64().unwrap();
+                let t = truth.prefill_seconds([(n, c)]) + cost.colocated.at((n + c) as f64);
+                (p.x, t)
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap()
+    .line;
+    let transfer_model_line = fit_sweep(
+        "transfer",
+        &plan
+            .transfer
+            .iter()
+            .map(|&n| (n as f64 * kv, transfer_model(&truth, n)))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap()
+    .line;
+    let fitted = &run.profile;
+    let transfer_served = fit_sweep(
+        "transfer",
+        &cost
+            .pair
+            .iter()
+            .map(|&(n, p_rt, d_serving)| {
+                let d = truth.prefill_seconds([(0, n)]) + truth.transfer_seconds(n) + d_serving;
+                let step = fitted.decode_step_seconds(1, n);
+                let p_prefill = fitted.prefill_seconds([(BLOCK, n - BLOCK)]);
+                (n as f64 * kv, d - step - (p_prefill - p_rt).max(0.0))
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap()
+    .line;
+    let peak = truth.hardware.peak_flops;
+    // Bytes/s and setup ms of each transfer line.
+    let (bw_model, setup_model) = (
+        1.0 / transfer_model_line.slope,
+        transfer_model_line.intercept * 1e3,
+    );
+    let (bw_served, setup_served) = (1.0 / transfer_served.slope, transfer_served.intercept * 1e3);
+    let checks = [
+        (
+            "fit.prefill_efficiency",
+            "prefill",
+            truth.fit.prefill_efficiency,
+            1.0 / (prefill_served.slope * peak),
+        ),
+        (
+            "fit.prefill_overhead_ms",
+            "prefill",
+            truth.fit.prefill_overhead_ms,
+            prefill_served.intercept * 1e3,
+        ),
+        (
+            "fit.decode_efficiency",
+            "decode",
+            truth.fit.decode_efficiency,
+            truth.fit.decode_efficiency,
+        ),
+        (
+            "fit.decode_overhead_ms",
+            "decode",
+            truth.fit.decode_overhead_ms,
+            truth.fit.decode_overhead_ms,
+        ),
+        ("fit.transfer_bytes_per_s", "transfer", bw_model, bw_served),
+        (
+            "fit.transfer_setup_ms",
+            "transfer",
+            setup_model,
+            setup_served,
+        ),
+    ]
+    .map(|(key, sweep, model, served)| {
+        let (fitted, stderr) = factor(&report, sweep, key);
+        Check {
+            key,
+            fitted,
+            stderr,
+            model,
+            served,
+        }
+    });
+    let table: Vec<String> = checks
+        .iter()
+        .map(|c| {
+            format!(
+                "{:<26} fitted {:>12.6} ± {:<10.4e} model {:>12.6}  with serving cost {:>12.6}",
+                c.key, c.fitted, c.stderr, c.model, c.served
+            )
+        })
+        .collect();
+    eprintln!(
+        "serving cost measured and engines profiled in {:.1} s, the sweep {:.1} s (serving \
+         cost {:.3} ms + {:.3} µs per prompt token; configured transfer {} B/s, {} ms)\n{}",
+        wall.as_secs_f64(),
+        r.wall_s,
+        cost.colocated.intercept * 1e3,
+        cost.colocated.slope * 1e6,
+        truth.fit.transfer_bytes_per_s,
+        truth.fit.transfer_setup_ms,
+        table.join("\n")
+    );
+    let problems: Vec<String> = checks.iter().filter_map(Check::problems).collect();
+    assert!(problems.is_empty(), "{problems:#?}\n{lines:#?}");
+}
+
+/// A server on a free loopback port answering `app`, on `rt`.
+fn serve(rt: &tokio::runtime::Runtime, app: axum::Router) -> String {
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    rt.spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    format!("http://{addr}")
+}
+
+fn quick(url: String) -> ProfileOptions {
+    let mut o = ProfileOptions::new(url);
+    o.connect_timeout = Duration::from_secs(1);
+    o.request_timeout = Duration::from_secs(5);
+    o
+}
+
+#[test]
+fn a_closed_port_or_a_server_that_is_not_vllm_is_named_in_a_clear_error() {
+    // A port that was free a moment ago: nothing answers there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let err = profile_engine(&quick(url.clone()), &mut |_| {}).unwrap_err();
+    assert!(matches!(err, ProfileError::NotReady(_)), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("{url}/health did not answer 2xx within 1 s")),
+        "{text}"
+    );
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    use axum::routing::get;
+    // Healthy, but no OpenAI model list.
+    let no_models = serve(
+        &rt,
+        axum::Router::new()
+            .route("/health", get(|| async { "ok" }))
+            .route(
+                "/v1/models",
+                get(|| async {
+                    (
+                        axum::http::StatusCode::NOT_FOUND,
+                        "{\"detail\":\"Not Found\"}",
+                    )
+                }),
+            ),
+    );
+    let text = profile_engine(&quick(no_models.clone()), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains(&format!("{no_models}/v1/models answered 404"))
+            && text.contains("expected an OpenAI model list")
+            && text.contains("Not Found"),
+        "{text}"
+    );
+    // A model list, but no vLLM cache metrics.
+    let not_vllm = serve(
+        &rt,
+        axum::Router::new()
+            .route("/health", get(|| async { "ok" }))
+            .route(
+                "/v1/models",
+                get(|| async { "{\"object\": \"list\", \"data\": [{\"id\": \"m\"}]}" }),
+            )
+            .route("/metrics", get(|| async { "sglang:token_usage 0.1\n" })),
+    );
+    let text = profile_engine(&quick(not_vllm.clone()), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains(&format!("{not_vllm}/metrics"))
+            && text.contains("vllm:cache_config_info")
+            && text.contains("not a vLLM engine?"),
+        "{text}"
+    );
+    // An empty model list.
+    let empty = serve(
+        &rt,
+        axum::Router::new()
+            .route("/health", get(|| async { "ok" }))
+            .route(
+                "/v1/models",
+                get(|| async { "{\"object\": \"list\", \"data\": []}" }),
+            ),
+    );
+    let text = profile_engine(&quick(empty.clone()), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains(&format!("{empty}/v1/models")) && text.contains("serves no model"),
+        "{text}"
+    );
+}
