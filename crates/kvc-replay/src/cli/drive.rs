@@ -9,7 +9,6 @@ use kvc_replay::output::{summary_table, write_run};
 use kvc_replay::sim::metrics::RunConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 const DRIVE_AFTER_HELP: &str = "\
 Each trace request becomes one /v1/completions call (or /generate with --engine sglang) to
@@ -94,17 +93,10 @@ pub(crate) struct Args {
     pub(crate) quiet: bool,
 }
 
-fn seconds(name: &str, v: f64) -> Result<Duration> {
-    if !(v.is_finite() && v > 0.0) {
-        bail!("{name} must be a number of seconds > 0 (got {v})");
-    }
-    Ok(Duration::from_secs_f64(v))
-}
-
 /// Runs `kvc-replay drive`.
 pub(crate) fn run(args: Args) -> Result<()> {
-    let request_timeout = seconds("--request-timeout-s", args.request_timeout_s)?;
-    let connect_timeout = seconds("--connect-timeout-s", args.connect_timeout_s)?;
+    let request_timeout = super::positive_seconds("--request-timeout-s", args.request_timeout_s)?;
+    let connect_timeout = super::positive_seconds("--connect-timeout-s", args.connect_timeout_s)?;
     if !(args.time_scale.is_finite() && args.time_scale > 0.0) {
         bail!(
             "--time-scale must be a number > 0 (got {})",

@@ -67,6 +67,15 @@ impl TraceArgs {
     }
 }
 
+/// A duration option given in seconds, which must be a finite number above 0; the error names
+/// the option.
+pub(crate) fn positive_seconds(name: &str, v: f64) -> anyhow::Result<std::time::Duration> {
+    if !(v.is_finite() && v > 0.0) {
+        anyhow::bail!("{name} must be a number of seconds > 0 (got {v})");
+    }
+    Ok(std::time::Duration::from_secs_f64(v))
+}
+
 /// Reports skipped lines of `path` on stderr, if any.
 pub(crate) fn report_skipped(path: &Path, report: &trace::LoadReport) {
     if report.skipped == 0 {

@@ -5,7 +5,6 @@ use anyhow::{Result, bail};
 use kvc_engine_sim::model::Profile;
 use kvc_replay::profile::{PdUrls, ProfileOptions, profile_engine, write_profile};
 use std::path::PathBuf;
-use std::time::Duration;
 
 const PROFILE_AFTER_HELP: &str = "\
 What is measured (every time at the client, every prompt a list of token ids drawn from ids
@@ -129,13 +128,6 @@ pub(crate) struct Args {
     pub(crate) quiet: bool,
 }
 
-fn seconds(name: &str, v: f64) -> Result<Duration> {
-    if !(v.is_finite() && v > 0.0) {
-        bail!("{name} must be a number of seconds > 0 (got {v})");
-    }
-    Ok(Duration::from_secs_f64(v))
-}
-
 /// Runs `kvc-replay profile`.
 pub(crate) fn run(args: Args) -> Result<()> {
     let mut opts = ProfileOptions::new(args.url.clone());
@@ -165,8 +157,8 @@ pub(crate) fn run(args: Args) -> Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
     });
-    opts.request_timeout = seconds("--request-timeout-s", args.request_timeout_s)?;
-    opts.connect_timeout = seconds("--connect-timeout-s", args.connect_timeout_s)?;
+    opts.request_timeout = super::positive_seconds("--request-timeout-s", args.request_timeout_s)?;
+    opts.connect_timeout = super::positive_seconds("--connect-timeout-s", args.connect_timeout_s)?;
     let quiet = args.quiet;
     let mut progress = |line: &str| {
         if !quiet || line.starts_with("warning") {
