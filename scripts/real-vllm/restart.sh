@@ -49,3 +49,27 @@ until curl -fsS -o /dev/null "$url/health" 2>/dev/null; do
   sleep 1
 done
 echo "real-vllm: $name restarted (pid $pid) in ${SECONDS}s" >&2
+# An engine of a P/D pair starts with its NIXL transfer path closed: the first P->D request
+# after a start pays for the handshake, or fails with vLLM's 500 when P answers too late (seen
+# after a restart of P). As up.sh does, one exchange per pair opens it, once every engine
+# answers /health; with an engine still down it is left to the next restart.
+pairs="$(python3 - "$out/ready.json" <<'PY'
+import json, sys, urllib.request
+engines = json.load(open(sys.argv[1]))["engines"]
+if not {"prefill", "decode"} <= {e["role"] for e in engines}:
+    print("none")
+    sys.exit()
+for e in engines:
+    try:
+        urllib.request.urlopen(e["http-url"] + "/health", timeout=5)
+    except Exception:
+        print("down " + e["name"])
+        sys.exit()
+print("up")
+PY
+)"
+case "$pairs" in
+  up) python3 "$(dirname "$0")/warm_transfer.py" "$out/ready.json" \
+        || { echo "real-vllm: $name restarted, but no P->D transfer completes" >&2; exit 1; } ;;
+  down*) echo "real-vllm: transfer path not opened yet: engine ${pairs#down } is down" >&2 ;;
+esac
