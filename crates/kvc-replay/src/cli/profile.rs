@@ -17,8 +17,9 @@ What is measured (every time at the client, every prompt a list of token ids dra
               overhead + FLOPs(N, C) / (prefill_efficiency x peak_flops)
             with the profile's FLOP count -> fit.prefill_efficiency, fit.prefill_overhead_ms.
   decode    B = 1, 2, 4, 8 concurrent streams, each of L prompt tokens (two sizes) and
-            --decode-tokens generated. One decode step is the median gap between
-            consecutive tokens while all B streams decode (an engine that streams several
+            --decode-tokens generated. One decode step is each stream's time from its
+            first to its last token while all B streams decode, over the tokens between
+            (chunks reach the client in bursts; an engine that streams several
             tokens a chunk: the mean gap of the stream that started last), fitted as
               overhead + bytes(B, context at mid-stream) / (decode_efficiency x bandwidth)
             -> fit.decode_efficiency, fit.decode_overhead_ms.

@@ -221,8 +221,11 @@ pub struct StreamTimes {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum StepMethod {
-    /// One chunk per token (vLLM's streaming): the median gap between consecutive tokens while
-    /// every stream was decoding.
+    /// One chunk per token (vLLM's streaming): each stream's time from its first to its last
+    /// token while every stream was decoding, over the tokens between, summed over the
+    /// streams. Not the gaps one by one: a real vLLM's chunks reach the client in bursts
+    /// (several in one read, the gaps between them near 0), so only the window's ends are
+    /// trusted.
     PerToken,
     /// Fewer chunks than tokens (an engine that streams several tokens a chunk, like the
     /// simulated workers' first token then the rest): the mean gap of the stream whose first
@@ -258,7 +261,7 @@ pub fn decode_step(streams: &[StreamTimes], skip: usize) -> Option<StepEstimate>
             .iter()
             .map(|s| *s.chunks.last().unwrap_or(&f64::MAX))
             .fold(f64::MAX, f64::min);
-        let mut gaps = Vec::new();
+        let (mut span, mut gaps) = (0.0, 0usize);
         for s in streams {
             let inside: Vec<f64> = s
                 .chunks
@@ -267,21 +270,17 @@ pub fn decode_step(streams: &[StreamTimes], skip: usize) -> Option<StepEstimate>
                 .filter(|t| *t >= start && *t <= end)
                 .skip(skip)
                 .collect();
-            gaps.extend(inside.windows(2).map(|w| w[1] - w[0]));
+            if let (Some(first), Some(last)) = (inside.first(), inside.last()) {
+                span += last - first;
+                gaps += inside.len() - 1;
+            }
         }
-        if gaps.len() < MIN_POINTS {
+        if gaps < MIN_POINTS || span <= 0.0 {
             return None;
         }
-        gaps.sort_by(f64::total_cmp);
-        let mid = gaps.len() / 2;
-        let median = if gaps.len() % 2 == 1 {
-            gaps[mid]
-        } else {
-            (gaps[mid - 1] + gaps[mid]) / 2.0
-        };
         return Some(StepEstimate {
-            seconds: median,
-            samples: gaps.len(),
+            seconds: span / gaps as f64,
+            samples: gaps,
             method: StepMethod::PerToken,
         });
     }
@@ -533,7 +532,7 @@ mod tests {
     }
 
     #[test]
-    fn per_token_streams_give_the_median_gap_while_all_decode() {
+    fn per_token_streams_give_the_step_while_all_decode() {
         // Stream a starts at 0 and decodes alone (gap 5) until b's first token at 20; then
         // both decode with gap 8 until a ends.
         let a: Vec<f64> = (0..4)
@@ -555,6 +554,32 @@ mod tests {
         assert_eq!(est.method, StepMethod::PerToken);
         assert!(close(est.seconds, 8.0, 1e-12), "{est:?}");
         assert!(est.samples >= 10);
+    }
+
+    #[test]
+    fn per_token_streams_read_in_bursts_give_the_step() {
+        // Steps of 4 ms, the client reading the chunks three at a time: two gaps of 0 and one
+        // of 12 ms, whose median would say 0.
+        let bursty = |start: f64| -> Vec<f64> {
+            (0..30)
+                .map(|i| start + f64::from(i / 3 * 3) * 0.004)
+                .collect()
+        };
+        let streams = [0.0, 0.0].map(|start| StreamTimes {
+            tokens: 30,
+            chunks: bursty(start),
+        });
+        let est = decode_step(&streams, 0).unwrap();
+        assert_eq!(est.method, StepMethod::PerToken);
+        // 27 steps of 4 ms from the first chunk to the last, read over 29 gaps.
+        assert!(close(est.seconds, 27.0 * 0.004 / 29.0, 1e-12), "{est:?}");
+        assert_eq!(est.samples, 58);
+        // A window with no time in it tells nothing.
+        let flat = [StreamTimes {
+            tokens: 10,
+            chunks: vec![1.0; 10],
+        }];
+        assert!(decode_step(&flat, 0).is_none());
     }
 
     #[test]

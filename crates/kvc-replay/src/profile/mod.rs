@@ -23,8 +23,8 @@
 //! the cost a request sees, which is what the simulator's overheads stand for.
 //!
 //! Two readings depend on what the engine does, and are chosen from what it shows:
-//! - an engine that streams one chunk per token (vLLM) gives the decode step as the median
-//!   gap between tokens while every stream decodes; one that streams several tokens a chunk
+//! - an engine that streams one chunk per token (vLLM) gives the decode step as the streams'
+//!   time from first to last token while every stream decodes, over the tokens between; one that streams several tokens a chunk
 //!   (the simulated workers: the first token, then the rest) as the mean gap of the stream
 //!   that started last ([`fit::decode_step`]);
 //! - a prefill engine that answers P's call only once it has prefilled (vLLM) leaves nothing

@@ -628,7 +628,7 @@ impl<'a> Run<'a> {
 fn describe(est: &StepEstimate) -> String {
     match est.method {
         fit::StepMethod::PerToken => format!(
-            "{} (median of {} gaps between tokens)",
+            "{} (over {} gaps between tokens)",
             ms(est.seconds),
             est.samples
         ),
