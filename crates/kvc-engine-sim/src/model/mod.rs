@@ -47,7 +47,7 @@ pub mod types;
 mod worker;
 
 pub use engine::Engine;
-pub use profile::Profile;
+pub use profile::{PrefillFlops, Profile};
 pub use types::{
     DirectAdmission, EngineOptions, Event, Failure, Job, LocalAdmission, Micros, Wake, micros,
 };

@@ -63,8 +63,14 @@ pub struct HardwareFacts {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FitFactors {
-    /// Fraction of peak FLOP/s reached by prefill.
+    /// Fraction of peak FLOP/s reached by prefill (with `attention_efficiency` set: by its
+    /// linear work, the matmuls over the model's parameters).
     pub prefill_efficiency: f64,
+    /// Fraction of peak FLOP/s reached by prefill attention (the FLOPs that grow with the
+    /// context). Absent, attention runs at `prefill_efficiency`: one efficiency for all
+    /// prefill FLOPs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_efficiency: Option<f64>,
     /// Fixed cost of a prefill batch, ms.
     pub prefill_overhead_ms: f64,
     /// Fraction of memory bandwidth reached by a decode step.
@@ -162,6 +168,15 @@ impl Default for PressureFacts {
     }
 }
 
+/// Prefill FLOPs by the rate they run at.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PrefillFlops {
+    /// The matmuls over the model's parameters: `2 × active params × new`.
+    pub linear: f64,
+    /// Attention: `4 × layers × q_heads × head_dim × new × (cached + new / 2)`.
+    pub attention: f64,
+}
+
 /// A profile that could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
@@ -254,10 +269,22 @@ impl Profile {
         if m.active_experts > m.experts {
             return Err("model.active_experts must not exceed model.experts".into());
         }
+        if let Some(v) = f.attention_efficiency
+            && !(v.is_finite() && v > 0.0)
+        {
+            return Err(format!(
+                "fit.attention_efficiency must be a positive number (got {v})"
+            ));
+        }
         for (name, v) in [
             ("fit.prefill_efficiency", f.prefill_efficiency),
             ("fit.decode_efficiency", f.decode_efficiency),
-        ] {
+        ]
+        .into_iter()
+        .chain(
+            f.attention_efficiency
+                .map(|v| ("fit.attention_efficiency", v)),
+        ) {
             if v > 1.0 {
                 return Err(format!("{name} is a fraction of peak: at most 1 (got {v})"));
             }
@@ -310,22 +337,47 @@ impl Profile {
         m.dense_params + m.expert_params * f64::from(m.active_experts) / f64::from(m.experts)
     }
 
-    /// Seconds to prefill the given pieces in one batch; each piece is `(new, cached)` tokens.
-    ///
-    /// FLOPs: linear `2 × active params × new` plus attention
-    /// `4 × layers × q_heads × head_dim × new × (cached + new / 2)`; time = FLOPs /
-    /// (efficiency × peak) + overhead.
-    pub fn prefill_seconds(&self, pieces: impl IntoIterator<Item = (u64, u64)>) -> f64 {
+    /// FLOPs of prefilling the given pieces, each `(new, cached)` tokens: linear
+    /// `2 × active params × new` and attention `4 × layers × q_heads × head_dim × new ×
+    /// (cached + new / 2)`.
+    pub fn prefill_flops(&self, pieces: impl IntoIterator<Item = (u64, u64)>) -> PrefillFlops {
+        self.prefill_work(pieces).1
+    }
+
+    /// All prefill FLOPs of the pieces summed piece by piece, and split by kind.
+    fn prefill_work(&self, pieces: impl IntoIterator<Item = (u64, u64)>) -> (f64, PrefillFlops) {
         let m = &self.model;
         let attn_coeff = 4.0 * f64::from(m.layers) * f64::from(m.q_heads) * f64::from(m.head_dim);
         let linear_coeff = 2.0 * self.active_params();
         let mut flops = 0.0;
+        let mut split = PrefillFlops::default();
         for (new, cached) in pieces {
             let n = new as f64;
-            flops += linear_coeff * n + attn_coeff * n * (cached as f64 + n / 2.0);
+            let linear = linear_coeff * n;
+            let attention = attn_coeff * n * (cached as f64 + n / 2.0);
+            flops += linear + attention;
+            split.linear += linear;
+            split.attention += attention;
         }
-        flops / (self.fit.prefill_efficiency * self.hardware.peak_flops)
-            + self.fit.prefill_overhead_ms / 1e3
+        (flops, split)
+    }
+
+    /// Seconds to prefill the given pieces in one batch; each piece is `(new, cached)` tokens.
+    ///
+    /// FLOPs as [`Profile::prefill_flops`]; time = linear FLOPs / (`prefill_efficiency` ×
+    /// peak) plus attention FLOPs / (`attention_efficiency` × peak) plus overhead, attention
+    /// at `prefill_efficiency` when no `attention_efficiency` is set.
+    pub fn prefill_seconds(&self, pieces: impl IntoIterator<Item = (u64, u64)>) -> f64 {
+        let (flops, split) = self.prefill_work(pieces);
+        let peak = self.hardware.peak_flops;
+        let compute = match self.fit.attention_efficiency {
+            None => flops / (self.fit.prefill_efficiency * peak),
+            Some(attention) => {
+                split.linear / (self.fit.prefill_efficiency * peak)
+                    + split.attention / (attention * peak)
+            }
+        };
+        compute + self.fit.prefill_overhead_ms / 1e3
     }
 
     /// Seconds of one decode step for `batch` sequences holding `context_tokens` in total.

@@ -736,3 +736,92 @@ fn colocated_worker_reuses_its_prefix_cache() {
     assert_eq!(s.used_tokens, 5 * 512);
     assert_eq!(s.evictable_tokens, 5 * 512);
 }
+
+/// Two prefill pieces of the default profile: 1,000 new tokens after 3,000 cached, and 500
+/// new. Linear FLOPs 2 × 3.3025e9 active params × 1,500 new; attention 4 × 48 layers × 32
+/// q_heads × 128 head_dim × (1,000 × 3,500 + 500 × 250).
+const PIECES: [(u64, u64); 2] = [(1000, 3000), (500, 0)];
+
+#[test]
+fn prefill_flops_split_into_linear_and_attention() {
+    let p = Profile::default();
+    let f = p.prefill_flops(PIECES);
+    assert!((f.linear - 9.9075e12).abs() < 1.0, "{f:?}");
+    assert!((f.attention - 2.850816e12).abs() < 1.0, "{f:?}");
+}
+
+#[test]
+fn without_an_attention_efficiency_prefill_runs_at_one_efficiency() {
+    let p = Profile::default();
+    assert_eq!(p.fit.attention_efficiency, None);
+    // 1.27583e13 FLOPs at 0.85 × 989e12 FLOP/s, plus 1 ms.
+    let t = p.prefill_seconds(PIECES);
+    assert!((t - 0.016_176_727_532_266_7).abs() < 1e-15, "{t}");
+    // Bit for bit the one-efficiency formula, summed piece by piece.
+    let m = &p.model;
+    let attn = 4.0 * f64::from(m.layers) * f64::from(m.q_heads) * f64::from(m.head_dim);
+    let lin = 2.0 * p.active_params();
+    let flops = PIECES.iter().fold(0.0, |acc, &(n, c)| {
+        let n = n as f64;
+        acc + (lin * n + attn * n * (c as f64 + n / 2.0))
+    });
+    let old = flops / (p.fit.prefill_efficiency * p.hardware.peak_flops)
+        + p.fit.prefill_overhead_ms / 1e3;
+    assert_eq!(t.to_bits(), old.to_bits());
+    // The key is not written when absent, and a profile without it reads back equal.
+    let text = toml::to_string(&p).unwrap();
+    assert!(!text.contains("attention_efficiency"), "{text}");
+    assert_eq!(Profile::parse(&text, "written").unwrap(), p);
+}
+
+#[test]
+fn an_attention_efficiency_divides_the_attention_flops() {
+    let mut p = Profile::default();
+    p.fit.attention_efficiency = Some(0.25);
+    // 9.9075e12 linear FLOPs at 0.85 × 989e12, 2.850816e12 attention FLOPs at 0.25 × 989e12,
+    // plus 1 ms.
+    let t = p.prefill_seconds(PIECES);
+    assert!((t - 0.024_315_618_152_62).abs() < 1e-14, "{t}");
+    // At the prefill efficiency, the same time as without it.
+    p.fit.attention_efficiency = Some(p.fit.prefill_efficiency);
+    let same = p.prefill_seconds(PIECES);
+    assert!((same - 0.016_176_727_532_266_7).abs() < 1e-15, "{same}");
+    // Written and read back.
+    p.fit.attention_efficiency = Some(0.25);
+    let text = toml::to_string(&p).unwrap();
+    assert!(text.contains("attention_efficiency = 0.25"), "{text}");
+    assert_eq!(Profile::parse(&text, "written").unwrap(), p);
+}
+
+#[test]
+fn an_attention_efficiency_must_be_a_fraction_of_peak() {
+    let with = |v: &str| {
+        profile::DEFAULT_PROFILE_TOML.replace(
+            "prefill_overhead_ms = 1.0",
+            &format!("prefill_overhead_ms = 1.0\nattention_efficiency = {v}"),
+        )
+    };
+    for (v, says) in [
+        (
+            "0.0",
+            "fit.attention_efficiency must be a positive number (got 0)",
+        ),
+        (
+            "-0.2",
+            "fit.attention_efficiency must be a positive number (got -0.2)",
+        ),
+        (
+            "nan",
+            "fit.attention_efficiency must be a positive number (got NaN)",
+        ),
+        (
+            "1.5",
+            "fit.attention_efficiency is a fraction of peak: at most 1 (got 1.5)",
+        ),
+    ] {
+        let err = Profile::parse(&with(v), "p.toml").unwrap_err().to_string();
+        assert!(err.contains(says), "{v}: {err}");
+    }
+    let p = Profile::parse(&with("1.0"), "p.toml").unwrap();
+    assert_eq!(p.fit.attention_efficiency, Some(1.0));
+}
