@@ -14,8 +14,13 @@ What is measured (every time at the client, every prompt a list of token ids dra
             most 6 sizes) after C cached tokens (0, and a quarter and half of the context
             cap: the prefix is sent alone first, and the answer's cached_tokens must show
             it, else a warning). The time to the first token is fitted as
-              overhead + FLOPs(N, C) / (prefill_efficiency x peak_flops)
-            with the profile's FLOP count -> fit.prefill_efficiency, fit.prefill_overhead_ms.
+              overhead + linear_FLOPs(N) / (prefill_efficiency x peak_flops)
+                       + attention_FLOPs(N, C) / (attention_efficiency x peak_flops)
+            with the profile's FLOP counts -> fit.prefill_efficiency,
+            fit.attention_efficiency, fit.prefill_overhead_ms. When attention cannot be
+            told apart (the two efficiencies within one standard error of each other, or the
+            points unable to separate them), one efficiency is fitted to all FLOPs and
+            fit.attention_efficiency is not written, with a warning.
   decode    B = 1, 2, 4, 8 concurrent streams, each of L prompt tokens (two sizes) and
             --decode-tokens generated. One decode step is each stream's time from its
             first to its last token while all B streams decode, over the tokens between
@@ -170,9 +175,11 @@ pub(crate) fn run(args: Args) -> Result<()> {
     let report = write_profile(&run, &args.out)?;
     let p = &run.profile.fit;
     println!(
-        "prefill_efficiency {:.4}, prefill_overhead_ms {:.2}, decode_efficiency {:.4}, \
+        "prefill_efficiency {:.4}, {}prefill_overhead_ms {:.2}, decode_efficiency {:.4}, \
          decode_overhead_ms {:.2}, transfer_bytes_per_s {:.4e}, transfer_setup_ms {:.2}{}",
         p.prefill_efficiency,
+        p.attention_efficiency
+            .map_or_else(String::new, |a| format!("attention_efficiency {a:.4}, ")),
         p.prefill_overhead_ms,
         p.decode_efficiency,
         p.decode_overhead_ms,

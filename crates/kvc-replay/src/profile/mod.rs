@@ -6,8 +6,12 @@
 //! What is measured, each as time at the client:
 //! - **prefill**: single requests one at a time, `n` new tokens after `c` cached ones (the
 //!   prefix sent alone first, its `cached_tokens` checked); the time to the first token is
-//!   fitted as `overhead + FLOPs(n, c) / (efficiency × peak)` with the profile's own FLOP count
-//!   → `fit.prefill_efficiency`, `fit.prefill_overhead_ms`;
+//!   fitted as `overhead + linear(n) / (efficiency × peak) + attention(n, c) /
+//!   (attention efficiency × peak)` with the profile's own FLOP counts →
+//!   `fit.prefill_efficiency`, `fit.attention_efficiency`, `fit.prefill_overhead_ms`; when the
+//!   two efficiencies cannot be told apart (within one standard error of each other, or points
+//!   that cannot separate them) one efficiency for all FLOPs, with a warning
+//!   ([`fit::fit_prefill`]);
 //! - **decode**: `B` concurrent streams of context `L`; the time of one decode step while all
 //!   `B` decode is fitted as `overhead + bytes(B, Σ context) / (efficiency × bandwidth)` →
 //!   `fit.decode_efficiency`, `fit.decode_overhead_ms`;

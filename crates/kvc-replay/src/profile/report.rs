@@ -3,7 +3,10 @@
 //! was measured and the residuals. Pure: no I/O.
 
 use super::ProfileError;
-use super::fit::{Factor, Line, Residuals, SweepFit, fit_sweep, median, relative};
+use super::fit::{
+    Factor, Line, PrefillFit, PrefillLine, Residuals, SweepFit, fit_prefill, fit_sweep, median,
+    relative,
+};
 use kvc_engine_sim::model::Profile;
 use serde::Serialize;
 use serde_json::Value;
@@ -13,13 +16,17 @@ use serde_json::Value;
 pub struct Point {
     /// What was sent (sizes, batch).
     pub inputs: Value,
-    /// The work: FLOPs (prefill), bytes read per step (decode), KV bytes shipped (transfer).
+    /// The work: FLOPs (prefill: linear and attention together), bytes read per step
+    /// (decode), KV bytes shipped (transfer).
     pub x: f64,
+    /// Prefill: the attention FLOPs among `x` (the rest is linear).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention_flops: Option<f64>,
     /// Each measurement, seconds.
     pub measured_s: Vec<f64>,
     /// Their median: what was fitted.
     pub median_s: f64,
-    /// The fitted line's time.
+    /// The fitted time (prefill: of the prefill fit, attention apart when it was fitted so).
     pub fitted_s: f64,
     /// `(fitted − median) / median`.
     pub residual: f64,
@@ -36,10 +43,20 @@ pub struct SweepReport {
     pub model: String,
     /// The factors it gave.
     pub factors: Vec<Factor>,
-    /// The line in seconds and its units of work.
+    /// The line in seconds and its units of work (prefill: the line of the total FLOPs, one
+    /// efficiency for all; the times come from `prefill_line`).
     pub line: Line,
+    /// Prefill: the fit the times come from, `t = intercept + linear_slope × linear FLOPs +
+    /// attention_slope × attention FLOPs` (attention at the linear rate unless
+    /// `separate_attention`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_line: Option<PrefillLine>,
     /// How well it fits.
     pub residuals: Residuals,
+    /// Prefill with attention fitted apart: the residuals one efficiency for all prefill FLOPs
+    /// (`line`) leaves on the same points.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub one_efficiency_residuals: Option<Residuals>,
     /// Every point.
     pub points: Vec<Point>,
 }
@@ -51,6 +68,8 @@ pub struct Measured {
     pub inputs: Value,
     /// The work.
     pub x: f64,
+    /// Prefill: the attention FLOPs among `x`.
+    pub attention: Option<f64>,
     /// Each measurement, seconds.
     pub seconds: Vec<f64>,
     /// What else was seen.
@@ -71,25 +90,81 @@ pub fn fit_points(
         model: model.into(),
         factors: Vec::new(),
         line: fit.line,
+        prefill_line: None,
         residuals: fit.residuals,
-        points: points
-            .iter()
-            .map(|p| {
-                let m = median(&p.seconds);
-                let fitted = fit.line.at(p.x);
-                Point {
-                    inputs: p.inputs.clone(),
-                    x: p.x,
-                    measured_s: p.seconds.clone(),
-                    median_s: m,
-                    fitted_s: fitted,
-                    residual: relative(fitted, m),
-                    seen: p.seen.clone(),
-                }
-            })
-            .collect(),
+        one_efficiency_residuals: None,
+        points: report_points(points, |p| fit.line.at(p.x)),
     };
     Ok((fit, report))
+}
+
+/// The model of the prefill sweep with attention fitted apart.
+pub const PREFILL_MODEL_SPLIT: &str = "t = prefill_overhead + linear_FLOPs(new) / \
+     (prefill_efficiency x peak_flops) + attention_FLOPs(new, cached) / (attention_efficiency x \
+     peak_flops)";
+
+/// The model of the prefill sweep with one efficiency for all FLOPs.
+pub const PREFILL_MODEL_ONE: &str =
+    "t = prefill_overhead + FLOPs(new, cached) / (prefill_efficiency x peak_flops)";
+
+/// The prefill sweep's points (each with its attention FLOPs; the rest of `x` is linear),
+/// their medians fitted by [`fit_prefill`], and its report without factors (the caller adds
+/// them): the model fitted, the fit's times and residuals, and the one-efficiency line beside
+/// them.
+pub fn fit_prefill_points(points: &[Measured]) -> Result<(PrefillFit, SweepReport), ProfileError> {
+    let split = |p: &Measured| {
+        let attention = p.attention.unwrap_or(0.0);
+        (p.x - attention, attention)
+    };
+    let xy: Vec<(f64, f64, f64)> = points
+        .iter()
+        .map(|p| {
+            let (linear, attention) = split(p);
+            (linear, attention, median(&p.seconds))
+        })
+        .collect();
+    let fit = fit_prefill(&xy)?;
+    let separate = fit.line.separate_attention;
+    let report = SweepReport {
+        sweep: "prefill".into(),
+        model: if separate {
+            PREFILL_MODEL_SPLIT
+        } else {
+            PREFILL_MODEL_ONE
+        }
+        .into(),
+        factors: Vec::new(),
+        line: fit.one_rate.line,
+        prefill_line: Some(fit.line),
+        residuals: fit.residuals,
+        one_efficiency_residuals: separate.then_some(fit.one_rate.residuals),
+        points: report_points(points, |p| {
+            let (linear, attention) = split(p);
+            fit.line.at(linear, attention)
+        }),
+    };
+    Ok((fit, report))
+}
+
+/// Each point with its median and its `fitted` time.
+fn report_points(points: &[Measured], fitted: impl Fn(&Measured) -> f64) -> Vec<Point> {
+    points
+        .iter()
+        .map(|p| {
+            let m = median(&p.seconds);
+            let f = fitted(p);
+            Point {
+                inputs: p.inputs.clone(),
+                x: p.x,
+                attention_flops: p.attention,
+                measured_s: p.seconds.clone(),
+                median_s: m,
+                fitted_s: f,
+                residual: relative(f, m),
+                seen: p.seen.clone(),
+            }
+        })
+        .collect()
 }
 
 /// What the engine said about itself.
@@ -157,7 +232,9 @@ pub struct ProfileRun {
 
 /// The profile of a run: the facts profile's `[model]` facts (with `max_input_tokens` from
 /// the engine's `max_model_len` when it gave one), its `[hardware]` with the pool measured,
-/// the fitted factors, and every other `[fit]` factor kept. A `max_input_tokens` the measured
+/// the fitted factors, and every other `[fit]` factor kept but `fit.attention_efficiency`,
+/// which is set only when among the fitted factors (without it, the prefill fit gave all
+/// prefill FLOPs one efficiency). A `max_input_tokens` the measured
 /// pool cannot hold in 512-token blocks is lowered to what it can, with a warning.
 pub fn build_profile(
     facts: &Profile,
@@ -183,8 +260,14 @@ pub fn build_profile(
         p.model.max_input_tokens = room;
     }
     p.fit.chunk_tokens = chunk_tokens;
+    // Attention runs at its own efficiency only when the fit says so.
+    p.fit.attention_efficiency = None;
     for f in factors {
         let slot = match f.key.as_str() {
+            "fit.attention_efficiency" => {
+                p.fit.attention_efficiency = Some(f.value);
+                continue;
+            }
             "fit.prefill_efficiency" => &mut p.fit.prefill_efficiency,
             "fit.prefill_overhead_ms" => &mut p.fit.prefill_overhead_ms,
             "fit.decode_efficiency" => &mut p.fit.decode_efficiency,
@@ -256,6 +339,14 @@ pub fn profile_toml(run: &ProfileRun, points_file: &str) -> Result<String, Profi
                 .collect::<Vec<_>>()
                 .join(", ")
         ));
+        if let Some(one) = &s.one_efficiency_residuals {
+            line(&format!(
+                "           (one efficiency for all {} FLOPs would leave RMS {:.2} %, max {:.2} %)",
+                s.sweep,
+                one.rms_rel * 100.0,
+                one.max_rel * 100.0
+            ));
+        }
     }
     if r.transfer.is_none() {
         line(
@@ -360,6 +451,163 @@ mod tests {
     }
 
     #[test]
+    fn the_attention_efficiency_is_written_only_when_fitted() {
+        let engine = EngineFacts {
+            model: "m".into(),
+            max_model_len: Some(4096),
+            block_size: 32,
+            num_gpu_blocks: 2048,
+            pool_tokens: 65_536,
+        };
+        let attention = Factor {
+            key: "fit.attention_efficiency".into(),
+            value: 0.05,
+            stderr: 0.002,
+        };
+        let mut warnings = Vec::new();
+        let p = build_profile(
+            &Profile::default(),
+            "mine",
+            &engine,
+            2048,
+            &[attention],
+            &mut warnings,
+        )
+        .unwrap();
+        assert_eq!(p.fit.attention_efficiency, Some(0.05));
+        // Facts that carry one from an earlier run: not kept when this fit gave none.
+        let p = build_profile(&p, "again", &engine, 2048, &[], &mut warnings).unwrap();
+        assert_eq!(p.fit.attention_efficiency, None);
+        assert!(warnings.is_empty(), "{warnings:?}");
+    }
+
+    #[test]
+    fn prefill_points_are_fitted_with_attention_apart_and_reported_so() {
+        // t = 10 ms + linear / 4e10 + attention / 5e9, the attention FLOPs a share of x.
+        let measured: Vec<Measured> = [
+            (2e9, 1e8),
+            (4e9, 4e8),
+            (8e9, 1.6e9),
+            (16e9, 6.4e9),
+            (2e9, 2e9),
+            (8e9, 8e9),
+        ]
+        .iter()
+        .map(|&(linear, attention)| Measured {
+            inputs: serde_json::json!({ "linear": linear }),
+            x: linear + attention,
+            attention: Some(attention),
+            seconds: vec![0.010 + linear / 4e10 + attention / 5e9],
+            seen: Value::Null,
+        })
+        .collect();
+        let (fit, mut prefill) = fit_prefill_points(&measured).unwrap();
+        assert!(fit.line.separate_attention, "{:?}", fit.warnings);
+        assert_eq!(prefill.model, PREFILL_MODEL_SPLIT);
+        assert_eq!(prefill.prefill_line, Some(fit.line));
+        assert_eq!(prefill.line, fit.one_rate.line);
+        assert!(prefill.residuals.max_rel < 1e-9, "{:?}", prefill.residuals);
+        let one = prefill.one_efficiency_residuals.unwrap();
+        assert!(one.max_rel > 0.1, "{one:?}");
+        for (p, m) in prefill.points.iter().zip(&measured) {
+            assert_eq!(p.attention_flops, m.attention);
+            assert_eq!(p.x, m.x);
+            assert!((p.fitted_s - m.seconds[0]).abs() < 1e-12, "{p:?}");
+            assert!(p.residual.abs() < 1e-9);
+        }
+        let json = serde_json::to_value(&prefill).unwrap();
+        assert!(json["points"][0]["attention_flops"].as_f64().unwrap() == 1e8);
+        assert_eq!(json["prefill_line"]["separate_attention"], true);
+        prefill.factors = super::super::fit::prefill_factors(&fit.line, 1e11).unwrap();
+        let head = header(prefill);
+        let row = head
+            .iter()
+            .position(|l| l.starts_with("#   prefill "))
+            .unwrap();
+        assert!(
+            head[row].contains("fit.prefill_efficiency = 0.4000 ± ")
+                && head[row].contains("fit.attention_efficiency = 0.05000 ± "),
+            "{}",
+            head[row]
+        );
+        assert!(
+            head[row + 1].contains("(one efficiency for all prefill FLOPs would leave RMS"),
+            "{head:#?}"
+        );
+
+        // One efficiency for all FLOPs: the line of x, and no attention factor.
+        let flat: Vec<Measured> = measured
+            .iter()
+            .map(|m| Measured {
+                seconds: vec![0.010 + m.x / 4e10],
+                ..m.clone()
+            })
+            .collect();
+        let (fit, prefill) = fit_prefill_points(&flat).unwrap();
+        assert!(!fit.line.separate_attention);
+        assert_eq!(fit.warnings.len(), 1, "{:?}", fit.warnings);
+        assert_eq!(prefill.model, PREFILL_MODEL_ONE);
+        assert_eq!(prefill.one_efficiency_residuals, None);
+        for p in &prefill.points {
+            assert!((p.fitted_s - fit.one_rate.line.at(p.x)).abs() < 1e-15);
+        }
+    }
+
+    /// The comment lines opening the TOML of a run whose prefill sweep is `prefill`.
+    fn header(prefill: SweepReport) -> Vec<String> {
+        let engine = EngineFacts {
+            model: "kvc-tiny".into(),
+            max_model_len: Some(4096),
+            block_size: 32,
+            num_gpu_blocks: 2048,
+            pool_tokens: 65_536,
+        };
+        let mut warnings = Vec::new();
+        let profile = build_profile(
+            &Profile::default(),
+            "tiny",
+            &engine,
+            512,
+            &prefill.factors,
+            &mut warnings,
+        )
+        .unwrap();
+        let run = ProfileRun {
+            profile,
+            report: FitReport {
+                measured_at: rfc3339(0),
+                url: "http://127.0.0.1:18080".into(),
+                prefill_url: None,
+                decode_url: None,
+                facts: "the embedded default profile".into(),
+                engine,
+                context_cap: 4096,
+                chunk_tokens: 512,
+                repeats: 1,
+                seed: 7,
+                requests: 6,
+                wall_s: 1.0,
+                client_rtt_ms: 0.2,
+                decode: SweepReport {
+                    sweep: "decode".into(),
+                    factors: Vec::new(),
+                    ..prefill.clone()
+                },
+                prefill,
+                transfer: None,
+                warnings,
+            },
+        };
+        let text = profile_toml(&run, "tiny.fit.json").unwrap();
+        let written = Profile::parse(&text, "written").unwrap();
+        assert!((written.fit.attention_efficiency.unwrap() - 0.05).abs() < 1e-12);
+        text.lines()
+            .take_while(|l| l.starts_with('#'))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
     fn dates_are_rfc3339_utc() {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
         assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
@@ -382,6 +630,7 @@ mod tests {
             .map(|&x| Measured {
                 inputs: serde_json::json!({ "x": x }),
                 x,
+                attention: None,
                 seconds: vec![0.002 + x / 1e12, 0.002 + x / 1e12 + 1e-6],
                 seen: Value::Null,
             })

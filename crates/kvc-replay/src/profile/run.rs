@@ -3,7 +3,9 @@
 //! and the profile and its report written.
 
 use super::engine::{Completion, Engines, ServedModel};
-use super::fit::{self, Factor, StepEstimate, StreamTimes, decode_bytes, prefill_flops};
+use super::fit::{
+    self, Factor, StepEstimate, StreamTimes, decode_bytes, prefill_flops, prefill_flops_split,
+};
 use super::plan::{Limits, Plan, Prompts, TRANSFER_OUTPUT};
 use super::report::{self, EngineFacts, FitReport, Measured, ProfileRun, SweepReport};
 use super::{ProfileError, ProfileOptions};
@@ -274,13 +276,9 @@ impl<'a> Run<'a> {
             plan.requests()
         ));
         let prefill = self.prefill_sweep(&plan, &facts, &engine).await?;
-        let (prefill_fit, mut prefill_report) = report::fit_points(
-            "prefill",
-            "t = prefill_overhead + FLOPs(new, cached) / (prefill_efficiency x peak_flops)",
-            &prefill,
-        )?;
+        let (prefill_fit, mut prefill_report) = report::fit_prefill_points(&prefill)?;
         let prefill_factors = fit::prefill_factors(&prefill_fit.line, facts.hardware.peak_flops)?;
-        prefill_report.factors = prefill_factors.to_vec();
+        prefill_report.factors = prefill_factors.clone();
         self.say(&summary(&prefill_report));
         let decode = self.decode_sweep(&plan, &facts, &engine.model).await?;
         let (decode_fit, mut decode_report) = report::fit_points(
@@ -405,6 +403,7 @@ impl<'a> Run<'a> {
             .map(|p| Measured {
                 inputs: json!({ "new_tokens": p.new, "cached_tokens": p.cached }),
                 x: prefill_flops(facts, p.new, p.cached),
+                attention: Some(prefill_flops_split(facts, p.new, p.cached).attention),
                 seconds: Vec::new(),
                 seen: json!({ "reported_cached_tokens": [] }),
             })
@@ -477,6 +476,7 @@ impl<'a> Run<'a> {
                     inputs: json!({ "batch": p.batch, "context_tokens": p.context,
                                     "max_tokens": k, "context_mid_stream": mid }),
                     x: decode_bytes(facts, p.batch, mid),
+                    attention: None,
                     seconds: Vec::new(),
                     seen: json!({ "estimates": [] }),
                 }
@@ -543,14 +543,15 @@ impl<'a> Run<'a> {
     }
 
     /// vLLM's two P/D calls per point, P's prefix cache warmed first; the transfer is D's time
-    /// to its first token less one decode step and P's unfinished prefill.
+    /// to its first token less one decode step and P's unfinished prefill (both as the
+    /// prefill and decode fits predict them).
     async fn transfer_sweep(
         &mut self,
         plan: &Plan,
         facts: &Profile,
         engine: &EngineFacts,
         (p_url, d_url): (&str, &str),
-        (prefill_line, decode_line): (&fit::Line, &fit::Line),
+        (prefill_line, decode_line): (&fit::PrefillLine, &fit::Line),
     ) -> Result<Vec<Measured>, ProfileError> {
         let model = engine.model.clone();
         let bs = engine.block_size;
@@ -561,6 +562,7 @@ impl<'a> Run<'a> {
             .map(|&n| Measured {
                 inputs: json!({ "tokens": n }),
                 x: n as f64 * kv,
+                attention: None,
                 seconds: Vec::new(),
                 seen: json!({ "p_round_trip_s": [], "d_first_token_s": [] }),
             })
@@ -597,7 +599,8 @@ impl<'a> Run<'a> {
                 // P's prefix cache holds the prompt's full blocks but the last (an engine
                 // recomputes at least one token).
                 let uncached = n - (n - 1) / bs * bs;
-                let p_prefill = prefill_line.at(prefill_flops(facts, uncached, n - uncached));
+                let p_prefill =
+                    prefill_line.at_flops(prefill_flops_split(facts, uncached, n - uncached));
                 let t = fit::transfer_seconds(d_ttft, step, p_prefill, p_rt);
                 points[i].seconds.push(t);
                 for (key, v) in [("p_round_trip_s", p_rt), ("d_first_token_s", d_ttft)] {
@@ -648,8 +651,15 @@ fn summary(r: &SweepReport) -> String {
         .iter()
         .map(|f| format!("{} = {:.4} ± {:.4}", f.key, f.value, f.stderr))
         .collect();
+    let one = r.one_efficiency_residuals.map_or_else(String::new, |one| {
+        format!(
+            " (one efficiency for all FLOPs: RMS {:.2} %, max {:.2} %)",
+            one.rms_rel * 100.0,
+            one.max_rel * 100.0
+        )
+    });
     format!(
-        "{} fit over {} points: {}; residuals RMS {:.2} %, max {:.2} %",
+        "{} fit over {} points: {}; residuals RMS {:.2} %, max {:.2} %{one}",
         r.sweep,
         r.residuals.points,
         factors.join(", "),
