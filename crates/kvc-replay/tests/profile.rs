@@ -4,8 +4,11 @@
 //! back within 15 % of the engine model's value and within three of the standard errors the
 //! profiler reports (plus a stated timing resolution) of what the workers can show; the
 //! profile written must load with
-//! `Profile::load` and carry its residuals. Also the clear errors against a closed port and
-//! against servers that are not vLLM.
+//! `Profile::load` and carry its residuals. The default profile runs attention at the prefill
+//! efficiency, so the prefill fit either keeps one efficiency (with its warning) or gives
+//! attention an efficiency of its own that the serving cost explains; a second engine runs
+//! attention at a third of the prefill efficiency, and `fit.attention_efficiency` must come
+//! back. Also the clear errors against a closed port and against servers that are not vLLM.
 //!
 //! What the profiler sees besides the engine model, and how the expected values allow for it:
 //! - **Serving cost.** Every request also pays the workers' HTTP path: the round trip, the
@@ -13,7 +16,8 @@
 //!   (a debug build) that is about half a millisecond plus half a microsecond per prompt
 //!   token. The profiler cannot tell it from the engine's work (to a user it is part of what
 //!   a request costs): the fixed costs absorb its constant part and the prefill and transfer
-//!   slopes its per-token part, by a few percent. The test measures it first on workers whose
+//!   slopes its per-token part, by a few percent (the cached tokens' part, with attention
+//!   fitted apart, the attention slope: by about 7 %). The test measures it first on workers whose
 //!   engine has the same fixed costs at infinite speed ([`serving_cost`]) and accepts a factor
 //!   anywhere between the engine model's value and the value with that cost included, widened
 //!   by three standard errors.
@@ -38,13 +42,14 @@ use kvc_core::{EngineKind, EvictionMode, StateSource, Topology};
 use kvc_engine_sim::ClusterSpec;
 use kvc_engine_sim::http::{HttpWorkers, StandaloneOptions, WorkerOptions};
 use kvc_engine_sim::model::Profile;
-use kvc_replay::profile::fit::{Line, fit_sweep};
+use kvc_replay::profile::fit::{Line, PrefillLine, fit_sweep, least_squares_two};
 use kvc_replay::profile::plan::{Limits, Plan, Prompts};
 use kvc_replay::profile::{
-    PdUrls, ProfileError, ProfileOptions, fit_json_path, profile_engine, write_profile,
+    FitReport, PdUrls, ProfileError, ProfileOptions, fit_json_path, profile_engine, write_profile,
 };
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -61,6 +66,13 @@ const REPEATS: usize = 3;
 
 /// Distinct snapshot folders for the workers of one test process.
 static NEXT: AtomicU64 = AtomicU64::new(0);
+
+/// Held by each test that profiles workers on the real clock: two at once would share the
+/// machine's two cores, and each one's timing with it.
+static REAL_CLOCK: Mutex<()> = Mutex::new(());
+
+/// The prefill sweep's warning when it keeps one efficiency for all FLOPs.
+const ONE_EFFICIENCY_KEPT: &str = "one efficiency kept for all prefill FLOPs";
 
 /// The simulated engines' profile: the default model and hardware facts with factors chosen
 /// so the whole sweep takes well under a minute: a prefill of 2,048 new tokens ~130 ms,
@@ -371,6 +383,7 @@ fn factor(report: &Value, sweep: &str, key: &str) -> (f64, f64) {
 
 #[test]
 fn the_profiler_recovers_the_simulated_engines_profile() {
+    let _clock = REAL_CLOCK.lock().unwrap_or_else(|e| e.into_inner());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -421,7 +434,15 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
         measured,
         "one line per measurement: {lines:#?}"
     );
-    assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+    // The engine runs attention at the prefill efficiency: at most the prefill fit's word
+    // that it kept one efficiency for all FLOPs.
+    assert!(
+        r.warnings
+            .iter()
+            .all(|w| w.starts_with("prefill:") && w.contains(ONE_EFFICIENCY_KEPT)),
+        "{:?}",
+        r.warnings
+    );
     // The cached prefixes were found cached, the fresh prompts were not.
     for p in r.prefill.points.iter() {
         let want = p.inputs["cached_tokens"].as_u64().unwrap();
@@ -472,24 +493,20 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
         );
         assert!((p["residual"].as_f64().unwrap() - (f - m) / m).abs() < 1e-12);
     }
+    let prefill_line = prefill_fit_reported(r, &report);
+    // Attention fitted apart only when its efficiency differs from the prefill efficiency by
+    // more than a standard error; then it is written, else not, and the warning says so.
+    if prefill_line.separate_attention {
+        let (value, _) = factor(&report, "prefill", "fit.attention_efficiency");
+        assert_eq!(loaded.fit.attention_efficiency, Some(value));
+        assert!(text.contains("fit.attention_efficiency = "), "{text}");
+    } else {
+        assert_eq!(loaded.fit.attention_efficiency, None);
+        assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+    }
 
     // What the profiler should see.
     let kv = truth.kv_bytes_per_token();
-    let prefill_served = fit_sweep(
-        "prefill",
-        &r.prefill
-            .points
-            .iter()
-            .map(|p| {
-                let n = p.inputs["new_tokens"].as_u64().unwrap();
-                let c = p.inputs["cached_tokens"].as_u64().unwrap();
-                let t = truth.prefill_seconds([(n, c)]) + cost.colocated.at((n + c) as f64);
-                (p.x, t)
-            })
-            .collect::<Vec<_>>(),
-    )
-    .unwrap()
-    .line;
     let transfer_model_line = fit_sweep(
         "transfer",
         &plan
@@ -516,65 +533,22 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
     )
     .unwrap()
     .line;
-    let peak = truth.hardware.peak_flops;
     // Bytes/s and setup ms of each transfer line.
     let (bw_model, setup_model) = (
         1.0 / transfer_model_line.slope,
         transfer_model_line.intercept * 1e3,
     );
     let (bw_served, setup_served) = (1.0 / transfer_served.slope, transfer_served.intercept * 1e3);
-    let checks = [
-        (
-            "fit.prefill_efficiency",
-            "prefill",
-            truth.fit.prefill_efficiency,
-            1.0 / (prefill_served.slope * peak),
-        ),
-        (
-            "fit.prefill_overhead_ms",
-            "prefill",
-            truth.fit.prefill_overhead_ms,
-            prefill_served.intercept * 1e3,
-        ),
-        (
-            "fit.decode_efficiency",
-            "decode",
-            truth.fit.decode_efficiency,
-            truth.fit.decode_efficiency,
-        ),
-        (
-            "fit.decode_overhead_ms",
-            "decode",
-            truth.fit.decode_overhead_ms,
-            truth.fit.decode_overhead_ms,
-        ),
-        ("fit.transfer_bytes_per_s", "transfer", bw_model, bw_served),
-        (
-            "fit.transfer_setup_ms",
-            "transfer",
-            setup_model,
-            setup_served,
-        ),
-    ]
-    .map(|(key, sweep, model, served)| {
-        let (fitted, stderr) = factor(&report, sweep, key);
-        Check {
-            key,
-            fitted,
-            stderr,
-            model,
-            served,
-        }
-    });
-    let table: Vec<String> = checks
-        .iter()
-        .map(|c| {
-            format!(
-                "{:<26} fitted {:>12.6} ± {:<10.4e} model {:>12.6}  with serving cost {:>12.6}",
-                c.key, c.fitted, c.stderr, c.model, c.served
-            )
-        })
-        .collect();
+    let mut checks = prefill_checks(r, &report, &truth, &cost.colocated);
+    checks.extend(decode_checks(&report, &truth));
+    checks.extend(
+        [
+            ("fit.transfer_bytes_per_s", bw_model, bw_served),
+            ("fit.transfer_setup_ms", setup_model, setup_served),
+        ]
+        .map(|(key, model, served)| check(&report, "transfer", key, model, served)),
+    );
+    let table = table(&checks);
     eprintln!(
         "serving cost measured and engines profiled in {:.1} s, the sweep {:.1} s (serving \
          cost {:.3} ms + {:.3} µs per prompt token; configured transfer {} B/s, {} ms)\n{}",
@@ -584,7 +558,214 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
         cost.colocated.slope * 1e6,
         truth.fit.transfer_bytes_per_s,
         truth.fit.transfer_setup_ms,
-        table.join("\n")
+        table
+    );
+    let problems: Vec<String> = checks.iter().filter_map(Check::problems).collect();
+    assert!(problems.is_empty(), "{problems:#?}\n{lines:#?}");
+}
+
+/// The prefill sweep's fit as reported, checked against its points: each point's fitted time
+/// is the fit's at the point's linear and attention FLOPs, and the factors are the fit's.
+fn prefill_fit_reported(r: &FitReport, report: &Value) -> PrefillLine {
+    let line = r.prefill.prefill_line.expect("the prefill sweep's fit");
+    for p in &r.prefill.points {
+        let a = p
+            .attention_flops
+            .expect("a prefill point's attention FLOPs");
+        let t = line.at(p.x - a, a);
+        assert!((p.fitted_s - t).abs() <= 1e-12 * t, "{p:?}");
+    }
+    let keys: Vec<&str> = report["prefill"]["factors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["key"].as_str().unwrap())
+        .collect();
+    let mut want = vec!["fit.prefill_efficiency", "fit.prefill_overhead_ms"];
+    if line.separate_attention {
+        want.insert(1, "fit.attention_efficiency");
+    }
+    assert_eq!(keys, want);
+    assert_eq!(
+        r.prefill.one_efficiency_residuals.is_some(),
+        line.separate_attention
+    );
+    line
+}
+
+/// The prefill factors' checks. What the profiler should see is the engine model's time plus
+/// the serving cost (`cost`, by prompt tokens) at each point, fitted the way the profiler
+/// fitted its points (attention apart or not). The serving cost grows with the cached tokens
+/// too, which a fit with attention apart reads as slower attention (by about 7 % with
+/// [`true_profile`]'s factors). With no attention efficiency of its own, the engine model
+/// runs attention at the prefill efficiency.
+fn prefill_checks(r: &FitReport, report: &Value, truth: &Profile, cost: &Line) -> Vec<Check> {
+    let fitted = r.prefill.prefill_line.expect("the prefill sweep's fit");
+    let points: Vec<(f64, f64, f64)> = r
+        .prefill
+        .points
+        .iter()
+        .map(|p| {
+            let n = p.inputs["new_tokens"].as_u64().unwrap();
+            let c = p.inputs["cached_tokens"].as_u64().unwrap();
+            let a = p.attention_flops.unwrap();
+            let t = truth.prefill_seconds([(n, c)]) + cost.at((n + c) as f64);
+            (p.x - a, a, t)
+        })
+        .collect();
+    let served = if fitted.separate_attention {
+        least_squares_two(&points, false).expect("the served times' fit")
+    } else {
+        let total: Vec<(f64, f64)> = points.iter().map(|&(l, a, t)| (l + a, t)).collect();
+        PrefillLine::one_rate(&fit_sweep("prefill", &total).unwrap().line)
+    };
+    let peak = truth.hardware.peak_flops;
+    let mut checks = vec![
+        check(
+            report,
+            "prefill",
+            "fit.prefill_efficiency",
+            truth.fit.prefill_efficiency,
+            1.0 / (served.linear_slope * peak),
+        ),
+        check(
+            report,
+            "prefill",
+            "fit.prefill_overhead_ms",
+            truth.fit.prefill_overhead_ms,
+            served.intercept * 1e3,
+        ),
+    ];
+    if fitted.separate_attention {
+        checks.push(check(
+            report,
+            "prefill",
+            "fit.attention_efficiency",
+            truth
+                .fit
+                .attention_efficiency
+                .unwrap_or(truth.fit.prefill_efficiency),
+            1.0 / (served.attention_slope * peak),
+        ));
+    }
+    checks
+}
+
+/// The decode factors' checks: nothing of the serving cost shows in a decode step.
+fn decode_checks(report: &Value, truth: &Profile) -> [Check; 2] {
+    [
+        ("fit.decode_efficiency", truth.fit.decode_efficiency),
+        ("fit.decode_overhead_ms", truth.fit.decode_overhead_ms),
+    ]
+    .map(|(key, model)| check(report, "decode", key, model, model))
+}
+
+/// The check of `sweep`'s factor `key` as reported.
+fn check(report: &Value, sweep: &str, key: &'static str, model: f64, served: f64) -> Check {
+    let (fitted, stderr) = factor(report, sweep, key);
+    Check {
+        key,
+        fitted,
+        stderr,
+        model,
+        served,
+    }
+}
+
+/// One line per check.
+fn table(checks: &[Check]) -> String {
+    checks
+        .iter()
+        .map(|c| {
+            format!(
+                "{:<26} fitted {:>12.6} ± {:<10.4e} model {:>12.6}  with serving cost {:>12.6}",
+                c.key, c.fitted, c.stderr, c.model, c.served
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// An engine whose prefill attention runs at a third of the efficiency of its linear work:
+/// the profiler fits attention apart, writes `fit.attention_efficiency`, and the factors come
+/// back as in [`the_profiler_recovers_the_simulated_engines_profile`] (a colocated worker
+/// alone: no transfer).
+#[test]
+fn the_profiler_recovers_an_attention_efficiency_of_its_own() {
+    let _clock = REAL_CLOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = TempDir::new("attention");
+    let mut truth = true_profile();
+    truth.fit.attention_efficiency = Some(0.05);
+    let started = Instant::now();
+    let cost = serving_cost(&rt, &dir.0, &[]);
+    let colocated = start(&rt, &dir.0, "1dp", true, truth.clone());
+    let mut opts = ProfileOptions::new(format!("http://{}", colocated.addrs()[0]));
+    opts.metrics_url = Some(colocated.engine_urls()[0].metrics_url.clone());
+    opts.chunk_tokens = Some(CHUNK);
+    opts.max_context = MAX_CONTEXT;
+    opts.repeats = REPEATS;
+    opts.seed = 11;
+    let mut lines = Vec::new();
+    let run = profile_engine(&opts, &mut |l: &str| lines.push(l.to_owned()))
+        .expect("the profile is measured");
+    colocated.stop().unwrap();
+    let wall = started.elapsed();
+
+    let r = &run.report;
+    assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+    assert!(r.transfer.is_none());
+    let report = serde_json::to_value(r).unwrap();
+    let line = prefill_fit_reported(r, &report);
+    assert!(line.separate_attention, "{lines:#?}");
+    let (attention, _) = factor(&report, "prefill", "fit.attention_efficiency");
+    assert_eq!(run.profile.fit.attention_efficiency, Some(attention));
+    assert_eq!(
+        r.prefill.model,
+        kvc_replay::profile::report::PREFILL_MODEL_SPLIT
+    );
+    // One efficiency for all FLOPs would miss these points by far more.
+    let one = r.prefill.one_efficiency_residuals.unwrap();
+    assert!(
+        one.max_rel > 3.0 * r.prefill.residuals.max_rel && one.max_rel > 0.05,
+        "attention apart {:?}, one efficiency {one:?}",
+        r.prefill.residuals
+    );
+    assert!(lines.iter().any(|l| l.starts_with("prefill fit over")
+        && l.contains("fit.attention_efficiency = ")
+        && l.contains("one efficiency for all FLOPs: RMS")));
+    // Written and read back with it.
+    let out = dir.0.join("attention.toml");
+    write_profile(&run, &out).expect("the profile is written");
+    let loaded = Profile::load(&out).expect("the written profile loads");
+    assert_eq!(loaded.fit.attention_efficiency, Some(attention));
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("#   prefill ") && l.contains("fit.attention_efficiency = ")),
+        "{text}"
+    );
+    assert!(
+        text.contains("(one efficiency for all prefill FLOPs would leave RMS"),
+        "{text}"
+    );
+
+    let mut checks = prefill_checks(r, &report, &truth, &cost.colocated);
+    checks.extend(decode_checks(&report, &truth));
+    eprintln!(
+        "serving cost measured and engine profiled in {:.1} s, the sweep {:.1} s; prefill \
+         residuals RMS {:.2} %, max {:.2} % (one efficiency for all: RMS {:.2} %, max {:.2} %)\n{}",
+        wall.as_secs_f64(),
+        r.wall_s,
+        r.prefill.residuals.rms_rel * 100.0,
+        r.prefill.residuals.max_rel * 100.0,
+        one.rms_rel * 100.0,
+        one.max_rel * 100.0,
+        table(&checks)
     );
     let problems: Vec<String> = checks.iter().filter_map(Check::problems).collect();
     assert!(problems.is_empty(), "{problems:#?}\n{lines:#?}");
