@@ -78,16 +78,10 @@ tag=side-by-side-real
 # 1. The peers, and our binaries.
 install "$peers/vllm-router-venv" vllm-router "$vllm_router_version" vllm-router
 install "$peers/smg-venv" smg "$smg_version" smg
-log "building kvc-replay and kvc-router (release)"
-(cd "$root" && cargo build --release --locked --quiet -p kvc-replay -p kvc-router)
-target="${CARGO_TARGET_DIR:-$root/target}"
-replay="$target/release/kvc-replay"
-kvc_router="$target/release/kvc-router"
+build_release
 
 # 2. The trace, the same for every leg.
-"$replay" gen swe --seed "$seed" --sessions "$sessions" --start-span 30 --out "$out/swe.jsonl" --quiet
-block="$(python3 "$root/scripts/side-by-side/scale_trace.py" "$out/swe.jsonl" "$out/trace.jsonl" \
-  --factor "$factor" --turns "$turns" --max-output 64)"
+scaled_trace "$out" "$seed" "$sessions" "$factor" "$turns"
 "$replay" stats "$out/trace.jsonl" --block-size "$block" 2>/dev/null | sed -n '1,6p' >&2 || true
 
 engines=""
@@ -208,6 +202,19 @@ start_router() { # start_router LEG DIR: the leg's router, in the background; se
   router_pid=$!
 }
 
+# cpu_seconds PID...: the CPU time (user + system, seconds) of the processes and all their
+# descendants, as /proc has it now.
+cpu_seconds() {
+  local pids=("$@") all=() p
+  while [ ${#pids[@]} -gt 0 ]; do
+    all+=("${pids[@]}")
+    # shellcheck disable=SC2207
+    pids=($(for p in "${pids[@]}"; do pgrep -P "$p" || true; done))
+  done
+  for p in "${all[@]}"; do cat "/proc/$p/stat" 2>/dev/null || true; done \
+    | awk -v hz="$(getconf CLK_TCK)" '{ sub(/^.*\) /, ""); t += $12 + $13 } END { printf "%.3f\n", t / hz }'
+}
+
 stop_router() {
   local pid
   for pid in "$router_pid" "$relay_pid"; do
@@ -239,6 +246,8 @@ run_leg() { # run_leg LEG TOPOLOGY REP
     [ "$t" -lt 180 ] || { log "router of leg $leg not healthy within 180 s; see $dir/router.log"; stop_router; exit 1; }
     sleep 1
   done
+  local cpu0
+  cpu0="$(cpu_seconds "$router_pid")"
   if ! "$replay" drive --url "$url" --model "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["served-model-name"])' "$engines/ready.json")" \
       --trace "$out/trace.jsonl" --block-size "$block" --tokenizer "$(ready model)/tokenizer.json" \
       --label "$leg" --topology "$topology" --unlabelled-mode "$mode" --connect-timeout-s 180 \
@@ -248,6 +257,10 @@ run_leg() { # run_leg LEG TOPOLOGY REP
     stop_router
     exit 1
   fi
+  # The router's own CPU over the replay (kv_relay.py, a shim for vllm-router's event input,
+  # not counted).
+  python3 -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.3f}")' \
+    "$cpu0" "$(cpu_seconds "$router_pid")" >"$dir/router-cpu-s"
   grep -E '^answered' "$dir/drive.out" >&2 || true
   scrape "$dir" after
   stop_router

@@ -17,6 +17,11 @@ in brackets when there are several. Seconds are wall seconds on the real engines
 - router and API (ms/request): the clients' latency minus the engines' own request time
   (vllm:e2e_request_latency_seconds, summed over the engines), per request: the router, the
   engines' HTTP servers and loopback.
+- engine TTFT mean (s): the engines' own time to first token (vllm:time_to_first_token_seconds,
+  sum over count, the leg's increase, all engines): what the TTFT mean is before the router,
+  the engine's HTTP server and loopback (on 1P1D, P's calls count among the requests).
+- router CPU (ms/request): the router process's CPU time (user and system, with its child
+  processes) over the replay, per request (router-cpu-s, written by real.sh).
 Then, per repetition, kvc-router's better configuration against the best peer on each
 headline figure (TTFT mean, p50, p90; latency mean, p50), as kvc / peer.
 """
@@ -90,6 +95,13 @@ def rep_figures(d):
     fig["direct"] = s["direct_to_d_rate"]
     engine_s = engine_delta(d, "vllm:e2e_request_latency_seconds_sum")
     fig["overhead ms"] = 1000.0 * (sum(latencies) - engine_s) / len(latencies) if latencies else 0.0
+    ttft_n = engine_delta(d, "vllm:time_to_first_token_seconds_count")
+    if ttft_n:
+        fig["engine ttft"] = engine_delta(d, "vllm:time_to_first_token_seconds_sum") / ttft_n
+    cpu = os.path.join(d, "router-cpu-s")
+    if os.path.exists(cpu) and latencies:
+        with open(cpu) as f:
+            fig["router cpu ms"] = 1000.0 * float(f.read()) / len(latencies)
     fig["mechanism errors"] = s["mechanism_errors"]
     fig["errors"] = sum(r["errors"].values())
     fig["answered"] = r["answered"]
@@ -131,10 +143,13 @@ def main():
     rows += [("prompt tokens computed", "computed share", "{:.3f}"),
              ("cached share (answers)", "cached share", "{:.3f}"),
              ("direct-to-D share", "direct", "{:.3f}"),
-             ("router and API (ms/request)", "overhead ms", "{:.0f}")]
+             ("engine TTFT mean (s)", "engine ttft", "{:.3f}"),
+             ("router and API (ms/request)", "overhead ms", "{:.0f}"),
+             ("router CPU (ms/request)", "router cpu ms", "{:.1f}")]
     table = []
     for title, key, fmt in rows:
-        table.append((title, [cell([f[key] for f in figs], fmt) for _, _, figs in legs]))
+        table.append((title, [cell([f[key] for f in figs if key in f], fmt) if any(key in f for f in figs)
+                              else "n/a" for _, _, figs in legs]))
     table.append(("mechanism errors", [str(sum(f["mechanism errors"] for f in figs)) for _, _, figs in legs]))
     table.append(("errors (all kinds)", [
         str(sum(f["errors"] for f in figs)) + (" " + ",".join(sorted({k for f in figs for k in f["error kinds"]})) if any(f["errors"] for f in figs) else "")

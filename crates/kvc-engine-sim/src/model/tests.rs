@@ -825,3 +825,19 @@ fn an_attention_efficiency_must_be_a_fraction_of_peak() {
     let p = Profile::parse(&with("1.0"), "p.toml").unwrap();
     assert_eq!(p.fit.attention_efficiency, Some(1.0));
 }
+
+#[test]
+fn every_profile_in_the_repository_loads() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles");
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("profiles/ is readable") {
+        let path = entry.expect("a directory entry").path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let p = Profile::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(p.prefill_seconds([(1024, 0)]) > 0.0, "{}", path.display());
+            names.push(p.name);
+        }
+    }
+    names.sort();
+    assert_eq!(names, ["qwen3-30b-a3b-h100", "tiny-llama-cpu"]);
+}
