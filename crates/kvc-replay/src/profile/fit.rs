@@ -782,5 +782,8 @@ fn overhead(line: &Line, key: &str) -> Factor {
     }
 }
 
+// The tests sit beside this file (a folder `fit/` would be a folder of its own to the layering
+// test, importing from this one).
 #[cfg(test)]
+#[path = "fit_tests.rs"]
 mod tests;
