@@ -381,14 +381,19 @@ fn factor(report: &Value, sweep: &str, key: &str) -> (f64, f64) {
     (f["value"].as_f64().unwrap(), f["stderr"].as_f64().unwrap())
 }
 
-#[test]
-fn the_profiler_recovers_the_simulated_engines_profile() {
-    let _clock = REAL_CLOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let rt = tokio::runtime::Builder::new_multi_thread()
+/// The runtime each real-clock test runs its workers and the profiler on.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn the_profiler_recovers_the_simulated_engines_profile() {
+    let _clock = REAL_CLOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let rt = runtime();
     let dir = TempDir::new("sim");
     let truth = true_profile();
     let plan = Plan::new(&Limits {
@@ -693,11 +698,7 @@ fn table(checks: &[Check]) -> String {
 #[test]
 fn the_profiler_recovers_an_attention_efficiency_of_its_own() {
     let _clock = REAL_CLOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let dir = TempDir::new("attention");
     let mut truth = true_profile();
     truth.fit.attention_efficiency = Some(0.05);

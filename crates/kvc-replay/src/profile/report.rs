@@ -403,16 +403,21 @@ pub fn rfc3339(secs: u64) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_profile_keeps_the_facts_and_takes_the_fits() {
-        let facts = Profile::default();
-        let engine = EngineFacts {
-            model: "m".into(),
+    /// An engine of 2,048 blocks of 32 tokens with a 4,096-token context, serving `model`.
+    fn engine_facts(model: &str) -> EngineFacts {
+        EngineFacts {
+            model: model.into(),
             max_model_len: Some(4096),
             block_size: 32,
             num_gpu_blocks: 2048,
             pool_tokens: 65_536,
-        };
+        }
+    }
+
+    #[test]
+    fn the_profile_keeps_the_facts_and_takes_the_fits() {
+        let facts = Profile::default();
+        let engine = engine_facts("m");
         let factors = [
             Factor {
                 key: "fit.prefill_efficiency".into(),
@@ -452,13 +457,7 @@ mod tests {
 
     #[test]
     fn the_attention_efficiency_is_written_only_when_fitted() {
-        let engine = EngineFacts {
-            model: "m".into(),
-            max_model_len: Some(4096),
-            block_size: 32,
-            num_gpu_blocks: 2048,
-            pool_tokens: 65_536,
-        };
+        let engine = engine_facts("m");
         let attention = Factor {
             key: "fit.attention_efficiency".into(),
             value: 0.05,
@@ -555,13 +554,7 @@ mod tests {
 
     /// The comment lines opening the TOML of a run whose prefill sweep is `prefill`.
     fn header(prefill: SweepReport) -> Vec<String> {
-        let engine = EngineFacts {
-            model: "kvc-tiny".into(),
-            max_model_len: Some(4096),
-            block_size: 32,
-            num_gpu_blocks: 2048,
-            pool_tokens: 65_536,
-        };
+        let engine = engine_facts("kvc-tiny");
         let mut warnings = Vec::new();
         let profile = build_profile(
             &Profile::default(),
@@ -651,13 +644,7 @@ mod tests {
         }];
         let mut decode = prefill.clone();
         decode.sweep = "decode".into();
-        let engine = EngineFacts {
-            model: "kvc-tiny".into(),
-            max_model_len: Some(4096),
-            block_size: 32,
-            num_gpu_blocks: 2048,
-            pool_tokens: 65_536,
-        };
+        let engine = engine_facts("kvc-tiny");
         let mut warnings = vec!["decode: something to know".to_owned()];
         let profile = build_profile(
             &Profile::default(),
