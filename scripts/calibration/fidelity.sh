@@ -8,19 +8,28 @@
 # direct-to-D shares, and the median relative error of the paired requests.
 #
 # Usage: scripts/calibration/fidelity.sh [--profile FILE] [--pd-profile FILE] [--sessions 4]
-#          [--turns 6] [--factor 4] [--seed 7] [--out DIR] [--sim-only]
-# --profile: the engine profile the simulator runs for the colocated engines (default
-#   profiles/tiny-llama-cpu.toml, fitted by `kvc-replay profile` to one such engine);
-#   --pd-profile: the one for the 1P1D pair (default: --profile's). --sim-only: the real runs are taken from OUT as a
-#   previous run left them, and only the simulator runs again (seconds).
+#          [--turns 6] [--factor 4] [--seed 7] [--topology both|2x|1p1d] [--out DIR]
+#          [--sim-only]
+# The profile is measured on this machine first, as a user with GPUs would measure theirs:
+# `kvc-replay profile` against one of the two colocated engines while the other idles
+# (OUT/measured.toml, about 30 s; the facts and the factors it does not measure from
+# profiles/tiny-llama-cpu.toml). A profile measured on another machine is off by that
+# machine's speed: the committed one, measured on an earlier 2-core host, decoded 2.3x
+# slower than the engines of a later one.
+# --profile: run the simulator with this profile instead of measuring one; --pd-profile: the
+#   one for the 1P1D pair (default: the colocated engines' profile). --topology: the real
+#   runs of one topology only. --sim-only: the real runs (and OUT/measured.toml) are taken
+#   from OUT as a previous run left them, and only the simulator runs again (seconds).
 # Needs python3 (with venv) and PyPI the first time (vLLM CPU). Each topology's engines are
 # started once (about 2 minutes) and stopped when its runs are done; a run takes 1-3 minutes.
 # Everything listens on 127.0.0.1 only.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/../.." && pwd)"
-profile="$root/profiles/tiny-llama-cpu.toml"
+facts="$root/profiles/tiny-llama-cpu.toml"
+profile=""
 pd_profile=""
+topologies="2x 1p1d"
 sessions=4
 turns=6
 factor=4
@@ -37,6 +46,13 @@ while [ $# -gt 0 ]; do
     --turns) turns="$2"; shift 2 ;;
     --factor) factor="$2"; shift 2 ;;
     --seed) seed="$2"; shift 2 ;;
+    --topology)
+      case "$2" in
+        both) topologies="2x 1p1d" ;;
+        2x|1p1d) topologies="$2" ;;
+        *) echo "fidelity: --topology is both, 2x or 1p1d, got $2" >&2; exit 2 ;;
+      esac
+      shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --sim-only) sim_only=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -46,12 +62,12 @@ done
 for n in "$sessions" "$turns" "$factor"; do
   [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "fidelity: expected a positive count, got $n" >&2; exit 2; }
 done
-pd_profile="${pd_profile:-$profile}"
 for f in "$profile" "$pd_profile"; do
-  [ -f "$f" ] || { echo "fidelity: no engine profile at $f" >&2; exit 2; }
+  [ -z "$f" ] || [ -f "$f" ] || { echo "fidelity: no engine profile at $f" >&2; exit 2; }
 done
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
+measured="$out/measured.toml"
 tag=fidelity
 # shellcheck source=scripts/side-by-side/lib.sh
 . "$root/scripts/side-by-side/lib.sh"
@@ -60,7 +76,7 @@ build_release
 # The trace: real.sh's, generated the same way.
 scaled_trace "$out" "$seed" "$sessions" "$factor" "$turns"
 
-runs="1p1d:kvc 1p1d:cache-aware 2x:kvc 2x:cache-aware"
+runs="2x:kvc 2x:cache-aware 1p1d:kvc 1p1d:cache-aware"
 engines=""
 router_pid=""
 cleanup() {
@@ -108,12 +124,29 @@ real_run() { # real_run TOPOLOGY POLICY
   router_pid=""
 }
 
+measure() { # measure: the profile of the first colocated engine, the other one idle
+  local url
+  url="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["engines"][0]["http-url"])' "$engines/ready.json")"
+  log "measuring $url with kvc-replay profile (the other engine idle)"
+  curl -fsS --max-time 60 -X POST "$url/reset_prefix_cache" >/dev/null \
+    || { log "$url did not empty its prefix cache"; exit 1; }
+  # --peak-flops: every core of the machine (the facts' figure is one core's): vLLM's CPU
+  # attention can run on more threads than the engine's OMP_NUM_THREADS, and on a faster
+  # host attention measured above one core's peak.
+  "$replay" profile --url "$url" --facts "$facts" --chunk-tokens "$(ready max-num-batched-tokens)" \
+    --peak-flops "$(python3 -c 'import os; print(float(os.cpu_count() * 1.6e11))')" \
+    --seed "$seed" --name tiny-llama-cpu-measured --out "$measured" --quiet \
+    2>"$out/profile.log" || { log "kvc-replay profile failed; see $out/profile.log"; exit 1; }
+  grep -E 'residuals|warning' "$out/profile.log" >&2 || true
+}
+
 if [ "$sim_only" = 0 ]; then
-  for topology in 1p1d 2x; do
+  for topology in $topologies; do
     engines="$out/engines-$topology"
     "$root/scripts/real-vllm/down.sh" "$engines" 2>/dev/null || true
     log "starting real vLLM engines: $topology"
     "$root/scripts/real-vllm/up.sh" "$topology" "$engines" >/dev/null
+    if [ "$topology" = 2x ] && [ -z "$profile" ]; then measure; fi
     for run in $runs; do
       [ "${run%%:*}" = "$topology" ] && real_run "$topology" "${run#*:}"
     done
@@ -121,6 +154,12 @@ if [ "$sim_only" = 0 ]; then
     engines=""
   done
 fi
+
+if [ -z "$profile" ]; then
+  [ -f "$measured" ] || { log "no measured profile at $measured (run with --topology 2x or both, or give --profile)"; exit 1; }
+  profile="$measured"
+fi
+pd_profile="${pd_profile:-$profile}"
 
 # The simulator on the same trace: 1P1D with each engine kept to its role (kvc-router's
 # serve-alone = false on these engines), and two colocated engines.

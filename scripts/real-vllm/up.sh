@@ -13,7 +13,8 @@
 # handshake done before the first real request), then writes:
 #   OUT_DIR/NAME.start        the command that starts engine NAME (restart.sh runs it again)
 #   OUT_DIR/ready.json        the model directory and, per engine: name, role, http-url,
-#                             metrics-url, event endpoints and topic, block size, pid, log
+#                             metrics-url, event endpoints and topic, block size, pid, log;
+#                             max-num-batched-tokens (the chunked-prefill budget)
 #   OUT_DIR/kvc-router.toml   a kvc-router configuration for these engines: HTTP front on
 #                             127.0.0.1:$KVC_REAL_VLLM_ROUTER_PORT (default 18080), /metrics
 #                             on the next port, gRPC on the one after; capacity and block
@@ -27,7 +28,9 @@
 # Environment: KVC_REAL_VLLM_PORT_BASE (default 18200; engine i uses BASE+10i .. BASE+10i+3),
 # KVC_REAL_VLLM_KV_GIB (KV pool per engine, GiB, default 1), KVC_REAL_VLLM_THREADS (compute
 # threads per engine, default the cores divided among the engines), KVC_REAL_VLLM_MAX_MODEL_LEN
-# (default 16384), KVC_REAL_VLLM_DEFAULT_MAX_TOKENS (the output limit of a request that sets
+# (default 16384), KVC_REAL_VLLM_CHUNK_TOKENS (the chunked-prefill budget, vLLM's
+# --max-num-batched-tokens: a prompt longer than it is prefilled over several steps; default
+# 2048, vLLM's own default for its CPU build's API server), KVC_REAL_VLLM_DEFAULT_MAX_TOKENS (the output limit of a request that sets
 # none, as coding agents' requests do: default 64, where the engine would otherwise decode up
 # to its context), KVC_REAL_VLLM_START_TIMEOUT (seconds per engine, default 420), KVC_REAL_VLLM_CACHE
 # (see install.sh). Exit 3: python3 missing (callers skip); any other failure prints the
@@ -49,6 +52,8 @@ esac
 base="${KVC_REAL_VLLM_PORT_BASE:-18200}"
 kv_gib="${KVC_REAL_VLLM_KV_GIB:-1}"
 max_len="${KVC_REAL_VLLM_MAX_MODEL_LEN:-16384}"
+chunk="${KVC_REAL_VLLM_CHUNK_TOKENS:-2048}"
+[[ "$chunk" =~ ^[1-9][0-9]*$ ]] || { echo "real-vllm: KVC_REAL_VLLM_CHUNK_TOKENS must be a positive count, got $chunk" >&2; exit 2; }
 start_timeout="${KVC_REAL_VLLM_START_TIMEOUT:-420}"
 router_port="${KVC_REAL_VLLM_ROUTER_PORT:-18080}"
 cache="${KVC_REAL_VLLM_CACHE:-$HOME/.cache/kvc/real-vllm}"
@@ -87,6 +92,7 @@ start_engine() { # index name role
     --model "$model" --served-model-name "$served"
     --host 127.0.0.1 --port "$port"
     --dtype float32 --block-size "$block_size" --max-model-len "$max_len"
+    --max-num-batched-tokens "$chunk"
     --enable-prefix-caching --enable-prompt-tokens-details
     --enable-auto-tool-choice --tool-call-parser pythonic
     --enforce-eager
@@ -154,9 +160,9 @@ for i in "${!roles[@]}"; do
   echo "real-vllm: $name ready after ${SECONDS}s" >&2
 done
 
-"$python" - "$out" "$model" "$block_size" "$router_port" "$served" "$max_len" <<'PY'
+"$python" - "$out" "$model" "$block_size" "$router_port" "$served" "$max_len" "$chunk" <<'PY'
 import json, sys
-out, model, block_size, router_port, served, max_len = sys.argv[1:]
+out, model, block_size, router_port, served, max_len, chunk = sys.argv[1:]
 engines = []
 with open(f"{out}/engines.tsv") as f:
     for line in f:
@@ -169,6 +175,7 @@ with open(f"{out}/engines.tsv") as f:
             "block-size": int(block_size), "pid": int(pid), "log": f"{out}/{name}.log",
         })
 ready = {"model": model, "served-model-name": served, "max-model-len": int(max_len),
+         "max-num-batched-tokens": int(chunk),
          "tokenizer": f"{model}/tokenizer.json", "engines": engines,
          "router-http": f"http://127.0.0.1:{router_port}"}
 with open(f"{out}/ready.json.tmp", "w") as f:
