@@ -135,7 +135,7 @@ measure() { # measure: the profile of the first colocated engine, the other one 
   # host attention measured above one core's peak.
   "$replay" profile --url "$url" --facts "$facts" --chunk-tokens "$(ready max-num-batched-tokens)" \
     --peak-flops "$(python3 -c 'import os; print(float(os.cpu_count() * 1.6e11))')" \
-    --seed "$seed" --name tiny-llama-cpu-measured --out "$measured" --quiet \
+    --repeats 5 --seed "$seed" --name tiny-llama-cpu-measured --out "$measured" --quiet \
     2>"$out/profile.log" || { log "kvc-replay profile failed; see $out/profile.log"; exit 1; }
   grep -E 'residuals|warning' "$out/profile.log" >&2 || true
 }

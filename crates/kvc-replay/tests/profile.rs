@@ -89,6 +89,10 @@ fn true_profile() -> Profile {
     p.fit.chunk_tokens = CHUNK;
     p.fit.transfer_bytes_per_s = 2e9;
     p.fit.transfer_setup_ms = 40.0;
+    // A chat prompt waits 20 ms + 10 ms per 1,000 tokens before the scheduler sees it (the
+    // workers sleep that long); token ids go straight in.
+    p.fit.intake_ms = 20.0;
+    p.fit.intake_ms_per_1k_tokens = 10.0;
     p
 }
 
@@ -433,7 +437,9 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
     assert_eq!((r.engine.block_size, r.engine.pool_tokens), (BLOCK, 92_160));
     assert_eq!(r.context_cap, MAX_CONTEXT);
     assert_eq!(r.requests, plan.requests());
-    let measured = (plan.prefill.len() + plan.decode.len() + plan.transfer.len()) * REPEATS;
+    let measured =
+        (plan.prefill.len() + plan.decode.len() + plan.transfer.len() + plan.intake.len())
+            * REPEATS;
     assert_eq!(
         lines.iter().filter(|l| l.contains("(repeat")).count(),
         measured,
@@ -552,6 +558,34 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
             ("fit.transfer_setup_ms", setup_model, setup_served),
         ]
         .map(|(key, model, served)| check(&report, "transfer", key, model, served)),
+    );
+    // The intake: the workers' own sleep, nothing of their serving cost (a chat and its token
+    // ids cost them the same) but the timer's: tokio's sleeps end on a millisecond tick, up
+    // to 1 ms late.
+    let intake = r.intake.as_ref().expect("the intake sweep");
+    assert_eq!(intake.points.len(), plan.intake.len());
+    for p in &intake.points {
+        let words = p.inputs["words"].as_u64().unwrap();
+        // The workers' chat template adds the role's token to the words.
+        assert_eq!(p.seen["prompt_tokens"].as_u64(), Some(words + 2), "{p:?}");
+        assert_eq!(p.measured_s.len(), REPEATS);
+    }
+    assert_eq!(
+        (fitted.fit.intake_ms, fitted.fit.intake_ms_per_1k_tokens),
+        (
+            factor(&report, "intake", "fit.intake_ms").0,
+            factor(&report, "intake", "fit.intake_ms_per_1k_tokens").0
+        )
+    );
+    checks.extend(
+        [
+            ("fit.intake_ms", truth.fit.intake_ms),
+            ("fit.intake_ms_per_1k_tokens", truth.fit.intake_ms_per_1k_tokens),
+        ]
+        .map(|(key, model)| {
+            let served = if key == "fit.intake_ms" { model + 1.0 } else { model };
+            check(&report, "intake", key, model, served)
+        }),
     );
     let table = table(&checks);
     eprintln!(

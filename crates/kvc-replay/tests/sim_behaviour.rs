@@ -162,3 +162,33 @@ fn a_policy_counting_other_blocks_than_the_trace_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn the_engine_s_intake_delays_each_request_by_its_own_length() {
+    let trace = swe_trace(3, 8);
+    let plain = run(&trace, "2dp", "cache-aware");
+    let (fixed_ms, per_1k_ms) = (6.0, 3.0);
+    let taken = run_with(&trace, "2dp", "cache-aware", |c| {
+        c.profile.fit.intake_ms = fixed_ms;
+        c.profile.fit.intake_ms_per_1k_tokens = per_1k_ms;
+    });
+    assert_eq!(plain.records.len(), taken.records.len());
+    let intake = |r: &kvc_replay::sim::metrics::RequestRecord| {
+        (fixed_ms + per_1k_ms * r.input_tokens as f64 / 1e3) / 1e3
+    };
+    // The first request meets idle engines: its first token comes exactly the intake later.
+    let (a, b) = (&plain.records[0], &taken.records[0]);
+    let shift = b.ttft_s.unwrap() - a.ttft_s.unwrap();
+    assert!((shift - intake(b)).abs() < 2e-6, "{shift} vs {}", intake(b));
+    assert!((b.latency_s - a.latency_s - intake(b)).abs() < 2e-6);
+    for (a, b) in plain.records.iter().zip(&taken.records) {
+        // Nobody waits longer to be sent: the intake is the engine's, not the client's.
+        assert!((a.wait_s - b.wait_s).abs() < 1e-9, "{a:?}\n{b:?}");
+        assert_eq!(a.outcome, b.outcome);
+        if let Some(t) = b.ttft_s {
+            assert!(t >= intake(b) - 1e-6, "{b:?}");
+        }
+    }
+    // The default profile has none.
+    assert_eq!(kvc_replay::sim::Profile::default().fit.intake_ms, 0.0);
+}

@@ -244,6 +244,7 @@ impl HttpWorkers {
             engine: Mutex::new(to_engine),
             max_input: cluster.profile.model.max_input_tokens,
             pool_tokens: cluster.profile.hardware.kv_pool_tokens,
+            profile: cluster.profile.clone(),
             model: opts.model.clone(),
             clock: Pacer {
                 start: Instant::now(),

@@ -79,6 +79,9 @@ pub struct SharedState {
     pub(super) max_input: u64,
     /// KV pool of each worker (tokens).
     pub(super) pool_tokens: u64,
+    /// The profile, for the front end's intake of a text prompt
+    /// ([`crate::model::Profile::intake_seconds`]).
+    pub(super) profile: crate::model::Profile,
     /// The model name the workers report.
     pub(super) model: String,
     pub(super) clock: Pacer,

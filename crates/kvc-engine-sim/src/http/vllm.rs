@@ -423,6 +423,14 @@ async fn serve(
         Err(refusal) => return api.error(refusal),
     };
     let prompt_tokens = job.input;
+    // The front end's intake: a text prompt is turned into tokens (chat template, tokenizer)
+    // before the scheduler sees it; token ids go straight in.
+    if !matches!(req.prompt, PromptIn::Tokens(_)) {
+        let intake = shared.profile.intake_seconds(prompt_tokens) / shared.clock.speedup;
+        if intake > 0.0 {
+            tokio::time::sleep(std::time::Duration::from_secs_f64(intake)).await;
+        }
+    }
     if remote_decode {
         return hold_for_decode(&ctx, api, &req, headers, index, key, &job);
     }

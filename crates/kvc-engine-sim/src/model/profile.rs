@@ -89,9 +89,26 @@ pub struct FitFactors {
     pub transfer_setup_ms: f64,
     /// A transfer waiting longer than this for room on D fails, s.
     pub transfer_timeout_s: f64,
+    /// Fixed cost of taking a request in, ms: the engine's front end turning a chat request
+    /// into token ids (its chat template and tokenizer, vLLM's API server) before the
+    /// scheduler sees it. It runs beside the engine's steps (another process), so it delays
+    /// its own request and holds up no other. Absent (0): a request reaches the scheduler
+    /// when it is sent. The profiler measures it as a text prompt's time less a token-id
+    /// prompt's, both of the same length and fully cached.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub intake_ms: f64,
+    /// The part of the intake that grows with the prompt, ms per 1,000 prompt tokens
+    /// (tokenizing the text; cached tokens are tokenized too).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub intake_ms_per_1k_tokens: f64,
     /// Failure paths of the decode engine under memory pressure (defaults: SGLang's).
     #[serde(default)]
     pub pressure: PressureFacts,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// How a decode worker behaves when its KV pool runs out (`[fit.pressure]`). None of it acts
@@ -295,6 +312,8 @@ impl Profile {
             ("fit.prefill_overhead_ms", f.prefill_overhead_ms),
             ("fit.decode_overhead_ms", f.decode_overhead_ms),
             ("fit.transfer_setup_ms", f.transfer_setup_ms),
+            ("fit.intake_ms", f.intake_ms),
+            ("fit.intake_ms_per_1k_tokens", f.intake_ms_per_1k_tokens),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be ≥ 0 (got {v})"));
@@ -397,6 +416,12 @@ impl Profile {
         let kv_bytes = context_tokens as f64 * self.kv_bytes_per_token();
         (weight_bytes + kv_bytes) / (self.fit.decode_efficiency * self.hardware.hbm_bytes_per_s)
             + self.fit.decode_overhead_ms / 1e3
+    }
+
+    /// Seconds from sending a request of `prompt_tokens` tokens to its reaching the
+    /// scheduler: `intake_ms + intake_ms_per_1k_tokens × prompt_tokens / 1000`.
+    pub fn intake_seconds(&self, prompt_tokens: u64) -> f64 {
+        (self.fit.intake_ms + self.fit.intake_ms_per_1k_tokens * prompt_tokens as f64 / 1e3) / 1e3
     }
 
     /// Seconds to ship the KV of `tokens` tokens from P to D.

@@ -224,7 +224,19 @@ impl Engines {
         body: &Value,
         request_id: Option<&str>,
     ) -> Result<Completion, ProfileError> {
-        let url = format!("{base}/v1/completions");
+        self.complete_at(base, "/v1/completions", body, request_id)
+            .await
+    }
+
+    /// [`Engines::complete`] at another path of the same API (`/v1/chat/completions`).
+    pub(super) async fn complete_at(
+        &self,
+        base: &str,
+        path: &str,
+        body: &Value,
+        request_id: Option<&str>,
+    ) -> Result<Completion, ProfileError> {
+        let url = format!("{base}{path}");
         let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
         let mut req = hyper::Request::post(url.as_str()).header("content-type", "application/json");
         if let Some(id) = request_id {

@@ -205,7 +205,7 @@ fn left_out(sweep: &str, usable: usize, all: usize) -> Option<String> {
 }
 
 /// RMS and largest magnitude of relative errors.
-fn residuals(rel: impl Iterator<Item = f64>) -> Residuals {
+pub fn residuals(rel: impl Iterator<Item = f64>) -> Residuals {
     let rel: Vec<f64> = rel.collect();
     Residuals {
         points: rel.len(),
@@ -746,6 +746,121 @@ pub fn transfer_factors(line: &Line) -> [Factor; 2] {
             stderr: bw * line.slope_se / line.slope,
         },
         overhead(line, "fit.transfer_setup_ms"),
+    ]
+}
+
+/// Fits the intake, `t = intercept + slope × prompt tokens`, `t` a cached chat request's time
+/// less the prefill fit's time for its uncached part: ordinary least squares, unweighted, as
+/// `t` is a difference of two times and may be near 0 or below it. A slope below 0 (no
+/// growth with the prompt that the noise does not hide) leaves the mean alone; an intercept
+/// below 0 is fixed at 0 and the slope fitted through the origin; no intake above 0 at all
+/// gives a line of 0. Each says so in a warning.
+pub fn intake_line(points: &[(f64, f64)]) -> Result<(Line, Vec<String>), ProfileError> {
+    let usable: Vec<(f64, f64)> = points
+        .iter()
+        .copied()
+        .filter(|(x, t)| x.is_finite() && t.is_finite())
+        .collect();
+    let mut warnings: Vec<String> = Vec::new();
+    if usable.len() < points.len() {
+        warnings.push(format!(
+            "intake sweep: {} of {} points left out of the fit (a request without a time)",
+            points.len() - usable.len(),
+            points.len()
+        ));
+    }
+    let n = usable.len() as f64;
+    let mut xs: Vec<f64> = usable.iter().map(|p| p.0).collect();
+    xs.sort_by(f64::total_cmp);
+    xs.dedup();
+    if usable.len() < MIN_POINTS || xs.len() < 2 {
+        return Err(ProfileError::TooFewPoints {
+            sweep: "intake",
+            usable: usable.len(),
+            needed: MIN_POINTS,
+        });
+    }
+    let mx = usable.iter().map(|p| p.0).sum::<f64>() / n;
+    let mt = usable.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = usable.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxt: f64 = usable.iter().map(|p| (p.0 - mx) * (p.1 - mt)).sum();
+    let slope = sxt / sxx;
+    let intercept = mt - slope * mx;
+    let ssr: f64 = usable
+        .iter()
+        .map(|p| (p.1 - intercept - slope * p.0).powi(2))
+        .sum();
+    let var = ssr / (n - 2.0);
+    let free = Line {
+        intercept,
+        slope,
+        intercept_se: (var * (1.0 / n + mx * mx / sxx)).sqrt(),
+        slope_se: (var / sxx).sqrt(),
+        through_origin: false,
+    };
+    let zero = Line {
+        intercept: 0.0,
+        slope: 0.0,
+        intercept_se: 0.0,
+        slope_se: 0.0,
+        through_origin: true,
+    };
+    let line = if slope < 0.0 {
+        let sd = (usable.iter().map(|p| (p.1 - mt).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+        warnings.push(format!(
+            "intake: the fitted growth with the prompt came out below 0 ({:.3} ms per 1,000 \
+             tokens): the intake taken as the same for every prompt, their mean",
+            slope * 1e6
+        ));
+        Line {
+            intercept: mt,
+            slope: 0.0,
+            intercept_se: sd / n.sqrt(),
+            slope_se: 0.0,
+            through_origin: false,
+        }
+    } else if intercept < 0.0 {
+        let sxx0: f64 = usable.iter().map(|p| p.0 * p.0).sum();
+        let slope0 = usable.iter().map(|p| p.0 * p.1).sum::<f64>() / sxx0;
+        let ssr0: f64 = usable.iter().map(|p| (p.1 - slope0 * p.0).powi(2)).sum();
+        warnings.push(format!(
+            "intake: the fitted fixed cost was {:.2} ms, below 0: clamped to 0 and the growth \
+             fitted again through the origin",
+            intercept * 1e3
+        ));
+        Line {
+            intercept: 0.0,
+            slope: slope0,
+            intercept_se: 0.0,
+            slope_se: (ssr0 / (n - 1.0) / sxx0).sqrt(),
+            through_origin: true,
+        }
+    } else {
+        free
+    };
+    if line.intercept <= 0.0 && line.slope <= 0.0 || line.intercept < 0.0 || line.slope < 0.0 {
+        // Nothing of the refits above is kept: one word for it.
+        warnings.retain(|w| !w.starts_with("intake:"));
+        warnings.push(format!(
+            "intake: a cached chat request took no longer than the prefill fit gives for it \
+             (mean difference {:.2} ms): no intake (0)",
+            mt * 1e3
+        ));
+        return Ok((zero, warnings));
+    }
+    Ok((line, warnings))
+}
+
+/// `fit.intake_ms` and `fit.intake_ms_per_1k_tokens` from [`intake_line`]'s line (seconds
+/// against prompt tokens).
+pub fn intake_factors(line: &Line) -> [Factor; 2] {
+    [
+        overhead(line, "fit.intake_ms"),
+        Factor {
+            key: "fit.intake_ms_per_1k_tokens".into(),
+            value: line.slope * 1e6,
+            stderr: line.slope_se * 1e6,
+        },
     ]
 }
 

@@ -9,6 +9,7 @@
 //! | prefill | new tokens `n` halving from `min(chunk, cap)` (at most [`PREFILL_SIZES`] sizes), nothing cached; then for a cached prefix of a quarter and of half the cap, the smallest, the middle and the largest `n` that fit |
 //! | decode | batches [`DECODE_BATCHES`], each stream of context `L` = half the cap (less the generated tokens, and so that 8 streams fit in half the pool) and a quarter of that |
 //! | transfer | [`TRANSFER_SIZES`] prompt lengths halving from the cap, less the generated tokens |
+//! | intake | chat prompts of a sixteenth, an eighth and a quarter of the cap in words (a word is a token or more) |
 
 use super::ProfileError;
 use rand::{Rng, SeedableRng};
@@ -28,6 +29,9 @@ pub const PREFILL_SIZES: usize = 6;
 
 /// Prompt lengths of the transfer sweep.
 pub const TRANSFER_SIZES: usize = 5;
+
+/// Fewest words of an intake prompt.
+pub const MIN_INTAKE_WORDS: u64 = 16;
 
 /// Tokens the decode engine generates in the transfer sweep (the first one is timed).
 pub const TRANSFER_OUTPUT: u64 = 2;
@@ -81,6 +85,8 @@ pub struct Plan {
     pub decode: Vec<DecodePoint>,
     /// The prompt lengths of the transfer sweep (empty without a pair).
     pub transfer: Vec<u64>,
+    /// The words of each intake sweep's chat prompt.
+    pub intake: Vec<u64>,
     /// Measurements of each point.
     pub repeats: usize,
     /// Tokens each decode stream generates.
@@ -181,17 +187,25 @@ impl Plan {
                 }
             }
         }
+        let mut intake: Vec<u64> = [cap / 16, cap / 8, cap / 4]
+            .into_iter()
+            .map(|w| w.max(MIN_INTAKE_WORDS))
+            .collect();
+        intake.dedup();
         Ok(Plan {
             prefill,
             decode,
             transfer,
+            intake,
             repeats: l.repeats,
             decode_tokens: k,
         })
     }
 
     /// Requests the plan sends: a cached prefill point's prefix and its prompt, one per decode
-    /// stream, and three per transfer point (P warmed, P's call, D's call), each repeated.
+    /// stream, and three per transfer point (P warmed, P's call, D's call), each repeated; and
+    /// per intake point its chat and token-id prompts sent once to be cached, then each once a
+    /// repetition.
     pub fn requests(&self) -> usize {
         let prefill: usize = self
             .prefill
@@ -200,6 +214,7 @@ impl Plan {
             .sum();
         let decode: usize = self.decode.iter().map(|p| p.batch).sum();
         (prefill + decode + 3 * self.transfer.len()) * self.repeats
+            + self.intake.len() * (2 + 2 * self.repeats)
     }
 }
 
@@ -224,6 +239,21 @@ impl Prompts {
         (0..len)
             .map(|_| MIN_TOKEN_ID + ((u128::from(rng.next_u64()) * u128::from(span)) >> 64) as u32)
             .collect()
+    }
+
+    /// Prompt number `stream` as `count` words of three lowercase letters, separated by
+    /// spaces: the text of a chat prompt no other prompt of the run starts with.
+    pub fn words(&self, stream: u64, count: u64) -> String {
+        let mut out = String::with_capacity(count as usize * 4);
+        for (i, id) in self.tokens(stream, count).into_iter().enumerate() {
+            if i > 0 {
+                out.push(' ');
+            }
+            for k in 0..3 {
+                out.push(char::from(b'a' + (id / 26u32.pow(k) % 26) as u8));
+            }
+        }
+        out
     }
 }
 
@@ -282,7 +312,8 @@ mod tests {
         );
         assert_eq!(p.transfer, [496, 1008, 2032, 4080, 8176]);
         // 6 + 12 prefill, 2 × 15 decode streams, 5 × 3 transfer calls; twice.
-        assert_eq!(p.requests(), (18 + 30 + 15) * 2);
+        assert_eq!(p.intake, [512, 1024, 2048]);
+        assert_eq!(p.requests(), (18 + 30 + 15) * 2 + 3 * (2 + 2 * 2));
         assert!(p.requests() <= 150);
     }
 
@@ -323,5 +354,10 @@ mod tests {
         assert_ne!(a[..4], Prompts::new(8).tokens(1, 64)[..4]);
         // A longer prompt of the same stream extends the shorter one.
         assert_eq!(p.tokens(1, 128)[..64], a[..]);
+        let w = p.words(3, 5);
+        assert_eq!(w, Prompts::new(7).words(3, 5));
+        assert_eq!(w.len(), 5 * 4 - 1);
+        assert!(w.split(' ').all(|x| x.len() == 3 && x.bytes().all(|b| b.is_ascii_lowercase())));
+        assert_ne!(w, p.words(4, 5));
     }
 }

@@ -4,8 +4,8 @@
 
 use super::ProfileError;
 use super::fit::{
-    Factor, Line, PrefillFit, PrefillLine, Residuals, SweepFit, fit_prefill, fit_sweep, median,
-    relative,
+    Factor, Line, PrefillFit, PrefillLine, Residuals, SweepFit, fit_prefill, fit_sweep,
+    intake_line, median, relative, residuals,
 };
 use kvc_engine_sim::model::Profile;
 use serde::Serialize;
@@ -28,7 +28,8 @@ pub struct Point {
     pub median_s: f64,
     /// The fitted time (prefill: of the prefill fit, attention apart when it was fitted so).
     pub fitted_s: f64,
-    /// `(fitted − median) / median`.
+    /// `(fitted − median) / median` (intake: over the median time of the chat request, as
+    /// the difference fitted may be near 0).
     pub residual: f64,
     /// What else was seen (cached tokens reported, the decode method, P's round trip, …).
     pub seen: Value,
@@ -96,6 +97,62 @@ pub fn fit_points(
         points: report_points(points, |p| fit.line.at(p.x)),
     };
     Ok((fit, report))
+}
+
+/// The model of the intake sweep.
+pub const INTAKE_MODEL: &str = "t = intake + intake_per_token x prompt tokens (t: a cached \
+     chat request's time less the prefill fit's time for its part not found cached)";
+
+/// The intake sweep's points (`x` prompt tokens, `seconds` each repetition's chat time less
+/// the prefill fit's time for its uncached part, `seen.text_s` the chat times), fitted by
+/// [`intake_line`]: the line,
+/// its warnings and the report without factors (the caller adds them). Residuals are over
+/// the chat request's median time.
+pub fn fit_intake_points(
+    points: &[Measured],
+) -> Result<(Line, Vec<String>, SweepReport), ProfileError> {
+    let xy: Vec<(f64, f64)> = points.iter().map(|p| (p.x, median(&p.seconds))).collect();
+    let (line, warnings) = intake_line(&xy)?;
+    let text_median = |p: &Measured| {
+        let text: Vec<f64> = p.seen["text_s"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_f64).collect())
+            .unwrap_or_default();
+        median(&text)
+    };
+    let report_points: Vec<Point> = points
+        .iter()
+        .map(|p| {
+            let m = median(&p.seconds);
+            let f = line.at(p.x);
+            Point {
+                inputs: p.inputs.clone(),
+                x: p.x,
+                attention_flops: None,
+                measured_s: p.seconds.clone(),
+                median_s: m,
+                fitted_s: f,
+                residual: (f - m) / text_median(p),
+                seen: p.seen.clone(),
+            }
+        })
+        .collect();
+    let report = SweepReport {
+        sweep: "intake".into(),
+        model: INTAKE_MODEL.into(),
+        factors: Vec::new(),
+        line,
+        prefill_line: None,
+        residuals: residuals(
+            report_points
+                .iter()
+                .map(|p| p.residual)
+                .filter(|r| r.is_finite()),
+        ),
+        one_efficiency_residuals: None,
+        points: report_points,
+    };
+    Ok((line, warnings, report))
 }
 
 /// The model of the prefill sweep with attention fitted apart.
@@ -217,6 +274,8 @@ pub struct FitReport {
     pub decode: SweepReport,
     /// The transfer sweep (`None`: no pair; the facts' transfer factors were kept).
     pub transfer: Option<SweepReport>,
+    /// The intake sweep (`None`: the engine serves no chat; the facts' intake was kept).
+    pub intake: Option<SweepReport>,
     /// What the user should know.
     pub warnings: Vec<String>,
 }
@@ -274,6 +333,8 @@ pub fn build_profile(
             "fit.decode_overhead_ms" => &mut p.fit.decode_overhead_ms,
             "fit.transfer_bytes_per_s" => &mut p.fit.transfer_bytes_per_s,
             "fit.transfer_setup_ms" => &mut p.fit.transfer_setup_ms,
+            "fit.intake_ms" => &mut p.fit.intake_ms,
+            "fit.intake_ms_per_1k_tokens" => &mut p.fit.intake_ms_per_1k_tokens,
             other => {
                 return Err(ProfileError::Invalid(format!("no profile key {other}")));
             }
@@ -325,7 +386,12 @@ pub fn profile_toml(run: &ProfileRun, points_file: &str) -> Result<String, Profi
     ));
     line("");
     line("Fit residuals (relative error of the fitted time; factors with one standard error):");
-    let sweeps = [Some(&r.prefill), Some(&r.decode), r.transfer.as_ref()];
+    let sweeps = [
+        Some(&r.prefill),
+        Some(&r.decode),
+        r.transfer.as_ref(),
+        r.intake.as_ref(),
+    ];
     for s in sweeps.into_iter().flatten() {
         line(&format!(
             "  {:<8} {:>3} points, RMS {:.2} %, max {:.2} %; {}",
@@ -352,6 +418,9 @@ pub fn profile_toml(run: &ProfileRun, points_file: &str) -> Result<String, Profi
         line(
             "  transfer not measured (no --prefill-url/--decode-url): transfer factors kept from the facts.",
         );
+    }
+    if r.intake.is_none() {
+        line("  intake not measured (the engine served no chat request): intake kept from the facts.");
     }
     for w in &r.warnings {
         line(&format!("warning: {w}"));
@@ -588,6 +657,7 @@ mod tests {
                 },
                 prefill,
                 transfer: None,
+                intake: None,
                 warnings,
             },
         };
@@ -674,6 +744,7 @@ mod tests {
                 prefill,
                 decode,
                 transfer: None,
+                intake: None,
                 warnings,
             },
         };
@@ -689,6 +760,7 @@ mod tests {
             "{row}"
         );
         assert!(head.iter().any(|l| l.contains("transfer not measured")));
+        assert!(head.iter().any(|l| l.contains("intake not measured")));
         assert!(
             head.iter()
                 .any(|l| l.contains("warning: decode: something to know"))

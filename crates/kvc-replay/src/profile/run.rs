@@ -327,6 +327,21 @@ impl<'a> Run<'a> {
                 None
             }
         };
+        let intake_report = match self
+            .intake_sweep(&plan, &facts, &engine, &prefill_fit.line)
+            .await?
+        {
+            Some(points) => {
+                let (line, warnings, mut report) = report::fit_intake_points(&points)?;
+                let f = fit::intake_factors(&line);
+                report.factors = f.to_vec();
+                factors.extend(f);
+                fit_warnings.extend(warnings);
+                self.say(&summary(&report));
+                Some(report)
+            }
+            None => None,
+        };
         for w in fit_warnings {
             self.warn(w);
         }
@@ -358,6 +373,7 @@ impl<'a> Run<'a> {
             prefill: prefill_report,
             decode: decode_report,
             transfer: transfer_report,
+            intake: intake_report,
             warnings,
         };
         Ok(ProfileRun { profile, report })
@@ -384,6 +400,124 @@ impl<'a> Run<'a> {
                 }
             },
         }
+    }
+
+    /// Per intake point: a chat prompt of its words and a token-id prompt of as many tokens as
+    /// the chat's answer counted, each sent once to be cached, then each timed once a
+    /// repetition (whole answers of one token; the chat first). The intake is the chat's time
+    /// less what the prefill fit gives for its part not found cached: what a request costs
+    /// before its prefill that grows with the whole prompt (the chat template, tokenizing the
+    /// text, finding the prompt's blocks in the prefix cache), and the token-id prompt's time
+    /// is kept beside it (the text's part is the difference of the two). `None` (with a
+    /// warning) when the engine answers the first chat with an error status: it serves no
+    /// chat (no template).
+    async fn intake_sweep(
+        &mut self,
+        plan: &Plan,
+        facts: &Profile,
+        engine: &EngineFacts,
+        prefill: &fit::PrefillLine,
+    ) -> Result<Option<Vec<Measured>>, ProfileError> {
+        const CHAT: &str = "/v1/chat/completions";
+        let url = self.url.clone();
+        let model = engine.model.clone();
+        let mut points = Vec::new();
+        for (i, &words) in plan.intake.iter().enumerate() {
+            let n = self.next_prompt;
+            self.next_prompt += 1;
+            let chat = json!({
+                "model": model,
+                "messages": [{ "role": "user", "content": self.prompts.words(n, words) }],
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "stream": false,
+            });
+            self.requests += 1;
+            let first = match self.engines.complete_at(&url, CHAT, &chat, None).await {
+                Ok(c) => c,
+                Err(ProfileError::Status { status, body, .. }) if i == 0 => {
+                    self.warn(format!(
+                        "intake not measured: {url}{CHAT} answered {status} ({body}); \
+                         fit.intake_ms and fit.intake_ms_per_1k_tokens kept from the facts"
+                    ));
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            };
+            let tokens = first
+                .body
+                .pointer("/usage/prompt_tokens")
+                .and_then(Value::as_u64)
+                .filter(|&t| t > 0)
+                .ok_or_else(|| ProfileError::Unexpected {
+                    url: format!("{url}{CHAT}"),
+                    message: "a chat answer without usage.prompt_tokens".into(),
+                })?;
+            let ids = self.prompt(tokens);
+            let ids_body = body(&model, &ids, 1, false);
+            self.call(&url, &ids_body, None).await?;
+            let mut point = Measured {
+                inputs: json!({ "words": words }),
+                x: tokens as f64,
+                attention: None,
+                seconds: Vec::new(),
+                seen: json!({
+                    "prompt_tokens": tokens, "text_s": [], "prefill_fit_s": [], "ids_s": [],
+                    "reported_cached_tokens": [],
+                }),
+            };
+            for rep in 0..plan.repeats {
+                self.requests += 1;
+                let text = self.engines.complete_at(&url, CHAT, &chat, None).await?;
+                let id = self.call(&url, &ids_body, None).await?;
+                let (tt, ti) = (
+                    text.first_token_s().unwrap_or(f64::NAN),
+                    id.first_token_s().unwrap_or(f64::NAN),
+                );
+                for (c, what) in [(&text, "chat"), (&id, "token-id")] {
+                    if let Some(r) = c.cached_tokens
+                        && r + engine.block_size < tokens
+                    {
+                        self.warn(format!(
+                            "intake: {r} of the {what} prompt's {tokens} tokens reported cached \
+                             on its second sending (expected at least {}): the difference holds \
+                             prefill work",
+                            tokens - engine.block_size
+                        ));
+                    }
+                }
+                // The prefill fit's time for what the chat's answer found not cached.
+                let cached = text.cached_tokens.unwrap_or(0).min(tokens);
+                let predicted =
+                    prefill.at_flops(prefill_flops_split(facts, (tokens - cached).max(1), cached));
+                point.seconds.push(tt - predicted);
+                for (key, v) in [
+                    ("text_s", json!(tt)),
+                    ("prefill_fit_s", json!(predicted)),
+                    ("ids_s", json!(ti)),
+                    ("reported_cached_tokens", json!([text.cached_tokens, id.cached_tokens])),
+                ] {
+                    if let Some(list) = point.seen[key].as_array_mut() {
+                        list.push(v);
+                    }
+                }
+                self.say(&format!(
+                    "intake {}/{} (repeat {}/{}): a chat of {words} words ({tokens} tokens, \
+                     {cached} cached) in {}, the prefill fit's time {}, its tokens as ids in {} \
+                     -> intake {}",
+                    i + 1,
+                    plan.intake.len(),
+                    rep + 1,
+                    plan.repeats,
+                    ms(tt),
+                    ms(predicted),
+                    ms(ti),
+                    ms(tt - predicted)
+                ));
+            }
+            points.push(point);
+        }
+        Ok(Some(points))
     }
 
     /// Single requests, one at a time: a prefix sent alone first where one is to be cached,

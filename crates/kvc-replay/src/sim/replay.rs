@@ -472,11 +472,19 @@ impl Replay<'_> {
             0
         };
         self.live_mut(i).progress.decision = Some(decision);
-        if pause > 0 {
-            self.push(self.now + pause, Scheduled::Start(i));
+        // The engine's front end takes the request in (chat template, tokenizer) before its
+        // scheduler sees it: the request starts that much later.
+        let delay = pause + self.intake(i);
+        if delay > 0 {
+            self.push(self.now + delay, Scheduled::Start(i));
         } else {
             self.start(i);
         }
+    }
+
+    /// The profile's intake time of request `i` (0 for a profile without one).
+    fn intake(&self, i: usize) -> Micros {
+        micros(self.cfg.profile.intake_seconds(self.request(i).input_length))
     }
 
     fn job(&self, i: usize) -> Job {
@@ -492,8 +500,10 @@ impl Replay<'_> {
 
     fn start(&mut self, i: usize) {
         let now = self.now;
+        // Started (for `wait_s`) when the client's wait ended; the intake is the engine's.
+        let started = now.saturating_sub(self.intake(i));
         let st = &mut self.live_mut(i).progress;
-        st.started = now;
+        st.started = started;
         let mut decision = st.decision.take().expect("decision");
         // A worker serves the turn alone (direct-to-D, local prefill) if it admits it; if it
         // does not, the policy routes again with `rejected_by` and gives a P→D path.
