@@ -12,10 +12,10 @@
 #          [--sim-only]
 # The profile is measured on this machine first, as a user with GPUs would measure theirs:
 # `kvc-replay profile` against one of the two colocated engines while the other idles
-# (OUT/measured.toml, about 30 s; the facts and the factors it does not measure from
+# (OUT/measured.toml, about 20 s; the facts and the factors it does not measure from
 # profiles/tiny-llama-cpu.toml). A profile measured on another machine is off by that
-# machine's speed: the committed one, measured on an earlier 2-core host, decoded 2.3x
-# slower than the engines of a later one.
+# machine's speed: one measured on an earlier 2-core host decoded 2.3x slower than a later
+# host's engines.
 # --profile: run the simulator with this profile instead of measuring one; --pd-profile: the
 #   one for the 1P1D pair (default: the colocated engines' profile). --topology: the real
 #   runs of one topology only. --sim-only: the real runs (and OUT/measured.toml) are taken
@@ -130,9 +130,9 @@ measure() { # measure: the profile of the first colocated engine, the other one 
   log "measuring $url with kvc-replay profile (the other engine idle)"
   curl -fsS --max-time 60 -X POST "$url/reset_prefix_cache" >/dev/null \
     || { log "$url did not empty its prefix cache"; exit 1; }
-  # --peak-flops: every core of the machine (the facts' figure is one core's): vLLM's CPU
-  # attention can run on more threads than the engine's OMP_NUM_THREADS, and on a faster
-  # host attention measured above one core's peak.
+  # --peak-flops: every core of this machine at 1.6e11 FLOP/s each: vLLM's CPU attention can
+  # run on more threads than the engine's OMP_NUM_THREADS, and on one host attention
+  # measured above one core's peak.
   "$replay" profile --url "$url" --facts "$facts" --chunk-tokens "$(ready max-num-batched-tokens)" \
     --peak-flops "$(python3 -c 'import os; print(float(os.cpu_count() * 1.6e11))')" \
     --repeats 5 --seed "$seed" --name tiny-llama-cpu-measured --out "$measured" --quiet \

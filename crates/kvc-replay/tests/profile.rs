@@ -580,10 +580,17 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
     checks.extend(
         [
             ("fit.intake_ms", truth.fit.intake_ms),
-            ("fit.intake_ms_per_1k_tokens", truth.fit.intake_ms_per_1k_tokens),
+            (
+                "fit.intake_ms_per_1k_tokens",
+                truth.fit.intake_ms_per_1k_tokens,
+            ),
         ]
         .map(|(key, model)| {
-            let served = if key == "fit.intake_ms" { model + 1.0 } else { model };
+            let served = if key == "fit.intake_ms" {
+                model + 1.0
+            } else {
+                model
+            };
             check(&report, "intake", key, model, served)
         }),
     );

@@ -606,7 +606,10 @@ fn the_intake_line_gives_back_its_fixed_cost_and_growth() {
         .collect();
     let (line, warnings) = intake_line(&pts).unwrap();
     assert!(warnings.is_empty(), "{warnings:?}");
-    assert!(close(line.intercept, 0.006, 1e-9) && close(line.slope, 2e-6, 1e-9), "{line:?}");
+    assert!(
+        close(line.intercept, 0.006, 1e-9) && close(line.slope, 2e-6, 1e-9),
+        "{line:?}"
+    );
     let f = intake_factors(&line);
     assert_eq!(f[0].key, "fit.intake_ms");
     assert!(close(f[0].value, 6.0, 1e-9));
@@ -620,10 +623,17 @@ fn an_intake_that_shrinks_with_the_prompt_is_taken_as_its_mean() {
     let pts = [(256.0, 0.0062), (512.0, 0.0060), (1024.0, 0.0055)];
     let (line, warnings) = intake_line(&pts).unwrap();
     assert_eq!(line.slope, 0.0);
-    assert!(close(line.intercept, (0.0062 + 0.0060 + 0.0055) / 3.0, 1e-12));
+    assert!(close(
+        line.intercept,
+        (0.0062 + 0.0060 + 0.0055) / 3.0,
+        1e-12
+    ));
     assert!(line.intercept_se > 0.0);
     assert_eq!(warnings.len(), 1);
-    assert!(warnings[0].contains("below 0") && warnings[0].contains("mean"), "{warnings:?}");
+    assert!(
+        warnings[0].contains("below 0") && warnings[0].contains("mean"),
+        "{warnings:?}"
+    );
 }
 
 #[test]
@@ -632,7 +642,8 @@ fn an_intake_below_zero_at_no_tokens_goes_through_the_origin() {
     let pts = [(256.0, 0.000524), (512.0, 0.001548), (1024.0, 0.003596)];
     let (line, warnings) = intake_line(&pts).unwrap();
     assert!(line.through_origin && line.intercept == 0.0, "{line:?}");
-    let want = pts.iter().map(|p| p.0 * p.1).sum::<f64>() / pts.iter().map(|p| p.0 * p.0).sum::<f64>();
+    let want =
+        pts.iter().map(|p| p.0 * p.1).sum::<f64>() / pts.iter().map(|p| p.0 * p.0).sum::<f64>();
     assert!(close(line.slope, want, 1e-12));
     assert_eq!(warnings.len(), 1);
     assert!(warnings[0].contains("clamped to 0"), "{warnings:?}");
@@ -647,5 +658,14 @@ fn no_intake_at_all_is_zero_with_one_warning() {
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     assert!(warnings[0].contains("no intake (0)"), "{warnings:?}");
     let err = intake_line(&[(258.0, 0.001), (258.0, 0.002), (258.0, 0.003)]).unwrap_err();
-    assert!(matches!(err, ProfileError::TooFewPoints { sweep: "intake", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ProfileError::TooFewPoints {
+                sweep: "intake",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }

@@ -357,7 +357,10 @@ mod tests {
         let w = p.words(3, 5);
         assert_eq!(w, Prompts::new(7).words(3, 5));
         assert_eq!(w.len(), 5 * 4 - 1);
-        assert!(w.split(' ').all(|x| x.len() == 3 && x.bytes().all(|b| b.is_ascii_lowercase())));
+        assert!(
+            w.split(' ')
+                .all(|x| x.len() == 3 && x.bytes().all(|b| b.is_ascii_lowercase()))
+        );
         assert_ne!(w, p.words(4, 5));
     }
 }

@@ -420,7 +420,9 @@ pub fn profile_toml(run: &ProfileRun, points_file: &str) -> Result<String, Profi
         );
     }
     if r.intake.is_none() {
-        line("  intake not measured (the engine served no chat request): intake kept from the facts.");
+        line(
+            "  intake not measured (the engine served no chat request): intake kept from the facts.",
+        );
     }
     for w in &r.warnings {
         line(&format!("warning: {w}"));

@@ -495,7 +495,10 @@ impl<'a> Run<'a> {
                     ("text_s", json!(tt)),
                     ("prefill_fit_s", json!(predicted)),
                     ("ids_s", json!(ti)),
-                    ("reported_cached_tokens", json!([text.cached_tokens, id.cached_tokens])),
+                    (
+                        "reported_cached_tokens",
+                        json!([text.cached_tokens, id.cached_tokens]),
+                    ),
                 ] {
                     if let Some(list) = point.seen[key].as_array_mut() {
                         list.push(v);

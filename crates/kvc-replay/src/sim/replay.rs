@@ -484,7 +484,11 @@ impl Replay<'_> {
 
     /// The profile's intake time of request `i` (0 for a profile without one).
     fn intake(&self, i: usize) -> Micros {
-        micros(self.cfg.profile.intake_seconds(self.request(i).input_length))
+        micros(
+            self.cfg
+                .profile
+                .intake_seconds(self.request(i).input_length),
+        )
     }
 
     fn job(&self, i: usize) -> Job {
