@@ -32,7 +32,11 @@
 //! 7. P killed mid-session → every later turn served by D alone, nothing lost; D restarted
 //!    (its event sequence back to 0) → its index reset and rebuilt.
 //!
-//! `cargo test` skips it (`#[ignore]`): `cargo xtask test` runs it in a step of its own after
+//! A second test profiles one plain engine (`up.sh 1x`, started after the pair is stopped)
+//! with `kvc-replay profile`: its sweeps complete against the real engine, the prefixes and
+//! chats sent to be cached are found cached, and the profile written loads.
+//!
+//! `cargo test` skips them (`#[ignore]`): `cargo xtask test` runs it in a step of its own after
 //! the rest of the suite, and there it is skipped with a notice only where the machine cannot
 //! install the engine (no python3).
 #![forbid(unsafe_code)]
@@ -1405,4 +1409,83 @@ fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
         "D's cached tokens per turn: {usage:?}"
     );
     assert_one_session_run(before, after);
+}
+
+/// `kvc-replay profile` against one real engine (the harness's `1x`): the sweeps complete, the
+/// engine finds cached what the sweeps sent to be cached, the intake is measured on chats the
+/// engine tokenized, and the profile written loads with the engine's own facts. How well it
+/// fits is the host's (`docs/calibration.md`, "Against a real engine"): only a fit that misses
+/// a measured prefill by more than its own size fails here.
+#[test]
+#[ignore = "needs a real vLLM: run by `cargo xtask test` (scripts/real-vllm)"]
+fn real_vllm_engine_profiled_by_kvc_replay_profile() {
+    use kvc_replay::profile::{ProfileOptions, profile_engine, write_profile};
+    use kvc_replay::sim::Profile;
+
+    let Some(engines) = Engines::up("1x") else {
+        return;
+    };
+    let chunk = engines.ready["max-num-batched-tokens"].as_u64().unwrap();
+    assert_eq!(chunk, 2048, "up.sh's chunked-prefill budget");
+    let facts_path = Path::new(ROOT).join("profiles/tiny-llama-cpu.toml");
+    let mut opts = ProfileOptions::new(format!("http://{}", engines.addr("x0")));
+    opts.facts = Profile::load(&facts_path).unwrap();
+    opts.facts_origin = facts_path.display().to_string();
+    // A peak no CPU reaches: the factors stay fractions of it on any host.
+    opts.peak_flops = Some(1e13);
+    opts.chunk_tokens = Some(chunk);
+    opts.max_context = 4096;
+    opts.repeats = 3;
+    opts.seed = 5;
+    let started = Instant::now();
+    let run = profile_engine(&opts, &mut |l: &str| eprintln!("real_vllm: {l}"))
+        .expect("the real engine is profiled");
+    eprintln!(
+        "real_vllm: profiled in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    let r = &run.report;
+    assert_eq!(r.engine.model, engines.ready["served-model-name"]);
+    let block = engines.engine("x0")["block-size"].as_u64().unwrap();
+    assert_eq!(r.engine.block_size, block);
+    assert_eq!(r.chunk_tokens, chunk);
+    // Every prefix sent to be cached was found cached, and no fresh prompt was.
+    for p in &r.prefill.points {
+        let cached = p.inputs["cached_tokens"].as_u64().unwrap();
+        for got in p.seen["reported_cached_tokens"].as_array().unwrap() {
+            let got = got.as_u64().expect("vLLM reports cached tokens");
+            assert!(
+                got + block > cached && got <= cached,
+                "{cached} cached expected, {got} reported: {p:?}"
+            );
+        }
+        assert!(
+            p.residual.abs() < 1.0,
+            "the fit misses a prefill by more than its time: {p:?}"
+        );
+    }
+    assert!(r.decode.points.len() >= 6, "{:?}", r.decode.points);
+    // The intake: chats the engine tokenized into more tokens than words (a byte-level BPE on
+    // three-letter words), found cached on their second sending.
+    let intake = r.intake.as_ref().expect("the engine serves chats");
+    assert_eq!(intake.points.len(), 3);
+    for p in &intake.points {
+        let words = p.inputs["words"].as_u64().unwrap();
+        let tokens = p.seen["prompt_tokens"].as_u64().unwrap();
+        assert!(tokens > words, "{p:?}");
+        for pair in p.seen["reported_cached_tokens"].as_array().unwrap() {
+            let chat = pair[0].as_u64().unwrap();
+            assert!(
+                chat + block >= tokens,
+                "{tokens} tokens, {chat} cached: {p:?}"
+            );
+        }
+    }
+    let out = engines.dir.join("profile.toml");
+    write_profile(&run, &out).expect("the profile is written");
+    let loaded = Profile::load(&out).expect("it loads");
+    assert_eq!(loaded, run.profile);
+    assert_eq!(loaded.fit.chunk_tokens, chunk);
+    assert_eq!(loaded.model.max_input_tokens, 16_384);
+    assert!(loaded.hardware.kv_pool_tokens >= 16_384);
 }
