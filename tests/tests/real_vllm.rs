@@ -1465,14 +1465,15 @@ fn real_vllm_engine_profiled_by_kvc_replay_profile() {
         );
     }
     assert!(r.decode.points.len() >= 6, "{:?}", r.decode.points);
-    // The intake: chats the engine tokenized into more tokens than words (a byte-level BPE on
-    // three-letter words), found cached on their second sending.
+    // The intake: chats written by the engine's `/detokenize` from three token ids a planned
+    // word, found cached on their second sending.
     let intake = r.intake.as_ref().expect("the engine serves chats");
     assert_eq!(intake.points.len(), 3);
     for p in &intake.points {
         let words = p.inputs["words"].as_u64().unwrap();
         let tokens = p.seen["prompt_tokens"].as_u64().unwrap();
-        assert!(tokens > words, "{p:?}");
+        assert_eq!(p.inputs["text"], "detokenized token ids", "{p:?}");
+        assert!(tokens > 2 * words, "{p:?}");
         for pair in p.seen["reported_cached_tokens"].as_array().unwrap() {
             let chat = pair[0].as_u64().unwrap();
             assert!(

@@ -566,7 +566,9 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
     assert_eq!(intake.points.len(), plan.intake.len());
     for p in &intake.points {
         let words = p.inputs["words"].as_u64().unwrap();
-        // The workers' chat template adds the role's token to the words.
+        // The workers serve no `/detokenize`: the chat is words, and their chat template adds
+        // the role's token to them.
+        assert_eq!(p.inputs["text"], "three-letter words", "{p:?}");
         assert_eq!(p.seen["prompt_tokens"].as_u64(), Some(words + 2), "{p:?}");
         assert_eq!(p.measured_s.len(), REPEATS);
     }

@@ -204,8 +204,8 @@ impl Plan {
 
     /// Requests the plan sends: a cached prefill point's prefix and its prompt, one per decode
     /// stream, and three per transfer point (P warmed, P's call, D's call), each repeated; and
-    /// per intake point its chat and token-id prompts sent once to be cached, then each once a
-    /// repetition.
+    /// per intake point a `/detokenize` call for its text, its chat and token-id prompts sent
+    /// once to be cached, then each once a repetition.
     pub fn requests(&self) -> usize {
         let prefill: usize = self
             .prefill
@@ -214,7 +214,7 @@ impl Plan {
             .sum();
         let decode: usize = self.decode.iter().map(|p| p.batch).sum();
         (prefill + decode + 3 * self.transfer.len()) * self.repeats
-            + self.intake.len() * (2 + 2 * self.repeats)
+            + self.intake.len() * (3 + 2 * self.repeats)
     }
 }
 
@@ -313,7 +313,7 @@ mod tests {
         assert_eq!(p.transfer, [496, 1008, 2032, 4080, 8176]);
         // 6 + 12 prefill, 2 × 15 decode streams, 5 × 3 transfer calls; twice.
         assert_eq!(p.intake, [512, 1024, 2048]);
-        assert_eq!(p.requests(), (18 + 30 + 15) * 2 + 3 * (2 + 2 * 2));
+        assert_eq!(p.requests(), (18 + 30 + 15) * 2 + 3 * (3 + 2 * 2));
         assert!(p.requests() <= 150);
     }
 

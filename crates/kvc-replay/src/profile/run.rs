@@ -16,6 +16,10 @@ use serde_json::{Map, Value, json};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
+/// Token ids per planned word of an intake prompt written by `/detokenize` (three-letter
+/// words come to about that many tokens each on a byte-level BPE).
+const INTAKE_TOKENS_PER_WORD: u64 = 3;
+
 /// Tokens of each stream skipped, once every stream decodes, before its gaps count.
 const SKIP_TOKENS: usize = 2;
 
@@ -425,9 +429,37 @@ impl<'a> Run<'a> {
         for (i, &words) in plan.intake.iter().enumerate() {
             let n = self.next_prompt;
             self.next_prompt += 1;
+            // The chat's text: token ids the engine turns back into text (vLLM's
+            // `/detokenize`), so that it tokenizes as text of the engine's own tokens does;
+            // where the engine serves no `/detokenize`, three-letter words.
+            let ids = self.prompt(INTAKE_TOKENS_PER_WORD * words);
+            self.requests += 1;
+            let detokenized = match self
+                .engines
+                .complete_at(
+                    &url,
+                    "/detokenize",
+                    &json!({ "model": model, "tokens": ids }),
+                    None,
+                )
+                .await
+            {
+                Ok(c) => c
+                    .body
+                    .get("prompt")
+                    .and_then(Value::as_str)
+                    .filter(|t| !t.trim().is_empty())
+                    .map(str::to_owned),
+                Err(ProfileError::Status { .. } | ProfileError::Unexpected { .. }) => None,
+                Err(e) => return Err(e),
+            };
+            let (content, text_kind) = match detokenized {
+                Some(t) => (t, "detokenized token ids"),
+                None => (self.prompts.words(n, words), "three-letter words"),
+            };
             let chat = json!({
                 "model": model,
-                "messages": [{ "role": "user", "content": self.prompts.words(n, words) }],
+                "messages": [{ "role": "user", "content": content }],
                 "max_tokens": 1,
                 "temperature": 0.0,
                 "stream": false,
@@ -457,7 +489,7 @@ impl<'a> Run<'a> {
             let ids_body = body(&model, &ids, 1, false);
             self.call(&url, &ids_body, None).await?;
             let mut point = Measured {
-                inputs: json!({ "words": words }),
+                inputs: json!({ "words": words, "text": text_kind }),
                 x: tokens as f64,
                 attention: None,
                 seconds: Vec::new(),
@@ -505,7 +537,7 @@ impl<'a> Run<'a> {
                     }
                 }
                 self.say(&format!(
-                    "intake {}/{} (repeat {}/{}): a chat of {words} words ({tokens} tokens, \
+                    "intake {}/{} (repeat {}/{}): a chat of {text_kind} ({tokens} tokens, \
                      {cached} cached) in {}, the prefill fit's time {}, its tokens as ids in {} \
                      -> intake {}",
                     i + 1,
