@@ -838,7 +838,8 @@ pub fn intake_line(points: &[(f64, f64)]) -> Result<(Line, Vec<String>), Profile
     } else {
         free
     };
-    if line.intercept <= 0.0 && line.slope <= 0.0 || line.intercept < 0.0 || line.slope < 0.0 {
+    // No intake above 0 at any size (or a part of the line below 0): none at all.
+    if !(line.intercept >= 0.0 && line.slope >= 0.0 && line.intercept + line.slope > 0.0) {
         // Nothing of the refits above is kept: one word for it.
         warnings.retain(|w| !w.starts_with("intake:"));
         warnings.push(format!(

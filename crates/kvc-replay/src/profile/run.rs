@@ -212,8 +212,19 @@ impl<'a> Run<'a> {
         body: &Value,
         request_id: Option<&str>,
     ) -> Result<Completion, ProfileError> {
+        self.call_at(url, "/v1/completions", body, request_id).await
+    }
+
+    /// A counted call at `path` of the engine's API.
+    async fn call_at(
+        &mut self,
+        url: &str,
+        path: &str,
+        body: &Value,
+        request_id: Option<&str>,
+    ) -> Result<Completion, ProfileError> {
         self.requests += 1;
-        self.engines.complete(url, body, request_id).await
+        self.engines.complete_at(url, path, body, request_id).await
     }
 
     async fn go(mut self) -> Result<ProfileRun, ProfileError> {
@@ -433,17 +444,8 @@ impl<'a> Run<'a> {
             // `/detokenize`), so that it tokenizes as text of the engine's own tokens does;
             // where the engine serves no `/detokenize`, three-letter words.
             let ids = self.prompt(INTAKE_TOKENS_PER_WORD * words);
-            self.requests += 1;
-            let detokenized = match self
-                .engines
-                .complete_at(
-                    &url,
-                    "/detokenize",
-                    &json!({ "model": model, "tokens": ids }),
-                    None,
-                )
-                .await
-            {
+            let detokenize = json!({ "model": model, "tokens": ids });
+            let detokenized = match self.call_at(&url, "/detokenize", &detokenize, None).await {
                 Ok(c) => c
                     .body
                     .get("prompt")
@@ -464,8 +466,7 @@ impl<'a> Run<'a> {
                 "temperature": 0.0,
                 "stream": false,
             });
-            self.requests += 1;
-            let first = match self.engines.complete_at(&url, CHAT, &chat, None).await {
+            let first = match self.call_at(&url, CHAT, &chat, None).await {
                 Ok(c) => c,
                 Err(ProfileError::Status { status, body, .. }) if i == 0 => {
                     self.warn(format!(
@@ -499,8 +500,7 @@ impl<'a> Run<'a> {
                 }),
             };
             for rep in 0..plan.repeats {
-                self.requests += 1;
-                let text = self.engines.complete_at(&url, CHAT, &chat, None).await?;
+                let text = self.call_at(&url, CHAT, &chat, None).await?;
                 let id = self.call(&url, &ids_body, None).await?;
                 let (tt, ti) = (
                     text.first_token_s().unwrap_or(f64::NAN),
