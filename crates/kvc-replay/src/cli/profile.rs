@@ -7,8 +7,9 @@ use kvc_replay::profile::{PdUrls, ProfileOptions, profile_engine, write_profile}
 use std::path::PathBuf;
 
 const PROFILE_AFTER_HELP: &str = "\
-What is measured (every time at the client, every prompt a list of token ids drawn from ids
-100..4000 that no earlier request sent, so nothing is found cached by accident):
+What is measured (every time at the client, every prompt but the intake's chats a list of
+token ids drawn from ids 100..4000 that no earlier request sent, so nothing is found cached
+by accident):
 
   prefill   single requests, one at a time: N new tokens (halving from the chunk budget, at
             most 6 sizes) after C cached tokens (0, and a quarter and half of the context
@@ -37,6 +38,16 @@ What is measured (every time at the client, every prompt a list of token ids dra
               setup + tokens x kv_bytes_per_token / transfer_bytes_per_s
             -> fit.transfer_bytes_per_s, fit.transfer_setup_ms. Without the pair, the facts
             profile's transfer factors are kept.
+  intake    three chats (/v1/chat/completions), their text the engine's /detokenize of
+            3/16, 3/8 and 3/4 of the context cap in token ids (three-letter words where
+            the engine serves no /detokenize), each sent once to be cached and then timed
+            (whole answers of one token), with a token-id prompt of its length beside it.
+            The chat's time less the prefill fit's time for its uncached tail is fitted by
+            ordinary least squares as
+              intake + intake_per_token x prompt tokens
+            -> fit.intake_ms, fit.intake_ms_per_1k_tokens (a slope below 0: the mean; an
+            intercept below 0: through the origin; nothing above 0: 0; each with a
+            warning). An engine that serves no chat keeps the facts' intake.
 
 From the engine itself: the model (GET /v1/models, the first entry, unless --model), its
 max_model_len (model.max_input_tokens) and the KV pool (vllm:cache_config_info's
@@ -52,7 +63,7 @@ efficiency above 1 is an error (the hardware facts are too low: raise --peak-flo
 --mem-bandwidth); a fixed cost fitted below 0 is set to 0, the slope fitted again, and a
 warning recorded.
 
-About 100 requests with the defaults, 130 with a pair (each point measured --repeats times, the median
+About 125 requests with the defaults, 155 with a pair (each point measured --repeats times, the median
 fitted): on an H100 well under a minute; on a CPU-only vLLM build, lower --max-context.
 
 Output: --out, the profile (loads with `kvc-replay sim --profile`), opened by a comment with

@@ -18,7 +18,11 @@
 //! - **transfer** (with a NixlConnector prefill/decode pair): vLLM's two calls, P's answer's
 //!   `kv_transfer_params` handed to D; D's time to the first token less one decode step is
 //!   fitted as `setup + tokens × KV bytes per token / bandwidth` → `fit.transfer_bytes_per_s`,
-//!   `fit.transfer_setup_ms`.
+//!   `fit.transfer_setup_ms`;
+//! - **intake**: cached chats (their text the engine's `/detokenize` of token ids, where it
+//!   serves it); a chat's time less the prefill fit's time for its uncached tail is fitted as
+//!   `intake + per_token × prompt tokens` → `fit.intake_ms`, `fit.intake_ms_per_1k_tokens`
+//!   ([`fit::intake_line`]).
 //!
 //! Every intercept holds whatever a request costs whatever its size: the engine's own fixed
 //! cost, and the HTTP round trip, request parsing and streaming at the client (the profiler
