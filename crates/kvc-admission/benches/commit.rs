@@ -1,5 +1,8 @@
 //! commit_evict round trip: submit, the owner thread drains (planning an eviction over 32
 //! resident sessions), the caller waits for the reply.
+//!
+//! `KVC_BENCH_SMOKE=1` (a check that the bench runs, not a measurement) shrinks only
+//! criterion's bootstrap, to 2,000 resamples: the fixture is already small.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvc_admission::{
@@ -70,5 +73,24 @@ fn bench_commit(c: &mut Criterion) {
     owner.join().expect("owner");
 }
 
-criterion_group!(benches, bench_commit);
+/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
+fn smoke() -> bool {
+    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
+}
+
+/// Criterion's settings: its defaults, or fewer bootstrap resamples in the smoke run (their
+/// analysis dominates an unoptimised build's run).
+fn config() -> Criterion {
+    if smoke() {
+        Criterion::default().nresamples(2_000)
+    } else {
+        Criterion::default()
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = bench_commit
+}
 criterion_main!(benches);

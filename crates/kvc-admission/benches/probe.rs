@@ -4,6 +4,9 @@
 //! once (time per probe per thread, the slower thread). The writer republishes a 32-session
 //! snapshot in a loop, yielding between publishes (`KVC_BENCH_WRITER_PAUSE_US` sets a sleep
 //! between publishes instead).
+//!
+//! `KVC_BENCH_SMOKE=1` (a check that the bench runs, not a measurement) shrinks only
+//! criterion's bootstrap, to 2,000 resamples: the fixture is already small.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvc_admission::{
@@ -167,5 +170,24 @@ fn bench_probe(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, bench_probe);
+/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
+fn smoke() -> bool {
+    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
+}
+
+/// Criterion's settings: its defaults, or fewer bootstrap resamples in the smoke run (their
+/// analysis dominates an unoptimised build's run).
+fn config() -> Criterion {
+    if smoke() {
+        Criterion::default().nresamples(2_000)
+    } else {
+        Criterion::default()
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = bench_probe
+}
 criterion_main!(benches);

@@ -29,6 +29,11 @@
 //!
 //! Figures are printed and, for `cargo xtask bench`, written as JSON to the file named by
 //! `KVC_BENCH_OUT`. `KVC_FANIN_QUICK=1` publishes a quarter of the batches.
+//!
+//! `KVC_BENCH_SMOKE=1` (a check that the bench runs, not a measurement; it overrides the quick
+//! switch) keeps every key but runs 4, 8 and 16 engines in place of 64, 512 and 4,096 (the
+//! `dead` run: 16, one of each unhealthy kind) publishing 800, 400 and 200 batches each (CPU
+//! time enough for `/proc`'s 10 ms ticks to count), one pair of runs and a 1 s settle.
 
 use bytes::Bytes;
 use kvc_core::{BlockSize, WorkerId};
@@ -53,6 +58,13 @@ const PHASE_LIMIT: Duration = Duration::from_secs(240);
 const SETTLE: Duration = Duration::from_secs(20);
 /// Alternating base and dead runs whose medians the dead-engine ratio compares.
 const PAIRS: usize = 3;
+/// The runs of healthy engines: (the size their keys name, engines, batches each engine
+/// publishes before `KVC_FANIN_QUICK`); the largest also gives the `dead` run's size.
+const SIZES: [(usize, usize, usize); 3] = [(64, 64, 1600), (512, 512, 200), (4096, 4096, 25)];
+/// [`SIZES`] in the smoke run.
+const SMOKE_SIZES: [(usize, usize, usize); 3] = [(64, 4, 800), (512, 8, 400), (4096, 16, 200)];
+/// [`SETTLE`] in the smoke run.
+const SMOKE_SETTLE: Duration = Duration::from_secs(1);
 /// `USER_HZ`, the unit of `/proc/self/stat`'s CPU times (100 on every Linux target).
 const TICKS_PER_S: f64 = 100.0;
 
@@ -519,13 +531,20 @@ fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         return;
     }
-    let quick = std::env::var("KVC_FANIN_QUICK").is_ok_and(|v| v == "1");
+    let smoke = std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1");
+    let quick = !smoke && std::env::var("KVC_FANIN_QUICK").is_ok_and(|v| v == "1");
     let scale = |m: usize| if quick { m / 4 } else { m };
+    let (sizes, pairs, settle) = if smoke {
+        (SMOKE_SIZES, 1, SMOKE_SETTLE)
+    } else {
+        (SIZES, PAIRS, SETTLE)
+    };
+    let (_, largest, largest_messages) = sizes[sizes.len() - 1];
     // Per engine the ingest holds one SUB connection (and a replay DEALER while a replay
     // runs); the engines' side a PUB and a ROUTER listener and the connections they accept.
     // 4,096 engines: the ingest needs about 4,100 descriptors (more while catch-up replays
     // run), the engines' process about 12,300 (and this check runs before either starts).
-    let need = 3 * 4096 + 512;
+    let need = 3 * largest as u64 + 512;
     match fd_limit() {
         Some(limit) if limit < need => {
             eprintln!(
@@ -540,22 +559,23 @@ fn main() {
         ..Plan::default()
     };
     let mut figures = Vec::new();
-    for (n, messages) in [(64, 1600), (512, 200), (4096, 25)] {
+    for (name, n, messages) in sizes {
         let o = measure(&format!("{n}"), healthy(n), scale(messages), Duration::ZERO);
-        figures.push((format!("ingest_blocks_per_s_{n}_engines"), o.per_core()));
+        figures.push((format!("ingest_blocks_per_s_{name}_engines"), o.per_core()));
         figures.push((
-            format!("ingest_wall_blocks_per_s_{n}_engines"),
+            format!("ingest_wall_blocks_per_s_{name}_engines"),
             o.per_wall_s(),
         ));
-        figures.push((format!("subscriber_bytes_{n}"), o.bytes_per_subscriber));
-        figures.push((format!("connect_all_{n}_s"), o.connect_all_s));
-        if n == 4096 {
-            figures.push(("subscriber_fds_4096".into(), o.fds_per_subscriber));
-            figures.push(("subscriber_tasks_4096".into(), o.tasks_per_subscriber));
+        figures.push((format!("subscriber_bytes_{name}"), o.bytes_per_subscriber));
+        figures.push((format!("connect_all_{name}_s"), o.connect_all_s));
+        if n == largest {
+            figures.push((format!("subscriber_fds_{name}"), o.fds_per_subscriber));
+            figures.push((format!("subscriber_tasks_{name}"), o.tasks_per_subscriber));
         }
     }
-    let n = 4096;
-    let bad = n / 40;
+    let n = largest;
+    // At least one of each unhealthy kind (the smoke run's fleet is under 40 engines).
+    let bad = (n / 40).max(1);
     let unhealthy = Plan {
         healthy: n - 4 * bad,
         stalled: bad,
@@ -563,10 +583,10 @@ fn main() {
         silent: bad,
         refused: bad,
     };
-    let messages = scale(25);
+    let messages = scale(largest_messages);
     // Alternating pairs, medians: the machine's other load moves between runs.
     let (mut base, mut dead, mut settled) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..PAIRS {
+    for _ in 0..pairs {
         let at_once = Duration::ZERO;
         base.push(measure(
             "base",
@@ -575,7 +595,7 @@ fn main() {
             at_once,
         ));
         dead.push(measure("dead", unhealthy, messages, at_once));
-        settled.push(measure("settled", unhealthy, messages, SETTLE));
+        settled.push(measure("settled", unhealthy, messages, settle));
     }
     let median = |runs: &[Outcome], f: fn(&Outcome) -> f64| {
         let mut v: Vec<f64> = runs.iter().map(f).collect();
@@ -595,11 +615,11 @@ fn main() {
         median(&settled, Outcome::per_core) / median(&base, Outcome::per_core),
     ));
     // What the unhealthy engines' subscribers cost while nothing is published: their
-    // retries, per engine, averaged over the first 20 s after starting.
+    // retries, per engine, averaged over the first 20 s (1 s in the smoke run) after starting.
     let unhealthy_n = (unhealthy.total() - unhealthy.healthy) as f64;
     figures.push((
         "dead_engine_retry_cpu_us_per_s".into(),
-        median(&settled, |o| o.idle_cpu_s) / SETTLE.as_secs_f64() / unhealthy_n * 1e6,
+        median(&settled, |o| o.idle_cpu_s) / settle.as_secs_f64() / unhealthy_n * 1e6,
     ));
     figures.push((
         "connect_all_with_dead_engines_s".into(),

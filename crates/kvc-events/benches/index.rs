@@ -13,6 +13,10 @@
 //! The index's bytes per block (capacity of its tables over blocks held, 8 workers filled to
 //! a 10,000-block pool with distinct blocks) is printed and, with the figures `cargo xtask
 //! bench` needs, written as JSON to the file named by `KVC_BENCH_OUT`.
+//!
+//! `KVC_BENCH_SMOKE=1` (a check that the bench runs, not a measurement) shrinks only
+//! criterion's bootstrap, to 2,000 resamples: the fixtures take under a second to build even
+//! unoptimised, and the ids name their sizes.
 
 use criterion::{Criterion, Throughput};
 use kvc_core::{BlockSize, WorkerId};
@@ -23,6 +27,11 @@ use kvc_events::{
 use std::hint::black_box;
 
 const BS: u32 = 16;
+
+/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
+fn smoke() -> bool {
+    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
+}
 
 fn spec(capacity: u32) -> WorkerSpec {
     WorkerSpec {
@@ -158,7 +167,11 @@ fn bytes_per_block() -> f64 {
 fn main() {
     let bytes = bytes_per_block();
     println!("events_bytes_per_block: {bytes:.2}");
-    let mut c = Criterion::default().configure_from_args();
+    let c = Criterion::default();
+    // Fewer bootstrap resamples in the smoke run: their analysis dominates an unoptimised
+    // build's run.
+    let c = if smoke() { c.nresamples(2_000) } else { c };
+    let mut c = c.configure_from_args();
     apply(&mut c);
     overlap(&mut c);
     c.final_summary();

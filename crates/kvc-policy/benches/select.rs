@@ -15,6 +15,10 @@
 //!
 //! Decisions are made as the router and the simulator make them: on a prepared [`Fleet`]
 //! (`route_in`), so what is measured is the decision, not a pass over the fleet's views.
+//!
+//! `KVC_BENCH_SMOKE=1` (a check that the bench runs, not a measurement) keeps every bench id
+//! but builds `d64` with 16 decode workers and `d4094` with 256 (258 workers, still past the
+//! 256 a worker set holds inline), and bootstraps criterion's estimates from 2,000 resamples.
 #![forbid(unsafe_code)]
 
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -31,6 +35,20 @@ const PREFILL: u32 = 2;
 const SESSIONS_PER_D: u64 = 8;
 const SESSION_BLOCKS: u64 = 150;
 const BLOCK: u64 = 512;
+
+/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
+fn smoke() -> bool {
+    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
+}
+
+/// The decode workers the fleet named `d{d}` has: `d`, or fewer in the smoke run.
+fn fleet_size(d: u32) -> u32 {
+    match d {
+        64 if smoke() => 16,
+        4_094 if smoke() => 256,
+        d => d,
+    }
+}
 
 fn session_blocks(session: u64, n: u64) -> Vec<BlockHash> {
     (1..=4)
@@ -95,7 +113,8 @@ fn populated(config: &PolicyConfig, workers: &[WorkerView], d: u32) -> RouterSta
 
 fn bench_select(c: &mut Criterion) {
     let mut group = c.benchmark_group("select");
-    for d in [8u32, 64, 4_094] {
+    for name_d in [8u32, 64, 4_094] {
+        let d = fleet_size(name_d);
         let workers = cluster(d);
         // Session 3 is resident on one D: fork it (new session id) and extend by 30 blocks.
         let mut fork = session_blocks(3, SESSION_BLOCKS);
@@ -114,9 +133,9 @@ fn bench_select(c: &mut Criterion) {
             let state = populated(&config, &workers, d);
             assert!(state.known_blocks() as u64 >= u64::from(d) * 1_000);
             let id = if name == "kvc-v2" {
-                format!("d{d}")
+                format!("d{name_d}")
             } else {
-                format!("d{d}/{name}")
+                format!("d{name_d}/{name}")
             };
             // As the router decides: on the prepared fleet, which also gives the states.
             let decide = |req: &RouteRequest<'_>| {
@@ -126,7 +145,7 @@ fn bench_select(c: &mut Criterion) {
             if name == "kvc-v2" || name == "kvc" {
                 let decision = decide(&direct_req);
                 assert!(decision.is_direct());
-                group.bench_function(format!("d{d}/{name}-direct"), |b| {
+                group.bench_function(format!("d{name_d}/{name}-direct"), |b| {
                     b.iter(|| decide(black_box(&direct_req)))
                 });
             }
@@ -135,5 +154,19 @@ fn bench_select(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_select);
+/// Criterion's settings: its defaults, or fewer bootstrap resamples in the smoke run (their
+/// analysis dominates an unoptimised build's run).
+fn config() -> Criterion {
+    if smoke() {
+        Criterion::default().nresamples(2_000)
+    } else {
+        Criterion::default()
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = bench_select
+}
 criterion_main!(benches);

@@ -16,6 +16,11 @@
 //!   both), their 99th percentiles and ratio (target `≤ 1.25`), and the memory the
 //!   1,000,000-session state holds per session (resident set growth while it fills, over the
 //!   sessions). With `KVC_BENCH_OUT` set, these figures are written there as JSON.
+//!
+//! `KVC_BENCH_SMOKE=1` (a check that the bench runs, not a measurement) keeps the bench ids and
+//! the JSON keys but fills 100, 32,000 and 40,000 sessions (the window still holds every
+//! session of the first and 30,000 of the others), times 2,000 decisions per state in runs of
+//! 500, and bootstraps criterion's estimates from 2,000 resamples.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvc_core::{
@@ -115,26 +120,59 @@ impl Driver {
     }
 }
 
+/// The sessions of each state, which name its bench (`sessions/<n>`).
 const SIZES: [u64; 3] = [1_000, 100_000, 1_000_000];
-
-fn bench_sessions(c: &mut Criterion) {
-    let mut group = c.benchmark_group("sessions");
-    for n in SIZES {
-        let mut driver = Driver::new(n);
-        assert_eq!(driver.state.session_count() as u64, n);
-        group.bench_function(n.to_string(), |b| b.iter(|| driver.step()));
-        assert_eq!(driver.state.session_count() as u64, n);
-        assert!(driver.state.pending_count() == 0);
-    }
-    group.finish();
-    print_ratio();
-    tail();
-}
 
 /// Decisions timed one by one per state in [`tail`].
 const TIMED: usize = 200_000;
 /// Decisions of one run of [`tail`] before switching to the other state.
 const RUN: usize = 10_000;
+
+/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
+fn smoke() -> bool {
+    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
+}
+
+/// The sizes of one run: the full run's, or the smoke run's.
+struct Sizes {
+    /// Sessions of the states named by [`SIZES`].
+    sessions: [u64; 3],
+    /// Decisions timed one by one per state in [`tail`].
+    timed: usize,
+    /// Decisions of one run of [`tail`] before switching to the other state.
+    run: usize,
+}
+
+fn sizes() -> Sizes {
+    if smoke() {
+        Sizes {
+            sessions: [100, 32_000, 40_000],
+            timed: 2_000,
+            run: 500,
+        }
+    } else {
+        Sizes {
+            sessions: SIZES,
+            timed: TIMED,
+            run: RUN,
+        }
+    }
+}
+
+fn bench_sessions(c: &mut Criterion) {
+    let sizes = sizes();
+    let mut group = c.benchmark_group("sessions");
+    for (id, n) in SIZES.into_iter().zip(sizes.sessions) {
+        let mut driver = Driver::new(n);
+        assert_eq!(driver.state.session_count() as u64, n);
+        group.bench_function(id.to_string(), |b| b.iter(|| driver.step()));
+        assert_eq!(driver.state.session_count() as u64, n);
+        assert!(driver.state.pending_count() == 0);
+    }
+    group.finish();
+    print_ratio(&sizes);
+    tail(&sizes);
+}
 
 /// This process's resident set, in bytes (Linux; 0 elsewhere).
 fn rss_bytes() -> u64 {
@@ -144,17 +182,20 @@ fn rss_bytes() -> u64 {
         .map_or(0, |pages| pages * 4_096)
 }
 
-/// The decision p99 at 1,000 and at 1,000,000 sessions, and bytes per session at 1,000,000.
-fn tail() {
-    let small = Driver::new(SIZES[0]);
+/// The decision p99 at 1,000 and at 1,000,000 sessions, and bytes per session at 1,000,000
+/// (at the smoke sizes in the smoke run).
+fn tail(sizes: &Sizes) {
+    let [small_n, _, large_n] = sizes.sessions;
+    let small = Driver::new(small_n);
     let before = rss_bytes();
-    let large = Driver::new(SIZES[2]);
-    let per_session = rss_bytes().saturating_sub(before) as f64 / SIZES[2] as f64;
+    let large = Driver::new(large_n);
+    let per_session = rss_bytes().saturating_sub(before) as f64 / large_n as f64;
     let mut drivers = [small, large];
-    let mut times: [Vec<f64>; 2] = [Vec::with_capacity(TIMED), Vec::with_capacity(TIMED)];
-    while times[0].len() < TIMED {
+    let timed = sizes.timed;
+    let mut times: [Vec<f64>; 2] = [Vec::with_capacity(timed), Vec::with_capacity(timed)];
+    while times[0].len() < timed {
         for (d, t) in drivers.iter_mut().zip(times.iter_mut()) {
-            for _ in 0..RUN {
+            for _ in 0..sizes.run {
                 let started = std::time::Instant::now();
                 d.step();
                 t.push(started.elapsed().as_secs_f64() * 1e6);
@@ -170,7 +211,7 @@ fn tail() {
     println!(
         "sessions: decision p99 {small_p99:.2} µs at {} sessions, {large_p99:.2} µs at {}: \
          ratio {ratio:.3} (target <= 1.25); {per_session:.0} bytes per session at {}",
-        SIZES[0], SIZES[2], SIZES[2]
+        small_n, large_n, large_n
     );
     if let Some(out) = std::env::var_os("KVC_BENCH_OUT") {
         let json = format!(
@@ -182,7 +223,7 @@ fn tail() {
 }
 
 /// Prints the ratio of the medians criterion just estimated, if it wrote them.
-fn print_ratio() {
+fn print_ratio(sizes: &Sizes) {
     let dir = std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"))
@@ -193,19 +234,34 @@ fn print_ratio() {
         let v: serde_json::Value = serde_json::from_str(&text).ok()?;
         v["median"]["point_estimate"].as_f64()
     };
+    let [small_n, large_n, _] = sizes.sessions;
     if let (Some(small), Some(large)) = (median(SIZES[0]), median(SIZES[1])) {
         println!(
             "sessions: median {:.2} µs at {} sessions, {:.2} µs at {}: ratio {:.3} (rate at {} / rate at {})",
             small / 1e3,
-            SIZES[0],
+            small_n,
             large / 1e3,
-            SIZES[1],
+            large_n,
             small / large,
-            SIZES[1],
-            SIZES[0],
+            large_n,
+            small_n,
         );
     }
 }
 
-criterion_group!(benches, bench_sessions);
+/// Criterion's settings: its defaults, or fewer bootstrap resamples in the smoke run (their
+/// analysis dominates an unoptimised build's run).
+fn config() -> Criterion {
+    if smoke() {
+        Criterion::default().nresamples(2_000)
+    } else {
+        Criterion::default()
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = bench_sessions
+}
 criterion_main!(benches);

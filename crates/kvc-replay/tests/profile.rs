@@ -296,9 +296,22 @@ fn serving_cost(rt: &tokio::runtime::Runtime, dir: &Path, transfer_sizes: &[u64]
             .collect();
         points.push(((new + cached) as f64, median(times)));
     }
-    let colocated_line = fit_sweep("calibration", &points)
-        .expect("a serving-cost line")
-        .line;
+    // Under heavy contention the cost's growth with the prompt (half a microsecond a token)
+    // can drown in the noise: then it is taken as the same for every prompt, the points'
+    // median.
+    let colocated_line = match fit_sweep("calibration", &points) {
+        Ok(fit) => fit.line,
+        Err(e) => {
+            eprintln!("serving cost taken as a constant: {e}");
+            Line {
+                intercept: median(points.iter().map(|p| p.1).collect()),
+                slope: 0.0,
+                intercept_se: 0.0,
+                slope_se: 0.0,
+                through_origin: false,
+            }
+        }
+    };
     let (p_url, d_url) = (
         format!("http://{}/v1/completions", pair.addrs()[0]),
         format!("http://{}/v1/completions", pair.addrs()[1]),
@@ -355,6 +368,8 @@ struct Check {
     stderr: f64,
     model: f64,
     served: Vec<f64>,
+    /// The noise of the sweep's own measurements in the factor's unit ([`sweep_noise`]).
+    noise: f64,
 }
 
 impl Check {
@@ -363,12 +378,16 @@ impl Check {
     /// reach the client a fraction of a millisecond late when others end at the same moment
     /// (a decode batch finishing), and more so on a loaded machine — 2 ms on a fixed cost,
     /// 3 % on a rate (a run on a quiet machine stays within 0.75 ms and 1 %).
+    ///
+    /// On a busy machine the repeats of one point scatter by more than that: the allowance is
+    /// then the noise the sweep's own repeats show ([`sweep_noise`]).
     fn allowance(&self) -> f64 {
-        if self.key.ends_with("_ms") {
+        let base = if self.key.ends_with("_ms") {
             2.0
         } else {
             0.03 * self.model
-        }
+        };
+        base.max(self.noise)
     }
 
     /// The envelope the fitted value must lie in: the model's value and every served one,
@@ -790,13 +809,47 @@ fn decode_checks(report: &Value, truth: &Profile) -> [Check; 2] {
 /// The check of `sweep`'s factor `key` as reported.
 fn check(report: &Value, sweep: &str, key: &'static str, model: f64, served: f64) -> Check {
     let (fitted, stderr) = factor(report, sweep, key);
+    let (noise_rel, typical_s) = sweep_noise(report, sweep);
     Check {
         key,
         fitted,
         stderr,
         model,
         served: vec![served],
+        noise: if key.ends_with("_ms") {
+            noise_rel * typical_s * 1e3
+        } else {
+            noise_rel * model
+        },
     }
+}
+
+/// How much `sweep`'s measurements scatter in this run: the median over its points of the
+/// spread of a point's repeats relative to their median (a quiet machine: about 1 %), and the
+/// median time of its points (s). A factor fitted from points that scatter by a share `r`
+/// can be off by about `r` of a rate, or `r` of a typical point's time on a fixed cost,
+/// beyond what its standard error (from the medians' residuals) says.
+fn sweep_noise(report: &Value, sweep: &str) -> (f64, f64) {
+    let points = report[sweep]["points"]
+        .as_array()
+        .expect("the sweep's points");
+    let mut spreads = Vec::new();
+    let mut medians = Vec::new();
+    for p in points {
+        let times: Vec<f64> = p["measured_s"]
+            .as_array()
+            .expect("a point's measurements")
+            .iter()
+            .map(|t| t.as_f64().unwrap())
+            .collect();
+        let (lo, hi) = times
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+        let m = median(times);
+        medians.push(m);
+        spreads.push((hi - lo) / m);
+    }
+    (median(spreads), median(medians))
 }
 
 /// One line per check.
@@ -860,12 +913,26 @@ fn the_profiler_recovers_an_attention_efficiency_of_its_own() {
         r.prefill.model,
         kvc_replay::profile::report::PREFILL_MODEL_SPLIT
     );
-    // One efficiency for all FLOPs would miss these points by far more.
+    // One efficiency for all FLOPs would miss these points by far more: its misfit is the
+    // model's, not noise. Judged the way a statistician weighs an extra parameter (an F test
+    // on the residual sums of squares, one parameter more, at p < 0.01), so that the noise of
+    // a loaded machine, which raises both fits' residuals, does not decide: on a quiet
+    // machine F is in the hundreds, with a release build beside it 25 to 50.
     let one = r.prefill.one_efficiency_residuals.unwrap();
+    let apart = r.prefill.residuals;
+    assert_eq!(one.points, apart.points);
+    let (rss_one, rss_apart) = (
+        one.rms_rel.powi(2) * one.points as f64,
+        apart.rms_rel.powi(2) * apart.points as f64,
+    );
+    let freedom = apart.points as f64 - 3.0;
+    let f = (rss_one - rss_apart) / (rss_apart / freedom);
+    assert_eq!(apart.points, 12, "the F bound below is for 12 points");
+    // The 0.99 quantile of F(1, 9).
+    const F_1_9_P99: f64 = 10.56;
     assert!(
-        one.max_rel > 3.0 * r.prefill.residuals.max_rel && one.max_rel > 0.05,
-        "attention apart {:?}, one efficiency {one:?}",
-        r.prefill.residuals
+        f > F_1_9_P99 && one.max_rel > 0.05,
+        "F = {f:.1}: attention apart {apart:?}, one efficiency {one:?}"
     );
     assert!(lines.iter().any(|l| l.starts_with("prefill fit over")
         && l.contains("fit.attention_efficiency = ")
@@ -893,7 +960,8 @@ fn the_profiler_recovers_an_attention_efficiency_of_its_own() {
     checks.extend(decode_checks(&report, &truth));
     eprintln!(
         "serving cost measured and engine profiled in {:.1} s, the sweep {:.1} s; prefill \
-         residuals RMS {:.2} %, max {:.2} % (one efficiency for all: RMS {:.2} %, max {:.2} %)\n{}",
+         residuals RMS {:.2} %, max {:.2} % (one efficiency for all: RMS {:.2} %, max {:.2} %; \
+         F = {f:.1})\n{}",
         wall.as_secs_f64(),
         r.wall_s,
         r.prefill.residuals.rms_rel * 100.0,

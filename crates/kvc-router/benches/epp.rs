@@ -15,6 +15,9 @@
 //! and the 99th percentile, over [`DECISIONS`] sequential requests, of the time from the
 //! body's last chunk to the picker's headers answer. Written to `KVC_BENCH_OUT` for
 //! `cargo xtask bench` (`epp.*` keys).
+//!
+//! `KVC_BENCH_SMOKE=1` (`common::smoke`) keeps the real Envoy but shrinks the runs to one per
+//! listener of 32 requests, without the warm-up runs, and the decision sample to 20 requests.
 #![forbid(unsafe_code)]
 #![allow(missing_docs)]
 
@@ -54,6 +57,8 @@ const CONCURRENCY: u64 = 16;
 const DECISIONS: usize = 2_000;
 /// Sessions the requests cycle over.
 const SESSIONS: u64 = 64;
+/// Fixed runs through each listener whose median is kept.
+const RUNS: usize = 5;
 
 fn prompt(session: u64, turn: u64) -> String {
     // Each turn extends the last: the session's blocks repeat.
@@ -405,9 +410,9 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// `REQUESTS` requests at `CONCURRENCY` clients through Envoy's listener `port`; returns
-/// requests/s.
-async fn load(port: u16, next: &Arc<AtomicU64>) -> f64 {
+/// `requests` requests ([`REQUESTS`] but in the smoke run) at `CONCURRENCY` clients through
+/// Envoy's listener `port`; returns requests/s.
+async fn load(port: u16, next: &Arc<AtomicU64>, requests: u64) -> f64 {
     let client: hyper_util::client::legacy::Client<_, Full<bytes::Bytes>> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .build_http();
@@ -416,7 +421,7 @@ async fn load(port: u16, next: &Arc<AtomicU64>) -> f64 {
     for _ in 0..CONCURRENCY {
         let (client, next) = (client.clone(), Arc::clone(next));
         tasks.push(tokio::spawn(async move {
-            for _ in 0..REQUESTS / CONCURRENCY {
+            for _ in 0..requests / CONCURRENCY {
                 let n = next.fetch_add(1, Ordering::Relaxed);
                 // Sessions of 20 turns, then fresh ones: prompts stay bounded.
                 let (session, turn) = (
@@ -438,7 +443,7 @@ async fn load(port: u16, next: &Arc<AtomicU64>) -> f64 {
     for t in tasks {
         t.await.unwrap();
     }
-    (REQUESTS / CONCURRENCY * CONCURRENCY) as f64 / started.elapsed().as_secs_f64()
+    (requests / CONCURRENCY * CONCURRENCY) as f64 / started.elapsed().as_secs_f64()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -493,7 +498,11 @@ async fn wait_ready(port: u16) {
 }
 
 fn main() {
-    let mut c = Criterion::default().sample_size(10).configure_from_args();
+    let mut c =
+        common::criterion_settings(Criterion::default().sample_size(10)).configure_from_args();
+    let requests = common::size(REQUESTS, 32);
+    let decisions = common::size(DECISIONS, 20);
+    let runs = common::size(RUNS, 1);
     let h = harness();
     let epp = h.router.epp_addr().unwrap();
     let mut client = h.rt.block_on(async {
@@ -510,7 +519,7 @@ fn main() {
     });
 
     // The decision time, sequentially.
-    let mut times: Vec<f64> = (0..DECISIONS as u64)
+    let mut times: Vec<f64> = (0..decisions as u64)
         .map(|i| {
             let d = h.rt.block_on(exchange(
                 &mut client,
@@ -524,7 +533,7 @@ fn main() {
     let p50 = kvc_core::stats::percentile(&times, kvc_core::stats::P50).unwrap();
     let p99 = kvc_core::stats::percentile(&times, kvc_core::stats::P99).unwrap();
     println!(
-        "epp: decision (body's end to the headers answer) over {DECISIONS} requests: p50 {p50:.1} µs, p99 {p99:.1} µs"
+        "epp: decision (body's end to the headers answer) over {decisions} requests: p50 {p50:.1} µs, p99 {p99:.1} µs"
     );
 
     // Through Envoy: kvc-router's picker vs the pass-through one, same Envoy, same run.
@@ -551,18 +560,20 @@ fn main() {
     let (kvc, pass) = h.rt.block_on(async {
         wait_ready(ports[0]).await;
         wait_ready(ports[1]).await;
-        // Warm both paths up.
-        load(ports[0], &next).await;
-        load(ports[1], &next).await;
+        // Warm both paths up (not in the smoke run).
+        if !common::smoke() {
+            load(ports[0], &next, requests).await;
+            load(ports[1], &next, requests).await;
+        }
         let (mut kvc, mut pass) = (Vec::new(), Vec::new());
-        for _ in 0..5 {
-            kvc.push(load(ports[0], &next).await);
-            pass.push(load(ports[1], &next).await);
+        for _ in 0..runs {
+            kvc.push(load(ports[0], &next, requests).await);
+            pass.push(load(ports[1], &next, requests).await);
         }
         (median(kvc), median(pass))
     });
     println!(
-        "epp: through Envoy, {REQUESTS} requests x {CONCURRENCY} clients, median of 5: kvc-router {kvc:.0} req/s, pass-through {pass:.0} req/s, ratio {:.3}",
+        "epp: through Envoy, {requests} requests x {CONCURRENCY} clients, median of {runs}: kvc-router {kvc:.0} req/s, pass-through {pass:.0} req/s, ratio {:.3}",
         kvc / pass
     );
     if let Some(path) = std::env::var_os("KVC_BENCH_OUT") {

@@ -12,6 +12,10 @@
 //! histogram; then Route's throughput on two more routers, one tracking 1,000 sessions and one
 //! 100,000 (every session routed once before the timed runs), in five alternating fixed runs
 //! each, and the ratio of their medians: a decision must not cost more with more sessions.
+//!
+//! `KVC_BENCH_SMOKE=1` (`common::smoke`) shrinks the fixed runs to 320 calls and one of each,
+//! the two routers to 100 and 1,000 sessions, and the pending-decision bound to 100 (so the
+//! smoke run still overflows it, as the full run overflows its 10,000).
 #![forbid(unsafe_code)]
 #![allow(missing_docs)]
 
@@ -30,6 +34,20 @@ const STREAMS: u64 = 32;
 const SESSIONS: u64 = 4_096;
 /// Calls of each fixed run.
 const CALLS: u64 = 20_000;
+/// Fixed runs of each kind whose median is kept.
+const RUNS: usize = 5;
+/// The sessions of the two routers [`sessions_scaling`] compares, and their names.
+const SCALING: [(u64, &str); 2] = [(1_000, "1,000"), (100_000, "100,000")];
+
+/// Calls of each fixed run (fewer in the smoke run).
+fn calls() -> u64 {
+    common::size(CALLS, 320)
+}
+
+/// Fixed runs of each kind (one in the smoke run).
+fn runs() -> usize {
+    common::size(RUNS, 1)
+}
 
 struct Fixture {
     sessions: u64,
@@ -46,7 +64,8 @@ impl Fixture {
     /// `sessions` sessions.
     fn new(sessions: u64) -> Fixture {
         let rt = common::runtime();
-        let (cfg, writers, dir) = common::one_p_two_d("router-bench");
+        let (mut cfg, writers, dir) = common::one_p_two_d("router-bench");
+        cfg.max_pending_decisions = common::size(cfg.max_pending_decisions, 100);
         let (router, client) = rt.block_on(async {
             let router = kvc_router::serve(cfg, std::future::pending())
                 .await
@@ -118,20 +137,23 @@ fn median(mut runs: Vec<f64>) -> f64 {
 /// alternating fixed runs on each, after every session was routed once (alternating and the
 /// median keep a busy machine's swings out of the ratio).
 fn sessions_scaling() -> (f64, f64) {
-    let small = Fixture::new(1_000);
-    let large = Fixture::new(100_000);
+    let [(small_n, small_name), (large_n, large_name)] =
+        common::size(SCALING, [(100, "100"), (1_000, "1,000")]);
+    let small = Fixture::new(small_n);
+    let large = Fixture::new(large_n);
     for f in [&small, &large] {
         f.run(f.sessions, true);
         assert_eq!(f.router.service().session_count() as u64, f.sessions);
     }
-    let rps = |f: &Fixture| CALLS as f64 / f.run(CALLS, true).as_secs_f64();
+    let calls = calls();
+    let rps = |f: &Fixture| calls as f64 / f.run(calls, true).as_secs_f64();
     let (mut s, mut l) = (Vec::new(), Vec::new());
-    for _ in 0..5 {
+    for _ in 0..runs() {
         s.push(rps(&small));
         l.push(rps(&large));
     }
     let (s, l) = (median(s), median(l));
-    for (f, n) in [(&small, "1,000"), (&large, "100,000")] {
+    for (f, n) in [(&small, small_name), (&large, large_name)] {
         let m = f.router.service().metrics();
         println!(
             "router: {n} sessions: decision p50 {:?}, p99 {:?}",
@@ -140,7 +162,7 @@ fn sessions_scaling() -> (f64, f64) {
         );
     }
     println!(
-        "router: Route with 1,000 sessions {s:.0} req/s, with 100,000 sessions {l:.0} req/s, ratio {:.3}",
+        "router: Route with {small_name} sessions {s:.0} req/s, with {large_name} sessions {l:.0} req/s, ratio {:.3}",
         l / s
     );
     for f in [small, large] {
@@ -164,7 +186,8 @@ impl Fixture {
 }
 
 fn main() {
-    let mut c = Criterion::default().sample_size(10).configure_from_args();
+    let mut c =
+        common::criterion_settings(Criterion::default().sample_size(10)).configure_from_args();
     let f = Fixture::new(SESSIONS);
     {
         let mut g = c.benchmark_group("router");
@@ -175,16 +198,17 @@ fn main() {
     }
 
     // Five alternating fixed, bounded runs of each; the ratio of the medians.
-    let rps = |d: Duration| CALLS as f64 / d.as_secs_f64();
+    let (calls, runs) = (calls(), runs());
+    let rps = |d: Duration| calls as f64 / d.as_secs_f64();
     let (mut pings, mut routes) = (Vec::new(), Vec::new());
-    for _ in 0..5 {
-        pings.push(rps(f.run(CALLS, false)));
-        routes.push(rps(f.run(CALLS, true)));
+    for _ in 0..runs {
+        pings.push(rps(f.run(calls, false)));
+        routes.push(rps(f.run(calls, true)));
     }
     let (ping, route) = (median(pings), median(routes));
     let m = f.router.service().metrics();
     println!(
-        "router: {CALLS} calls x {STREAMS} streams, median of 5: route {route:.0} req/s, ping {ping:.0} req/s, route/ping throughput ratio {:.3}",
+        "router: {calls} calls x {STREAMS} streams, median of {runs}: route {route:.0} req/s, ping {ping:.0} req/s, route/ping throughput ratio {:.3}",
         route / ping
     );
     println!(

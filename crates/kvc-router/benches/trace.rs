@@ -17,6 +17,9 @@
 //! unsampled one must stay within 1.1× of it: tracing that samples nothing costs nothing
 //! that matters). Sampled spans go to an exporter that drops them, so what is timed is the
 //! router's side: ids, attributes, the hand-off to the batch processor.
+//!
+//! `KVC_BENCH_SMOKE=1` (`common::smoke`) shrinks the timed blocks to 3 of 50 decisions per
+//! mode.
 #![forbid(unsafe_code)]
 #![allow(missing_docs)]
 
@@ -38,6 +41,28 @@ const SESSIONS: u64 = 4_096;
 const CALLS: u64 = 1_000;
 /// Timed blocks of each mode.
 const BLOCKS: usize = 100;
+
+/// The run's sizes: the full run's, or the smoke run's.
+#[derive(Clone, Copy)]
+struct Sizes {
+    /// Decisions of each timed block.
+    calls: u64,
+    /// Timed blocks of each mode.
+    blocks: usize,
+}
+
+fn sizes() -> Sizes {
+    common::size(
+        Sizes {
+            calls: CALLS,
+            blocks: BLOCKS,
+        },
+        Sizes {
+            calls: 50,
+            blocks: 3,
+        },
+    )
+}
 
 /// An exporter that drops every batch.
 #[derive(Debug)]
@@ -67,6 +92,7 @@ struct Fixture {
     unsampled: HeaderMap,
     sampled: HeaderMap,
     next: u64,
+    sizes: Sizes,
     _writers: Vec<kvc_admission::SnapshotWriter>,
 }
 
@@ -87,7 +113,7 @@ fn client_headers(flags: &str) -> HeaderMap {
 impl Fixture {
     /// A router over one prefill and two decode workers, with tracing off and tracing on
     /// (every sampled span handed to [`Discard`]).
-    fn new() -> Fixture {
+    fn new(sizes: Sizes) -> Fixture {
         let (cfg, writers, _) = common::one_p_two_d("trace-bench");
         let tracing = TracingConfig {
             otlp_endpoint: "http://127.0.0.1:4317".to_owned(),
@@ -103,6 +129,7 @@ impl Fixture {
             unsampled: client_headers("00"),
             sampled: client_headers("01"),
             next: 0,
+            sizes,
             _writers: writers,
         }
     }
@@ -144,13 +171,14 @@ impl Fixture {
         drop(span);
     }
 
-    /// ns per decision over a block of [`CALLS`] in `mode`.
+    /// ns per decision over a block of [`CALLS`] (fewer in the smoke run) in `mode`.
     fn run(&mut self, mode: Mode) -> f64 {
+        let calls = self.sizes.calls;
         let started = Instant::now();
-        for _ in 0..CALLS {
+        for _ in 0..calls {
             self.decide(mode);
         }
-        started.elapsed().as_nanos() as f64 / CALLS as f64
+        started.elapsed().as_nanos() as f64 / calls as f64
     }
 }
 
@@ -161,12 +189,13 @@ fn median(mut runs: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let mut f = Fixture::new();
+    let sizes = sizes();
+    let mut f = Fixture::new(sizes);
     // Every session seen once before anything is timed.
     for _ in 0..SESSIONS {
         f.decide(Mode::Off);
     }
-    let mut c = Criterion::default().configure_from_args();
+    let mut c = common::criterion_settings(Criterion::default()).configure_from_args();
     {
         let mut g = c.benchmark_group("decision_trace");
         g.bench_function("off", |b| b.iter(|| f.decide(Mode::Off)));
@@ -181,7 +210,7 @@ fn main() {
     // own, so their exports (on the batch processor's thread) do not weigh on the unsampled.
     let pairs = |f: &mut Fixture, on: Mode| {
         let (mut off, mut traced) = (Vec::new(), Vec::new());
-        for _ in 0..BLOCKS {
+        for _ in 0..sizes.blocks {
             off.push(f.run(Mode::Off));
             traced.push(f.run(on));
         }

@@ -15,7 +15,6 @@ use kvc_router::{RouterConfig, RunningRouter};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_rustls::rustls;
 use tonic::Code;
@@ -43,13 +42,13 @@ async fn http_request<S: AsyncRead + AsyncWrite + Unpin>(
     head.push_str(body);
     stream.write_all(head.as_bytes()).await?;
     let mut buf = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut buf)).await;
+    let read = tokio::time::timeout(common::EXCHANGE, stream.read_to_end(&mut buf)).await;
     match read {
         Ok(Ok(_)) => {}
         // A TLS peer may end without close_notify once the answer is complete.
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof && !buf.is_empty() => {}
         Ok(Err(e)) => return Err(e),
-        Err(_) => return Err(std::io::Error::other("no answer within 5 s")),
+        Err(_) => return Err(std::io::Error::other("no answer in time")),
     }
     let text = String::from_utf8_lossy(&buf).into_owned();
     let (head, body) = text
@@ -414,8 +413,8 @@ async fn ping(addr: SocketAddr, tls: Option<ClientTlsConfig>) -> Result<(), Stri
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut endpoint = Channel::from_shared(format!("{scheme}://{addr}"))
         .unwrap()
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(5));
+        .connect_timeout(common::EXCHANGE)
+        .timeout(common::EXCHANGE);
     if let Some(tls) = tls {
         endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
     }

@@ -6,7 +6,7 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvc-router");
 
@@ -18,6 +18,16 @@ fn send_signal(child: &std::process::Child, sig: &str) {
         .status()
         .unwrap();
     assert!(status.success(), "kill {sig}");
+}
+
+/// `child`'s exit status, once it has exited (at most [`common::WAIT`]).
+fn wait_exit(child: &mut std::process::Child) -> std::process::ExitStatus {
+    let mut exit = None;
+    common::wait_until_blocking("the binary stopping after SIGTERM", || {
+        exit = child.try_wait().unwrap();
+        exit.is_some()
+    });
+    exit.unwrap()
 }
 
 /// A runtime for the async clients of a test that drives the binary.
@@ -221,17 +231,7 @@ fn starts_serves_and_stops_on_sigterm() {
     // The runtime (and its idle client connection) stays alive: the grace period bounds the
     // shutdown anyway.
     send_signal(&child, "-TERM");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let exit = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the binary did not stop within 10 s of SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let exit = wait_exit(&mut child);
     assert!(exit.success(), "clean exit after SIGTERM: {exit:?}");
     drop(rt);
 }
@@ -262,7 +262,16 @@ fn rereads_the_file(signal: bool) {
             snap.display()
         )
     };
-    std::fs::write(&path, config(false)).unwrap();
+    // Written whole or not at all: a poll never reads a half-written file.
+    let write_config = |text: &str| {
+        let tmp = dir.0.join("router.toml.new");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    };
+    write_config(&config(false));
+    // The log goes to a file the test reads while the router runs.
+    let log_path = dir.0.join("router.log");
+    let log = || String::from_utf8_lossy(&std::fs::read(&log_path).unwrap()).into_owned();
     let mut child = Command::new(BIN)
         .arg("--config")
         .arg(&path)
@@ -271,7 +280,7 @@ fn rereads_the_file(signal: bool) {
         .arg("--log")
         .arg("info")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap();
     let line = address_line(&mut child);
@@ -291,47 +300,37 @@ fn rereads_the_file(signal: bool) {
         send_signal(child, "-HUP");
     };
     let wait_gauge = |want: f64| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while drained_gauge() != Some(want) {
-            assert!(
-                Instant::now() < deadline,
-                "d1's drained gauge not {want} within 10 s: {:?}",
-                drained_gauge()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        common::wait_until_blocking(format!("d1's drained gauge becoming {want}"), || {
+            drained_gauge() == Some(want)
+        });
     };
+    const NOT_APPLIED: &str = "not applied (the running configuration stays)";
     assert_eq!(drained_gauge(), Some(0.0));
-    std::fs::write(&path, config(true)).unwrap();
+    write_config(&config(true));
     hup(&child);
     wait_gauge(1.0);
-    // A file that does not load changes nothing (and the router keeps running).
-    std::fs::write(&path, "listen = [").unwrap();
+    // A file that does not load changes nothing (and the router keeps running): once the
+    // router has said so, d1 is still drained.
+    assert!(!log().contains(NOT_APPLIED), "{}", log());
+    write_config("listen = [");
     hup(&child);
-    std::thread::sleep(Duration::from_millis(300));
+    common::wait_until_blocking("the broken file refused", || log().contains(NOT_APPLIED));
     assert_eq!(drained_gauge(), Some(1.0));
     assert!(
         child.try_wait().unwrap().is_none(),
         "a broken file stopped the router"
     );
-    std::fs::write(&path, config(false)).unwrap();
+    write_config(&config(false));
     hup(&child);
     wait_gauge(0.0);
 
     send_signal(&child, "-TERM");
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "clean exit after SIGTERM: {:?}",
-        out.status
-    );
-    let log = String::from_utf8_lossy(&out.stderr);
+    let status = wait_exit(&mut child);
+    assert!(status.success(), "clean exit after SIGTERM: {status:?}");
+    let log = log();
     let why = if signal { "SIGHUP" } else { "the file changed" };
     assert!(log.contains(&format!("{why}: ")), "{log}");
     assert!(log.contains("worker 1 (`d1`) drained"), "{log}");
-    assert!(
-        log.contains("not applied (the running configuration stays)"),
-        "{log}"
-    );
+    assert!(log.contains(NOT_APPLIED), "{log}");
     assert!(log.contains("worker 1 (`d1`) back in rotation"), "{log}");
 }

@@ -48,22 +48,25 @@ const SGLANG_TEXT: &str = "sglang:num_running_reqs{model_name=\"m\"} 2\n\
      sglang:token_usage{model_name=\"m\"} 0.5\n\
      sglang:max_total_num_tokens{model_name=\"m\"} 92000\n";
 
-/// Waits (at most 5 s) until `check` holds for the router's worker list.
+/// Waits (at most [`common::WAIT`]) until `check` holds for the router's worker list.
 async fn wait_for(
     cluster: &Cluster,
     what: &str,
     check: impl Fn(&[kvc_router::ListedWorker]) -> bool,
 ) {
-    for _ in 0..500 {
-        if check(&cluster.service().list_workers()) {
+    let deadline = std::time::Instant::now() + common::WAIT;
+    loop {
+        let workers = cluster.service().list_workers();
+        if check(&workers) {
             return;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {:?}; workers: {workers:?}",
+            common::WAIT
+        );
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    panic!(
-        "{what}: not within 5 s; workers: {:?}",
-        cluster.service().list_workers()
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -264,18 +267,21 @@ async fn a_vllm_pool_left_out_of_the_configuration_is_read_from_the_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scrape_that_only_times_out_leaves_the_state_to_age() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
-    // D's /metrics answers at once until `slow` is set, then long after any scrape deadline
-    // (a busy CPU engine's API server).
-    let slow = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = Arc::clone(&slow);
+    // D's /metrics answers at once until `slow` is set, then never (a busy CPU engine's API
+    // server, past any scrape deadline); `unanswered` counts the scrapes it leaves waiting.
+    let slow = Arc::new(AtomicBool::new(false));
+    let unanswered = Arc::new(AtomicU64::new(0));
+    let (flag, count) = (Arc::clone(&slow), Arc::clone(&unanswered));
     let app = axum::Router::new().route(
         "/metrics",
         get(move || {
-            let flag = Arc::clone(&flag);
+            let (flag, count) = (Arc::clone(&flag), Arc::clone(&count));
             async move {
-                if flag.load(std::sync::atomic::Ordering::Relaxed) {
-                    tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+                if flag.load(Ordering::SeqCst) {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    std::future::pending::<()>().await;
                 }
                 vllm_text(1, 0, 0.1, 5_750)
             }
@@ -285,14 +291,20 @@ async fn a_scrape_that_only_times_out_leaves_the_state_to_age() {
     let d_addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
     let cluster = vllm_pair([p_addr, d_addr], |cfg| {
-        cfg.engine_signals.scrape_timeout_ms = 50;
+        // Short enough that the test sees scrapes time out, long enough that the scrapes
+        // answered at once (while the pair comes up) never do on a loaded machine.
+        cfg.engine_signals.scrape_timeout_ms = 1_000;
         cfg.engine_signals.stale_after_ms = 3_000;
     })
     .await;
-    slow.store(true, std::sync::atomic::Ordering::Relaxed);
-    // Several scrapes time out (the router's clock stands still): the last good state is
-    // still fresh, so D stays in rotation with its figures.
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    slow.store(true, Ordering::SeqCst);
+    // Several scrapes time out (the router's clock stands still): D's scrapes go one after
+    // another, so once a third has reached the engine, two have timed out. The last good
+    // state is still fresh, so D stays in rotation with its figures.
+    common::wait_until("two of D's scrapes timed out", || {
+        unanswered.load(Ordering::SeqCst) >= 3
+    })
+    .await;
     let ws = cluster.service().list_workers();
     assert_eq!(ws[1].state.health, Health::Healthy, "{:?}", ws[1]);
     assert_eq!(ws[1].state.in_flight, 1, "the last good scrape's figures");

@@ -83,9 +83,9 @@ impl Stream {
     }
 
     async fn next(&mut self) -> processing_response::Response {
-        tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+        tokio::time::timeout(common::EXCHANGE, self.rx.message())
             .await
-            .expect("an answer within 5 s")
+            .expect("an answer in time")
             .unwrap()
             .expect("the stream is open")
             .response
@@ -93,9 +93,9 @@ impl Stream {
     }
 
     async fn next_full(&mut self) -> ProcessingResponse {
-        tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+        tokio::time::timeout(common::EXCHANGE, self.rx.message())
             .await
-            .expect("an answer within 5 s")
+            .expect("an answer in time")
             .unwrap()
             .expect("the stream is open")
     }

@@ -55,15 +55,24 @@ async fn a_fleet_of_4096_workers_routes_over_grpc_and_http() {
         async |_| (mock.clone(), mock_addr),
         |id, _| (id == 0).then_some(9_098),
         |_| {},
-        options(Duration::from_secs(5)),
+        // Only guards against a hang.
+        options(Duration::from_secs(30)),
     )
     .await;
     assert_eq!(s.cluster.service().worker_views().len(), MAX_WORKERS);
-    // Every decode worker but the last is nearly full.
+    // Every decode worker but the last is nearly full, once the router has read it so.
     for id in 1..ROOMY {
         s.cluster.publish(id, CAPACITY - 1_000, 1_000);
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let service = s.cluster.service().clone();
+    common::wait_until("every full worker's snapshot read", || {
+        service
+            .worker_views()
+            .iter()
+            .filter(|v| (1..ROOMY).contains(&v.id.0))
+            .all(|v| v.state.used_tokens == CAPACITY - 1_000)
+    })
+    .await;
 
     // gRPC: a first turn seeds on the roomy worker, its second goes there directly.
     let d1 = s

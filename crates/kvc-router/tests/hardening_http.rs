@@ -28,10 +28,13 @@ use std::time::Duration;
 type Received = (String, HashMap<String, String>, Value);
 
 /// Rooms whose decode leg reached a decode worker that answers (the KV handshake is done):
-/// a prefill mock waits for its room to appear here.
+/// a prefill mock waits for its room to appear here, or in `abandoned`.
 #[derive(Default)]
 struct Handshakes {
     rooms: Mutex<HashSet<u64>>,
+    /// Rooms whose decode leg reached a decode worker that never answers: no handshake
+    /// will come.
+    abandoned: Mutex<HashSet<u64>>,
     changed: tokio::sync::Notify,
     /// The next request any decode mock receives (only that one) is never answered.
     hang_next: AtomicBool,
@@ -44,8 +47,9 @@ struct Mock {
 }
 
 /// How long a prefill mock waits for its decode partner before answering 504, like an
-/// engine whose bootstrap room expired.
-const PARTNER_TIMEOUT: Duration = Duration::from_millis(1_500);
+/// engine whose bootstrap room expired: long enough never to fire on a loaded machine (a
+/// partner known never to come is answered 504 at once).
+const PARTNER_TIMEOUT: Duration = Duration::from_secs(20);
 
 impl Recording for Mock {
     type Request = Received;
@@ -92,19 +96,23 @@ async fn handler(
         .push((uri.path().to_owned(), all, value.clone()));
     let room = value["bootstrap_room"].as_u64();
     if m.name.starts_with('p') {
-        // A prefill worker hands its KV over once the decode leg of its room shows up.
+        // A prefill worker hands its KV over once the decode leg of its room shows up; its
+        // room expires when that leg went to a decode worker that never answers.
         if let Some(room) = room {
             let met = tokio::time::timeout(PARTNER_TIMEOUT, async {
                 loop {
                     let changed = m.handshakes.changed.notified();
                     if m.handshakes.rooms.lock().contains(&room) {
-                        return;
+                        return true;
+                    }
+                    if m.handshakes.abandoned.lock().contains(&room) {
+                        return false;
                     }
                     changed.await;
                 }
             })
             .await;
-            if met.is_err() {
+            if !matches!(met, Ok(true)) {
                 return error_response(
                     StatusCode::GATEWAY_TIMEOUT,
                     format!("bootstrap room {room}: the decode leg never came"),
@@ -114,6 +122,10 @@ async fn handler(
         return answer(&m, uri.path(), stream);
     }
     if m.handshakes.hang_next.swap(false, Ordering::SeqCst) {
+        if let Some(room) = room {
+            m.handshakes.abandoned.lock().insert(room);
+            m.handshakes.changed.notify_waiters();
+        }
         std::future::pending::<()>().await;
     }
     if let Some(room) = room {
@@ -145,7 +157,8 @@ async fn start(
     options: impl FnOnce(&mut HttpOptions),
 ) -> Front {
     let handshakes = Arc::new(Handshakes::default());
-    let mut o = front::options(Duration::from_secs(10));
+    // Only guards against a hang: longer than a prefill mock's wait for its partner.
+    let mut o = front::options(Duration::from_secs(30));
     options(&mut o);
     let port = |_, role| (role == WorkerRole::Prefill).then_some(BOOTSTRAP_PORT);
     let spawn = async |name: &str| spawn_mock(name, &handshakes).await;
@@ -370,8 +383,9 @@ async fn over_long_session_ids_are_refused_and_never_kept() {
 }
 
 /// One P (id 0) and two D; the first decode worker to get a request never answers it, and P
-/// answers 504 when its partner never comes. The request ends on the other D, through the
-/// same P; the silent D is blamed (its breaker opens at one failure), P is not.
+/// answers 504 when its partner never comes (at once: the silent D's mock tells it so). The
+/// request ends on the other D, through the same P; the silent D is blamed (its breaker opens
+/// at one failure), P is not.
 async fn silent_decode_worker_is_blamed(stream: bool) {
     let f = start(|_| {}, |o| o.breaker.failure_threshold = 1).await;
     f.mocks[&1]

@@ -11,6 +11,7 @@ use common::sglang_mock::{
 use kvc_core::{Health, WorkerId};
 use serde_json::{Value, json};
 use std::collections::HashMap;
+use std::time::Duration;
 
 #[tokio::test]
 async fn first_turn_goes_to_p_and_d_then_direct_to_d() {
@@ -299,7 +300,7 @@ async fn health_is_503_when_no_worker_is_routable() {
 async fn failed_prefill_is_reported_and_the_next_turn_is_not_direct() {
     let s = start().await;
     *s.mocks[&0].behaviour.lock() = Behaviour::Fail;
-    // The decode workers wait (for KV that does not come) longer than the deadline.
+    // The decode workers never answer (they wait for KV that does not come).
     for m in s.decode_mocks() {
         *m.behaviour.lock() = Behaviour::Stall;
     }
@@ -329,15 +330,22 @@ async fn failed_prefill_is_reported_and_the_next_turn_is_not_direct() {
 
 #[tokio::test]
 async fn failing_stalled_and_dead_decode_workers_give_json_errors() {
-    let s = start_full(
-        |w| {
-            // Worker 2 points at a port nobody listens on.
-            w.insert(WorkerId(2), &format!("http://{}", dead_addr()), None)
-                .unwrap();
-        },
-        without_resilience,
-    )
-    .await;
+    // Worker 2 points at a port nobody listens on; `deadline` is the request deadline.
+    let with_dead_d2 = |deadline: Option<Duration>| {
+        start_full(
+            |w| {
+                w.insert(WorkerId(2), &format!("http://{}", dead_addr()), None)
+                    .unwrap();
+            },
+            move |o| {
+                without_resilience(o);
+                if let Some(d) = deadline {
+                    o.request_timeout = d;
+                }
+            },
+        )
+    };
+    let s = with_dead_d2(None).await;
     *s.mocks[&1].behaviour.lock() = Behaviour::Fail;
     let mut seen: HashMap<&str, u32> = HashMap::new();
     let mut requests = 0.0;
@@ -366,6 +374,9 @@ async fn failing_stalled_and_dead_decode_workers_give_json_errors() {
     assert_eq!(s.cluster.service().pending_decisions(), 0);
     assert_eq!(s.outcomes("worker-failed"), requests);
 
+    // A stalled worker meets the request deadline: a front whose deadline is short enough to
+    // fire within the test (the one above only guards against a hang).
+    let s = with_dead_d2(Some(Duration::from_millis(500))).await;
     *s.mocks[&1].behaviour.lock() = Behaviour::Stall;
     for i in 0..32u32 {
         let key = format!("t{i}");

@@ -29,6 +29,8 @@ enum Act {
     Answer,
     /// Answers 500 after this many milliseconds.
     FailAfter(u64),
+    /// Answers 500 once the test releases it (`Mock::release`).
+    FailWhenReleased,
     /// Answers this status at once, with a JSON error.
     Status(u16),
     /// Every request gets `503` with `x-kvc-admission: rejected`.
@@ -49,6 +51,8 @@ struct Mock {
     name: String,
     act: Mutex<Act>,
     received: Mutex<Vec<Received>>,
+    /// What `Act::FailWhenReleased` waits for (a permit, so it may come first).
+    release: tokio::sync::Notify,
 }
 
 impl Recording for Mock {
@@ -119,6 +123,13 @@ async fn handler(
                 format!("{} failed", m.name),
             )
         }
+        Act::FailWhenReleased => {
+            m.release.notified().await;
+            error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("{} failed", m.name),
+            )
+        }
         Act::Status(status) => error_response(
             StatusCode::from_u16(status).unwrap(),
             format!("{} says {status}", m.name),
@@ -158,6 +169,7 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         name: name.to_owned(),
         act: Mutex::new(Act::Answer),
         received: Mutex::new(Vec::new()),
+        release: tokio::sync::Notify::new(),
     });
     let addr = front::serve(worker_routes(handler).with_state(mock.clone())).await;
     (mock, addr)
@@ -176,7 +188,8 @@ async fn start(
     edit: impl FnOnce(&mut RouterConfig),
     options: impl FnOnce(&mut HttpOptions),
 ) -> Front {
-    let mut o = front::options(Duration::from_secs(5));
+    // Only guards against a hang: no test here waits for it.
+    let mut o = front::options(Duration::from_secs(30));
     options(&mut o);
     let port = |id, role| (role == WorkerRole::Prefill).then(|| bootstrap_port(id));
     Front::start(edit, spawn_mock, port, |_| {}, o).await
@@ -727,13 +740,15 @@ async fn text_and_chat_prompts_go_through_the_tokenizer_file() {
 async fn a_prefill_failure_after_d_answered_does_not_fail_the_request() {
     let f = start(one_p_one_d, |o| o.breaker.failure_threshold = 1).await;
     let service = f.cluster.service().clone();
-    f.act(0, Act::FailAfter(150));
+    // P fails only once the client has D's answer.
+    f.act(0, Act::FailWhenReleased);
     let session = [("x-session-id", "agent-6")];
     let r = f.post("/generate", &session, &generate(0..1_300)).await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["text"], "answer from d1");
     // D's whole answer arrived: `ok`, and the session is resident on D.
     assert_eq!(f.outcomes("ok"), 1.0);
+    f.mocks[&0].release.notify_one();
     // P's failure still counts against P.
     f.wait_breaker(0, BreakerState::Open).await;
     assert!(service.is_http_down(WorkerId(0)));
@@ -746,12 +761,13 @@ async fn a_prefill_failure_after_d_answered_does_not_fail_the_request() {
 
     // Streamed: D's stream completes while P fails.
     let f = start(one_p_one_d, |o| o.breaker.failure_threshold = 1).await;
-    f.act(0, Act::FailAfter(150));
+    f.act(0, Act::FailWhenReleased);
     let mut body = generate(0..1_300);
     body["stream"] = json!(true);
     let r = f.post("/generate", &session, &body).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.body, sse("d1").concat());
+    f.mocks[&0].release.notify_one();
     f.settle().await;
     assert_eq!(f.outcomes("ok"), 1.0);
     f.wait_breaker(0, BreakerState::Open).await;
@@ -1179,22 +1195,16 @@ async fn a_compacted_turn_is_recognised_and_placed_as_a_fresh_seed() {
 }
 
 impl Front {
-    /// Publishes decode worker `id` with `used` tokens of its pool in use and waits (bounded)
-    /// until the router has read it.
+    /// Publishes decode worker `id` with `used` tokens of its pool in use and waits (at most
+    /// [`common::WAIT`]) until the router has read it.
     async fn publish_used(&mut self, id: u32, used: u64) {
         self.cluster
             .publish(id, used, common::CAPACITY.saturating_sub(used));
-        for _ in 0..200 {
-            if self.cluster.service().worker_views()[id as usize]
-                .state
-                .used_tokens
-                == used
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("worker {id}'s publish was never read");
+        let service = self.cluster.service();
+        common::wait_until(format!("worker {id}'s publish read"), || {
+            service.worker_views()[id as usize].state.used_tokens == used
+        })
+        .await;
     }
 
     /// `GET /v1/sessions/{key}`, 200, as JSON.

@@ -264,7 +264,9 @@ async fn health_checks_open_the_breaker_and_recovery_closes_it() {
             o.breaker.failure_threshold = 2;
             o.breaker.cooldown = Duration::from_millis(10);
             o.health_check_interval = Some(Duration::from_millis(20));
-            o.health_check_timeout = Duration::from_millis(300);
+            // Long enough that a healthy worker's check never times out on a loaded
+            // machine; the down worker answers 503 at once.
+            o.health_check_timeout = Duration::from_secs(5);
         },
     )
     .await;
@@ -273,15 +275,10 @@ async fn health_checks_open_the_breaker_and_recovery_closes_it() {
     s.mocks[&2]
         .up
         .store(false, std::sync::atomic::Ordering::SeqCst);
-    let mut opened = false;
-    for _ in 0..200 {
-        if service.metrics().breaker_state(w2) == Some(BreakerState::Open) {
-            opened = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(opened, "failing health checks never opened the breaker");
+    common::wait_until("failing health checks opening the breaker", || {
+        service.metrics().breaker_state(w2) == Some(BreakerState::Open)
+    })
+    .await;
     assert!(service.is_http_down(w2));
     assert!(service.metrics().health_checks(false) >= 2);
     assert!(s.metric("kvc_router_http_health_checks_total", &[("result", "ok")]) >= 2.0);
@@ -296,15 +293,10 @@ async fn health_checks_open_the_breaker_and_recovery_closes_it() {
         .up
         .store(true, std::sync::atomic::Ordering::SeqCst);
     s.cluster.clock.advance(20);
-    let mut closed = false;
-    for _ in 0..200 {
-        if service.metrics().breaker_state(w2) == Some(BreakerState::Closed) {
-            closed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(closed, "a healthy worker's breaker never closed");
+    common::wait_until("a healthy worker's breaker closing", || {
+        service.metrics().breaker_state(w2) == Some(BreakerState::Closed)
+    })
+    .await;
     assert!(!service.is_http_down(w2));
     assert_eq!(service.worker_views()[2].state.health, Health::Healthy);
     let m = service.metrics();

@@ -255,7 +255,8 @@ async fn start_with(serve_alone: [Option<bool>; 2]) -> Front {
             http.set_engine(WorkerId(id), Some(EngineKind::Vllm));
         }
     };
-    let options = front::options(Duration::from_secs(5));
+    // Only guards against a hang.
+    let options = front::options(Duration::from_secs(30));
     Front::start(edit, spawn_mock, |_, _| None, vllm, options).await
 }
 

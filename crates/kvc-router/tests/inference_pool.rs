@@ -34,6 +34,8 @@ struct ApiState {
     fail: Option<u16>,
     /// Calls answered 200.
     served: u64,
+    /// Calls answered with `fail`.
+    failed: u64,
     /// Calls refused for their token.
     refused: u64,
 }
@@ -62,6 +64,7 @@ fn answer(api: &Api, req: &hyper::Request<hyper::body::Incoming>, port: u16) -> 
         return (401, r#"{"kind":"Status","reason":"Unauthorized"}"#.into());
     }
     if let Some(status) = st.fail {
+        st.failed += 1;
         return (
             status,
             r#"{"kind":"Status","message":"etcd is down"}"#.into(),
@@ -188,19 +191,25 @@ fn fleet(c: &Cluster) -> Vec<(String, WorkerRole, bool)> {
     out
 }
 
-/// Waits (at most 10 s) until the fleet is `expected`.
+/// Waits (at most [`common::WAIT`]) until the fleet is `expected`.
 async fn wait_fleet(c: &Cluster, expected: &[(&str, WorkerRole, bool)]) {
     let expected: Vec<(String, WorkerRole, bool)> = expected
         .iter()
         .map(|&(n, r, d)| (n.to_owned(), r, d))
         .collect();
-    for _ in 0..1_000 {
-        if fleet(c) == expected {
+    let deadline = std::time::Instant::now() + common::WAIT;
+    loop {
+        let now = fleet(c);
+        if now == expected {
             return;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the fleet is not {expected:?} within {:?}: {now:?}",
+            common::WAIT
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("the fleet is not {expected:?} within 10 s: {:?}", fleet(c));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -224,6 +233,9 @@ async fn the_pools_ready_pods_are_the_fleet_as_they_come_and_go() {
         token_file: Some(dir.0.join("token")),
         ca_file: Some(dir.0.join("ca.pem")),
         poll_ms: 50,
+        // No call is cut off (and left to reach the API later): each is answered before
+        // the next starts.
+        timeout_ms: 30_000,
         ..InferencePoolConfig::default()
     };
     let mut c = Cluster::start(move |cfg| {
@@ -315,21 +327,19 @@ async fn the_pools_ready_pods_are_the_fleet_as_they_come_and_go() {
     // that change meanwhile are taken once it answers again (the token is re-read).
     api.lock().fail = Some(500);
     let served = api.lock().served;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    common::wait_until("a call answered 500", || api.lock().failed >= 1).await;
     api.lock()
         .pods
         .push(pod("vllm-d-2", "127.0.0.3", true, "decode"));
     std::fs::write(dir.0.join("token"), "expired").unwrap();
-    // A poll that read the old token before the write meets the failing API.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A call that read the old token before the write meets the failing API: it stays
+    // failing until a call has carried the new token (the calls go one after another).
+    common::wait_until("a call with the new token refused", || {
+        api.lock().refused >= 1
+    })
+    .await;
     api.lock().fail = None;
-    for _ in 0..100 {
-        if api.lock().refused >= 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(api.lock().refused >= 2, "the token was not re-read");
+    common::wait_until("the token re-read again", || api.lock().refused >= 2).await;
     // (Read failures counted, the last read failing, the workers unchanged.)
     let m = c.metrics().await;
     assert!(pool_gauge(&m, "read-failures") >= 2.0);

@@ -1,7 +1,28 @@
-//! What the router benchmarks share: the workers' snapshot files and a 1P2D fleet of them.
+//! What the router benchmarks share: the workers' snapshot files, a 1P2D fleet of them, and
+//! the smoke switch.
+//!
+//! `KVC_BENCH_SMOKE=1` asks every router bench for its smoke run: the whole pipeline at its
+//! smallest sizes (each bench's docs say which shrink), every `KVC_BENCH_OUT` key still
+//! written, to check that the bench runs — its figures measure nothing.
 
 use kvc_core::WorkerId;
 use std::path::{Path, PathBuf};
+
+/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
+pub(crate) fn smoke() -> bool {
+    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
+}
+
+/// `full` in the full run, `small` in the smoke run.
+pub(crate) fn size<T>(full: T, small: T) -> T {
+    if smoke() { small } else { full }
+}
+
+/// `c`, with fewer bootstrap resamples (2,000) in the smoke run: their analysis dominates an
+/// unoptimised build's run, and the point estimates do not depend on them.
+pub(crate) fn criterion_settings(c: criterion::Criterion) -> criterion::Criterion {
+    if smoke() { c.nresamples(2_000) } else { c }
+}
 
 /// Pool of every benchmarked worker, tokens.
 pub(crate) const POOL_TOKENS: u64 = 92_000;

@@ -2,13 +2,13 @@
 //! answer whole or piece by piece as the front sends it; or one request over a plain
 //! connection, read to its end.
 
+use super::EXCHANGE;
 use super::answer::{Answer, request_head};
 use axum::body::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::time::Duration;
 
 /// An answer whose body is read as it arrives.
 pub struct Streamed {
@@ -20,10 +20,10 @@ pub struct Streamed {
 
 impl Streamed {
     /// The next piece of the body, `None` at its end; panics when the front's stream is
-    /// malformed or stalls for 5 s.
+    /// malformed or stalls for [`EXCHANGE`].
     pub async fn next_piece(&mut self) -> Option<Vec<u8>> {
         loop {
-            let frame = tokio::time::timeout(Duration::from_secs(5), self.body.frame())
+            let frame = tokio::time::timeout(EXCHANGE, self.body.frame())
                 .await
                 .expect("the stream stalled")?
                 .expect("the front's stream is well formed");
@@ -46,7 +46,7 @@ impl Streamed {
 }
 
 /// `POST`s `body` (JSON) to `addr` + `path` with `headers` and returns once the answer's head
-/// has arrived (within 10 s).
+/// has arrived (within [`EXCHANGE`]).
 pub async fn post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> Streamed {
     let client: hyper_util::client::legacy::Client<_, Full<Bytes>> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
@@ -58,7 +58,7 @@ pub async fn post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: 
         req = req.header(*k, *v);
     }
     let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
-    let response = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+    let response = tokio::time::timeout(EXCHANGE, client.request(req))
         .await
         .expect("the front answered in time")
         .expect("the front answers");
@@ -74,7 +74,7 @@ pub async fn post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: 
     }
 }
 
-/// `POST`s and reads the whole answer (within 10 s).
+/// `POST`s and reads the whole answer (within [`EXCHANGE`]).
 pub async fn exchange(
     addr: SocketAddr,
     path: &str,
@@ -82,7 +82,7 @@ pub async fn exchange(
     body: &str,
 ) -> Answer {
     let mut s = post(addr, path, headers, body).await;
-    let text = tokio::time::timeout(Duration::from_secs(10), s.read_all())
+    let text = tokio::time::timeout(EXCHANGE, s.read_all())
         .await
         .expect("the front's answer ended in time");
     Answer {
@@ -116,7 +116,7 @@ pub async fn raw_exchange(
         }
         buf
     };
-    let raw = tokio::time::timeout(Duration::from_secs(10), fut)
+    let raw = tokio::time::timeout(EXCHANGE, fut)
         .await
         .expect("the front answered in time");
     Answer::parse(&String::from_utf8(raw).unwrap())

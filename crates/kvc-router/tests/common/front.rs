@@ -136,26 +136,20 @@ impl<M: Send + Sync + 'static> Front<M> {
         self.metric("kvc_router_outcomes_total", &[("outcome", outcome)])
     }
 
-    /// Waits (bounded) until no decision awaits its outcome.
+    /// Waits (at most [`super::WAIT`]) until no decision awaits its outcome.
     pub async fn settle(&self) {
-        for _ in 0..500 {
-            if self.cluster.service().pending_decisions() == 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("an outcome was never reported");
+        super::wait_until("every outcome reported", || {
+            self.cluster.service().pending_decisions() == 0
+        })
+        .await;
     }
 
-    /// Waits (bounded) until worker `id`'s breaker is in `state`.
+    /// Waits (at most [`super::WAIT`]) until worker `id`'s breaker is in `state`.
     pub async fn wait_breaker(&self, id: u32, state: BreakerState) {
-        for _ in 0..500 {
-            if self.cluster.service().metrics().breaker_state(WorkerId(id)) == Some(state) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("worker {id}'s breaker never became {state:?}");
+        super::wait_until(format!("worker {id}'s breaker becoming {state:?}"), || {
+            self.cluster.service().metrics().breaker_state(WorkerId(id)) == Some(state)
+        })
+        .await;
     }
 }
 

@@ -26,6 +26,38 @@ pub const CAPACITY: u64 = 92_000;
 pub const START_MS: u64 = 1_000_000;
 pub const STALE_MS: u64 = 1_000;
 
+/// How long a test polls for a condition before it gives up: far longer than any condition
+/// takes on a loaded machine, so only a router that never gets there waits it out.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// The bound on one small exchange with a server under test: it only guards against a hang.
+pub const EXCHANGE: Duration = Duration::from_secs(30);
+
+/// Polls `done` every 10 ms until it holds; panics with `what` when it does not within
+/// [`WAIT`] (by the clock, however slowly the polls come).
+pub async fn wait_until(what: impl std::fmt::Display, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// [`wait_until`] for a thread outside a runtime: polls `done` every 20 ms.
+pub fn wait_until_blocking(what: impl std::fmt::Display, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A unique temporary directory, removed on drop.
 pub struct TempDir(pub PathBuf);
 
@@ -148,20 +180,9 @@ impl Cluster {
         }
     }
 
-    /// Waits (at most 2 s) until every worker in `ids` has health `health`.
+    /// Waits (at most [`WAIT`]) until every worker in `ids` has health `health`.
     pub async fn wait_health(&self, ids: &[u32], health: kvc_core::Health) {
-        for _ in 0..200 {
-            let views = self.router.service().worker_views();
-            if ids.iter().all(|id| {
-                views
-                    .iter()
-                    .any(|v| v.id.0 == *id && v.state.health == health)
-            }) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("workers {ids:?} did not become {health} within 2 s");
+        wait_health(self.router.service(), ids, health).await;
     }
 
     pub async fn metrics(&self) -> Vec<Sample> {
@@ -199,6 +220,19 @@ impl Cluster {
     }
 }
 
+/// Waits (at most [`WAIT`]) until every worker in `ids` of `service` has health `health`.
+pub async fn wait_health(service: &RouterService, ids: &[u32], health: kvc_core::Health) {
+    wait_until(format!("workers {ids:?} becoming {health}"), || {
+        let views = service.worker_views();
+        ids.iter().all(|id| {
+            views
+                .iter()
+                .any(|v| v.id.0 == *id && v.state.health == health)
+        })
+    })
+    .await;
+}
+
 pub fn route_req(
     request_id: u64,
     session: Option<u64>,
@@ -231,7 +265,7 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
         (head.to_owned(), body.to_owned())
     };
-    tokio::time::timeout(Duration::from_secs(5), fut)
+    tokio::time::timeout(EXCHANGE, fut)
         .await
         .expect("metrics GET timed out")
 }

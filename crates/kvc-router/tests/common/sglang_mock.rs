@@ -25,6 +25,7 @@ pub enum Behaviour {
     /// Like `Answer`, but a streamed answer is not held back after its first event.
     Flow,
     Fail,
+    /// Never answers (a decode worker waiting for KV that does not come).
     Stall,
     /// A streamed answer that breaks off after two events.
     DieMidStream,
@@ -81,7 +82,7 @@ async fn mock_handler(
                 format!("{} failed", m.name),
             );
         }
-        Behaviour::Stall => tokio::time::sleep(Duration::from_secs(3)).await,
+        Behaviour::Stall => std::future::pending::<()>().await,
         Behaviour::Answer | Behaviour::Flow | Behaviour::DieMidStream => {}
     }
     if stream {
@@ -187,14 +188,18 @@ pub async fn start_with(edit: impl FnOnce(&mut WorkerEndpoints)) -> Setup {
     start_full(edit, |_| {}).await
 }
 
+/// The request deadline of [`start_full`]'s options: long enough never to fire on a loaded
+/// machine (a test that needs a deadline to fire sets a short one).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The front with the endpoints as `edit` changes them and the options as `edit_options`
-/// changes a 500 ms deadline, model `test-model` and a 64 KiB body limit.
+/// changes a [`REQUEST_TIMEOUT`] deadline, model `test-model` and a 64 KiB body limit.
 pub async fn start_full(
     edit: impl FnOnce(&mut WorkerEndpoints),
     edit_options: impl FnOnce(&mut HttpOptions),
 ) -> Setup {
     let mut options = HttpOptions {
-        request_timeout: Duration::from_millis(500),
+        request_timeout: REQUEST_TIMEOUT,
         model: "test-model".to_owned(),
         max_body_bytes: 64 * 1024,
         ..HttpOptions::default()
