@@ -49,7 +49,7 @@ fn schedule(r: u64) -> (u64, u64, u64) {
 
 /// Resident memory samples over the run.
 const SAMPLES: u64 = 100;
-/// The documented bound (README, "Running in production").
+/// The documented bound (docs/production.md, "Memory bounds").
 const RSS_BOUND_MIB: f64 = 512.0;
 
 /// Resident set of this process in MiB, from `/proc/self/statm` (pages of 4 KiB).

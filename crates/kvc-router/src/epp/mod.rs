@@ -67,7 +67,7 @@
 //! **Replicas.** A picker's decisions depend on the request and on what it reads from the
 //! workers; with `state = events` (engine KV events and `/metrics`) every replica reads the
 //! same, so replicas run active-active behind Envoy's ext_proc cluster with no shared store.
-//! What stays per replica is in README's "Running behind Envoy".
+//! What stays per replica is in docs/envoy.md ("Replicas").
 //!
 //! | module | job |
 //! |---|---|
