@@ -36,7 +36,9 @@
 //!   the prefill and transfer slopes its per-token part, by a few percent (the cached tokens'
 //!   part, with attention fitted apart, the attention slope: by about 7 %, more on a loaded
 //!   machine). The test measures it on workers whose engine has the same fixed costs at
-//!   infinite speed ([`serving_cost`]), before and after the sweep.
+//!   infinite speed ([`serving_cost`]), before and after the sweep; there too, what a chat
+//!   costs beyond a token-id prompt of as many tokens and the configured intake (the text's
+//!   path through the workers, which the intake sweep reads as intake).
 //! - **Transfer semantics.** A simulated decode worker emits the first token the moment the
 //!   KV has arrived, with none of the decode step vLLM runs then, and a simulated prefill
 //!   worker whose prefix cache holds the whole prompt recomputes nothing where vLLM recomputes
@@ -253,9 +255,18 @@ struct ServingCost {
     /// By prompt length: P's round trip, and D's time to the first token beyond P's one
     /// iteration and the transfer's setup, of the two P/D calls (P's cache warmed first).
     pair: Vec<(u64, f64, f64)>,
+    /// What a chat costs the colocated worker beyond a token-id prompt of as many tokens
+    /// and the intake it sleeps (the text's path: template, words, the timer's tick), as
+    /// (ms, ms per 1,000 prompt tokens): the intake sweep reads it as intake.
+    intake_excess: (f64, f64),
 }
 
-fn serving_cost(rt: &tokio::runtime::Runtime, dir: &Path, transfer_sizes: &[u64]) -> ServingCost {
+fn serving_cost(
+    rt: &tokio::runtime::Runtime,
+    dir: &Path,
+    transfer_sizes: &[u64],
+    intake_words: &[u64],
+) -> ServingCost {
     let truth = true_profile();
     let iteration = truth.fit.prefill_overhead_ms / 1e3;
     let setup = truth.fit.transfer_setup_ms / 1e3;
@@ -299,6 +310,44 @@ fn serving_cost(rt: &tokio::runtime::Runtime, dir: &Path, transfer_sizes: &[u64]
     // Under heavy contention the cost's growth with the prompt (half a microsecond a token)
     // can drown in the noise: then it is taken as the same for every prompt, the points'
     // median.
+    // As the intake sweep sends them: a chat of three-letter words and a token-id prompt of
+    // as many tokens, both cached, timed in turn.
+    let mut excess = Vec::new();
+    for &words in intake_words {
+        let (n, _) = prompt(0);
+        let chat = json!({
+            "model": "sim-model",
+            "messages": [{ "role": "user", "content": prompts.words(n, words) }],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "stream": false,
+        });
+        let chat_url = format!("http://{}/v1/chat/completions", colocated.addrs()[0]);
+        let (_, answer) = rt.block_on(timed_post(&client, &chat_url, &chat, &format!("t{n}")));
+        let tokens = answer["usage"]["prompt_tokens"]
+            .as_u64()
+            .expect("prompt_tokens");
+        let ids = completion(&prompts.tokens(n, tokens), 1, false);
+        rt.block_on(timed_post(&client, &url, &ids, &format!("i{n}")));
+        let intake =
+            truth.fit.intake_ms / 1e3 + truth.fit.intake_ms_per_1k_tokens * tokens as f64 / 1e6;
+        let diffs: Vec<f64> = (0..5)
+            .map(|i| {
+                let id = format!("x{n}-{i}");
+                let text = rt.block_on(timed_post(&client, &chat_url, &chat, &id)).0;
+                let as_ids = rt.block_on(timed_post(&client, &url, &ids, &id)).0;
+                text - as_ids - intake
+            })
+            .collect();
+        excess.push((tokens as f64, median(diffs)));
+    }
+    let intake_excess = match excess.len() {
+        0 => (0.0, 0.0),
+        _ => {
+            let (a, b) = ordinary_least_squares(&excess);
+            (a * 1e3, b * 1e6)
+        }
+    };
     let colocated_line = match fit_sweep("calibration", &points) {
         Ok(fit) => fit.line,
         Err(e) => {
@@ -347,7 +396,21 @@ fn serving_cost(rt: &tokio::runtime::Runtime, dir: &Path, transfer_sizes: &[u64]
     ServingCost {
         colocated: colocated_line,
         pair: pd,
+        intake_excess,
     }
+}
+
+/// The intercept and slope of the least-squares line through `points` (any signs).
+fn ordinary_least_squares(points: &[(f64, f64)]) -> (f64, f64) {
+    let n = points.len() as f64;
+    let (mx, my) = (
+        points.iter().map(|p| p.0).sum::<f64>() / n,
+        points.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    (my - slope * mx, slope)
 }
 
 /// What the profiler reads as the transfer of `n` tokens on the simulated pair, by the
@@ -475,7 +538,7 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
     })
     .unwrap();
     let started = Instant::now();
-    let cost = serving_cost(&rt, &dir.0, &plan.transfer);
+    let cost = serving_cost(&rt, &dir.0, &plan.transfer, &plan.intake);
     let colocated = start(&rt, &dir.0, "1dp", true, truth.clone());
     let pair = start(&rt, &dir.0, "1p1d", false, truth.clone());
     let mut opts = ProfileOptions::new(format!("http://{}/", colocated.addrs()[0]));
@@ -493,7 +556,7 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
         .expect("the profile is measured");
     colocated.stop().unwrap();
     pair.stop().unwrap();
-    let cost_after = serving_cost(&rt, &dir.0, &plan.transfer);
+    let cost_after = serving_cost(&rt, &dir.0, &plan.transfer, &plan.intake);
     let wall = started.elapsed();
 
     // The engine's own facts, the plan's size and the progress lines.
@@ -591,9 +654,11 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
         transfer_checks(&report, &truth, fitted, &plan.transfer, &cost),
         transfer_checks(&report, &truth, fitted, &plan.transfer, &cost_after),
     ));
-    // The intake: the workers' own sleep, nothing of their serving cost (a chat and its token
-    // ids cost them the same) but the timer's: tokio's sleeps end on a millisecond tick, up
-    // to 1 ms late.
+    // The intake: the workers' own sleep, plus what a chat's path costs them beyond a
+    // token-id prompt's (its template and words, and the timer's tick: tokio's sleeps end on
+    // a millisecond tick, up to 1 ms late), measured in the serving cost (`intake_excess`).
+    // On a quiet machine the excess is about a millisecond and a fraction of a millisecond
+    // per 1,000 tokens; on a busy one the text's path slows with the machine.
     let intake = r.intake.as_ref().expect("the intake sweep");
     assert_eq!(intake.points.len(), plan.intake.len());
     for p in &intake.points {
@@ -627,18 +692,27 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
             ),
         ]
         .map(|(key, model)| {
-            let served = if key == "fit.intake_ms" {
-                model + 1.0
-            } else {
-                model
+            let served = |c: &ServingCost| {
+                if key == "fit.intake_ms" {
+                    model + c.intake_excess.0
+                } else {
+                    model + c.intake_excess.1
+                }
             };
-            check(&report, "intake", key, model, served)
+            check(&report, "intake", key, model, served(&cost)).and_served(check(
+                &report,
+                "intake",
+                key,
+                model,
+                served(&cost_after),
+            ))
         }),
     );
     let table = table(&checks);
     eprintln!(
         "serving cost measured and engines profiled in {:.1} s, the sweep {:.1} s (serving \
          cost {:.3} ms + {:.3} µs per prompt token before, {:.3} ms + {:.3} µs after; \
+         a chat's excess {:.3} ms + {:.3} ms per 1K tokens before, {:.3} + {:.3} after; \
          configured transfer {} B/s, {} ms)\n{}",
         wall.as_secs_f64(),
         r.wall_s,
@@ -646,6 +720,10 @@ fn the_profiler_recovers_the_simulated_engines_profile() {
         cost.colocated.slope * 1e6,
         cost_after.colocated.intercept * 1e3,
         cost_after.colocated.slope * 1e6,
+        cost.intake_excess.0,
+        cost.intake_excess.1,
+        cost_after.intake_excess.0,
+        cost_after.intake_excess.1,
         truth.fit.transfer_bytes_per_s,
         truth.fit.transfer_setup_ms,
         table
@@ -886,7 +964,7 @@ fn the_profiler_recovers_an_attention_efficiency_of_its_own() {
     let mut truth = true_profile();
     truth.fit.attention_efficiency = Some(0.05);
     let started = Instant::now();
-    let cost = serving_cost(&rt, &dir.0, &[]);
+    let cost = serving_cost(&rt, &dir.0, &[], &[]);
     let colocated = start(&rt, &dir.0, "1dp", true, truth.clone());
     let mut opts = ProfileOptions::new(format!("http://{}", colocated.addrs()[0]));
     opts.metrics_url = Some(colocated.engine_urls()[0].metrics_url.clone());
@@ -898,7 +976,7 @@ fn the_profiler_recovers_an_attention_efficiency_of_its_own() {
     let run = profile_engine(&opts, &mut |l: &str| lines.push(l.to_owned()))
         .expect("the profile is measured");
     colocated.stop().unwrap();
-    let cost_after = serving_cost(&rt, &dir.0, &[]);
+    let cost_after = serving_cost(&rt, &dir.0, &[], &[]);
     let wall = started.elapsed();
 
     let r = &run.report;
