@@ -454,9 +454,14 @@ impl Check {
     }
 
     /// The envelope the fitted value must lie in: the model's value and every served one,
-    /// widened by three standard errors and the allowance.
+    /// widened by three standard errors, the allowance and how far the served values of the
+    /// two measurements of the serving cost lie apart (the expected value's own noise).
     fn envelope(&self) -> (f64, f64) {
-        let slack = 3.0 * self.stderr + self.allowance();
+        let (s_lo, s_hi) = self
+            .served
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        let slack = 3.0 * self.stderr + self.allowance() + (s_hi - s_lo);
         let (lo, hi) = self
             .served
             .iter()
@@ -891,7 +896,7 @@ fn decode_checks(report: &Value, truth: &Profile) -> [Check; 2] {
 /// The check of `sweep`'s factor `key` as reported.
 fn check(report: &Value, sweep: &str, key: &'static str, model: f64, served: f64) -> Check {
     let (fitted, stderr) = factor(report, sweep, key);
-    let (noise_rel, typical_s) = sweep_noise(report, sweep);
+    let noise = sweep_noise(report, sweep);
     Check {
         key,
         fitted,
@@ -899,25 +904,44 @@ fn check(report: &Value, sweep: &str, key: &'static str, model: f64, served: f64
         model,
         served: vec![served],
         noise: if key.ends_with("_ms") {
-            noise_rel * typical_s * 1e3
+            noise.rel * noise.typical_s * 1e3
+        } else if key.ends_with("_per_1k_tokens") {
+            noise.abs_s * 1e3 / (noise.x_range / 1e3)
         } else {
-            noise_rel * model
+            noise.rel * model
         },
     }
 }
 
-/// How much `sweep`'s measurements scatter in this run: the median over its points of the
-/// spread of a point's repeats relative to their median (a quiet machine: about 1 %), and the
-/// median time of its points (s). A factor fitted from points that scatter by a share `r`
-/// can be off by about `r` of a rate, or `r` of a typical point's time on a fixed cost,
-/// beyond what its standard error (from the medians' residuals) says.
-fn sweep_noise(report: &Value, sweep: &str) -> (f64, f64) {
+/// How much a sweep's measurements scatter in this run ([`sweep_noise`]).
+struct SweepNoise {
+    /// The median over its points of the spread of a point's repeats relative to their
+    /// median (a quiet machine: about 1 %).
+    rel: f64,
+    /// The same spread in seconds.
+    abs_s: f64,
+    /// The median time of its points (s).
+    typical_s: f64,
+    /// How far its points' sizes (`x`) range.
+    x_range: f64,
+}
+
+/// How much `sweep`'s measurements scatter in this run. A factor fitted from points that
+/// scatter by a share `r` can be off by about `r` of a rate, or `r` of a typical point's time
+/// on a fixed cost, and a growth per token by about a point's spread over the sizes' range,
+/// beyond what its standard error (from the medians' residuals, of as few as three points)
+/// says.
+fn sweep_noise(report: &Value, sweep: &str) -> SweepNoise {
     let points = report[sweep]["points"]
         .as_array()
         .expect("the sweep's points");
     let mut spreads = Vec::new();
+    let mut abs_spreads = Vec::new();
     let mut medians = Vec::new();
+    let (mut x_lo, mut x_hi) = (f64::MAX, f64::MIN);
     for p in points {
+        let x = p["x"].as_f64().expect("a point's size");
+        (x_lo, x_hi) = (x_lo.min(x), x_hi.max(x));
         let times: Vec<f64> = p["measured_s"]
             .as_array()
             .expect("a point's measurements")
@@ -930,8 +954,14 @@ fn sweep_noise(report: &Value, sweep: &str) -> (f64, f64) {
         let m = median(times);
         medians.push(m);
         spreads.push((hi - lo) / m);
+        abs_spreads.push(hi - lo);
     }
-    (median(spreads), median(medians))
+    SweepNoise {
+        rel: median(spreads),
+        abs_s: median(abs_spreads),
+        typical_s: median(medians),
+        x_range: x_hi - x_lo,
+    }
 }
 
 /// One line per check.
