@@ -4,6 +4,9 @@
 //! `KVC_BENCH_SMOKE=1` (a check that the bench runs, not a measurement) shrinks only
 //! criterion's bootstrap, to 2,000 resamples: the fixture is already small.
 
+mod bench_smoke;
+
+use bench_smoke::config;
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvc_admission::{
     CommitReply, CommitRequest, EvictionConfig, Resident, ResidentState, commit_queue,
@@ -71,21 +74,6 @@ fn bench_commit(c: &mut Criterion) {
 
     stop.store(true, Ordering::Relaxed);
     owner.join().expect("owner");
-}
-
-/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
-fn smoke() -> bool {
-    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
-}
-
-/// Criterion's settings: its defaults, or fewer bootstrap resamples in the smoke run (their
-/// analysis dominates an unoptimised build's run).
-fn config() -> Criterion {
-    if smoke() {
-        Criterion::default().nresamples(2_000)
-    } else {
-        Criterion::default()
-    }
 }
 
 criterion_group! {

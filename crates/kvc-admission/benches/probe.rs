@@ -8,6 +8,9 @@
 //! `KVC_BENCH_SMOKE=1` (a check that the bench runs, not a measurement) shrinks only
 //! criterion's bootstrap, to 2,000 resamples: the fixture is already small.
 
+mod bench_smoke;
+
+use bench_smoke::config;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvc_admission::{
     Clock, ProbeResult, ResidentEntry, ResidentState, SnapshotData, SnapshotReader, SnapshotWriter,
@@ -168,21 +171,6 @@ fn bench_probe(c: &mut Criterion) {
         publishes.load(Ordering::Relaxed),
         100.0 * other as f64 / (ready + other).max(1) as f64
     );
-}
-
-/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
-fn smoke() -> bool {
-    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
-}
-
-/// Criterion's settings: its defaults, or fewer bootstrap resamples in the smoke run (their
-/// analysis dominates an unoptimised build's run).
-fn config() -> Criterion {
-    if smoke() {
-        Criterion::default().nresamples(2_000)
-    } else {
-        Criterion::default()
-    }
 }
 
 criterion_group! {

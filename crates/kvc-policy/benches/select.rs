@@ -21,6 +21,9 @@
 //! 256 a worker set holds inline), and bootstraps criterion's estimates from 2,000 resamples.
 #![forbid(unsafe_code)]
 
+mod bench_smoke;
+
+use bench_smoke::{config, smoke};
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvc_core::{
     BlockHash, Outcome, RequestId, SessionId, TurnId, WorkerId, WorkerRole, WorkerState,
@@ -35,11 +38,6 @@ const PREFILL: u32 = 2;
 const SESSIONS_PER_D: u64 = 8;
 const SESSION_BLOCKS: u64 = 150;
 const BLOCK: u64 = 512;
-
-/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
-fn smoke() -> bool {
-    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
-}
 
 /// The decode workers the fleet named `d{d}` has: `d`, or fewer in the smoke run.
 fn fleet_size(d: u32) -> u32 {
@@ -152,16 +150,6 @@ fn bench_select(c: &mut Criterion) {
         }
     }
     group.finish();
-}
-
-/// Criterion's settings: its defaults, or fewer bootstrap resamples in the smoke run (their
-/// analysis dominates an unoptimised build's run).
-fn config() -> Criterion {
-    if smoke() {
-        Criterion::default().nresamples(2_000)
-    } else {
-        Criterion::default()
-    }
 }
 
 criterion_group! {

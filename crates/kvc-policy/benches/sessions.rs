@@ -22,6 +22,9 @@
 //! session of the first and 30,000 of the others), times 2,000 decisions per state in runs of
 //! 500, and bootstraps criterion's estimates from 2,000 resamples.
 
+mod bench_smoke;
+
+use bench_smoke::{config, smoke};
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvc_core::{
     BlockHash, Outcome, RequestId, SessionId, TurnId, WorkerId, WorkerRole, WorkerState,
@@ -127,11 +130,6 @@ const SIZES: [u64; 3] = [1_000, 100_000, 1_000_000];
 const TIMED: usize = 200_000;
 /// Decisions of one run of [`tail`] before switching to the other state.
 const RUN: usize = 10_000;
-
-/// Whether `KVC_BENCH_SMOKE=1` asks for the smoke run (see the module's docs).
-fn smoke() -> bool {
-    std::env::var("KVC_BENCH_SMOKE").is_ok_and(|v| v == "1")
-}
 
 /// The sizes of one run: the full run's, or the smoke run's.
 struct Sizes {
@@ -246,16 +244,6 @@ fn print_ratio(sizes: &Sizes) {
             large_n,
             small_n,
         );
-    }
-}
-
-/// Criterion's settings: its defaults, or fewer bootstrap resamples in the smoke run (their
-/// analysis dominates an unoptimised build's run).
-fn config() -> Criterion {
-    if smoke() {
-        Criterion::default().nresamples(2_000)
-    } else {
-        Criterion::default()
     }
 }
 
