@@ -9,6 +9,7 @@
 
 mod bench;
 mod criterion;
+mod summary;
 
 use std::process::{Command, ExitCode};
 
@@ -376,7 +377,8 @@ fn bench(args: &[String]) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::HELP;
-    use crate::bench::{Mode, expected_keys};
+    use crate::bench::Mode;
+    use crate::summary::expected_keys;
 
     /// The help's list of summary.json's keys: every word in it that looks like a key.
     fn documented() -> Vec<&'static str> {
