@@ -33,8 +33,14 @@
 # 2048, vLLM's own default for its CPU build's API server), KVC_REAL_VLLM_DEFAULT_MAX_TOKENS (the output limit of a request that sets
 # none, as coding agents' requests do: default 64, where the engine would otherwise decode up
 # to its context), KVC_REAL_VLLM_START_TIMEOUT (seconds per engine, default 420), KVC_REAL_VLLM_CACHE
-# (see install.sh). Exit 3: python3 missing (callers skip); any other failure prints the
-# failing engine's log tail.
+# (see install.sh), KVC_REAL_VLLM_GPU_BLOCKS (the KV pool of every engine in blocks of 32
+# tokens, vLLM's --num-gpu-blocks-override: how KV pressure is made on a small machine; unset,
+# the pool is what KVC_REAL_VLLM_KV_GIB holds), KVC_REAL_VLLM_GPU_BLOCKS_PREFILL,
+# KVC_REAL_VLLM_GPU_BLOCKS_DECODE, KVC_REAL_VLLM_GPU_BLOCKS_COLOCATED (the same for the engines
+# of one role, over KVC_REAL_VLLM_GPU_BLOCKS). Each engine's pool as the engine reports it
+# (vllm:cache_config_info's num_gpu_blocks) is recorded in ready.json as "gpu-blocks", with
+# "gpu-blocks-override" (null when not cut). Exit 3: python3 missing (callers skip); any other
+# failure prints the failing engine's log tail.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 usage() { echo "usage: $0 1p1d|1p2d|2x|1x OUT_DIR" >&2; exit 2; }
@@ -62,6 +68,25 @@ cores="$(nproc 2>/dev/null || echo 2)"
 threads="${KVC_REAL_VLLM_THREADS:-$(( cores / ${#roles[@]} > 0 ? cores / ${#roles[@]} : 1 ))}"
 [[ "$threads" =~ ^[1-9][0-9]*$ ]] || { echo "real-vllm: KVC_REAL_VLLM_THREADS must be a positive count, got $threads" >&2; exit 2; }
 served="kvc-tiny"
+
+# gpu_blocks ROLE: the pool override of ROLE's engines in blocks ("" when not cut).
+gpu_blocks() {
+  local var="KVC_REAL_VLLM_GPU_BLOCKS_${1^^}" v
+  v="${!var:-${KVC_REAL_VLLM_GPU_BLOCKS:-}}"
+  if [ -n "$v" ] && ! [[ "$v" =~ ^[1-9][0-9]*$ ]]; then
+    echo "real-vllm: $var / KVC_REAL_VLLM_GPU_BLOCKS must be a positive count of blocks, got $v" >&2
+    exit 2
+  fi
+  if [ -n "$v" ] && [ $(((v - 1) * block_size)) -lt "$max_len" ]; then
+    # vLLM refuses to start an engine whose pool (less the one block it holds back) cannot
+    # hold one request of max-model-len.
+    echo "real-vllm: a pool of $v blocks holds $(((v - 1) * block_size)) tokens, less than one request of" \
+      "KVC_REAL_VLLM_MAX_MODEL_LEN=$max_len; lower the model length or raise the pool" >&2
+    exit 2
+  fi
+  echo "$v"
+}
+for role in "${roles[@]}"; do gpu_blocks "$role" >/dev/null; done
 
 if [ -f "$out/ready.json" ]; then
   echo "real-vllm: $out already has engines (ready.json); run down.sh $out first" >&2
@@ -99,6 +124,9 @@ start_engine() { # index name role
     --kv-events-config "$kv_events"
     --override-generation-config "{\"max_new_tokens\": ${KVC_REAL_VLLM_DEFAULT_MAX_TOKENS:-64}}"
   )
+  local override
+  override="$(gpu_blocks "$role")"
+  [ -z "$override" ] || args+=(--num-gpu-blocks-override "$override")
   case "$role" in
     prefill) args+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}') ;;
     decode) args+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cpu"}') ;;
@@ -129,7 +157,7 @@ start_engine() { # index name role
   local pid=$!
   echo "$pid" >"$out/$name.pid"
   pids+=("$pid")
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$role" "$port" "$events" "$replay" "$topic" "$pid" >>"$out/engines.tsv"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$role" "$port" "$events" "$replay" "$topic" "$pid" "$override" >>"$out/engines.tsv"
   echo "real-vllm: $name ($role) starting on http://127.0.0.1:$port (pid $pid, log $out/$name.log)" >&2
 }
 
@@ -161,18 +189,30 @@ for i in "${!roles[@]}"; do
 done
 
 "$python" - "$out" "$model" "$block_size" "$router_port" "$served" "$max_len" "$chunk" <<'PY'
-import json, sys
+import json, re, sys, urllib.request
 out, model, block_size, router_port, served, max_len, chunk = sys.argv[1:]
+
+
+def pool_blocks(url):
+    """The engine's KV pool in blocks, as its /metrics reports it (vllm:cache_config_info)."""
+    text = urllib.request.urlopen(url, timeout=60).read().decode()
+    m = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.M)
+    if not m:
+        sys.exit(f"real-vllm: {url} reports no vllm:cache_config_info num_gpu_blocks")
+    return int(m.group(1))
+
 engines = []
 with open(f"{out}/engines.tsv") as f:
     for line in f:
-        name, role, port, events, replay, topic, pid = line.rstrip("\n").split("\t")
+        name, role, port, events, replay, topic, pid, override = line.rstrip("\n").split("\t")
         engines.append({
             "name": name, "role": role,
             "http-url": f"http://127.0.0.1:{port}",
             "metrics-url": f"http://127.0.0.1:{port}/metrics",
             "kv-events": events, "kv-events-replay": replay, "kv-events-topic": topic,
             "block-size": int(block_size), "pid": int(pid), "log": f"{out}/{name}.log",
+            "gpu-blocks-override": int(override) if override else None,
+            "gpu-blocks": pool_blocks(f"http://127.0.0.1:{port}/metrics"),
         })
 ready = {"model": model, "served-model-name": served, "max-model-len": int(max_len),
          "max-num-batched-tokens": int(chunk),

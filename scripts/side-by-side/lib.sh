@@ -31,12 +31,12 @@ build_release() {
   kvc_router="$target/release/kvc-router"
 }
 
-# scaled_trace DIR SEED SESSIONS FACTOR TURNS: the SWE-agent generator's sessions (started
-# within 30 s) cut down to a CPU engine by scale_trace.py (token counts divided by FACTOR, the
+# scaled_trace DIR SEED SESSIONS FACTOR TURNS [SPAN]: the SWE-agent generator's sessions
+# (started within SPAN seconds, default 30) cut down to a CPU engine by scale_trace.py (token counts divided by FACTOR, the
 # first TURNS turns, outputs of at most 64 tokens) into DIR/trace.jsonl; sets block to the
 # scaled trace's block size.
 scaled_trace() {
-  "$replay" gen swe --seed "$2" --sessions "$3" --start-span 30 --out "$1/swe.jsonl" --quiet
+  "$replay" gen swe --seed "$2" --sessions "$3" --start-span "${6:-30}" --out "$1/swe.jsonl" --quiet
   block="$(python3 "$root/scripts/side-by-side/scale_trace.py" "$1/swe.jsonl" "$1/trace.jsonl" \
     --factor "$4" --turns "$5" --max-output 64)"
 }

@@ -22,8 +22,17 @@ in brackets when there are several. Seconds are wall seconds on the real engines
   the engine's HTTP server and loopback (on 1P1D, P's calls count among the requests).
 - router CPU (ms/request): the router process's CPU time (user and system, with its child
   processes) over the replay, per request (router-cpu-s, written by real.sh).
-Then, per repetition, kvc-router's better configuration against the best peer on each
-headline figure (TTFT mean, p50, p90; latency mean, p50), as kvc / peer.
+- preemptions: requests the engines preempted for want of KV room (vllm:num_preemptions_total,
+  the leg's increase, all engines).
+- blocks evicted: KV blocks the engines removed from their pools while the leg ran, from their
+  own KV events (BlockRemoved, medium GPU; kv-events.json, written by kv_count.py).
+- later turns mostly recomputed: the share of turns after a session's first whose answer
+  reports less than half of its prompt cached.
+The engines' pools (blocks of 32 tokens, as each engine reported them) head the table when the
+runs recorded them (engines.json). Then, per repetition and per topology, kvc-router against
+the best peer leg on the same engines on each headline figure (TTFT mean, p50, p90; latency
+mean, p50), as kvc / peer, and when both topologies ran, kvc-router's better configuration
+against the best peer overall.
 """
 import argparse
 import json
@@ -38,6 +47,7 @@ LEGS = [
     ("vllm-router-2x", "vllm-router 0.1.17 (kv_aware, 2 colocated)"),
     ("smg-2x", "smg 1.13.0 (cache_aware sticky, 2 colocated)"),
     ("round-robin-2x", "round-robin (2 colocated)"),
+    ("dynamo-2x", "Dynamo 1.6.1 KV router (2 colocated, vLLM 0.31)"),
 ]
 OURS = ("kvc-1p1d", "kvc-2x")
 HEADLINE = [("ttft_s", "mean"), ("ttft_s", "p50"), ("ttft_s", "p90"),
@@ -102,6 +112,20 @@ def rep_figures(d):
     if os.path.exists(cpu) and latencies:
         with open(cpu) as f:
             fig["router cpu ms"] = 1000.0 * float(f.read()) / len(latencies)
+    fig["preemptions"] = engine_delta(d, "vllm:num_preemptions_total")
+    kv = os.path.join(d, "kv-events.json")
+    if os.path.exists(kv):
+        counts = load(kv)
+        fig["evicted"] = sum(c["removed"].get("GPU", 0) for c in counts.values())
+    later = mostly = 0
+    with open(os.path.join(d, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("turn", 1) > 1 and rec.get("input_tokens"):
+                later += 1
+                mostly += rec.get("cached_tokens", 0) * 2 < rec["input_tokens"]
+    if later:
+        fig["mostly recomputed"] = mostly / later
     fig["mechanism errors"] = s["mechanism_errors"]
     fig["errors"] = sum(r["errors"].values())
     fig["answered"] = r["answered"]
@@ -145,7 +169,10 @@ def main():
              ("direct-to-D share", "direct", "{:.3f}"),
              ("engine TTFT mean (s)", "engine ttft", "{:.3f}"),
              ("router and API (ms/request)", "overhead ms", "{:.0f}"),
-             ("router CPU (ms/request)", "router cpu ms", "{:.1f}")]
+             ("router CPU (ms/request)", "router cpu ms", "{:.1f}"),
+             ("preemptions", "preemptions", "{:.0f}"),
+             ("blocks evicted (KV events)", "evicted", "{:.0f}"),
+             ("later turns mostly recomputed", "mostly recomputed", "{:.3f}")]
     table = []
     for title, key, fmt in rows:
         table.append((title, [cell([f[key] for f in figs if key in f], fmt) if any(key in f for f in figs)
@@ -160,6 +187,8 @@ def main():
     if a.trace:
         print(f"Real vLLM (CPU build), two engines per leg; trace {os.path.basename(a.trace)}, "
               "the same prompts for every leg, prefix caches emptied before each.")
+        for line in pools(a.runs, legs):
+            print(line)
         print("Mean over the repetitions (lowest–highest).\n")
     width = max(len(t) for t, _ in table)
     cols = [max(len(n), max(len(v[i]) for _, v in table)) for i, (_, n, _) in enumerate(legs)]
@@ -168,12 +197,44 @@ def main():
     for title, vals in table:
         print("| " + title.ljust(width) + " | " + " | ".join(v.rjust(c) for v, c in zip(vals, cols)) + " |")
 
+    for topology in ("1p1d", "2x"):
+        ratios(f"kvc-router / the best peer on the same engines ({topology}), per repetition "
+               "(below 1: kvc ahead)", [l for l in legs if l[0].endswith("-" + topology)])
+    if {l[0].rsplit("-", 1)[1] for l in legs} == {"1p1d", "2x"}:
+        ratios("kvc-router's better configuration / the best peer, per repetition "
+               "(below 1: kvc ahead)", legs)
+
+
+def pools(runs, legs):
+    """One line per group of engines: each engine's role and KV pool, from engines.json."""
+    seen = {}
+    for key, _, _ in legs:
+        group = "2x (Dynamo's workers)" if key.startswith("dynamo-") else key.rsplit("-", 1)[1]
+        d = os.path.join(runs, key)
+        for rep in sorted(os.listdir(d)):
+            path = os.path.join(d, rep, "engines.json")
+            if group in seen or not os.path.exists(path):
+                continue
+            r = load(path)
+            if "workers" in r:  # Dynamo's workers (scripts/dynamo/up.sh)
+                seen[group] = ", ".join(f"{w['name']} {w['kv-blocks']:,} blocks"
+                                        + (" (cut)" if r.get("gpu-blocks-override") else "")
+                                        for w in r["workers"])
+            else:
+                seen[group] = ", ".join(
+                    f"{e['name']} ({e['role']}) {e['gpu-blocks']:,} blocks"
+                    + (" (cut)" if e.get("gpu-blocks-override") else "")
+                    for e in r["engines"] if e.get("gpu-blocks") is not None)
+    return [f"KV pools, blocks of 32 tokens, {g}: {v}." for g, v in sorted(seen.items()) if v]
+
+
+def ratios(title, legs):
     ours = [l for l in legs if l[0] in OURS]
     peers = [l for l in legs if l[0] not in OURS]
     if not ours or not peers:
         return
     n = min(len(figs) for _, _, figs in legs)
-    print("\nkvc-router's better configuration / the best peer, per repetition (below 1: kvc ahead):\n")
+    print(f"\n{title}:\n")
     print("| figure | " + " | ".join(f"rep {i + 1}" for i in range(n)) + " |")
     print("|---|" + "---:|" * n)
     for k, stat in HEADLINE:
