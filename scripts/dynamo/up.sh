@@ -88,7 +88,9 @@
 # KVC_DYNAMO_START_TIMEOUT (seconds per process, 420), KVC_DYNAMO_MODEL (model directory,
 # default ~/.cache/kvc/real-vllm/model as scripts/real-vllm/build_model.py makes it; read only:
 # if it is missing or of another build, the model is built into KVC_DYNAMO_CACHE/model),
-# KVC_DYNAMO_CACHE (see install.sh). Exit 3: python3 missing (callers skip); any other failure
+# KVC_DYNAMO_CACHE (see install.sh), KVC_DYNAMO_PIN (on, the default, or off: each worker's
+# compute process pinned to a core of its own, as scripts/real-vllm/up.sh pins colocated
+# engines; its header says why). Exit 3: python3 missing (callers skip); any other failure
 # prints the failing process's log tail and stops what was started.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -118,6 +120,8 @@ cache="${KVC_DYNAMO_CACHE:-$HOME/.cache/kvc/dynamo}"
 cores="$(nproc 2>/dev/null || echo 2)"
 threads="${KVC_DYNAMO_THREADS:-$(( cores / 2 > 0 ? cores / 2 : 1 ))}"
 [[ "$threads" =~ ^[1-9][0-9]*$ ]] || { echo "dynamo: KVC_DYNAMO_THREADS must be a positive count, got $threads" >&2; exit 2; }
+pin="${KVC_DYNAMO_PIN:-on}"
+case "$pin" in on|off) ;; *) echo "dynamo: KVC_DYNAMO_PIN must be on or off, got $pin" >&2; exit 2 ;; esac
 block_size=32 # the CPU attention backend needs a multiple of 32
 served="kvc-tiny"
 names=(w0 w1)
@@ -234,6 +238,18 @@ for i in "${!names[@]}"; do
   echo "dynamo: $name starting (system http://127.0.0.1:$sys_port, pid ${pids[$i]}, log $out/$name.log)" >&2
   wait_until "$name" "${pids[$i]}" "$deadline" worker_ready "$sys_port"
   echo "dynamo: $name ready after $((SECONDS - t0))s" >&2
+  if [ "$pin" = on ]; then
+    # As scripts/real-vllm/up.sh pins its colocated engines (KVC_REAL_VLLM_PIN): worker i's
+    # compute process, every thread, on core i modulo the cores.
+    core=$((i % cores))
+    # (With a single-process executor the engine core computes itself.)
+    computes="$(pgrep -s "${pids[$i]}" -x 'VLLM::Worker' || pgrep -s "${pids[$i]}" -x 'VLLM::EngineCor' || true)"
+    [ -n "$computes" ] || fail "$name: no VLLM::Worker or VLLM::EngineCore process in its session to pin" "$name"
+    for w in $computes; do
+      taskset -a -p -c "$core" "$w" >/dev/null || fail "$name: could not pin its worker $w to core $core" "$name"
+    done
+    echo "dynamo: $name computes on core $core (pid $computes)" >&2
+  fi
   printf '%s\t%s\t%s\t%s\t%s\n' "$name" "${pids[$i]}" "$sys_port" "$rpc_port" "$events" >>"$out/workers.tsv.tmp"
 done
 mv "$out/workers.tsv.tmp" "$out/workers.tsv"

@@ -28,5 +28,5 @@ done
 for pid in "${pids[@]}"; do
   kill -KILL -- "-$pid" 2>/dev/null || true
 done
-rm -f "$out"/*.pid "$out/ready.json" "$out/engines.tsv" "$out"/*.sock
+rm -f "$out"/*.pid "$out"/*.core "$out/ready.json" "$out/engines.tsv" "$out"/*.sock
 echo "real-vllm: stopped ${#pids[@]} engine(s) in $out" >&2

@@ -49,6 +49,13 @@ until curl -fsS -o /dev/null "$url/health" 2>/dev/null; do
   sleep 1
 done
 echo "real-vllm: $name restarted (pid $pid) in ${SECONDS}s" >&2
+# Pinned by up.sh (KVC_REAL_VLLM_PIN): its new compute process goes back to its core.
+if [ -f "$out/$name.core" ]; then
+  core="$(cat "$out/$name.core")"
+  for w in $(pgrep -s "$pid" -x 'VLLM::Worker' || true); do
+    taskset -a -p -c "$core" "$w" >/dev/null || { echo "real-vllm: could not pin $name's worker $w to core $core" >&2; exit 1; }
+  done
+fi
 # An engine of a P/D pair starts with its NIXL transfer path closed: the first P->D request
 # after a start pays for the handshake, or fails with vLLM's 500 when P answers too late (seen
 # after a restart of P). As up.sh does, one exchange per pair opens it, once every engine

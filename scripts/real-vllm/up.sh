@@ -39,7 +39,18 @@
 # KVC_REAL_VLLM_GPU_BLOCKS_DECODE, KVC_REAL_VLLM_GPU_BLOCKS_COLOCATED (the same for the engines
 # of one role, over KVC_REAL_VLLM_GPU_BLOCKS). Each engine's pool as the engine reports it
 # (vllm:cache_config_info's num_gpu_blocks) is recorded in ready.json as "gpu-blocks", with
-# "gpu-blocks-override" (null when not cut). Exit 3: python3 missing (callers skip); any other
+# "gpu-blocks-override" (null when not cut). KVC_REAL_VLLM_PIN: on, off or auto (the default:
+# on for topologies without a KV connector, 2x and 1x): each engine's compute process
+# (VLLM::Worker, all its threads) pinned to a core of its own (engine i on core i modulo the
+# cores) once it is ready, as each engine of a GPU cluster computes on a GPU of its own. The
+# engines' API servers and engine-core loops, and any router in front, still run on every
+# core. Unpinned, two busy engines on two cores take compute from each other: on the
+# pressure workload (scripts/side-by-side/real.sh --pressure) a short turn's first token took
+# 0.06 s while the other engine idled and 0.11-0.27 s while it computed, so a router that
+# sent 83% of the requests to one engine led on latency while computing half again as many
+# prompt tokens. P/D pairs stay unpinned: a NixlConnector engine's UCX progress thread spins
+# on a core, and pinned beside it an engine's compute starves. The core is recorded in
+# ready.json ("core", null when unpinned). Exit 3: python3 missing (callers skip); any other
 # failure prints the failing engine's log tail.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -56,6 +67,12 @@ case "$topology" in
   *) usage ;;
 esac
 base="${KVC_REAL_VLLM_PORT_BASE:-18200}"
+pin="${KVC_REAL_VLLM_PIN:-auto}"
+case "$pin" in
+  on|off) ;;
+  auto) case "$topology" in 2x|1x) pin=on ;; *) pin=off ;; esac ;;
+  *) echo "real-vllm: KVC_REAL_VLLM_PIN must be on, off or auto, got $pin" >&2; exit 2 ;;
+esac
 kv_gib="${KVC_REAL_VLLM_KV_GIB:-1}"
 max_len="${KVC_REAL_VLLM_MAX_MODEL_LEN:-16384}"
 chunk="${KVC_REAL_VLLM_CHUNK_TOKENS:-2048}"
@@ -186,10 +203,20 @@ for i in "${!roles[@]}"; do
     sleep 1
   done
   echo "real-vllm: $name ready after ${SECONDS}s" >&2
+  if [ "$pin" = on ]; then
+    core=$((i % cores))
+    workers="$(pgrep -s "${pids[$i]}" -x 'VLLM::Worker' || true)"
+    [ -n "$workers" ] || fail "$name: no VLLM::Worker process in its session to pin" "$name"
+    for w in $workers; do
+      taskset -a -p -c "$core" "$w" >/dev/null || fail "$name: could not pin its worker $w to core $core" "$name"
+    done
+    echo "$core" >"$out/$name.core"
+    echo "real-vllm: $name computes on core $core (pid $workers)" >&2
+  fi
 done
 
 "$python" - "$out" "$model" "$block_size" "$router_port" "$served" "$max_len" "$chunk" <<'PY'
-import json, re, sys, urllib.request
+import json, os, re, sys, urllib.request
 out, model, block_size, router_port, served, max_len, chunk = sys.argv[1:]
 
 
@@ -213,6 +240,7 @@ with open(f"{out}/engines.tsv") as f:
             "block-size": int(block_size), "pid": int(pid), "log": f"{out}/{name}.log",
             "gpu-blocks-override": int(override) if override else None,
             "gpu-blocks": pool_blocks(f"http://127.0.0.1:{port}/metrics"),
+            "core": int(open(f"{out}/{name}.core").read()) if os.path.exists(f"{out}/{name}.core") else None,
         })
 ready = {"model": model, "served-model-name": served, "max-model-len": int(max_len),
          "max-num-batched-tokens": int(chunk),

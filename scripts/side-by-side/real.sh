@@ -49,7 +49,9 @@
 #
 # Usage: scripts/side-by-side/real.sh [--pressure] [--no-sim] [--reps 3] [--sessions 4] [--turns 6]
 #          [--factor 4] [--start-span 30] [--pool-blocks N] [--max-model-len N] [--seed 7]
-#          [--only LEG[,LEG...]] [--out DIR] [--peers DIR]
+#          [--only LEG[,LEG...]] [--out DIR] [--peers DIR] [--kvc-knob KEY=VALUE]...
+# --kvc-knob sets a knob of kvc-router's policy in its legs (repeatable; `kvc-replay
+#   policies` lists them), written into [policy] of the leg's kvc-router.toml.
 # --pool-blocks N cuts the colocated engines' and the decode engine's pools to N blocks of 32
 #   tokens (vLLM's --num-gpu-blocks-override; default: what 1 GiB holds, 65,536 blocks).
 # --only runs just the named legs (their engines are started as needed) and tables every leg
@@ -72,6 +74,7 @@ sim=1
 seed=7
 only=""
 out=""
+knobs=()
 peers="$root/target/side-by-side"
 vllm_router_version=0.1.17
 smg_version=1.13.0
@@ -83,6 +86,9 @@ while [ $# -gt 0 ]; do
     --reps) reps="$2"; shift 2 ;;
     --pressure) pressure=1; shift ;;
     --no-sim) sim=0; shift ;;
+    --kvc-knob)
+      [[ "$2" =~ ^[a-z][a-z0-9-]*=[^\n]+$ ]] || { echo "side-by-side-real: --kvc-knob takes KEY=VALUE, got $2" >&2; exit 2; }
+      knobs+=("$2"); shift 2 ;;
     --sessions) sessions="$2"; shift 2 ;;
     --start-span) span="$2"; shift 2 ;;
     --pool-blocks) pool_blocks="$2"; shift 2 ;;
@@ -278,7 +284,18 @@ start_router() { # start_router LEG DIR: the leg's router, in the background; se
     kvc-1p1d|kvc-2x)
       url="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["router-http"])' "$engines/ready.json")"
       mode=unknown
-      "$kvc_router" --config "$engines/kvc-router.toml" --log warn >"$dir/router.log" 2>&1 &
+      # The engines' configuration, with the knobs of --kvc-knob in its [policy] table.
+      python3 - "$engines/kvc-router.toml" "$dir/kvc-router.toml" "${knobs[@]}" <<'PY'
+import sys
+src, dst, knobs = sys.argv[1], sys.argv[2], sys.argv[3:]
+lines = open(src).read().splitlines()
+at = lines.index('policy = "kvc"') + 1
+for k in knobs:
+    key, value = k.split("=", 1)
+    lines.insert(at, f"{key} = {value}")
+open(dst, "w").write("\n".join(lines) + "\n")
+PY
+      "$kvc_router" --config "$dir/kvc-router.toml" --log warn >"$dir/router.log" 2>&1 &
       ;;
     vllm-router-1p1d)
       p="$(ready http-url prefill)"; d="$(ready http-url decode)"

@@ -224,6 +224,7 @@ def pools(runs, legs):
                 seen[group] = ", ".join(
                     f"{e['name']} ({e['role']}) {e['gpu-blocks']:,} blocks"
                     + (" (cut)" if e.get("gpu-blocks-override") else "")
+                    + (f", computing on core {e['core']}" if e.get("core") is not None else "")
                     for e in r["engines"] if e.get("gpu-blocks") is not None)
     return [f"KV pools, blocks of 32 tokens, {g}: {v}." for g, v in sorted(seen.items()) if v]
 
