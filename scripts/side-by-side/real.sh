@@ -359,7 +359,8 @@ start_counter() {
   local specs=() name ev
   while IFS=$'\t' read -r name ev; do specs+=("$name=$ev"); done < <(python3 - "$engines/ready.json" <<'PY'
 import json, sys
-for e in json.load(open(sys.argv[1]))["engines"]:
+r = json.load(open(sys.argv[1]))
+for e in r.get("engines") or r["workers"]:  # Dynamo's ready.json lists workers
     print(e["name"], e["kv-events"], sep="\t")
 PY
 )
