@@ -346,15 +346,26 @@ impl<'a> Run<'a> {
             .intake_sweep(&plan, &facts, &engine, &prefill_fit.line)
             .await?
         {
-            Some(points) => {
-                let (line, warnings, mut report) = report::fit_intake_points(&points)?;
-                let f = fit::intake_factors(&line);
-                report.factors = f.to_vec();
-                factors.extend(f);
-                fit_warnings.extend(warnings);
-                self.say(&summary(&report));
-                Some(report)
-            }
+            Some(points) => match report::fit_intake_points(&points) {
+                Ok((line, warnings, mut report)) => {
+                    let f = fit::intake_factors(&line);
+                    report.factors = f.to_vec();
+                    factors.extend(f);
+                    fit_warnings.extend(warnings);
+                    self.say(&summary(&report));
+                    Some(report)
+                }
+                // Points skipped (chats the engine refused): the intake is the one sweep
+                // the profile can do without, as when the engine serves no chat.
+                Err(e @ ProfileError::TooFewPoints { .. }) => {
+                    self.warn(format!(
+                        "intake not fitted ({e}); fit.intake_ms and fit.intake_ms_per_1k_tokens \
+                         kept from the facts"
+                    ));
+                    None
+                }
+                Err(e) => return Err(e),
+            },
             None => None,
         };
         for w in fit_warnings {
@@ -474,6 +485,18 @@ impl<'a> Run<'a> {
                          fit.intake_ms and fit.intake_ms_per_1k_tokens kept from the facts"
                     ));
                     return Ok(None);
+                }
+                // A later, longer chat the engine refuses (its text tokenizes to more tokens
+                // than the ids it came from, past the model's length): the point is left out
+                // and the intake fitted on the points measured.
+                Err(ProfileError::Status { status, body, .. }) if (400..500).contains(&status) => {
+                    self.warn(format!(
+                        "intake {}/{}: a chat of {words} words answered {status} ({body}); \
+                         point skipped",
+                        i + 1,
+                        plan.intake.len()
+                    ));
+                    continue;
                 }
                 Err(e) => return Err(e),
             };
