@@ -29,16 +29,16 @@
 # turns), replayed by `kvc-replay drive` on a real clock with prompts in the engine
 # tokenizer's one-token words, so every engine counts each prompt as the trace does.
 #
-# --pressure: the regime kvc is for, live contexts 2-3x what the engines' KV pools hold
+# --pressure: the regime kvc is for, more live context than the engines' KV pools hold
 # together. 12 sessions started over 60 s, 16 turns each (contexts growing to ~6.6K tokens,
 # a system prompt shared by all, large tool outputs now and then, seconds between turns);
 # each colocated engine's pool, and on 1P1D the decode engine's (every eviction there a
 # re-seed through P), cut to 320 blocks of 32 tokens (10,240 tokens; P keeps its full pool);
 # engines started with a model length of 8,192 tokens (a pool must hold one such request).
 # Its output goes to target/side-by-side-real-pressure unless --out says otherwise. Peak live
-# context by the trace's clock is ~1,040 blocks against 640 pooled (1.6x); on the engines'
-# clock turns wait for their answers and the sessions overlap more (the table's header gives
-# the figure measured from the run).
+# context by the trace's clock is ~1,040 blocks against 640 pooled (1.6x; on the engines'
+# clock a turn waits for the previous one's answer, so the sessions overlap at least as
+# much).
 #
 # With the two colocated engines' legs, the simulator replays the same trace: an engine profile
 # is measured on the spot (`kvc-replay profile` against one of the colocated engines, the other
@@ -53,7 +53,8 @@
 # --kvc-knob sets a knob of kvc-router's policy in its legs (repeatable; `kvc-replay
 #   policies` lists them), written into [policy] of the leg's kvc-router.toml.
 # --pool-blocks N cuts the colocated engines' and the decode engine's pools to N blocks of 32
-#   tokens (vLLM's --num-gpu-blocks-override; default: what 1 GiB holds, 65,536 blocks).
+#   tokens (vLLM's --num-gpu-blocks-override; default: what 1 GiB holds, 32,768 blocks of the
+#   harness's model).
 # --only runs just the named legs (their engines are started as needed) and tables every leg
 #   found in DIR. --peers: where the peers' venvs live (shared with run.sh).
 # Needs python3 (with venv) and PyPI the first time (vLLM CPU, vllm-router, smg). Each
