@@ -384,6 +384,8 @@ struct Session {
 struct Turn {
     status: u16,
     mode: String,
+    /// Why a turn that is not direct-to-D fell through (`x-kvc-reason`).
+    reason: Option<String>,
     decode: String,
     prefill: Option<String>,
     /// The router's session key (`x-kvc-session`).
@@ -610,6 +612,7 @@ fn read_turn(answer: &Answer, api: Api, stream: bool) -> Turn {
     Turn {
         status: answer.status,
         mode: header("x-kvc-mode").unwrap_or_default(),
+        reason: header("x-kvc-reason"),
         decode: header("x-kvc-decode-worker").unwrap_or_default(),
         prefill: header("x-kvc-prefill-worker"),
         session: header("x-kvc-session"),
@@ -644,6 +647,13 @@ fn direct_prompt_tokens(engine: &str, api: Api, body: &Value) -> u64 {
 
 fn post_json(addr: &str, path: &str, body: &Value) -> Answer {
     post_within(addr, path, &[], &body.to_string(), CALL_TIMEOUT)
+}
+
+/// The last `n` lines of the log at `path` (for a failure's message).
+fn log_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Empties an engine's prefix cache (the harness serves `/reset_prefix_cache`).
@@ -724,10 +734,14 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
             let (turn, body) = s.send(&router.http);
             requests += 1;
             eprintln!(
-                "real_vllm: {} turn {t}: {} {} prompt {} cached {} in {:.2} s",
+                "real_vllm: {} turn {t}: {} {}{} prompt {} cached {} in {:.2} s",
                 s.key,
                 turn.status,
                 turn.mode,
+                turn.reason
+                    .as_deref()
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default(),
                 turn.prompt_tokens,
                 turn.cached_tokens,
                 started.elapsed().as_secs_f64()
@@ -750,7 +764,14 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
                 assert_eq!(turn.mode, "turn1-seed", "{}", s.key);
                 assert_eq!(turn.prefill.as_deref(), Some(p_id.as_str()));
             } else {
-                assert_eq!(turn.mode, "direct-to-d", "{} turn {t}", s.key);
+                assert_eq!(
+                    turn.mode,
+                    "direct-to-d",
+                    "{} turn {t} ({:?}); the router's log ends:\n{}",
+                    s.key,
+                    turn.reason,
+                    log_tail(&engines.dir.join("router-a.log"), 40)
+                );
                 assert_eq!(turn.prefill, None);
                 // D holds the previous turn's prompt: every full block of it but (where a
                 // generation prompt closed it) the last.

@@ -317,6 +317,12 @@ pub struct EngineSignalsConfig {
     /// An engine whose last good scrape is older than this is `stale` (out of rotation).
     /// Default 2,000 ms.
     pub stale_after_ms: u64,
+    /// How long an engine's KV-cache events may take to reach the router: for this long after
+    /// a session's last request or answer, its blocks missing from a worker's events are not
+    /// taken for an eviction (the engine may have stored them and not yet published, or the
+    /// router not yet read, the events). Past it, the events decide. 0: always trust them.
+    /// Default 2,000 ms.
+    pub events_lag_ms: u64,
 }
 
 impl Default for EngineSignalsConfig {
@@ -325,6 +331,7 @@ impl Default for EngineSignalsConfig {
             scrape_interval_ms: 100,
             scrape_timeout_ms: 500,
             stale_after_ms: 2_000,
+            events_lag_ms: 2_000,
         }
     }
 }

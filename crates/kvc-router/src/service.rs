@@ -51,6 +51,10 @@ struct Core {
     pending_order: VecDeque<u64>,
     forgotten: Vec<(SessionId, Forgotten)>,
     fleet: fleet::FleetCache,
+    /// The worker whose KV-cache events showed a session's blocks when a decision last
+    /// looked: blocks missing from that worker's events later are an eviction the events saw
+    /// happen, whatever the events' lag ([`crate::config::EngineSignalsConfig::events_lag_ms`]).
+    events_showed: HashMap<SessionId, WorkerId>,
 }
 
 /// What a probe of a worker said.
@@ -307,6 +311,7 @@ impl RouterService {
                 pending_order: VecDeque::new(),
                 forgotten: Vec::new(),
                 fleet,
+                events_showed: HashMap::new(),
             }),
             config,
             clock,
@@ -613,21 +618,19 @@ impl RouterService {
         true
     }
 
-    /// Whether `worker`'s engine events say it holds none of `session`'s blocks on any rank
-    /// (only once a stream of it has applied events; `false` for a worker without events).
-    pub(crate) fn events_say_not_resident(&self, worker: WorkerId, session: SessionId) -> bool {
-        let Some(stats) = self.entry(worker.0).and_then(|e| e.event_stats()) else {
-            return false;
-        };
-        if stats.last_seq.is_none() {
-            return false;
-        }
-        !self
-            .kv_index
-            .read()
-            .session_residency(session)
-            .iter()
-            .any(|(w, n)| *w == worker && *n > 0)
+    /// How many of `session`'s blocks `worker`'s engine events say it holds (its best rank);
+    /// `None` for a worker without events, or before a stream of it has applied any.
+    pub(crate) fn events_residency(&self, worker: WorkerId, session: SessionId) -> Option<u32> {
+        let stats = self.entry(worker.0).and_then(|e| e.event_stats())?;
+        stats.last_seq?;
+        Some(
+            self.kv_index
+                .read()
+                .session_residency(session)
+                .iter()
+                .find(|(w, _)| *w == worker)
+                .map_or(0, |(_, n)| *n),
+        )
     }
 
     /// The data-parallel rank of `worker` whose events hold the most of `session`'s blocks
@@ -739,6 +742,7 @@ impl RouterService {
         let (mut expired, mut evicted) = (0, 0);
         for (s, why) in core.forgotten.drain(..) {
             core.state.forget_session(s);
+            core.events_showed.remove(&s);
             match why {
                 Forgotten::Expired => expired += 1,
                 Forgotten::Evicted => evicted += 1,
@@ -768,6 +772,7 @@ impl RouterService {
     fn end_in(core: &mut Core, session: SessionId) -> bool {
         let known = core.sessions.remove(session) | core.state.session(session).is_some();
         core.state.forget_session(session);
+        core.events_showed.remove(&session);
         known
     }
 

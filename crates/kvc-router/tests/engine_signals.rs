@@ -385,14 +385,19 @@ async fn publish(p: &kvc_events::Publisher, events: Vec<kvc_events::Event>) {
     .unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
-    use kvc_core::{Outcome, SessionId};
-    use kvc_proto::convert::ProtoEnum;
-    use kvc_proto::pb;
-
-    let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
-    let (d1_addr, _d1) = mock_engine(&vllm_text(0, 0, 0.1, 5_750)).await;
+/// P (worker 0), d1 (worker 1, with a KV-event publisher) and d2 (worker 2, out of rotation
+/// so that sessions land on d1), all vLLM engines scraped every 20 ms; returned once P and d1
+/// are scraped and d1's subscriber is up. Cancel the token to stop the publisher.
+async fn events_cluster(
+    edit: impl FnOnce(&mut RouterConfig),
+) -> (
+    Cluster,
+    kvc_events::Publisher,
+    tokio_util::sync::CancellationToken,
+    [Answer; 3],
+) {
+    let (p_addr, p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
+    let (d1_addr, d1) = mock_engine(&vllm_text(0, 0, 0.1, 5_750)).await;
     let (d2_addr, d2) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;
     // d2 is out of rotation, so the session lands on d1.
     *d2.lock() = (StatusCode::SERVICE_UNAVAILABLE, String::new());
@@ -416,6 +421,7 @@ async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
         cfg.workers[1].kv_events = Some(events.clone());
         cfg.workers[1].kv_events_replay = Some(replay.clone());
         cfg.workers[1].kv_events_topic = Some("kv@d1@m".into());
+        edit(cfg);
     })
     .await;
     // The router's background tasks (scrapes, the subscriber) run with the served router.
@@ -425,7 +431,16 @@ async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
             && ws[1].events.is_some()
     })
     .await;
+    (cluster, publisher, stop, [p, d1, d2])
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
+    use kvc_core::{Outcome, SessionId};
+    use kvc_proto::convert::ProtoEnum;
+    use kvc_proto::pb;
+
+    let (cluster, publisher, stop, _engines) = events_cluster(|_| {}).await;
     let key = "agent-7";
     let session = SessionId::from_key(key).0;
     let mut client = cluster.client.clone();
@@ -653,4 +668,75 @@ async fn an_sglang_decode_worker_never_gets_a_local_turn() {
             ),
         }
     }
+}
+
+/// The events of a session's last turn may not have reached the router when its next turn
+/// comes (the engine publishes after its step, the router reads in the background): within
+/// `events-lag-ms` of the session's last answer, blocks the events never showed on its D are
+/// not an eviction; past it they are. (Blocks the events showed and then removed are one at
+/// once: the test above.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_right_after_the_last_is_not_judged_by_events_still_on_their_way() {
+    use kvc_core::{Outcome, SessionId};
+    use kvc_proto::convert::ProtoEnum;
+    use kvc_proto::pb;
+
+    let (cluster, publisher, stop, _engines) = events_cluster(|cfg| {
+        cfg.engine_signals.events_lag_ms = 2_000;
+    })
+    .await;
+    let session = SessionId::from_key("agent-8").0;
+    let mut client = cluster.client.clone();
+    let answered =
+        async |client: &mut kvc_proto::pb::router_client::RouterClient<_>, id: u64, turn: u32| {
+            let input = 2_000 + 200 * u64::from(turn);
+            let hashes: Vec<u64> = (1..=2 + u64::from(turn)).collect();
+            let d = client
+                .route(route_req(id, Some(session), Some(turn), input, &hashes))
+                .await
+                .unwrap()
+                .into_inner();
+            client
+                .report_outcome(pb::OutcomeReport {
+                    decision_id: d.decision_id,
+                    request_id: id,
+                    outcome: Outcome::Ok.to_proto(),
+                    resident_tokens: input + 40,
+                })
+                .await
+                .unwrap();
+            d
+        };
+    let t1 = answered(&mut client, 1, 1).await;
+    assert_eq!(
+        (t1.mode(), t1.decode_worker),
+        (pb::ExecutionMode::Turn1Seed, 1)
+    );
+    // d1's events so far hold another session's blocks only.
+    publish(&publisher, vec![stored(500, 4, None, "other")]).await;
+    wait_for(&cluster, "d1's first batch applied", |ws| {
+        ws[1].events.as_ref().is_some_and(|e| e.last_seq == Some(0))
+    })
+    .await;
+    // Turn 2 at once (the manual clock has not moved): direct to d1.
+    let t2 = answered(&mut client, 2, 2).await;
+    assert_eq!(
+        (t2.mode(), t2.decode_worker),
+        (pb::ExecutionMode::DirectToD, 1)
+    );
+    // Past the lag, with the session still absent from d1's events: an eviction.
+    cluster.clock.advance(2_000);
+    wait_for(&cluster, "d1 scraped again", |ws| {
+        ws[1].state.health == Health::Healthy && ws[0].state.health == Health::Healthy
+    })
+    .await;
+    let t3 = answered(&mut client, 3, 3).await;
+    assert_ne!(t3.mode(), pb::ExecutionMode::DirectToD);
+    assert_eq!(t3.prefill_worker, Some(0));
+    let metrics = cluster.metrics().await;
+    assert_eq!(
+        common::value(&metrics, "kvc_router_event_evictions_total", &[]),
+        1.0
+    );
+    stop.cancel();
 }

@@ -41,6 +41,8 @@ struct Mock {
     received: Mutex<Vec<Received>>,
     /// The bytes of every request body received, in order.
     raw: Mutex<Vec<Bytes>>,
+    /// A streamed answer's connection is held open this long after its last event.
+    hold_open: Mutex<Option<Duration>>,
 }
 
 impl Recording for Mock {
@@ -66,7 +68,27 @@ async fn handler(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let value: Value = serde_json::from_slice(&body).expect("forwarded JSON");
+    let response = answer(&m, &uri, &headers, &body);
+    let Some(hold) = *m.hold_open.lock() else {
+        return response;
+    };
+    if response.headers()["content-type"] != "text/event-stream" {
+        return response;
+    }
+    // Every event at once, then the stream stays open for `hold` before it ends.
+    let (parts, body) = response.into_parts();
+    let events = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(1);
+    tokio::spawn(async move {
+        let _ = tx.send(Ok(events)).await;
+        tokio::time::sleep(hold).await;
+    });
+    let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    Response::from_parts(parts, body)
+}
+
+fn answer(m: &Mock, uri: &axum::http::Uri, headers: &HeaderMap, body: &Bytes) -> Response {
+    let value: Value = serde_json::from_slice(body).expect("forwarded JSON");
     m.raw.lock().push(body.clone());
     let kept: HashMap<String, String> = ["x-session-id", "x-request-id"]
         .iter()
@@ -226,6 +248,7 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         cached: Mutex::new(100_000),
         received: Mutex::new(Vec::new()),
         raw: Mutex::new(Vec::new()),
+        hold_open: Mutex::new(None),
     });
     let addr = front::serve(worker_routes(handler).with_state(mock.clone())).await;
     (mock, addr)
@@ -973,4 +996,102 @@ async fn a_session_its_client_ends_is_released_at_once() {
     assert!(r.body.contains("x-session-final"), "{}", r.body);
     f.settle().await;
     assert_eq!(ended(&f), 2.0);
+}
+
+/// A client may send its next turn as soon as it reads its stream's closing event, before the
+/// stream itself ends (a chunked body's last chunk, a connection's close). The turn's outcome
+/// is recorded before that event reaches the client: here a direct-to-D turn whose stream
+/// shows D no longer held the session (`direct-cache-miss`) is followed at once by the next
+/// turn, which must not be sent to D as resident again — with D holding every stream open for
+/// 5 s after its last event, on each API whose stream the front relays.
+#[tokio::test]
+async fn a_turn_sent_on_the_closing_event_of_the_last_sees_its_outcome() {
+    let f = start().await;
+    *f.mocks[&1].hold_open.lock() = Some(Duration::from_secs(5));
+    let grow_completion = |mut b: Value, n: u32| {
+        b["prompt"] = json!(format!(
+            "{} a b {}",
+            b["prompt"].as_str().unwrap(),
+            words(n)
+        ));
+        b
+    };
+    let grow_messages = |mut b: Value, n: u32| {
+        b["messages"].as_array_mut().unwrap().extend([
+            json!({"role": "assistant", "content": [{"type": "text", "text": "a b"}]}),
+            json!({"role": "user", "content": words(n)}),
+        ]);
+        b
+    };
+    let grow_responses = |mut b: Value, n: u32| {
+        b["input"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"type": "message", "role": "user",
+                   "content": [{"type": "input_text", "text": words(n)}]}));
+        b
+    };
+    type Grow<'a> = &'a dyn Fn(Value, u32) -> Value;
+    /// Path, headers, turn 1's body, how the conversation grows, D's closing event.
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], Value, Grow<'a>, &'a str);
+    let cases: [Case<'_>; 3] = [
+        (
+            "/v1/completions",
+            &[("x-session-id", "closing-1")],
+            completion(1_300, false),
+            &grow_completion,
+            "data: [DONE]\n\n",
+        ),
+        (
+            "/v1/messages",
+            &[("x-claude-code-session-id", "closing-2")],
+            messages(1_300, false),
+            &grow_messages,
+            "data: {\"type\":\"message_stop\"}\n\n",
+        ),
+        (
+            "/v1/responses",
+            &[],
+            responses(1_300, false),
+            &grow_responses,
+            "\"type\":\"response.completed\"",
+        ),
+    ];
+    let d_cached = |n: u64| *f.mocks[&1].cached.lock() = n;
+    for (path, headers, first, grow, closing) in cases {
+        d_cached(100_000);
+        let r = f.post(path, headers, &first).await;
+        assert_eq!(
+            (r.status, r.header("x-kvc-mode")),
+            (200, "turn1-seed"),
+            "{path}"
+        );
+        // Turn 2, streamed, direct to D; D's usage says it no longer held the session.
+        d_cached(0);
+        let mut second = grow(first.clone(), 20);
+        second["stream"] = json!(true);
+        let mut stream = common::client::post(f.addr, path, headers, &second.to_string()).await;
+        assert_eq!(stream.status, 200, "{path}");
+        assert_eq!(stream.headers["x-kvc-mode"], "direct-to-d", "{path}");
+        let mut read = String::new();
+        while !read.contains(closing) || !read.ends_with("\n\n") {
+            let piece = stream.next_piece().await.expect("the closing event");
+            read.push_str(&String::from_utf8(piece).unwrap());
+        }
+        // D still holds the stream open: turn 3 goes out now, and is not sent to D as if the
+        // session were there.
+        d_cached(100_000);
+        let r = f.post(path, headers, &grow(second, 20)).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+        assert_eq!(
+            (r.header("x-kvc-mode"), r.find_header("x-kvc-reason")),
+            ("fallback", Some("session-not-resident")),
+            "{path}"
+        );
+        // The stream then ends as D ends it, nothing after its closing event.
+        assert_eq!(stream.read_all().await, "", "{path}");
+    }
+    f.settle().await;
+    assert_eq!(f.outcomes("direct-cache-miss"), 3.0);
+    assert_eq!(f.outcomes("ok"), 6.0);
 }

@@ -18,6 +18,8 @@ pub(crate) struct CompletionScan {
     events: SseScanner,
     tokens: Option<u64>,
     cached: Option<u64>,
+    /// The stream's closing event was seen ([`CompletionScan::ended`]).
+    ended: bool,
 }
 
 /// What a finished [`CompletionScan`] found.
@@ -35,6 +37,7 @@ impl Default for CompletionScan {
             events: SseScanner::with_max_event_bytes(Self::MAX_EVENT),
             tokens: None,
             cached: None,
+            ended: false,
         }
     }
 }
@@ -55,10 +58,33 @@ impl CompletionScan {
         self.events.in_event()
     }
 
+    /// Whether the stream's closing event has been fed: OpenAI's and SGLang's `[DONE]`, a
+    /// Messages stream's `message_stop`, a Responses stream's `response.completed`. A client
+    /// may send its next request as soon as it reads it, before the stream itself ends.
+    pub(super) fn ended(&self) -> bool {
+        self.ended
+    }
+
+    /// The counts seen so far.
+    pub(super) fn so_far(&self) -> ScanEnd {
+        ScanEnd {
+            completion: self.tokens,
+            cached: self.cached,
+        }
+    }
+
     fn read(&mut self, event: SseEvent) {
-        if let SseEvent::Data(data) = event
-            && let Some(n) = completion_tokens(data.trim_ascii())
-        {
+        let data = match event {
+            SseEvent::Done => {
+                self.ended = true;
+                return;
+            }
+            SseEvent::Data(data) => data,
+        };
+        if closing_event(data.trim_ascii()) {
+            self.ended = true;
+        }
+        if let Some(n) = completion_tokens(data.trim_ascii()) {
             self.tokens = Some(n);
             if let Ok(v) = serde_json::from_slice::<Value>(data.trim_ascii())
                 && let Some(c) = cached_tokens_of(&v)
@@ -78,6 +104,20 @@ impl CompletionScan {
             cached: self.cached,
         }
     }
+}
+
+/// Whether an event's data is the last event of a Messages (`message_stop`) or Responses
+/// (`response.completed`) stream: its `type`, parsed only from events that name one of them.
+fn closing_event(data: &[u8]) -> bool {
+    const TYPES: [&str; 2] = ["message_stop", "response.completed"];
+    let names = |t: &str| data.windows(t.len()).any(|w| w == t.as_bytes());
+    if !TYPES.iter().any(|t| names(t)) {
+        return false;
+    }
+    serde_json::from_slice::<Value>(data)
+        .ok()
+        .and_then(|v| v.get("type").and_then(Value::as_str).map(str::to_owned))
+        .is_some_and(|t| TYPES.contains(&t.as_str()))
 }
 
 /// Removes usage-only chunks (`"choices": []` with a `usage`, what vLLM sends last when

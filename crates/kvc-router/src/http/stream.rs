@@ -11,7 +11,7 @@ use super::decision::{self, Decision};
 use super::pairing::PrefillLeg;
 use super::request::Api;
 use super::responses::{error_response, forward_error_response};
-use super::sse::{CompletionScan, UsageFilter, sse_error_event};
+use super::sse::{CompletionScan, ScanEnd, UsageFilter, sse_error_event};
 use crate::telemetry::{RequestSpan, WorkerCall};
 use crate::worker_http::{ForwardError, WorkerAnswer, WorkerStream};
 use axum::body::Bytes;
@@ -189,6 +189,10 @@ impl Relay {
         let mut ends_event = true;
         let mut worker_broke = false;
         let mut pending = Some(first);
+        // Set once the outcome is reported: at D's closing event, before the client reads it
+        // (a client may send its next turn as soon as it has, and that turn must find this
+        // one's outcome recorded), or at the end of the stream.
+        let mut reported = false;
         let relayed = loop {
             let next = match pending.take() {
                 Some(piece) => Ok(piece),
@@ -222,6 +226,11 @@ impl Relay {
                 }
                 (other, _) => other,
             };
+            if !reported && scan.ended() && self.status.is_success() {
+                let (outcome, resident) = self.judge(scan.so_far());
+                self.report(outcome, resident);
+                reported = true;
+            }
             match next {
                 Ok(Some(piece)) => {
                     if tx.send(Ok(piece)).await.is_err() {
@@ -241,30 +250,41 @@ impl Relay {
                 }
             }
         };
-        // The client's stream ends here.
-        drop(tx);
-        let app = &self.app;
+        let app = Arc::clone(&self.app);
         app.feed_breaker(self.decode, self.head_failed || worker_broke);
         if !relayed && let Some(p) = prefill {
-            p.abandon(app);
+            p.abandon(&app);
         }
-        let (outcome, resident) = if relayed && self.status.is_success() {
-            let end = scan.finish();
-            if end.completion.is_some() && app.workers.is_vllm(self.decode) {
-                app.service
-                    .note_cache_accounting(self.decode, end.cached.is_some());
-            }
-            judge_cache(
-                self.expected_cached,
-                end.cached,
-                self.input_length + end.completion.unwrap_or(0),
-            )
-        } else {
-            (self.refusal.unwrap_or(Outcome::WorkerFailed), 0)
-        };
+        if !reported {
+            let (outcome, resident) = if relayed && self.status.is_success() {
+                self.judge(scan.finish())
+            } else {
+                (self.refusal.unwrap_or(Outcome::WorkerFailed), 0)
+            };
+            self.report(outcome, resident);
+        }
+        // The client's stream ends here, after the outcome is recorded.
+        drop(tx);
+    }
+
+    /// The outcome of a stream that completed, from the counts its events reported.
+    fn judge(&self, end: ScanEnd) -> (Outcome, u64) {
+        if end.completion.is_some() && self.app.workers.is_vllm(self.decode) {
+            self.app
+                .service
+                .note_cache_accounting(self.decode, end.cached.is_some());
+        }
+        judge_cache(
+            self.expected_cached,
+            end.cached,
+            self.input_length + end.completion.unwrap_or(0),
+        )
+    }
+
+    fn report(&self, outcome: Outcome, resident: u64) {
         self.trace.record_outcome(outcome);
         decision::report(
-            &app.service,
+            &self.app.service,
             self.decision,
             self.request_id,
             outcome,

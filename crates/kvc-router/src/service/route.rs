@@ -113,6 +113,8 @@ impl RouterService {
 
         let mut core = self.core.lock();
         let core = &mut *core;
+        // When the session last had a request or an answer, before this request.
+        let last_seen = session.and_then(|s| core.sessions.last_seen(s));
         // A few of the expired sessions per decision, the rest from the background tick.
         core.sessions
             .expire_some(now, EXPIRE_PER_DECISION, &mut core.forgotten);
@@ -177,10 +179,31 @@ impl RouterService {
         // The engine's own events say the session's KV is gone from the worker it would go
         // to: the policy learns the eviction and decides again (reseed or fallback; a local
         // turn planned on the session's host, which counted on that KV, is costed again).
+        // Not while the events of the session's last turn may still be on their way: a turn
+        // sent as soon as the last one was answered would otherwise find nothing stored yet.
+        // (Unless the events had shown the blocks there: then they saw them go.)
+        let events_lag = self.config.engine_signals.events_lag_ms;
+        let d = decision.decode;
+        let evicted = match session {
+            Some(s) if counts_on_residency(&decision, &core.state, s) => {
+                match self.events_residency(d, s) {
+                    Some(0) => {
+                        core.events_showed.get(&s) == Some(&d)
+                            || last_seen.is_none_or(|t| now.saturating_sub(t) >= events_lag)
+                    }
+                    Some(_) => {
+                        core.events_showed.insert(s, d);
+                        false
+                    }
+                    None => false,
+                }
+            }
+            _ => false,
+        };
         if let Some(s) = session
-            && counts_on_residency(&decision, &core.state, s)
-            && self.events_say_not_resident(decision.decode, s)
+            && evicted
         {
+            core.events_showed.remove(&s);
             core.state.observe(&Observation::Evicted {
                 session: s,
                 worker: decision.decode,
