@@ -30,15 +30,15 @@
 # tokenizer's one-token words, so every engine counts each prompt as the trace does.
 #
 # --pressure: the regime kvc is for, more live context than the engines' KV pools hold
-# together. 12 sessions started over 60 s, 16 turns each (contexts growing to ~6.6K tokens,
+# together. 16 sessions started over 30 s, 16 turns each (contexts growing to ~6.6K tokens,
 # a system prompt shared by all, large tool outputs now and then, seconds between turns);
 # each colocated engine's pool, and on 1P1D the decode engine's (every eviction there a
 # re-seed through P), cut to 320 blocks of 32 tokens (10,240 tokens; P keeps its full pool);
 # engines started with a model length of 8,192 tokens (a pool must hold one such request).
-# Its output goes to target/side-by-side-real-pressure unless --out says otherwise. Peak live
-# context by the trace's clock is ~1,040 blocks against 640 pooled (1.6x; on the engines'
-# clock a turn waits for the previous one's answer, so the sessions overlap at least as
-# much).
+# Its output goes to target/side-by-side-real-pressure unless --out says otherwise. The table
+# states the live context by the trace's clock against the pools: for this preset a peak of
+# 1,816 blocks, 2.8x the 640 blocks of two colocated engines (on the engines' clock a turn
+# waits for the previous one's answer, so the sessions overlap at least as much).
 #
 # With the two colocated engines' legs, the simulator replays the same trace: an engine profile
 # is measured on the spot (`kvc-replay profile` against one of the colocated engines, the other
@@ -105,7 +105,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ "$pressure" = 1 ]; then
-  : "${sessions:=12}" "${turns:=16}" "${factor:=4}" "${span:=60}" "${pool_blocks:=320}"
+  : "${sessions:=16}" "${turns:=16}" "${factor:=4}" "${span:=30}" "${pool_blocks:=320}"
   : "${max_model_len:=8192}" "${out:=$root/target/side-by-side-real-pressure}"
 else
   : "${sessions:=4}" "${turns:=6}" "${factor:=4}" "${span:=30}" "${out:=$root/target/side-by-side-real}"
@@ -357,7 +357,8 @@ cpu_seconds() {
 }
 
 # start_counter DIR: kv_count.py on every engine's KV events until stop_counter, into
-# DIR/kv-events.json (blocks stored and removed per engine, as the engines published them).
+# DIR/kv-events.json (blocks stored and removed per engine, as the engines published them),
+# every batch into DIR/events/NAME.events.jsonl.
 start_counter() {
   local specs=() name ev
   while IFS=$'\t' read -r name ev; do specs+=("$name=$ev"); done < <(python3 - "$engines/ready.json" <<'PY'
@@ -367,7 +368,7 @@ for e in r.get("engines") or r["workers"]:  # Dynamo's ready.json lists workers
     print(e["name"], e["kv-events"], sep="\t")
 PY
 )
-  "$vllm_python" "$root/scripts/side-by-side/kv_count.py" "$1/kv-events.json" "${specs[@]}" \
+  "$vllm_python" "$root/scripts/side-by-side/kv_count.py" --dump "$1/events" "$1/kv-events.json" "${specs[@]}" \
     >"$1/kv-count.log" 2>&1 &
   count_pid=$!
   for _ in $(seq 1 300); do

@@ -187,8 +187,15 @@ def main():
     if a.trace:
         print(f"Real vLLM (CPU build), two engines per leg; trace {os.path.basename(a.trace)}, "
               "the same prompts for every leg, prefix caches emptied before each.")
-        for line in pools(a.runs, legs):
+        held = {}
+        for line in pools(a.runs, legs, held):
             print(line)
+        peak, mean = live_context(a.trace)
+        print(f"Live context by the trace's clock (each started session's latest prompt and "
+              f"answer, until its last turn), blocks of 32 tokens: peak {peak:,}, mean {mean:,.0f}"
+              + "".join(f"; {g}: {n:,} pooled where sessions live, peak {peak / n:.1f}x, "
+                        f"mean {mean / n:.1f}x" for g, n in sorted(held.items()) if n)
+              + ".")
         print("Mean over the repetitions (lowest–highest).\n")
     width = max(len(t) for t, _ in table)
     cols = [max(len(n), max(len(v[i]) for _, v in table)) for i, (_, n, _) in enumerate(legs)]
@@ -205,8 +212,31 @@ def main():
                "(below 1: kvc ahead)", legs)
 
 
-def pools(runs, legs):
-    """One line per group of engines: each engine's role and KV pool, from engines.json."""
+def live_context(trace, block=32):
+    """(peak, time-weighted mean) of the blocks the trace's live sessions hold by its own
+    clock: a session holds its latest request's prompt and answer from its first request to
+    its last."""
+    rows = [json.loads(line) for line in open(trace) if line.strip()]
+    last = {}
+    for r in rows:
+        last[r["session_id"]] = max(last.get(r["session_id"], 0), r["timestamp"])
+    events = sorted([(r["timestamp"], r["session_id"],
+                      -(-(r["input_length"] + r["output_length"]) // block)) for r in rows]
+                    + [(t + 1, sid, 0) for sid, t in last.items()])
+    held, peak, area, prev = {}, 0, 0, events[0][0] if events else 0
+    for t, sid, blocks in events:
+        area += sum(held.values()) * (t - prev)
+        prev = t
+        held[sid] = blocks
+        peak = max(peak, sum(held.values()))
+    span = prev - (events[0][0] if events else 0)
+    return peak, (area / span if span else 0)
+
+
+def pools(runs, legs, held=None):
+    """One line per group of engines: each engine's role and KV pool, from engines.json.
+    `held`, when given, gets each group's blocks where sessions live (every engine but a
+    prefill-only one)."""
     seen = {}
     for key, _, _ in legs:
         group = "2x (Dynamo's workers)" if key.startswith("dynamo-") else key.rsplit("-", 1)[1]
@@ -220,7 +250,12 @@ def pools(runs, legs):
                 seen[group] = ", ".join(f"{w['name']} {w['kv-blocks']:,} blocks"
                                         + (" (cut)" if r.get("gpu-blocks-override") else "")
                                         for w in r["workers"])
+                if held is not None:
+                    held[group] = sum(w["kv-blocks"] for w in r["workers"])
             else:
+                if held is not None:
+                    held[group] = sum(e["gpu-blocks"] for e in r["engines"]
+                                      if e.get("gpu-blocks") is not None and e.get("role") != "prefill")
                 seen[group] = ", ".join(
                     f"{e['name']} ({e['role']}) {e['gpu-blocks']:,} blocks"
                     + (" (cut)" if e.get("gpu-blocks-override") else "")

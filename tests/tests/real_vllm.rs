@@ -1019,14 +1019,14 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         router.metric("kvc_router_worker_capacity_tokens", &["name=\"d0\""]),
         Some((blocks * pool) as f64)
     );
-    // Long answers in flight show as running with KV in use. A CPU engine's API server
-    // answers /metrics late while its engine core computes (both cores busy), and a scrape
-    // that times out (5 s here) leaves the state from before the request; one answer of
-    // 1,024 tokens took under 4 s with one compute thread per engine, too short for a scrape
-    // a second apart to be sure to land. So long answers are sent one after another until
-    // the router has seen one running (or 60 s have passed), and every one must succeed.
-    let long = json!({"model": "kvc-tiny", "prompt": words(11, 3000), "max_tokens": 1024,
-                      "ignore_eos": true, "temperature": 0});
+    // Requests in flight show as running with KV in use. A CPU engine's API server answers
+    // /metrics late while its engine core computes (both cores busy), and a scrape that times
+    // out (5 s here) leaves the state from before the request; and the harness's engines cap
+    // every answer at 64 tokens (`--override-generation-config`, for agents that set no limit),
+    // so an answer decodes for a fraction of a second. What keeps a request running long
+    // enough to be seen is its prefill: each one here is a prompt of 3,000 words no engine
+    // has seen, prefilled by P for seconds. They are sent one after another until the router
+    // has seen one running (or 60 s have passed), and every one must succeed.
     let http = router.http.clone();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let started = Instant::now();
@@ -1035,6 +1035,8 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
         std::thread::spawn(move || {
             let mut answers = Vec::new();
             while !stop.load(std::sync::atomic::Ordering::Relaxed) && answers.len() < 30 {
+                let long = json!({"model": "kvc-tiny", "prompt": words(100 + answers.len() as u64, 3000),
+                                  "max_tokens": 64, "ignore_eos": true, "temperature": 0});
                 answers.push(post_json(&http, "/v1/completions", &long));
             }
             answers
@@ -1059,7 +1061,7 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let answers = in_flight.join().unwrap();
     eprintln!(
-        "real_vllm: {} long answers in {:.1} s; seen running with KV in use: {seen:?} after \
+        "real_vllm: {} answers to long prompts in {:.1} s; seen running with KV in use: {seen:?} after \
          {polled_for:?}",
         answers.len(),
         started.elapsed().as_secs_f64()
@@ -1067,10 +1069,20 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
     assert!(!answers.is_empty());
     for answer in &answers {
         assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(
+            answer.json()["usage"]["completion_tokens"].as_u64(),
+            Some(64),
+            "an answer of the tokens asked for, {} {:?}: {}",
+            answer.find_header("x-kvc-mode").unwrap_or_default(),
+            answer.find_header("x-kvc-reason"),
+            answer.body.chars().take(600).collect::<String>()
+        );
     }
     assert!(
         seen.0 >= 1.0 && seen.1 > 0.0,
-        "a running request seen with KV in use: {seen:?} (polled {polled_for:?})"
+        "a running request seen with KV in use: {seen:?} (polled {polled_for:?}); the router's \
+         log ends:\n{}",
+        log_tail(&engines.dir.join("router-a.log"), 40)
     );
 
     // 6. The coding agents themselves through the router: Claude Code in print mode and Codex
