@@ -10,6 +10,8 @@ pub struct WorkerStats {
     pub(crate) indexed_blocks: AtomicU64,
     /// `u64::MAX`: nothing applied yet.
     pub(crate) last_seq: AtomicU64,
+    /// `u64::MAX`: no batch with a usable timestamp applied yet.
+    pub(crate) last_batch_ms: AtomicU64,
     pub(crate) connected: AtomicBool,
     pub(crate) synced: AtomicBool,
     pub(crate) batches: AtomicU64,
@@ -39,6 +41,10 @@ pub struct StatsSnapshot {
     pub indexed_blocks: u64,
     /// Last sequence number applied; `None` before the first.
     pub last_seq: Option<u64>,
+    /// When the engine published the last batch applied (its `ts`, Unix milliseconds on the
+    /// engine's clock); `None` before the first. A batch is applied only after every batch
+    /// published before it, so everything the engine published until then is in the index.
+    pub last_batch_ms: Option<u64>,
     /// Whether the SUB socket is connected (for a stream fed by a router-bound listener,
     /// [`crate::listener`]: whether its task runs).
     pub connected: bool,
@@ -96,6 +102,8 @@ impl StatsSnapshot {
         ranks.into_iter().reduce(|a, b| StatsSnapshot {
             indexed_blocks: a.indexed_blocks + b.indexed_blocks,
             last_seq: a.last_seq.max(b.last_seq),
+            // The stream furthest behind: `None` (before Some) while one has applied nothing.
+            last_batch_ms: a.last_batch_ms.min(b.last_batch_ms),
             connected: a.connected && b.connected,
             synced: a.synced && b.synced,
             batches: a.batches + b.batches,
@@ -125,6 +133,7 @@ impl WorkerStats {
     pub fn new() -> Self {
         WorkerStats {
             last_seq: AtomicU64::new(u64::MAX),
+            last_batch_ms: AtomicU64::new(u64::MAX),
             ..Self::default()
         }
     }
@@ -132,9 +141,11 @@ impl WorkerStats {
     /// The counters now.
     pub fn snapshot(&self) -> StatsSnapshot {
         let last = self.last_seq.load(Relaxed);
+        let batch_ms = self.last_batch_ms.load(Relaxed);
         StatsSnapshot {
             indexed_blocks: self.indexed_blocks.load(Relaxed),
             last_seq: (last != u64::MAX).then_some(last),
+            last_batch_ms: (batch_ms != u64::MAX).then_some(batch_ms),
             connected: self.connected.load(Relaxed),
             synced: self.synced.load(Relaxed),
             batches: self.batches.load(Relaxed),
@@ -202,5 +213,13 @@ mod tests {
         );
         assert_eq!(StatsSnapshot::merged([a]), Some(a));
         assert_eq!(StatsSnapshot::merged([]), None);
+        // A worker's events have caught up only as far as its slowest rank's.
+        let at = |ms| StatsSnapshot {
+            last_batch_ms: ms,
+            ..StatsSnapshot::default()
+        };
+        let merged = |x, y| StatsSnapshot::merged([at(x), at(y)]).unwrap().last_batch_ms;
+        assert_eq!(merged(Some(7), Some(5)), Some(5));
+        assert_eq!(merged(Some(7), None), None);
     }
 }

@@ -513,6 +513,11 @@ impl Run {
                 return;
             }
         };
+        if batch.ts.is_finite() && batch.ts >= 0.0 {
+            // Saturating: a timestamp past u64::MAX ms reads as u64::MAX - 1.
+            let ms = (batch.ts * 1_000.0).min((u64::MAX - 1) as f64) as u64;
+            self.stats.last_batch_ms.store(ms, Relaxed);
+        }
         if let Some(r) = batch.dp_rank
             && r != i64::from(self.cfg.rank)
         {

@@ -317,10 +317,13 @@ pub struct EngineSignalsConfig {
     /// An engine whose last good scrape is older than this is `stale` (out of rotation).
     /// Default 2,000 ms.
     pub stale_after_ms: u64,
-    /// How long an engine's KV-cache events may take to reach the router: for this long after
-    /// a session's last request or answer, its blocks missing from a worker's events are not
-    /// taken for an eviction (the engine may have stored them and not yet published, or the
-    /// router not yet read, the events). Past it, the events decide. 0: always trust them.
+    /// How long an engine's KV-cache events may take to reach the router: until the events
+    /// have caught up with a session's last request or answer (a batch the engine published
+    /// since, by its `ts` on the engine's clock, is applied), and for at most this long after
+    /// it, the session's blocks missing from its worker's events are not taken for an
+    /// eviction (the engine may have stored them and not yet published, or the router not yet
+    /// read, the events). A busy engine publishes every step, so its events catch up within
+    /// milliseconds; this bound is for an idle one. 0: always trust the events.
     /// Default 2,000 ms.
     pub events_lag_ms: u64,
 }

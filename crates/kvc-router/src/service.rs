@@ -618,6 +618,15 @@ impl RouterService {
         true
     }
 
+    /// Whether `worker`'s engine events have caught up with `since_ms` (Unix ms): a batch the
+    /// engine published at or after it is applied, so is everything it published before.
+    pub(crate) fn events_caught_up(&self, worker: WorkerId, since_ms: u64) -> bool {
+        self.entry(worker.0)
+            .and_then(|e| e.event_stats())
+            .and_then(|s| s.last_batch_ms)
+            .is_some_and(|t| t >= since_ms)
+    }
+
     /// How many of `session`'s blocks `worker`'s engine events say it holds (its best rank);
     /// `None` for a worker without events, or before a stream of it has applied any.
     pub(crate) fn events_residency(&self, worker: WorkerId, session: SessionId) -> Option<u32> {

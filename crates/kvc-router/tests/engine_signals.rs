@@ -376,8 +376,13 @@ fn stored(first: u64, blocks: u64, parent: Option<u64>, session: &str) -> kvc_ev
 }
 
 async fn publish(p: &kvc_events::Publisher, events: Vec<kvc_events::Event>) {
+    publish_at(p, 0.0, events).await;
+}
+
+/// [`publish`] with the batch's timestamp (`ts`, seconds on the engine's clock).
+async fn publish_at(p: &kvc_events::Publisher, ts: f64, events: Vec<kvc_events::Event>) {
     p.publish(&kvc_events::EventBatch {
-        ts: 0.0,
+        ts,
         events,
         dp_rank: None,
     })
@@ -671,10 +676,11 @@ async fn an_sglang_decode_worker_never_gets_a_local_turn() {
 }
 
 /// The events of a session's last turn may not have reached the router when its next turn
-/// comes (the engine publishes after its step, the router reads in the background): within
-/// `events-lag-ms` of the session's last answer, blocks the events never showed on its D are
-/// not an eviction; past it they are. (Blocks the events showed and then removed are one at
-/// once: the test above.)
+/// comes (the engine publishes after its step, the router reads in the background): until the
+/// events have caught up with the session's last answer (a batch the engine published since
+/// is applied), and for at most `events-lag-ms`, blocks the events never showed on its D are
+/// not an eviction; after either, they are. (Blocks the events showed and then removed are one
+/// at once: the test above.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_right_after_the_last_is_not_judged_by_events_still_on_their_way() {
     use kvc_core::{Outcome, SessionId};
@@ -685,58 +691,94 @@ async fn a_turn_right_after_the_last_is_not_judged_by_events_still_on_their_way(
         cfg.engine_signals.events_lag_ms = 2_000;
     })
     .await;
-    let session = SessionId::from_key("agent-8").0;
     let mut client = cluster.client.clone();
-    let answered =
-        async |client: &mut kvc_proto::pb::router_client::RouterClient<_>, id: u64, turn: u32| {
-            let input = 2_000 + 200 * u64::from(turn);
-            let hashes: Vec<u64> = (1..=2 + u64::from(turn)).collect();
-            let d = client
-                .route(route_req(id, Some(session), Some(turn), input, &hashes))
-                .await
-                .unwrap()
-                .into_inner();
-            client
-                .report_outcome(pb::OutcomeReport {
-                    decision_id: d.decision_id,
-                    request_id: id,
-                    outcome: Outcome::Ok.to_proto(),
-                    resident_tokens: input + 40,
-                })
-                .await
-                .unwrap();
-            d
-        };
-    let t1 = answered(&mut client, 1, 1).await;
+    let answered = async |client: &mut kvc_proto::pb::router_client::RouterClient<_>,
+                          (session, blocks_from): (u64, u64),
+                          id: u64,
+                          turn: u32| {
+        let input = 2_000 + 200 * u64::from(turn);
+        let hashes: Vec<u64> = (1..=2 + u64::from(turn)).map(|h| h + blocks_from).collect();
+        let d = client
+            .route(route_req(id, Some(session), Some(turn), input, &hashes))
+            .await
+            .unwrap()
+            .into_inner();
+        client
+            .report_outcome(pb::OutcomeReport {
+                decision_id: d.decision_id,
+                request_id: id,
+                outcome: Outcome::Ok.to_proto(),
+                resident_tokens: input + 40,
+            })
+            .await
+            .unwrap();
+        d
+    };
+    let evictions = async |cluster: &Cluster| {
+        let metrics = cluster.metrics().await;
+        common::value(&metrics, "kvc_router_event_evictions_total", &[])
+    };
+    // The engine's clock, in seconds: the router's manual clock, now.
+    let engine_now = |cluster: &Cluster| cluster.now() as f64 / 1_000.0;
+    // Each session with its own blocks.
+    let (a, b) = (
+        (SessionId::from_key("agent-8").0, 0),
+        (SessionId::from_key("agent-9").0, 1_000),
+    );
+    let t1 = answered(&mut client, a, 1, 1).await;
     assert_eq!(
         (t1.mode(), t1.decode_worker),
         (pb::ExecutionMode::Turn1Seed, 1)
     );
-    // d1's events so far hold another session's blocks only.
-    publish(&publisher, vec![stored(500, 4, None, "other")]).await;
+    // d1's events so far hold another session's blocks only, published before the answer.
+    publish_at(
+        &publisher,
+        engine_now(&cluster) - 1.0,
+        vec![stored(500, 4, None, "other")],
+    )
+    .await;
     wait_for(&cluster, "d1's first batch applied", |ws| {
         ws[1].events.as_ref().is_some_and(|e| e.last_seq == Some(0))
     })
     .await;
     // Turn 2 at once (the manual clock has not moved): direct to d1.
-    let t2 = answered(&mut client, 2, 2).await;
+    let t2 = answered(&mut client, a, 2, 2).await;
     assert_eq!(
         (t2.mode(), t2.decode_worker),
         (pb::ExecutionMode::DirectToD, 1)
     );
+    assert_eq!(evictions(&cluster).await, 0.0);
     // Past the lag, with the session still absent from d1's events: an eviction.
     cluster.clock.advance(2_000);
     wait_for(&cluster, "d1 scraped again", |ws| {
         ws[1].state.health == Health::Healthy && ws[0].state.health == Health::Healthy
     })
     .await;
-    let t3 = answered(&mut client, 3, 3).await;
+    let t3 = answered(&mut client, a, 3, 3).await;
     assert_ne!(t3.mode(), pb::ExecutionMode::DirectToD);
     assert_eq!(t3.prefill_worker, Some(0));
-    let metrics = cluster.metrics().await;
+    assert_eq!(evictions(&cluster).await, 1.0);
+
+    // Session b: its turn 1 answered, then a batch d1 published after the answer applied
+    // without b's blocks: the events have caught up, and b is not there.
+    let u1 = answered(&mut client, b, 11, 1).await;
     assert_eq!(
-        common::value(&metrics, "kvc_router_event_evictions_total", &[]),
-        1.0
+        (u1.mode(), u1.decode_worker),
+        (pb::ExecutionMode::Turn1Seed, 1)
     );
+    publish_at(
+        &publisher,
+        engine_now(&cluster),
+        vec![stored(600, 4, None, "other")],
+    )
+    .await;
+    wait_for(&cluster, "d1's second batch applied", |ws| {
+        ws[1].events.as_ref().is_some_and(|e| e.last_seq == Some(1))
+    })
+    .await;
+    let u2 = answered(&mut client, b, 12, 2).await;
+    assert_ne!(u2.mode(), pb::ExecutionMode::DirectToD);
+    assert_eq!(u2.prefill_worker, Some(0));
+    assert_eq!(evictions(&cluster).await, 2.0);
     stop.cancel();
 }

@@ -181,7 +181,9 @@ impl RouterService {
         // turn planned on the session's host, which counted on that KV, is costed again).
         // Not while the events of the session's last turn may still be on their way: a turn
         // sent as soon as the last one was answered would otherwise find nothing stored yet.
-        // (Unless the events had shown the blocks there: then they saw them go.)
+        // The events decide once they had shown the blocks there (then they saw them go),
+        // once they have caught up with the session's last request or answer (a batch the
+        // engine published since is applied), or `events-lag-ms` after it.
         let events_lag = self.config.engine_signals.events_lag_ms;
         let d = decision.decode;
         let evicted = match session {
@@ -189,7 +191,9 @@ impl RouterService {
                 match self.events_residency(d, s) {
                     Some(0) => {
                         core.events_showed.get(&s) == Some(&d)
-                            || last_seen.is_none_or(|t| now.saturating_sub(t) >= events_lag)
+                            || last_seen.is_none_or(|t| {
+                                now.saturating_sub(t) >= events_lag || self.events_caught_up(d, t)
+                            })
                     }
                     Some(_) => {
                         core.events_showed.insert(s, d);
