@@ -627,19 +627,21 @@ impl RouterService {
             .is_some_and(|t| t >= since_ms)
     }
 
-    /// How many of `session`'s blocks `worker`'s engine events say it holds (its best rank);
-    /// `None` for a worker without events, or before a stream of it has applied any.
-    pub(crate) fn events_residency(&self, worker: WorkerId, session: SessionId) -> Option<u32> {
-        let stats = self.entry(worker.0).and_then(|e| e.event_stats())?;
+    /// How many tokens of `session`'s blocks `worker`'s engine events say it holds (its best
+    /// rank); `None` for a worker without events, or before a stream of it has applied any.
+    pub(crate) fn events_residency(&self, worker: WorkerId, session: SessionId) -> Option<u64> {
+        let entry = self.entry(worker.0)?;
+        let stats = entry.event_stats()?;
         stats.last_seq?;
-        Some(
-            self.kv_index
-                .read()
-                .session_residency(session)
-                .iter()
-                .find(|(w, _)| *w == worker)
-                .map_or(0, |(_, n)| *n),
-        )
+        let block = u64::from(entry.event_block_size()?);
+        let blocks = self
+            .kv_index
+            .read()
+            .session_residency(session)
+            .iter()
+            .find(|(w, _)| *w == worker)
+            .map_or(0, |(_, n)| *n);
+        Some(u64::from(blocks) * block)
     }
 
     /// The data-parallel rank of `worker` whose events hold the most of `session`'s blocks

@@ -780,5 +780,28 @@ async fn a_turn_right_after_the_last_is_not_judged_by_events_still_on_their_way(
     assert_ne!(u2.mode(), pb::ExecutionMode::DirectToD);
     assert_eq!(u2.prefill_worker, Some(0));
     assert_eq!(evictions(&cluster).await, 2.0);
+
+    // Session c: the events, caught up, show it holding two blocks of 16 tokens on d1 (say, a
+    // shared system prompt's it stored last) where the plan counts on its whole last turn:
+    // less than half of it, so not resident.
+    let c = (SessionId::from_key("agent-10").0, 2_000);
+    let v1 = answered(&mut client, c, 21, 1).await;
+    assert_eq!(
+        (v1.mode(), v1.decode_worker),
+        (pb::ExecutionMode::Turn1Seed, 1)
+    );
+    publish_at(
+        &publisher,
+        engine_now(&cluster),
+        vec![stored(700, 2, None, "agent-10")],
+    )
+    .await;
+    wait_for(&cluster, "d1's third batch applied", |ws| {
+        ws[1].events.as_ref().is_some_and(|e| e.last_seq == Some(2))
+    })
+    .await;
+    let v2 = answered(&mut client, c, 22, 2).await;
+    assert_ne!(v2.mode(), pb::ExecutionMode::DirectToD);
+    assert_eq!(evictions(&cluster).await, 3.0);
     stop.cancel();
 }

@@ -183,13 +183,16 @@ impl RouterService {
         // sent as soon as the last one was answered would otherwise find nothing stored yet.
         // The events decide once they had shown the blocks there (then they saw them go),
         // once they have caught up with the session's last request or answer (a batch the
-        // engine published since is applied), or `events-lag-ms` after it.
+        // engine published since is applied), or `events-lag-ms` after it. Holding "some"
+        // blocks is not enough: the blocks of a system prompt every session shares stay on a
+        // busy worker, credited to whichever session stored them last, so the events must
+        // show at least half of what the plan counts on the worker holding.
         let events_lag = self.config.engine_signals.events_lag_ms;
         let d = decision.decode;
         let evicted = match session {
             Some(s) if counts_on_residency(&decision, &core.state, s) => {
                 match self.events_residency(d, s) {
-                    Some(0) => {
+                    Some(held) if held.saturating_mul(2) < decision.cached_tokens.max(1) => {
                         core.events_showed.get(&s) == Some(&d)
                             || last_seen.is_none_or(|t| {
                                 now.saturating_sub(t) >= events_lag || self.events_caught_up(d, t)
