@@ -250,10 +250,10 @@ impl Relay {
                 }
             }
         };
-        let app = Arc::clone(&self.app);
+        let app = &self.app;
         app.feed_breaker(self.decode, self.head_failed || worker_broke);
         if !relayed && let Some(p) = prefill {
-            p.abandon(&app);
+            p.abandon(app);
         }
         if !reported {
             let (outcome, resident) = if relayed && self.status.is_success() {

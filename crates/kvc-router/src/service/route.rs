@@ -187,26 +187,10 @@ impl RouterService {
         // blocks is not enough: the blocks of a system prompt every session shares stay on a
         // busy worker, credited to whichever session stored them last, so the events must
         // show at least half of what the plan counts on the worker holding.
-        let events_lag = self.config.engine_signals.events_lag_ms;
-        let d = decision.decode;
-        let evicted = match session {
-            Some(s) if counts_on_residency(&decision, &core.state, s) => {
-                match self.events_residency(d, s) {
-                    Some(held) if held.saturating_mul(2) < decision.cached_tokens.max(1) => {
-                        core.events_showed.get(&s) == Some(&d)
-                            || last_seen.is_none_or(|t| {
-                                now.saturating_sub(t) >= events_lag || self.events_caught_up(d, t)
-                            })
-                    }
-                    Some(_) => {
-                        core.events_showed.insert(s, d);
-                        false
-                    }
-                    None => false,
-                }
-            }
-            _ => false,
-        };
+        let evicted = session.is_some_and(|s| {
+            counts_on_residency(&decision, &core.state, s)
+                && self.events_show_eviction(&mut core.events_showed, &decision, s, last_seen, now)
+        });
         if let Some(s) = session
             && evicted
         {
@@ -291,6 +275,35 @@ impl RouterService {
 
 /// Whether `decision` counts on `session`'s KV being resident on its decode worker: a
 /// direct-to-D turn, or a local turn on the worker the router believes holds the session.
+impl RouterService {
+    /// Whether the events of `decision`'s worker say `session` is gone from it (the rule
+    /// above); records the worker while they show the session there.
+    fn events_show_eviction(
+        &self,
+        showed: &mut std::collections::HashMap<SessionId, WorkerId>,
+        decision: &Decision,
+        session: SessionId,
+        last_seen: Option<u64>,
+        now: u64,
+    ) -> bool {
+        let d = decision.decode;
+        match self.events_residency(d, session) {
+            Some(held) if held.saturating_mul(2) < decision.cached_tokens.max(1) => {
+                showed.get(&session) == Some(&d)
+                    || last_seen.is_none_or(|t| {
+                        now.saturating_sub(t) >= self.config.engine_signals.events_lag_ms
+                            || self.events_caught_up(d, t)
+                    })
+            }
+            Some(_) => {
+                showed.insert(session, d);
+                false
+            }
+            None => false,
+        }
+    }
+}
+
 fn counts_on_residency(decision: &Decision, state: &RouterState, session: SessionId) -> bool {
     match decision.mode {
         ExecutionMode::DirectToD => true,
