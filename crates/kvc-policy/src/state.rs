@@ -34,6 +34,9 @@ struct WorkerCounters {
     /// P→D decisions into the worker (as D) whose KV has not arrived: no first token
     /// reported, not completed.
     awaiting_kv: u32,
+    /// The prompt blocks of those decisions: KV on its way to the worker, which its pool must
+    /// find room for when it lands.
+    awaiting_kv_blocks: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -49,6 +52,8 @@ struct Pending {
     sent_ms: u64,
     /// A P→D decision whose KV has not reached its D yet (no first token reported).
     awaiting_kv: bool,
+    /// The request's prompt blocks (what its D holds once the KV lands).
+    kv_blocks: u32,
 }
 
 /// Everything the router remembers between decisions: per-session routing state (current D,
@@ -387,6 +392,15 @@ impl RouterState {
         self.counters
             .get(worker.0 as usize)
             .map_or(0, |c| c.awaiting_kv)
+    }
+
+    /// The prompt blocks of those requests ([`RouterState::awaiting_kv`]): KV on its way to
+    /// `worker` that its pool must find room for, which the worker's own figures do not show
+    /// until it lands.
+    pub fn awaiting_kv_blocks(&self, worker: WorkerId) -> u64 {
+        self.counters
+            .get(worker.0 as usize)
+            .map_or(0, |c| c.awaiting_kv_blocks)
     }
 
     /// Estimated seconds of prefill the router has sent `worker` that have not reported their

@@ -805,3 +805,108 @@ async fn a_turn_right_after_the_last_is_not_judged_by_events_still_on_their_way(
     assert_eq!(evictions(&cluster).await, 3.0);
     stop.cancel();
 }
+
+/// On a stock engine the session's cached blocks sit in the room the engine reports free, and
+/// the KV of P→D requests on their way there takes that room before a direct turn runs: a
+/// direct turn goes through P while what is inbound leaves no room for the session beside it,
+/// and direct again once it has landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_turn_needs_room_for_its_session_beside_the_kv_on_its_way() {
+    use kvc_core::{Outcome, SessionId};
+    use kvc_proto::convert::ProtoEnum;
+    use kvc_proto::pb;
+
+    // d1: 92,000 tokens, 10 % used by running requests: 82,800 free by its /metrics.
+    let (cluster, publisher, stop, _engines) = events_cluster(|_| {}).await;
+    let mut client = cluster.client.clone();
+    let report = async |client: &mut kvc_proto::pb::router_client::RouterClient<_>,
+                        d: &pb::RouteDecision,
+                        id: u64,
+                        resident: u64| {
+        client
+            .report_outcome(pb::OutcomeReport {
+                decision_id: d.decision_id,
+                request_id: id,
+                outcome: Outcome::Ok.to_proto(),
+                resident_tokens: resident,
+            })
+            .await
+            .unwrap();
+    };
+    let reroutes = async |cluster: &Cluster| {
+        let metrics = cluster.metrics().await;
+        common::value(&metrics, "kvc_router_probe_reroutes_total", &[])
+    };
+    let key = "agent-11";
+    let session = SessionId::from_key(key).0;
+    let t1 = client
+        .route(route_req(1, Some(session), Some(1), 2_000, &[1, 2, 3]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (t1.mode(), t1.decode_worker),
+        (pb::ExecutionMode::Turn1Seed, 1)
+    );
+    report(&mut client, &t1, 1, 2_040).await;
+    publish(&publisher, vec![stored(100, 127, None, key)]).await;
+    wait_for(&cluster, "the session's blocks indexed", |ws| {
+        ws[1]
+            .events
+            .as_ref()
+            .is_some_and(|e| e.indexed_blocks == 127)
+    })
+    .await;
+
+    // Four first turns of 45 blocks (512 tokens each) sent P→D to d1, none answered yet:
+    // 92,160 tokens of KV on their way to it.
+    let mut inbound = Vec::new();
+    for i in 0..4u64 {
+        let id = 100 + i;
+        let hashes: Vec<u64> = (0..45).map(|b| 10_000 * (i + 1) + b).collect();
+        let d = client
+            .route(route_req(id, Some(500 + i), Some(1), 23_040, &hashes))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            (d.mode(), d.decode_worker),
+            (pb::ExecutionMode::Turn1Seed, 1)
+        );
+        inbound.push((id, d));
+    }
+    // Turn 2 needs 200 new tokens beside what d1 holds of it: room by d1's figures alone
+    // (82,800 free, or 84,840 once the session's first answer is counted out), none beside
+    // what is inbound.
+    let t2 = client
+        .route(route_req(2, Some(session), Some(2), 2_200, &[1, 2, 3, 4]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(t2.mode(), pb::ExecutionMode::DirectToD);
+    assert_eq!((t2.prefill_worker, t2.decode_worker), (Some(0), 1));
+    assert_eq!(reroutes(&cluster).await, 1.0);
+    report(&mut client, &t2, 2, 2_240).await;
+
+    // Two of them land (answered): 46,080 tokens still inbound, and room for the session.
+    for (id, d) in inbound.drain(..2) {
+        report(&mut client, &d, id, 23_080).await;
+    }
+    let t3 = client
+        .route(route_req(
+            3,
+            Some(session),
+            Some(3),
+            2_400,
+            &[1, 2, 3, 4, 5],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (t3.mode(), t3.decode_worker),
+        (pb::ExecutionMode::DirectToD, 1)
+    );
+    assert_eq!(reroutes(&cluster).await, 1.0);
+    stop.cancel();
+}

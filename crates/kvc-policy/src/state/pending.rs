@@ -38,6 +38,7 @@ impl RouterState {
             prefill_us: change.prefill_us,
             sent_ms: change.now_ms,
             awaiting_kv,
+            kv_blocks: u32::try_from(change.blocks.len()).unwrap_or(u32::MAX),
         };
         self.pending_order
             .push_back((self.next_seq, change.request_id));
@@ -49,6 +50,9 @@ impl RouterState {
             self.awaiting_kv[d].push_back((self.next_seq, change.request_id));
             if let Some(c) = self.counters_mut(change.decode) {
                 c.awaiting_kv = c.awaiting_kv.saturating_add(1);
+                c.awaiting_kv_blocks = c
+                    .awaiting_kv_blocks
+                    .saturating_add(u64::from(pending.kv_blocks));
             }
         }
         self.next_seq += 1;
@@ -189,6 +193,7 @@ impl RouterState {
         if p.awaiting_kv {
             if let Some(c) = self.counters_mut(p.decode) {
                 c.awaiting_kv = c.awaiting_kv.saturating_sub(1);
+                c.awaiting_kv_blocks = c.awaiting_kv_blocks.saturating_sub(u64::from(p.kv_blocks));
             }
             self.trim_awaiting(p.decode);
         }

@@ -234,6 +234,10 @@ proptest! {
                     .filter(|p| p.decode == WorkerId(w) && p.awaiting_kv)
                     .collect();
                 prop_assert_eq!(state.awaiting_kv(WorkerId(w)) as usize, waiting.len());
+                prop_assert_eq!(
+                    state.awaiting_kv_blocks(WorkerId(w)),
+                    waiting.iter().map(|p| u64::from(p.kv_blocks)).sum::<u64>()
+                );
                 let first = waiting.iter().min_by_key(|p| p.seq);
                 let at = now + 1_000;
                 prop_assert_eq!(
@@ -252,11 +256,11 @@ proptest! {
 fn pending_and_worker_entries_are_the_documented_size() {
     // The figures of `docs/kvc-policy.md` ("Memory and cost"): a pending decision's value,
     // an awaiting-KV queue entry, and a worker's counters plus its queue's header.
-    assert_eq!(std::mem::size_of::<Pending>(), 40);
+    assert_eq!(std::mem::size_of::<Pending>(), 48);
     assert_eq!(std::mem::size_of::<(u64, RequestId)>(), 16);
     assert_eq!(
         std::mem::size_of::<WorkerCounters>() + std::mem::size_of::<VecDeque<(u64, RequestId)>>(),
-        56
+        64
     );
 }
 

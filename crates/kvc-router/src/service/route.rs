@@ -7,8 +7,9 @@ use super::{
     Core, EXPIRE_PER_DECISION, Pending, RouterDecision, RouterService, feedback::probe_entry,
 };
 use crate::error::RequestError;
+use crate::workers::WorkerEntry;
 use kvc_core::{ExecutionMode, Outcome, SessionId, WorkerId};
-use kvc_policy::{Decision, Observation, Residency, RouteRequest, RouterState};
+use kvc_policy::{Decision, Observation, PolicyConfig, Residency, RouteRequest, RouterState};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -207,7 +208,8 @@ impl RouterService {
             let d = decision.decode;
             let admitted = match self.entry(d.0) {
                 Some(entry) => {
-                    let p = probe_entry(&entry, decision.need_tokens, session, now);
+                    let need = self.direct_need_tokens(&entry, &decision, &core.state, policy);
+                    let p = probe_entry(&entry, need, session, now);
                     self.metrics.record_probe(p.kind);
                     p.reply.can_admit
                 }
@@ -276,6 +278,33 @@ impl RouterService {
 /// Whether `decision` counts on `session`'s KV being resident on its decode worker: a
 /// direct-to-D turn, or a local turn on the worker the router believes holds the session.
 impl RouterService {
+    /// The room a direct-to-D `decision` needs on its worker, as the worker's probe judges
+    /// it. A snapshot's probe counts the session's own KV and the reservations itself, so
+    /// the decision's need goes as it is. A stock engine's figures count only its running
+    /// requests: the session's cached blocks sit in what it reports free (the first to be
+    /// taken when other work needs room), and the KV of the P→D requests on their way to it
+    /// lands there before this turn runs. The turn is admitted only if that room holds all
+    /// three; else it goes through P, which holds the session's prefix, instead of reaching
+    /// a D that evicted it meanwhile and recomputes the whole prompt.
+    fn direct_need_tokens(
+        &self,
+        entry: &WorkerEntry,
+        decision: &Decision,
+        state: &RouterState,
+        policy: &PolicyConfig,
+    ) -> u64 {
+        if !entry.is_scraped() {
+            return decision.need_tokens;
+        }
+        let inbound = state
+            .awaiting_kv_blocks(decision.decode)
+            .saturating_mul(u64::from(policy.block_size().tokens()));
+        decision
+            .need_tokens
+            .saturating_add(decision.cached_tokens)
+            .saturating_add(inbound)
+    }
+
     /// Whether the events of `decision`'s worker say `session` is gone from it (the rule
     /// above); records the worker while they show the session there.
     fn events_show_eviction(
