@@ -1,9 +1,10 @@
 //! Tidy checks: the documentation names only things that exist.
 //!
-//! `ARCHITECTURE.md`, `README.md`, the documents under `docs/` and every module doc (`//!`) of the
-//! workspace name files, folders and Rust paths in backticks and link to files. Each such name must
-//! still exist, and the policy tables must list every policy `kvc-policy` knows. A rename that
-//! forgets a document fails here instead of misleading the next reader.
+//! `ARCHITECTURE.md`, `README.md`, the documents under `docs/`, the crates' READMEs and every
+//! module doc (`//!`) of the workspace name files, folders and Rust paths in backticks and link
+//! to files. Each such name must still exist, and the policy tables must list every policy
+//! `kvc-policy` knows. A rename that forgets a document fails here instead of misleading the
+//! next reader.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -316,6 +317,13 @@ fn documents_name_only_what_exists() {
         let path = entry.expect("a docs entry").path();
         if path.extension().is_some_and(|e| e == "md") {
             docs.push(path);
+        }
+    }
+    // The READMEs of the published crates.
+    for entry in std::fs::read_dir(root.join("crates")).expect("crates/ exists") {
+        let readme = entry.expect("a crates entry").path().join("README.md");
+        if readme.is_file() {
+            docs.push(readme);
         }
     }
     for doc in &docs {

@@ -21,8 +21,11 @@ USAGE:
     cargo xtask bench [--quick | --smoke] [--baseline FILE]
 
 COMMANDS:
-    test       Run the whole test suite: `cargo test --workspace --locked`, then the loom
-               model checks of kvc-admission (built with `--cfg loom` into target/loom),
+    test       Run the whole test suite: `cargo test --workspace --locked`, then the docs of
+               kvc-core and kvc-policy built with warnings denied and `cargo publish
+               --dry-run` of both (packaged and built as crates.io would take them; needs
+               crates.io), then the loom model checks of kvc-admission (built with
+               `--cfg loom` into target/loom),
                then scripts/python-client/check.sh (a Python client generated from proto/
                by grpcio-tools calls a running kvc-router; needs python3 and PyPI), then
                crates/kvc-events/scripts/check.sh (KV-cache event fixtures regenerated
@@ -235,6 +238,9 @@ fn test() -> ExitCode {
     if let Err(code) = unit {
         return code;
     }
+    if let Err(code) = published_crates_step() {
+        return code;
+    }
     let root = workspace_root();
     let loom_tests = root.join("crates/kvc-admission/tests/loom.rs");
     if loom_tests.exists() {
@@ -299,6 +305,33 @@ fn test() -> ExitCode {
         eprintln!("xtask test: python3 not found; `cargo xtask bench --smoke` is skipped");
     }
     real_vllm_step(has_python)
+}
+
+/// The crates a router written elsewhere depends on (`docs/kvc-policy.md`, "Depending on
+/// it"): their docs build without a warning, and both package and build on their own as
+/// crates.io would take them (`--allow-dirty`: a working tree with uncommitted changes is
+/// checked as it is). `tests/tests/packaging.rs` checks their manifests without building.
+fn published_crates_step() -> Result<(), ExitCode> {
+    const CRATES: [&str; 4] = ["-p", "kvc-core", "-p", "kvc-policy"];
+    let started = std::time::Instant::now();
+    run(
+        "doc build of kvc-core and kvc-policy",
+        cargo()
+            .args(["doc", "--no-deps", "--locked"])
+            .args(CRATES)
+            .env("RUSTDOCFLAGS", "-D warnings"),
+    )?;
+    run(
+        "publish dry run of kvc-core and kvc-policy",
+        cargo()
+            .args(["publish", "--dry-run", "--locked", "--allow-dirty"])
+            .args(CRATES),
+    )?;
+    eprintln!(
+        "xtask test: the published crates' step took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// The last step: the tests against a real vLLM (`tests/tests/real_vllm.rs`, ignored by the

@@ -5,6 +5,47 @@
 //! no clock, and it depends on neither tokio nor tonic, so a router written elsewhere can depend
 //! on it cheaply.
 //!
+//! ## In a router written elsewhere
+//!
+//! A router that asks `kvc-policy` for its decisions meets this crate at its edges: the ids
+//! and block ids of an incoming request, the state its workers publish, and the names of what
+//! happened, for its logs and metrics (`kvc-policy`'s crate docs show the whole loop):
+//!
+//! ```
+//! use kvc_core::text::{block_hashes, fallback_tokens};
+//! use kvc_core::{BlockHash, BlockSize, ExecutionMode, Health, Outcome, SessionId, StableName};
+//! use kvc_core::{WorkerRole, WorkerState};
+//!
+//! // A request in: its session from the client's key, its prompt as chained block ids.
+//! let session = SessionId::from_key("agent-7");
+//! assert_eq!(session, SessionId::from_key("agent-7")); // the same id on every router
+//! let turn1 = fallback_tokens("fix the failing test in parser.rs");
+//! let turn2 = fallback_tokens("fix the failing test in parser.rs then run the suite");
+//! let block = BlockSize::new(4).expect("a positive size");
+//! let ids = |t: &[u32]| -> Vec<BlockHash> {
+//!     block_hashes(t, block).into_iter().map(BlockHash).collect()
+//! };
+//! let (a, b) = (ids(&turn1), ids(&turn2));
+//! assert_eq!((a.len(), b.len()), (2, 3)); // 7 and 11 words: the last block partial
+//! assert_eq!(kvc_core::prefix::shared_prefix_blocks(&a, &b), 1); // one full block shared
+//!
+//! // A worker's published load, as the policy reads it.
+//! let d = WorkerState { used_tokens: 60_000, evictable_tokens: 20_000, in_flight: 3,
+//!                       ..WorkerState::empty(92_160) };
+//! assert_eq!(d.available_tokens(), 52_160);
+//! assert_eq!(d.committed_tokens(), 40_000);
+//! assert!(d.health.is_routable() && !Health::Stale.is_routable());
+//!
+//! // What happened, named for logs and metric labels, and the one accounting rule.
+//! assert_eq!("decode".parse::<WorkerRole>(), Ok(WorkerRole::Decode));
+//! assert_eq!(ExecutionMode::DirectToD.as_str(), "direct-to-d");
+//! assert_eq!("direct-to-d".parse::<ExecutionMode>(), Ok(ExecutionMode::DirectToD));
+//! assert!(!Outcome::InputTooLong.is_mechanism_error());
+//! assert!(Outcome::KvTransferTimeout.is_mechanism_error());
+//! ```
+//!
+//! Depend on it with `kvc-core = "0.1"`; it is published on its own, as `kvc-policy` is.
+//!
 //! What is here:
 //! - ids: [`SessionId`], [`TurnId`], [`RequestId`], [`WorkerId`], [`BlockHash`] and the block
 //!   size ([`BlockSize`], 512 tokens by default);
@@ -28,16 +69,12 @@
 //!
 //! Every enum serializes to a **stable kebab-case name** ([`StableName`]); the same string is
 //! used in JSON, in metrics labels and on the command line.
-//!
-//! ```
-//! use kvc_core::{ExecutionMode, Outcome, StableName};
-//!
-//! assert_eq!(ExecutionMode::DirectToD.as_str(), "direct-to-d");
-//! assert_eq!("direct-to-d".parse::<ExecutionMode>().unwrap(), ExecutionMode::DirectToD);
-//! assert!(!Outcome::InputTooLong.is_mechanism_error());
-//! assert!(Outcome::KvTransferTimeout.is_mechanism_error());
-//! ```
 #![forbid(unsafe_code)]
+
+// The README's example runs as a doctest too, so the published page stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;
 
 pub mod agent_apis;
 mod hash_ids;

@@ -6,10 +6,81 @@
 //! or takes a **P→D** path (and through which prefill worker), and why. It also estimates the
 //! request's footprint on D and recommends a client pause under pressure.
 //!
+//! ## A router written elsewhere
+//!
+//! A router keeps its own table of workers. For each request it builds the policy's inputs
+//! from that table, asks [`route`] for a decision, carries it out, applies the decision's
+//! [`Decision::change`], and reports how the request ended with [`RouterState::observe`]:
+//!
+//! ```
+//! use kvc_core::text::{block_hashes, fallback_tokens};
+//! use kvc_core::{BlockHash, BlockSize, ExecutionMode, Outcome, RequestId, SessionId, TurnId};
+//! use kvc_core::{WorkerId, WorkerRole, WorkerState};
+//! use kvc_policy::{ClusterView, Observation, PolicyConfig, RouteRequest, RouterState, WorkerView};
+//!
+//! // The router's own record of a worker: its address, role and last published load.
+//! struct Worker { url: &'static str, role: WorkerRole, pool: u64, used: u64 }
+//! let mut table = [
+//!     Worker { url: "http://10.0.0.1:8000", role: WorkerRole::Prefill, pool: 92_160, used: 0 },
+//!     Worker { url: "http://10.0.0.2:8000", role: WorkerRole::Decode, pool: 92_160, used: 0 },
+//!     Worker { url: "http://10.0.0.3:8000", role: WorkerRole::Decode, pool: 92_160, used: 0 },
+//! ];
+//! // The policy's view of the table: a worker's id is its index there.
+//! let views = |table: &[Worker]| -> Vec<WorkerView> {
+//!     let view = |(i, w): (usize, &Worker)| {
+//!         let state = WorkerState { used_tokens: w.used, ..WorkerState::empty(w.pool) };
+//!         WorkerView::new(WorkerId(i as u32), w.role, state)
+//!     };
+//!     table.iter().enumerate().map(view).collect()
+//! };
+//! let config = PolicyConfig::from_name("kvc")?;
+//! let mut state = RouterState::new(&config, &views(&table));
+//! let session = SessionId::from_key("agent-7"); // the client's session key
+//!
+//! // One request: route, dispatch, apply, and report the answer.
+//! let mut serve = |id: u64, turn: u32, words: u64, now_ms: u64| {
+//!     let prompt: String = (0..words).map(|i| format!("w{i} ")).collect();
+//!     let tokens = fallback_tokens(&prompt); // one token per word
+//!     let blocks: Vec<BlockHash> =
+//!         block_hashes(&tokens, BlockSize::default()).into_iter().map(BlockHash).collect();
+//!     let request = RouteRequest::new(RequestId(id), words, 40, &blocks)
+//!         .in_session(session, TurnId(turn));
+//!     let workers = views(&table);
+//!     let d = kvc_policy::route(&config, &state, &ClusterView::new(now_ms, &workers), &request)?;
+//!     // Send it to D's `url` (through the prefill worker first when `d.prefill` is Some).
+//!     let _d_url = table[d.decode.0 as usize].url;
+//!     state.apply(&d.change);
+//!     // D answered 40 tokens and keeps the session's whole context (all it holds here).
+//!     table[d.decode.0 as usize].used = words + 40;
+//!     state.observe(&Observation::Completed {
+//!         request_id: RequestId(id), session: Some(session), worker: d.decode,
+//!         outcome: Outcome::Ok, resident_tokens: words + 40, direct: d.is_direct(),
+//!     });
+//!     Ok::<_, kvc_policy::PolicyError>(d)
+//! };
+//!
+//! // First turn: 1,300 tokens, seeded through the prefill worker onto a D.
+//! let first = serve(1, 1, 1_300, 0)?;
+//! assert_eq!(first.mode, ExecutionMode::Turn1Seed);
+//! assert_eq!(first.prefill, Some(WorkerId(0)));
+//! // Later turn: the context grew to 1,900 tokens. Its first two 512-token blocks, whole in the
+//! // first turn, are resident on that D, so it goes direct-to-D; D needs room only for what the
+//! // turn adds to the session's 1,340 resident tokens, plus the output.
+//! let later = serve(2, 2, 1_900, 2_500)?;
+//! assert_eq!(later.mode, ExecutionMode::DirectToD);
+//! assert_eq!((later.decode, later.prefill), (first.decode, None));
+//! assert_eq!(later.cached_tokens, 1_024);
+//! assert_eq!(later.need_tokens, 1_900 - 1_340 + 40);
+//! # Ok::<(), kvc_policy::PolicyError>(())
+//! ```
+//!
+//! Depend on it with `kvc-policy = "0.1"` (and `kvc-core = "0.1"` for the vocabulary): both
+//! crates are published on their own (`docs/kvc-policy.md`, "Depending on it").
+//!
 //! Everything is a pure function of explicit inputs: no I/O, no clock (time is an input), no
 //! async, no globals; ties are broken deterministically, and the order of the workers in the
-//! view does not matter. The crate depends only on `kvc-core`, `serde` and `thiserror`, so a
-//! router written elsewhere can depend on it cheaply.
+//! view does not matter. The crate depends only on `kvc-core`, `serde`, `smallvec` and
+//! `thiserror`, so a router written elsewhere can depend on it cheaply.
 //!
 //! ## The loop
 //!
@@ -49,53 +120,12 @@
 //! Prefill selection ([`PrefillPolicy`], named in `kvc-core`): `round-robin` or
 //! `d-health-aware`. Shared helpers:
 //! [`footprint_tokens`], [`classify_turn`], [`recommended_pause_ms`].
-//!
-//! ## A foreign router calling it
-//!
-//! ```
-//! use kvc_core::{
-//!     BlockHash, ExecutionMode, Outcome, RequestId, SessionId, TurnId, WorkerId, WorkerRole,
-//!     WorkerState,
-//! };
-//! use kvc_policy::{route, ClusterView, Observation, PolicyConfig, RouteRequest, RouterState, WorkerView};
-//!
-//! // One prefill and two decode workers, as published by the workers.
-//! let workers = [
-//!     WorkerView::new(WorkerId(0), WorkerRole::Prefill, WorkerState::empty(92_000)),
-//!     WorkerView::new(WorkerId(1), WorkerRole::Decode, WorkerState::empty(92_000)),
-//!     WorkerView::new(WorkerId(2), WorkerRole::Decode, WorkerState::empty(92_000)),
-//! ];
-//! let config = PolicyConfig::from_name("kvc-v2")?;
-//! let mut state = RouterState::new(&config, &workers);
-//! let session = SessionId::from_key("agent-7");
-//!
-//! // Turn 1: 3 blocks (1,300 tokens) — seeded through P.
-//! let turn1: Vec<BlockHash> = [11, 12, 13].map(BlockHash).to_vec();
-//! let req = RouteRequest::new(RequestId(1), 1_300, 40, &turn1).in_session(session, TurnId(1));
-//! let d = route(&config, &state, &ClusterView::new(0, &workers), &req)?;
-//! assert_eq!(d.mode, ExecutionMode::Turn1Seed);
-//! assert_eq!(d.prefill, Some(WorkerId(0)));
-//! state.apply(&d.change);
-//! state.observe(&Observation::Completed {
-//!     request_id: RequestId(1), session: Some(session), worker: d.decode,
-//!     outcome: Outcome::Ok, resident_tokens: 1_340, direct: false,
-//! });
-//!
-//! // Turn 2 extends the context: its first two full blocks are resident on D, so it goes
-//! // direct-to-D and D needs room only for what it adds to the session's 1,340 resident
-//! // tokens (the recomputed tail replaces the session's own KV there) plus the output.
-//! let turn2: Vec<BlockHash> = [11, 12, 14, 15].map(BlockHash).to_vec();
-//! let req = RouteRequest::new(RequestId(2), 1_900, 40, &turn2).in_session(session, TurnId(2));
-//! let d2 = route(&config, &state, &ClusterView::new(2_500, &workers), &req)?;
-//! assert_eq!(d2.mode, ExecutionMode::DirectToD);
-//! assert_eq!(d2.decode, d.decode);
-//! assert_eq!(d2.prefill, None);
-//! assert_eq!(d2.cached_tokens, 1_024);
-//! assert_eq!(d2.need_tokens, 1_900 - 1_340 + 40);
-//! state.apply(&d2.change);
-//! # Ok::<(), kvc_policy::PolicyError>(())
-//! ```
 #![forbid(unsafe_code)]
+
+// The README's example runs as a doctest too, so the published page stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;
 
 mod backpressure;
 mod cache_aware;
