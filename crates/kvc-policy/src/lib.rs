@@ -75,7 +75,7 @@
 //! ```
 //!
 //! Depend on it with `kvc-policy = "0.1"` (and `kvc-core = "0.1"` for the vocabulary): both
-//! crates are published on their own (`docs/kvc-policy.md`, "Depending on it").
+//! crates are publishable on their own (`docs/kvc-policy.md`, "Depending on it").
 //!
 //! Everything is a pure function of explicit inputs: no I/O, no clock (time is an input), no
 //! async, no globals; ties are broken deterministically, and the order of the workers in the
