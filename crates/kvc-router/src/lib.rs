@@ -137,11 +137,13 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod check;
 pub mod config;
 mod discovery;
 pub mod engine_load;
 pub mod epp;
 mod error;
+pub mod flag_workers;
 pub mod grpc;
 pub mod http;
 pub mod metrics;
