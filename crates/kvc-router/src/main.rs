@@ -7,7 +7,7 @@
 //! Started in one line, `kvc-router --prefill URL --decode URL` (or `--worker URL` for
 //! colocated engines, each repeatable) serves the HTTP front on `--host`:`--port`
 //! (127.0.0.1:30000) with each engine's pool, block size, KV-event source and model read
-//! from the engine itself (`crate::flag_workers`, in the library: `kvc_router::flag_workers`).
+//! from the engine itself (`kvc_router::flag_workers`).
 //! With `--config FILE` (a TOML configuration, see `crates/kvc-router/examples/router.toml`)
 //! the file's workers come first and the command line's are added after them; the other
 //! flags override the file's keys. It serves until SIGTERM or SIGINT, then stops gracefully.

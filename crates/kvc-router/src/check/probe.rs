@@ -164,7 +164,8 @@ impl Probe<'_> {
     }
 
     /// The KV-event source: configured, read from the engine, or none (a problem for an
-    /// engine: the router cannot see which sessions it holds).
+    /// engine whose state is read from its `/metrics`: the router cannot see which sessions
+    /// it holds; a worker with a snapshot or a `kvc.v1.Worker` service reports them itself).
     async fn events(&self, w: &WorkerConfig, http: Option<&WorkerUrl>, out: &mut WorkerCheck) {
         if w.engine.is_none() {
             return;
@@ -197,6 +198,11 @@ impl Probe<'_> {
             return;
         }
         let Some(url) = http.filter(|_| w.discovers_events()) else {
+            if w.snapshot.is_some() || w.address.is_some() {
+                // Its residency comes with its state, from kvc's own publisher.
+                out.fact("KV events", "none (residency read with its state)");
+                return;
+            }
             out.fact("KV events", "none");
             out.problem(
                 "no KV events: the router cannot see which sessions the engine holds; set \
