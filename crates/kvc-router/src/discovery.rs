@@ -16,7 +16,9 @@
 //! [`parse_event_sources`] is pure: it turns the answer into the sources to subscribe to,
 //! one per rank, and what an operator should hear about it. Each worker's progress
 //! (attempts, backoff, the last problem, logged when it changes, and what was found) is its
-//! `DiscoveryState`.
+//! `DiscoveryState`. The other things an engine says that an operator must hear about (a
+//! model other than the fleet's, prefix caching off, answers without cached-token counts)
+//! are worded here too, once, for the router's log and for `kvc-router check`.
 
 use crate::workers::{KvEventsSource, RankSource};
 use serde_json::{Map, Value};
@@ -219,6 +221,22 @@ pub(crate) fn parse_event_sources(
         warnings,
     })
 }
+
+/// What an engine that does not answer `GET /kv_event_sources` (404) is told.
+pub(crate) const NO_EVENT_SOURCES_ROUTE: &str = "GET /kv_event_sources answered 404: the \
+     engine is not vLLM 0.32 or later; set kv-events (and kv-events-replay, kv-events-topic) \
+     in its [[workers]] entry";
+
+/// What a vLLM engine running without prefix caching is warned with.
+pub(crate) const PREFIX_CACHING_OFF: &str = "the engine runs with prefix caching off \
+     (cache_config_info enable_prefix_caching=\"False\"): it reuses no session's KV, so \
+     every turn it serves is computed in full; start vLLM without --no-enable-prefix-caching";
+
+/// What an engine whose answers carry no cached-token count is warned with.
+pub(crate) const NO_CACHED_TOKENS: &str = "the engine's answers carry no \
+     usage.prompt_tokens_details.cached_tokens: start vLLM with \
+     --enable-prompt-tokens-details, or the router cannot tell a direct-to-D turn that missed \
+     the worker's cache (direct-cache-miss)";
 
 /// The model ids of a `GET /v1/models` answer (OpenAI's list shape), `None` for anything else.
 pub(crate) fn parse_models(body: &[u8]) -> Option<Vec<String>> {

@@ -61,6 +61,8 @@
 //! ## Running it
 //!
 //! ```text
+//! kvc-router --prefill http://10.0.0.1:8000 --decode http://10.0.0.2:8000
+//! kvc-router check --prefill http://10.0.0.1:8000 --decode http://10.0.0.2:8000
 //! kvc-router --config crates/kvc-router/examples/router.toml
 //! kvc-router --config router.toml --listen 0.0.0.0:50051 --policy kv-aware-v0 --max-sessions 50000
 //! RUST_LOG=kvc_router=debug kvc-router --config router.toml
@@ -68,6 +70,8 @@
 //!
 //! It prints `kvc-router grpc=<addr> metrics=<addr|none> http=<addr|none> epp=<addr|none>` on stdout once
 //! bound and stops cleanly on SIGTERM or SIGINT. `kvc-router --help` lists every option.
+//! Workers named by URL on the command line are made into configuration entries by
+//! [`flag_workers`]; `kvc-router check` is [`check`].
 //!
 //! ## Configuration
 //!
@@ -137,11 +141,13 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod check;
 pub mod config;
 mod discovery;
 pub mod engine_load;
 pub mod epp;
 mod error;
+pub mod flag_workers;
 pub mod grpc;
 pub mod http;
 pub mod metrics;

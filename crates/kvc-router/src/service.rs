@@ -453,9 +453,8 @@ impl RouterService {
             tracing::warn!(
                 worker = worker.0,
                 name = %entry.name,
-                "the engine's answers carry no usage.prompt_tokens_details.cached_tokens: start \
-                 vLLM with --enable-prompt-tokens-details, or the router cannot tell a \
-                 direct-to-D turn that missed the worker's cache (direct-cache-miss)"
+                "{}",
+                crate::discovery::NO_CACHED_TOKENS
             );
         }
     }

@@ -297,11 +297,7 @@ impl WorkerEntry {
         let mut w = self.engine_warning.lock();
         match on {
             Some(false) if w.is_none() => {
-                let text = "the engine runs with prefix caching off (cache_config_info \
-                            enable_prefix_caching=\"False\"): it reuses no session's KV, so \
-                            every turn it serves is computed in full; start vLLM without \
-                            --no-enable-prefix-caching"
-                    .to_owned();
+                let text = crate::discovery::PREFIX_CACHING_OFF.to_owned();
                 tracing::warn!(worker = self.id.0, name = %self.name, "{text}");
                 *w = Some(text);
             }

@@ -12,6 +12,7 @@
 //! | `GET /health`, `/health_generate` | 200 |
 //! | `GET /server_info`, `/get_server_info` | role (`disaggregation_mode`), pool size |
 //! | `GET /model_info`, `/get_model_info`, `/v1/models` | the model name |
+//! | `GET /metrics`, `/kv_event_sources` (vLLM dialect) | its state under vLLM's metric names, and its KV-event publisher (module `vllm_info`) |
 //! | `POST /flush_cache` | 200 |
 //!
 //! **Paths.** A prefill worker needs `bootstrap_room`. A decode worker given a bootstrap room
@@ -50,6 +51,7 @@
 //! | `generate` | `POST /generate` |
 //! | `stream` | streamed answers as SSE events |
 //! | `vllm` | the vLLM dialect: OpenAI, Messages and Responses bodies and answers, P's holds pulled by D |
+//! | `vllm_info` | what a vLLM worker says of itself on its HTTP port: `/metrics`, `/kv_event_sources` |
 //! | `agent` | the Messages and Responses answers, stream events and errors, in vLLM's shapes |
 //! | `pd_shim` | the decode side's P/D sidecar behind an endpoint picker (llm-d's `x-prefiller-host-port`) |
 //! | `standalone` | workers without a trace ([`HttpWorkers::start_standalone`], `kvc-replay workers`): any prompt, tokenized with the router's rules, sessions named by the session header |
@@ -66,6 +68,7 @@ mod standalone;
 mod state;
 mod stream;
 mod vllm;
+mod vllm_info;
 
 pub use script::{Script, ScriptedRequest};
 pub use standalone::StandaloneOptions;
@@ -229,6 +232,7 @@ impl HttpWorkers {
         } else {
             Vec::new()
         };
+        let board = publisher.board();
         let labels = crate::publish::SessionLabels::default();
         if standalone.is_some() {
             publisher.label_sessions(labels.clone());
@@ -297,6 +301,8 @@ impl HttpWorkers {
                 addr,
                 faults: opts.faults,
                 pd_shim: shim.clone(),
+                board: Arc::clone(&board),
+                events: engine_urls.get(i).cloned(),
             });
             let vllm = opts.engine == EngineKind::Vllm;
             spawn_serve(runtime, listener, worker_app(ctx, vllm), shutdown.clone());

@@ -27,12 +27,16 @@ pub(super) struct WorkerContext {
     pub(super) faults: super::Faults,
     /// The decode side's P/D sidecar, when the workers run behind an endpoint picker.
     pub(super) pd_shim: Option<Arc<super::pd_shim::PdShim>>,
+    /// Every worker's state as last published (its `/metrics`, vLLM dialect).
+    pub(super) board: crate::publish::StateBoard,
+    /// Where its KV-cache events are published, when they are (its `/kv_event_sources`).
+    pub(super) events: Option<crate::publish::engine_signals::EngineEndpoints>,
 }
 
 /// The routes of one worker: SGLang's `/generate`, or (`vllm`) vLLM's OpenAI routes.
 pub(super) fn worker_app(ctx: Arc<WorkerContext>, vllm: bool) -> Router {
     let api = if vllm {
-        super::vllm::routes()
+        super::vllm::routes().merge(super::vllm_info::routes())
     } else {
         Router::new().route("/generate", post(generate))
     };

@@ -9,14 +9,13 @@
 //! | `vllm:num_requests_running` | requests prefilling or decoding on the worker |
 //! | `vllm:num_requests_waiting` | requests queued |
 //! | `vllm:kv_cache_usage_perc` | pool share held by requests (used − evictable; a session's idle KV is free room to vLLM's prefix cache) |
-//! | `vllm:cache_config_info` | labels `block_size` ([`ENGINE_BLOCK_TOKENS`]) and `num_gpu_blocks` (the pool in such blocks) |
+//! | `vllm:cache_config_info` | labels `block_size` ([`ENGINE_BLOCK_TOKENS`]), `enable_prefix_caching` (`True`) and `num_gpu_blocks` (the pool in such blocks) |
 
 use super::kv_events::EventSource;
 use crate::WorkerError;
 use crate::model::Engine;
 use axum::routing::get;
-use kvc_core::{WorkerId, WorkerState};
-use parking_lot::Mutex;
+use kvc_core::WorkerState;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,7 +43,6 @@ pub struct EngineEndpoints {
 /// The `/metrics` servers and event publishers of every worker.
 #[derive(Debug)]
 pub(crate) struct EngineSignals {
-    board: Arc<Mutex<Vec<WorkerState>>>,
     addrs: Vec<SocketAddr>,
     events: EventSource,
     publishers: Vec<kvc_events::Publisher>,
@@ -54,19 +52,18 @@ pub(crate) struct EngineSignals {
 }
 
 impl EngineSignals {
-    /// Serves `/metrics` for `states.len()` workers (worker `i` on `127.0.0.1:<base + i>`, or a
-    /// free port when `base` is `None`) and binds each worker's event publisher (free ports),
+    /// Serves `/metrics` for the workers of `board` (worker `i` on `127.0.0.1:<base + i>`, or
+    /// a free port when `base` is `None`) and binds each worker's event publisher (free ports),
     /// on `rt` until `stop` is cancelled; `model` is the `model_name` label, `trace_block` the
     /// trace's tokens per block.
     pub(crate) fn serve(
         rt: &tokio::runtime::Handle,
-        states: Vec<WorkerState>,
+        board: super::StateBoard,
         base: Option<u16>,
         model: &str,
         trace_block: u64,
         stop: &CancellationToken,
     ) -> Result<Self, WorkerError> {
-        let board = Arc::new(Mutex::new(states));
         let n = board.lock().len();
         let mut addrs = Vec::with_capacity(n);
         for i in 0..n {
@@ -111,7 +108,6 @@ impl EngineSignals {
             publishers.push(publisher);
         }
         Ok(EngineSignals {
-            board,
             addrs,
             events: EventSource::new(n, trace_block),
             publishers,
@@ -125,15 +121,9 @@ impl EngineSignals {
         self.events.label_sessions(labels);
     }
 
-    /// Takes every worker's state from `engine` and publishes what its cache gained and lost
-    /// since the last call (`now_s`: wall time, seconds since the epoch).
+    /// Publishes what every worker's cache gained and lost since the last call (`now_s`: wall
+    /// time, seconds since the epoch); the board is the publisher's, already updated.
     pub(crate) fn update(&mut self, engine: &Engine, now_s: f64) {
-        {
-            let mut board = self.board.lock();
-            for (i, s) in board.iter_mut().enumerate() {
-                *s = engine.state(WorkerId(i as u32));
-            }
-        }
         let batches = self.events.diff(engine, now_s);
         for (publisher, batch) in self.publishers.iter().zip(batches) {
             if batch.events.is_empty() {
@@ -207,7 +197,7 @@ pub fn render_vllm(s: &WorkerState, model: &str) -> String {
         out,
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
          # TYPE vllm:cache_config_info gauge\n\
-         vllm:cache_config_info{{block_size=\"{ENGINE_BLOCK_TOKENS}\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0\n",
+         vllm:cache_config_info{{block_size=\"{ENGINE_BLOCK_TOKENS}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0\n",
         s.capacity_tokens / ENGINE_BLOCK_TOKENS
     );
     out

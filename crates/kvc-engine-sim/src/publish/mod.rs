@@ -20,8 +20,10 @@ use crate::{ClusterSpec, WorkerError};
 use kvc_admission::{
     Clock, ResidentEntry, ResidentState, SnapshotData, SnapshotWriter, SystemClock,
 };
-use kvc_core::{StateSource, WorkerId};
+use kvc_core::{StateSource, WorkerId, WorkerState};
+use parking_lot::Mutex;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 /// The snapshot file of worker `id` in `dir`.
@@ -32,12 +34,17 @@ pub fn snapshot_path(dir: &Path, id: WorkerId) -> PathBuf {
 /// Publishes every worker's state: into its snapshot file, and/or as its engine signals.
 pub struct Publisher {
     writers: Vec<SnapshotWriter>,
-    /// Each worker's pool, tokens (by worker id).
-    capacities: Vec<u64>,
     data: SnapshotData,
+    /// Every worker's state at the last publish (by worker id), what its `/metrics` shows.
+    board: StateBoard,
     /// The workers' engine signals, updated at every publish when served.
     signals: Option<engine_signals::EngineSignals>,
 }
+
+/// Every worker's state at the last publish, by worker id: what a worker's `/metrics`
+/// renders (on its own port with [`Publisher::serve_engine_signals`], and on a vLLM worker's
+/// HTTP port).
+pub type StateBoard = Arc<Mutex<Vec<WorkerState>>>;
 
 impl Publisher {
     /// Creates one snapshot file per worker of `cluster` in `dir`, with `table_slots` resident
@@ -94,7 +101,10 @@ impl Publisher {
         Publisher {
             data: SnapshotData::empty(WorkerId(0), capacity),
             writers: Vec::new(),
-            capacities: vec![capacity; cluster.workers()],
+            board: Arc::new(Mutex::new(vec![
+                WorkerState::empty(capacity);
+                cluster.workers()
+            ])),
             signals: None,
         }
     }
@@ -110,16 +120,22 @@ impl Publisher {
         trace_block: u64,
         stop: &CancellationToken,
     ) -> Result<Vec<engine_signals::EngineEndpoints>, WorkerError> {
-        let states = self
-            .capacities
-            .iter()
-            .map(|c| kvc_core::WorkerState::empty(*c))
-            .collect();
-        let signals =
-            engine_signals::EngineSignals::serve(rt, states, base, model, trace_block, stop)?;
+        let signals = engine_signals::EngineSignals::serve(
+            rt,
+            Arc::clone(&self.board),
+            base,
+            model,
+            trace_block,
+            stop,
+        )?;
         let endpoints = signals.endpoints();
         self.signals = Some(signals);
         Ok(endpoints)
+    }
+
+    /// Every worker's state as last published.
+    pub fn board(&self) -> StateBoard {
+        Arc::clone(&self.board)
     }
 
     /// Names sessions in the engine events (when served) by the keys in `labels`.
@@ -170,6 +186,12 @@ impl Publisher {
                 path: format!("worker {i}"),
                 message: e.to_string(),
             })?;
+        }
+        {
+            let mut board = self.board.lock();
+            for (i, s) in board.iter_mut().enumerate() {
+                *s = engine.state(WorkerId(i as u32));
+            }
         }
         if let Some(signals) = &mut self.signals {
             signals.update(engine, now as f64 / 1e3);

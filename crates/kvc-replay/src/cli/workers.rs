@@ -86,7 +86,9 @@ Each worker serves on 127.0.0.1:
                              `stream`; POST /v1/messages/count_tokens
   POST /v1/responses         OpenAI Responses: `instructions`, `input`, `max_output_tokens`,
                              `stream` (no `previous_response_id`)
-  GET  /v1/models, /health
+  GET  /v1/models, /health, /server_info
+  GET  /metrics              vLLM's names: load, pool, vllm:cache_config_info
+  GET  /kv_event_sources     with --kv-events its KV-event publisher, else {} (none)
 and, from a router, NixlConnector P/D: a prefill worker given
 `kv_transfer_params.do_remote_decode` holds the prefilled request and answers the parameters a
 decode worker given them (`do_remote_prefill`) pulls it by. A plain request to any worker is

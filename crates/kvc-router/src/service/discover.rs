@@ -36,12 +36,9 @@ impl RouterService {
                 d
             })
             .map_err(|e| (e.to_string(), false)),
-            Ok(a) if a.status == 404 => Err((
-                "GET /kv_event_sources answered 404: the engine is not vLLM 0.32 or later; set \
-                 kv-events (and kv-events-replay, kv-events-topic) in its [[workers]] entry"
-                    .to_owned(),
-                true,
-            )),
+            Ok(a) if a.status == 404 => {
+                Err((crate::discovery::NO_EVENT_SOURCES_ROUTE.to_owned(), true))
+            }
             Ok(a) => Err((
                 format!("GET /kv_event_sources answered HTTP {}", a.status),
                 false,
