@@ -4,6 +4,7 @@
 //! cargo xtask test              the full test suite (what CI runs)
 //! cargo xtask bench [--quick]   every performance figure and the policy matrix
 //! cargo xtask bench --smoke     the same pipeline at its smallest (CI: it still runs)
+//! cargo xtask config-reference  docs/configuration.md written from the configuration's schema
 //! ```
 #![forbid(unsafe_code)]
 
@@ -19,6 +20,7 @@ cargo xtask — maintainer tasks for kvc
 USAGE:
     cargo xtask test
     cargo xtask bench [--quick | --smoke] [--baseline FILE]
+    cargo xtask config-reference
 
 COMMANDS:
     test       Run the whole test suite: `cargo test --workspace --locked`, then the docs of
@@ -38,6 +40,14 @@ COMMANDS:
                by scripts/real-vllm/install.sh into ~/.cache/kvc/real-vllm, about 6.7 GB,
                a few minutes the first time; skipped with a notice without python3, or
                with KVC_SKIP_REAL_VLLM=1).
+
+    config-reference
+               Write docs/configuration.md, the reference of every key of kvc-router's
+               configuration file, rendered from the configuration types' schema (their doc
+               comments, serde names and `Default` values; kvc_router::config::reference,
+               built with the `schema` feature). Fails, after writing, when a key has no
+               description or no example. tests/tests/reference_docs.rs fails when the
+               committed page is not what this writes.
 
     bench      Measure everything and write target/bench/summary.json (one flat JSON object
                of numbers) and target/bench/report.md (tables and plots):
@@ -191,6 +201,7 @@ fn main() -> ExitCode {
     match args.first().map(String::as_str) {
         Some("test") if args.len() == 1 => test(),
         Some("bench") => bench(&args[1..]),
+        Some("config-reference") if args.len() == 1 => config_reference(),
         None | Some("help" | "--help" | "-h") => {
             print!("{HELP}");
             ExitCode::SUCCESS
@@ -370,6 +381,36 @@ fn real_vllm_step(has_python: bool) -> ExitCode {
     );
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(code) => code,
+    }
+}
+
+/// Writes `docs/configuration.md` with kvc-router's `config-reference` example (the renderer
+/// needs the router's library, which xtask does not link).
+fn config_reference() -> ExitCode {
+    let page = workspace_root().join("docs/configuration.md");
+    let result = run(
+        "the configuration reference",
+        cargo()
+            .args([
+                "run",
+                "--quiet",
+                "--locked",
+                "-p",
+                "kvc-router",
+                "--features",
+                "schema",
+                "--example",
+                "config-reference",
+                "--",
+            ])
+            .arg(&page),
+    );
+    match result {
+        Ok(()) => {
+            eprintln!("xtask: wrote {}", page.display());
+            ExitCode::SUCCESS
+        }
         Err(code) => code,
     }
 }

@@ -74,6 +74,7 @@ pub struct BlockHash(pub u64);
 
 /// Tokens per block. Defaults to [`crate::DEFAULT_BLOCK_SIZE`] (512).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(transparent)]
 pub struct BlockSize(u32);
 

@@ -96,6 +96,7 @@ macro_rules! stable_enum {
 
 stable_enum! {
     /// What a worker does.
+    #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
     WorkerRole, "worker role" {
         /// Prefills prompts and ships their KV cache to a decode worker.
         Prefill => "prefill",
@@ -253,6 +254,7 @@ stable_enum! {
 stable_enum! {
     /// How the prefill worker of a P→D path is chosen (the `prefill` knob of `kvc-policy`'s
     /// policies).
+    #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
     PrefillPolicy, "prefill policy" {
         /// The next healthy prefill worker in id order, blind to D (the reference baseline).
         RoundRobin => "round-robin",
@@ -350,6 +352,7 @@ stable_enum! {
 stable_enum! {
     /// The serving engine behind a worker: which names its `/metrics` uses, which P/D protocol
     /// it speaks and what it can do alone.
+    #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
     EngineKind, "engine" {
         /// vLLM (NixlConnector P/D; any instance can serve a plain request in full).
         Vllm => "vllm",

@@ -3,7 +3,8 @@
 use kvc_core::WorkerState;
 use serde::{Deserialize, Serialize};
 
-/// Parameters of [`recommended_pause_ms`]. `max-pause-ms = 0` disables the hint.
+/// The backpressure hint: the pause a client is advised to take before its request to a busy
+/// worker ([`recommended_pause_ms`]). `max-pause-ms = 0` disables the hint.
 ///
 /// | field | default (enabled) | meaning |
 /// |---|---:|---|
@@ -22,13 +23,14 @@ use serde::{Deserialize, Serialize};
 /// transfer timeout and above the first-token time of nearly every P→D request where no
 /// transfer fails (`docs/kvc-policy.md`, "Backpressure").
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct BackpressureConfig {
     /// Queue depth below or at which the queue adds no pause.
     pub queue_free: u32,
     /// Used fraction below or at which use adds no pause.
     pub used_free: f64,
-    /// Milliseconds per queued request beyond `queue_free`.
+    /// Milliseconds per queued request beyond `queue-free`.
     pub ms_per_queued: u32,
     /// Milliseconds at a full pool.
     pub ms_at_full: u32,

@@ -44,6 +44,7 @@ use serde::{Deserialize, Serialize};
 /// | `backpressure` | disabled (`max-pause-ms = 0`) |
 /// | `block-size` | 512 |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct CacheAwareConfig {
     /// Minimum match rate (exclusive) for the prefix rule.
@@ -52,8 +53,9 @@ pub struct CacheAwareConfig {
     pub balance_abs_threshold: u32,
     /// Relative load ratio above which the pool counts as imbalanced.
     pub balance_rel_threshold: f64,
-    /// Footprint of a later colocated turn net of the worker's prefix cache
-    /// (see [`crate::footprint_tokens`]).
+    /// Count a later colocated turn's footprint net of the worker's prefix cache
+    /// (`max(0, input − cached) + output`, [`crate::footprint_tokens`]) instead of
+    /// `input + output`.
     pub incremental_footprint: bool,
     /// Backpressure hint parameters.
     pub backpressure: BackpressureConfig,

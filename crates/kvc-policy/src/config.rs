@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 /// Adding a policy: one module with its config (`Default`, `validate`) and its `route`, one
 /// variant here, one arm in each `match` of this file and of `route.rs`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(tag = "policy", rename_all = "kebab-case")]
 pub enum PolicyConfig {
     /// `round-robin`: P, D and colocated workers in turn; no session notion.

@@ -55,13 +55,16 @@ use std::cmp::Reverse;
 /// | `backpressure` | disabled (defect 4) |
 /// | `block-size` | 512 |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct KvAwareV0Config {
     /// Largest uncached append (tokens) that may go direct-to-D.
     pub direct_limit_tokens: u64,
     /// Added to the overlap of the session's current D.
     pub sticky_bonus: u64,
-    /// Count overlap when placing a first turn (see the module docs).
+    /// Count overlap when placing a first turn. Off, a first turn's overlap is taken as 0: every
+    /// session shares the system prompt, and counting it would send every new session to the
+    /// same D.
     pub first_turn_overlap: bool,
     /// Use `max(0, input − cached) + output` for later turns instead of `input + output`.
     pub incremental_footprint: bool,

@@ -78,6 +78,7 @@ use serde::{Deserialize, Serialize};
 /// | `subagent-placement` | `true` |
 /// | `compaction` | `true` |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct KvcConfig {
     /// Largest uncached append (tokens) that may go direct-to-D.
@@ -110,9 +111,12 @@ pub struct KvcConfig {
     /// Tokens per block of `hash_ids`.
     pub block_size: BlockSize,
     /// Who prefills a turn that is not direct-to-D where workers can serve turns alone
-    /// (`local-prefill` turns, P→D chosen by expected cost): `crate::LocalPrefillConfig`.
+    /// (`local-prefill` turns, P→D chosen by expected cost): the `local-prefill` table,
+    /// [`crate::LocalPrefillConfig`].
     pub local_prefill: LocalPrefillConfig,
-    /// Place a subagent's first turn direct-to-D on its parent's D (see the module docs).
+    /// Place a subagent's first turn direct-to-D on its parent's D when the parent is resident
+    /// there, that D is healthy, takes direct turns, is at or below the hard cap and holds some
+    /// of the prompt, and what it does not hold is within the direct limit and fits its room.
     pub subagent_placement: bool,
     /// Recognise compacted turns: reason `compacted`, placed as a fresh seed.
     pub compaction: bool,

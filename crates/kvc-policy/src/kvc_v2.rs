@@ -80,6 +80,7 @@ use std::cmp::{Ordering, Reverse};
 /// | `backpressure` | disabled (the study's v2 had none; see [`BackpressureConfig`]) |
 /// | `block-size` | 512 |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct KvcV2Config {
     /// Largest uncached append (tokens) that may go direct-to-D.

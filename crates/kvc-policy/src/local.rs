@@ -62,6 +62,7 @@ use serde::{Deserialize, Serialize};
 /// (Qwen3-30B-A3B on an H100: 85% of 989 TFLOP/s, 98,304 bytes of KV per token, 25 GB/s);
 /// set them for another model and GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct LocalPrefillConfig {
     /// Plan `local-prefill` turns where workers can serve alone.

@@ -29,12 +29,14 @@ use serde::{Deserialize, Serialize};
 /// | `backpressure` | disabled (`max-pause-ms = 0`) |
 /// | `block-size` | 512 |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct RoundRobinConfig {
     /// How P is chosen.
     pub prefill: PrefillPolicy,
-    /// Footprint of a later colocated turn net of the worker's prefix cache
-    /// (see [`crate::footprint_tokens`]).
+    /// Count a later colocated turn's footprint net of the worker's prefix cache
+    /// (`max(0, input − cached) + output`, [`crate::footprint_tokens`]) instead of
+    /// `input + output`.
     pub incremental_footprint: bool,
     /// Backpressure hint parameters.
     pub backpressure: BackpressureConfig,

@@ -1,5 +1,7 @@
 //! The crate stays free of I/O and async runtimes: its normal dependencies are exactly
-//! kvc-core, serde, smallvec (inline vectors: the block view's holder lists) and thiserror.
+//! kvc-core, serde, smallvec (inline vectors: the block view's holder lists) and thiserror,
+//! and, only with the `schema` feature, schemars (the configurations' JSON Schema, for the
+//! generated configuration reference).
 
 /// The normal dependencies a manifest names, in order: `name = …` and `name.workspace = true`
 /// lines of its `[dependencies]` table (the workspace's manifest), or `[dependencies.name]`
@@ -26,8 +28,19 @@ fn normal_dependencies_are_pure() {
     let manifest = include_str!("../Cargo.toml");
     assert_eq!(
         normal_dependencies(manifest),
-        ["kvc-core", "serde", "smallvec", "thiserror"]
+        ["kvc-core", "schemars", "serde", "smallvec", "thiserror"]
     );
+    // schemars only with the `schema` feature: `schemars = { …, optional = true }` in the
+    // workspace's manifest, a `[dependencies.schemars]` table with `optional = true` in the
+    // packaged one.
+    let entry = match manifest.find("[dependencies.schemars]") {
+        Some(at) => manifest[at..].split("\n\n").next().unwrap_or_default(),
+        None => manifest
+            .lines()
+            .find(|l| l.starts_with("schemars"))
+            .expect("schemars"),
+    };
+    assert!(entry.contains("optional = true"), "{entry}");
 }
 
 #[test]

@@ -56,14 +56,17 @@ impl AuthConfig {
 
 /// Where a token is read from: exactly one of the two keys.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct TokenSource {
     /// A file holding the token (surrounding whitespace, such as a final newline, is ignored;
     /// a relative path is from the working directory). Keep it readable by the router only.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = &"/etc/kvc/http.token"))]
     pub token_file: Option<PathBuf>,
     /// The name of an environment variable holding the token.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = &"KVC_GRPC_TOKEN"))]
     pub token_env: Option<String>,
 }
 

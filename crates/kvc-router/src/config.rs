@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
+#[cfg(feature = "schema")]
+pub mod reference;
 mod validate;
 
 #[cfg(test)]
@@ -41,18 +43,21 @@ mod tests;
 /// # Ok::<(), kvc_router::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct RouterConfig {
     /// gRPC listen address (port 0 picks a free port). Default `127.0.0.1:50051`.
     pub listen: SocketAddr,
-    /// Prometheus `/metrics` listen address; `None` serves no metrics. Default `127.0.0.1:9464`.
+    /// Prometheus `/metrics` listen address (`kvc-router --no-metrics` serves none). Default
+    /// `127.0.0.1:9464`.
     pub metrics_listen: Option<SocketAddr>,
     /// HTTP data-plane listen address (the HTTP front, specified in `kvc_router::http`);
-    /// `None` (the default) serves no HTTP front. Port 0 picks a free port.
+    /// absent (the default), no HTTP front is served. Port 0 picks a free port.
     pub http_listen: Option<SocketAddr>,
     /// Endpoint-picker listen address: Envoy's ext_proc gRPC service and its health services
-    /// (specified in `kvc_router::epp`); `None` (the default) serves no picker. Port 0 picks a
-    /// free port.
+    /// (specified in `kvc_router::epp`); absent (the default), no picker is served. Port 0
+    /// picks a free port.
+    #[cfg_attr(feature = "schema", schemars(example = &"127.0.0.1:9002"))]
     pub epp_listen: Option<SocketAddr>,
     /// The routing policy and its knobs (a table tagged by `policy`, see
     /// [`kvc_policy::PolicyConfig`]). Default `kvc` with its defaults.
@@ -102,12 +107,13 @@ pub struct RouterConfig {
     /// data-parallel ranks connect rank `r` to `PORT + r`: the router binds as many ports as
     /// the most `kv-events-ranks` of a listening worker. A listening worker is one with
     /// `engine` and no `kv-events` (its own SUB socket is for engines that bind); one that
-    /// discovers its source listens when its engine says it connects out. `None` (the
+    /// discovers its source listens when its engine says it connects out. Absent (the
     /// default): every engine binds, and the router connects to each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = &"tcp://*:5557"))]
     pub kv_events_listen: Option<String>,
     /// A Kubernetes InferencePool whose pods join the fleet as workers (the
-    /// `[inference-pool]` table, read by [`crate::pool`]); `None` (the default): the workers
+    /// `[inference-pool]` table, read by [`crate::pool`]); absent (the default), the workers
     /// are the `[[workers]]` entries only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inference_pool: Option<InferencePoolConfig>,
@@ -124,26 +130,38 @@ pub struct RouterConfig {
 /// `role-label` (llm-d's `llm-d.ai/role`: `prefill`, `decode`, `both` or `colocated`), else
 /// `default-role`. The `[[workers]]` entries of the file may run beside the pool's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct InferencePoolConfig {
     /// The InferencePool's name. Required.
+    #[cfg_attr(feature = "schema", schemars(example = &"vllm-pd"))]
     pub name: String,
     /// Its namespace. Default: the router pod's own (its service account's `namespace`
     /// file).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = &"llm"))]
     pub namespace: Option<String>,
     /// The Kubernetes API, `https://host:port` or `http://host:port` (e.g. a `kubectl
     /// proxy` beside the router). Default: `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`,
     /// as in every pod.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = &"https://10.96.0.1:443"))]
     pub api_url: Option<String>,
     /// The bearer token sent to the API, re-read at every poll (tokens are rotated).
     /// Default: the service account's token file; none is sent when that file is absent.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(example = &"/var/run/secrets/kubernetes.io/serviceaccount/token")
+    )]
     pub token_file: Option<PathBuf>,
     /// The certificate authority (PEM) the API's certificate is checked against, for an
     /// `https` API. Default: the service account's `ca.crt`.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(example = &"/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+    )]
     pub ca_file: Option<PathBuf>,
     /// The InferencePool's API group and version: `inference.networking.k8s.io/v1` (the
     /// default) or the older `inference.networking.x-k8s.io/v1alpha2`.
@@ -283,15 +301,17 @@ impl Default for RouterConfig {
     }
 }
 
-/// One setting per listener, a table with an `http` sub-table (the HTTP front) and a `grpc`
-/// one (the gRPC control API), each optional: `[auth]` and `[tls]`.
+/// One setting per listener: a table with an `http` sub-table (the HTTP front) and a `grpc`
+/// one (the gRPC listener: the control API and the endpoint picker's health), each optional;
+/// `[auth]` and `[tls]` are such tables.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct PerListener<T> {
-    /// The HTTP front's (`[<table>.http]`).
+    /// The HTTP front's setting (`[auth.http]`, `[tls.http]`); absent, none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub http: Option<T>,
-    /// The gRPC listener's (`[<table>.grpc]`).
+    /// The gRPC listener's setting (`[auth.grpc]`, `[tls.grpc]`); absent, none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grpc: Option<T>,
 }
@@ -308,6 +328,7 @@ impl<T> Default for PerListener<T> {
 /// How the router reads stock engines' own signals: the `[engine-signals]` table. Applies to
 /// workers with `metrics-url` (state source `events`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct EngineSignalsConfig {
     /// How often each engine's `/metrics` is scraped. Default 100 ms.
@@ -342,6 +363,7 @@ impl Default for EngineSignalsConfig {
 /// The HTTP data plane's settings: the `[http]` table (the HTTP front's module doc,
 /// `kvc_router::http`, says what each one does).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct HttpConfig {
     /// Deadline of each call to a worker (a streamed answer: its head, then each wait for
@@ -375,10 +397,12 @@ pub struct HttpConfig {
     /// Deadline of one health check. Default 1,000 ms.
     pub health_check_timeout_ms: u64,
     /// A Hugging Face `tokenizer.json` for text prompts (block hashes and input lengths then
-    /// match the engine's tokens); `None` (the default) uses the whitespace fallback. Loaded at
-    /// startup (a relative path from the working directory): a file that cannot be read or
-    /// used is a startup error naming it.
+    /// match the engine's tokens); absent (the default), one token per whitespace-separated
+    /// word. Loaded at startup (a relative path from the working directory): a file that
+    /// cannot be read or used is a startup error naming it. `kvc-router --tokenizer`
+    /// overrides it.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = &"/models/my-model/tokenizer.json"))]
     pub tokenizer: Option<PathBuf>,
     /// How many leading full blocks a request without a session key must share with a known
     /// session's latest prompt (ending exactly at that prompt's last full block) to continue
@@ -522,10 +546,12 @@ impl HttpConfig {
 /// exports the sampled ones over OTLP/gRPC to `otlp-endpoint` (`crate::telemetry` says what
 /// each span carries).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct TracingConfig {
     /// The OTLP/gRPC collector, `http://host:port` (plaintext gRPC, e.g. an OpenTelemetry
     /// Collector's `4317`). Required.
+    #[cfg_attr(feature = "schema", schemars(example = &"http://127.0.0.1:4317"))]
     pub otlp_endpoint: String,
     /// The traces' `service.name`. Default `kvc-router`.
     pub service_name: String,
@@ -558,6 +584,7 @@ impl Default for TracingConfig {
 
 /// Bounds of the router's session table: memory cannot grow without limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct SessionLimits {
     /// A session not seen for this long is forgotten. Default 600,000 ms (10 minutes).
@@ -581,11 +608,13 @@ impl Default for SessionLimits {
 /// decisions awaiting an outcome are bounded by `max-pending-decisions`, the sessions by
 /// `[sessions]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct Limits {
     /// Blocks the policy's block view keeps per worker and view (40–60 bytes each); absent
     /// (the default): `pool-multiple` times the worker's `capacity-tokens` in blocks.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = 200_000))]
     pub blocks_per_worker: Option<u32>,
     /// How many pools' worth of blocks the block view keeps per worker. Default 4.
     pub pool_multiple: u32,
@@ -629,6 +658,7 @@ impl Limits {
 /// One worker of the cluster (a `[[workers]]` entry). At least one of `snapshot`, `address`
 /// and `metrics-url` is required; the state comes from the first of them present.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Dense id, unique across roles, below [`kvc_policy::MAX_WORKERS`].
@@ -636,7 +666,7 @@ pub struct WorkerConfig {
     /// Display name (default `w<id>`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// `prefill`, `decode` or `colocated`.
+    /// What it does: `prefill`, `decode` or `colocated`.
     pub role: WorkerRole,
     /// Size of its KV pool in tokens (must match the snapshot header when there is one). May
     /// be left out (0) for an `engine = "vllm"` worker with `metrics-url`: its pool is then
@@ -661,18 +691,18 @@ pub struct WorkerConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap_port: Option<u16>,
     /// Whether a decode worker's engine can append-prefill (decode-side prefill of a turn's
-    /// new tokens): `None` when the key is absent, then [`WorkerConfig::can_append_prefill`]
-    /// decides by `engine` (`false` for a stock SGLang decode server, which cannot serve a
-    /// request without a bootstrap room; `true` otherwise). With `false` no decision sends it
-    /// a direct-to-D turn: later turns of a session resident there go P→D with the
-    /// fall-through reason `direct-unsupported`. Only decode workers may set `false`;
+    /// new tokens). Absent, `engine` decides ([`WorkerConfig::can_append_prefill`]: `false`
+    /// for a stock SGLang decode server, which cannot serve a request without a bootstrap
+    /// room; `true` otherwise). With `false` no decision sends it a direct-to-D turn: later
+    /// turns of a session resident there go P→D with the fall-through reason
+    /// `direct-unsupported`. Only decode workers may set `false`;
     /// `append-prefill = true` with `engine = "sglang"` declares a patched engine.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub append_prefill: Option<bool>,
     /// Whether the worker may serve a turn alone (`local-prefill`: it prefills what it does
-    /// not hold of the prompt, decodes, and keeps the session): `None` when the key is
-    /// absent, then [`WorkerConfig::capabilities`] decides by `engine` (`true` for a vLLM
-    /// instance of either role, which serves a plain request in full; `false` otherwise).
+    /// not hold of the prompt, decodes, and keeps the session). Absent, `engine` decides
+    /// ([`WorkerConfig::capabilities`]: `true` for a vLLM instance of either role, which
+    /// serves a plain request in full; `false` otherwise).
     /// `true` is refused with `engine = "sglang"` (a stock SGLang prefill or decode server
     /// cannot serve a request without its partner) and on a colocated worker (which always
     /// serves alone). A prefill worker that serves alone also hosts sessions (`NpMd-hybrid`).
@@ -709,10 +739,12 @@ pub struct WorkerConfig {
     /// that listens (its ranks connect to the router's port plus `r`). A worker that reads
     /// its source from the engine is told every rank by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = 2))]
     pub kv_events_ranks: Option<u32>,
     /// The engine's KV block (page) size in tokens, for its events. Default: what its
     /// `/metrics` reports (vLLM's `cache_config_info`); required for SGLang.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = 16))]
     pub block_size: Option<u32>,
     /// Whether what is left out is read from the engine (`engine = "vllm"` with `http-url`
     /// only; default `true` there): `metrics-url` is `<http-url>/metrics` (when the worker has
@@ -721,6 +753,7 @@ pub struct WorkerConfig {
     /// a wildcard bind host replaced by the `http-url`'s host, retried until it answers.
     /// `false` reads nothing but what is configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = false))]
     pub discover: Option<bool>,
     /// Out of rotation for new work: no decision places a new session or a turn on it (its
     /// sessions move at their next turn), while the requests it runs finish. Changed on a

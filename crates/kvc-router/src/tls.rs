@@ -42,15 +42,19 @@ impl TlsConfig {
 
 /// One listener's TLS files (PEM). Relative paths are from the working directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct ListenerTls {
     /// The certificate chain, the listener's own certificate first.
+    #[cfg_attr(feature = "schema", schemars(example = &"/etc/kvc/tls/router.pem"))]
     pub cert: PathBuf,
     /// The private key (PKCS#8, PKCS#1 or SEC1).
+    #[cfg_attr(feature = "schema", schemars(example = &"/etc/kvc/tls/router.key"))]
     pub key: PathBuf,
     /// CA certificates a client's certificate must chain to; a client without one is refused
     /// during the handshake (mutual TLS). gRPC only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(example = &"/etc/kvc/tls/clients.pem"))]
     pub client_ca: Option<PathBuf>,
 }
 
