@@ -98,7 +98,12 @@ fn text_and_usage(a: &Answer, stream: bool) -> (String, Value) {
         return (text.to_owned(), v["usage"].clone());
     }
     let events = a.events();
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{}", a.body);
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        a.body
+    );
     let chunks: Vec<Value> = events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())
@@ -225,10 +230,7 @@ fn the_installed_wheel_routes_a_chat_direct_to_d_after_its_first_turn() {
     while !(std::net::TcpStream::connect(&http).is_ok()
         && http_get(&http, "/health").contains(" 200 "))
     {
-        assert!(
-            router.0.try_wait().unwrap().is_none(),
-            "the router stopped"
-        );
+        assert!(router.0.try_wait().unwrap().is_none(), "the router stopped");
         assert!(Instant::now() < deadline, "the router never became ready");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -258,7 +260,11 @@ fn the_installed_wheel_routes_a_chat_direct_to_d_after_its_first_turn() {
         messages.push(json!({"role": "assistant", "content": text}));
     }
     let modes: Vec<&str> = seen.iter().map(|s| s.0.as_str()).collect();
-    assert_eq!(modes, ["turn1-seed", "direct-to-d", "direct-to-d"], "{seen:?}");
+    assert_eq!(
+        modes,
+        ["turn1-seed", "direct-to-d", "direct-to-d"],
+        "{seen:?}"
+    );
     assert!(seen.iter().all(|s| s.1 == seen[0].1), "{seen:?}");
     // Turn 1's prompt was new; each later turn finds the earlier turns' tokens on D.
     assert_eq!(seen[0].2, 0, "{seen:?}");
