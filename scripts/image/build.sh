@@ -40,7 +40,7 @@ while [ $# -gt 0 ]; do
     --profile) profile="${2:?--profile needs a name}"; shift ;;
     --out) out="${2:?--out needs a file}"; shift ;;
     --check) check=true ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift

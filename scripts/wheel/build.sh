@@ -6,8 +6,8 @@
 #   scripts/wheel/build.sh [--release | --debug | --profile NAME] [--out DIR]
 #
 #   --release        the release profile, binaries stripped (the default)
-#   --debug          the dev profile: the binaries `cargo build` and `cargo test` already
-#                    made, not stripped, so nothing is compiled again (tests/tests/wheel.rs)
+#   --debug          the dev profile, not stripped: the debug build `cargo build` made is
+#                    packaged as it is (tests/tests/wheel.rs)
 #   --profile NAME   any Cargo profile; stripped unless it is `dev`
 #   --out DIR        where the wheel goes (default target/wheel/dist)
 #
@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
     --debug) profile="dev" ;;
     --profile) profile="${2:?--profile needs a name}"; shift ;;
     --out) out="${2:?--out needs a folder}"; shift ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift

@@ -21,7 +21,9 @@ USAGE:
     cargo xtask bench [--quick | --smoke] [--baseline FILE]
 
 COMMANDS:
-    test       Run the whole test suite: `cargo test --workspace --locked`, then the loom
+    test       Run the whole test suite: `cargo test --workspace --locked` (its wheel
+               and image tests package the debug build: scripts/wheel/build.sh installs
+               maturin from PyPI into target/wheel-tools), then the loom
                model checks of kvc-admission (built with `--cfg loom` into target/loom),
                then scripts/python-client/check.sh (a Python client generated from proto/
                by grpcio-tools calls a running kvc-router; needs python3 and PyPI), then
