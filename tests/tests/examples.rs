@@ -1,7 +1,7 @@
 //! Every file under `examples/` parses, and says what running kvc-router as Envoy's endpoint
 //! picker needs: the Envoy bootstrap's ext_proc settings and original-destination cluster, the
 //! Kubernetes picker's ports, probes and replicas, and its router configuration accepted by
-//! kvc-router.
+//! kvc-router, and its picker runs the image `scripts/image/build.sh` makes.
 #![forbid(unsafe_code)]
 
 use serde::Deserialize as _;
@@ -16,6 +16,21 @@ fn documents(path: &Path) -> Vec<Value> {
     serde_yaml_ng::Deserializer::from_str(&text)
         .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
         .collect()
+}
+
+/// The version of the kvc-router crate, which names its image.
+fn kvc_router_version() -> String {
+    let manifest = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/kvc-router/Cargo.toml"
+    ))
+    .unwrap();
+    manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("a version line")
+        .to_owned()
 }
 
 fn files(dir: &Path) -> Vec<PathBuf> {
@@ -135,6 +150,13 @@ fn the_kubernetes_picker_runs_two_replicas_with_its_ports_and_probes() {
     assert_eq!(container["livenessProbe"]["grpc"]["service"], "liveness");
     assert_eq!(container["readinessProbe"]["grpc"]["service"], "readiness");
     assert_eq!(container["readinessProbe"]["grpc"]["port"], port);
+    // The image scripts/image/build.sh makes (`kvc-router:<the crate's version>`), loaded on
+    // the nodes rather than pulled.
+    assert_eq!(
+        container["image"],
+        format!("kvc-router:{}", kvc_router_version()).as_str()
+    );
+    assert_eq!(container["imagePullPolicy"], "IfNotPresent");
     // The router configuration in the ConfigMap is one kvc-router accepts, serving the
     // picker on the pool's port from the engines' own signals, read from each engine.
     let map = kind("ConfigMap")[0];

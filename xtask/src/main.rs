@@ -23,11 +23,12 @@ USAGE:
     cargo xtask config-reference
 
 COMMANDS:
-    test       Run the whole test suite: `cargo test --workspace --locked`, then the docs of
-               kvc-core and kvc-policy built with warnings denied and `cargo publish
-               --dry-run` of both (packaged and built as crates.io would take them; needs
-               crates.io), then the loom model checks of kvc-admission (built with
-               `--cfg loom` into target/loom),
+    test       Run the whole test suite: `cargo test --workspace --locked` (its wheel
+               and image tests package the debug build: scripts/wheel/build.sh installs
+               maturin from PyPI into target/wheel-tools), then the docs of kvc-core and
+               kvc-policy built with warnings denied and `cargo publish --dry-run` of both
+               (packaged and built as crates.io would take them; needs crates.io), then the
+               loom model checks of kvc-admission (built with `--cfg loom` into target/loom),
                then scripts/python-client/check.sh (a Python client generated from proto/
                by grpcio-tools calls a running kvc-router; needs python3 and PyPI), then
                crates/kvc-events/scripts/check.sh (KV-cache event fixtures regenerated
