@@ -185,50 +185,53 @@ fn the_installed_wheel_routes_a_chat_direct_to_d_after_its_first_turn() {
     }
 
     // The installed kvc-replay's simulated workers (one prefill, one decode, each held to its
-    // role) and a router configuration written for them.
-    let http = format!("127.0.0.1:{}", free_port());
-    let (config, ready) = (dir.join("router.toml"), dir.join("ready.json"));
+    // role, each able to serve a turn alone and publishing KV-cache events, as vLLM
+    // instances do).
+    let ready = dir.join("ready.json");
     let mut workers = Guard(
         Command::new("kvc-replay")
             .env("PATH", &path)
-            .args(["workers", "--topology", "1p1d", "--local-prefill", "off"])
-            .args(["--speedup", "20", "--duration-s", "300"])
-            .args(["--router-http-listen", &http])
-            .args(["--router-listen", "127.0.0.1:0"])
-            .args(["--router-metrics-listen", "127.0.0.1:0"])
+            .args(["workers", "--topology", "1p1d"])
+            .args(["--speedup", "20", "--duration-s", "300", "--kv-events"])
             .arg("--snapshot-dir")
             .arg(dir.join("snap"))
             .arg("--ready-file")
             .arg(&ready)
-            .arg("--write-router-config")
-            .arg(&config)
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
     );
     wait_for_ready_file(&mut workers.0, &ready);
-    while !config.exists() {
-        assert!(
-            workers.0.try_wait().unwrap().is_none(),
-            "the workers stopped"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let ready: Value = serde_json::from_str(&std::fs::read_to_string(&ready).unwrap()).unwrap();
+    let url = |role: &str| {
+        ready["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["role"] == role)
+            .and_then(|w| w["url"].as_str())
+            .unwrap()
+            .to_owned()
+    };
 
-    // The installed router.
+    // The installed router, started in one line from the workers' URLs (the rest read from
+    // the engines).
+    let port = free_port();
+    let http = format!("127.0.0.1:{port}");
     let mut router = Guard(
         Command::new("kvc-router")
             .env("PATH", &path)
-            .arg("--config")
-            .arg(&config)
-            .args(["--log", "warn"])
+            .args(["--prefill", &url("prefill"), "--decode", &url("decode")])
+            .args(["--port", &port.to_string()])
+            .args(["--listen", "127.0.0.1:0", "--no-metrics", "--log", "warn"])
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
     );
     let deadline = Instant::now() + Duration::from_secs(30);
+    // Ready once its workers are in rotation (their pools read from the engines).
     while !(std::net::TcpStream::connect(&http).is_ok()
-        && http_get(&http, "/health").contains(" 200 "))
+        && http_get(&http, "/readyz").starts_with("HTTP/1.1 200"))
     {
         assert!(router.0.try_wait().unwrap().is_none(), "the router stopped");
         assert!(Instant::now() < deadline, "the router never became ready");
@@ -259,10 +262,12 @@ fn the_installed_wheel_routes_a_chat_direct_to_d_after_its_first_turn() {
         ));
         messages.push(json!({"role": "assistant", "content": text}));
     }
+    // A vLLM instance serves a turn alone: the short first turn is prefilled on the decode
+    // worker itself, which then holds the session for the later turns.
     let modes: Vec<&str> = seen.iter().map(|s| s.0.as_str()).collect();
     assert_eq!(
         modes,
-        ["turn1-seed", "direct-to-d", "direct-to-d"],
+        ["local-prefill", "direct-to-d", "direct-to-d"],
         "{seen:?}"
     );
     assert!(seen.iter().all(|s| s.1 == seen[0].1), "{seen:?}");
