@@ -361,11 +361,11 @@ impl Probe<'_> {
 
     /// The P/D role the engine says it has (`GET /server_info`), against the configured one.
     async fn role(&self, w: &WorkerConfig, url: &WorkerUrl, out: &mut WorkerCheck) {
-        let said = match self
+        let answer = self
             .client
             .get(url, "/server_info?config_format=json", self.timeout)
-            .await
-        {
+            .await;
+        let said = match &answer {
             Ok(a) if a.status == 200 => serde_json::from_slice::<Value>(&a.body)
                 .ok()
                 .as_ref()
@@ -374,11 +374,22 @@ impl Probe<'_> {
         };
         let Some(said) = said else {
             if w.engine == Some(EngineKind::Vllm) {
-                out.fact(
-                    "P/D role",
-                    "not said by the engine (vLLM says it at /server_info only with \
-                     VLLM_SERVER_DEV_MODE=1)",
-                );
+                let why = match &answer {
+                    Ok(a) if a.status == 404 => "not said by the engine (vLLM says it at \
+                         /server_info only with VLLM_SERVER_DEV_MODE=1)"
+                        .to_owned(),
+                    Ok(a) if a.status == 200 => {
+                        "not said by the engine (its /server_info names no configuration)"
+                            .to_owned()
+                    }
+                    Ok(a) => format!("not said: GET /server_info answered {}", a.status),
+                    // A CPU engine builds its first /server_info answer slowly (seconds).
+                    Err(e) => format!(
+                        "not said: GET /server_info: {e} (an engine's first answer there can \
+                         take seconds: run check again, or raise --timeout-ms)"
+                    ),
+                };
+                out.fact("P/D role", why);
             }
             return;
         };
