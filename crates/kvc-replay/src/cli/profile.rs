@@ -61,7 +61,9 @@ Every fixed cost fitted includes what a request costs the client whatever its si
 round trip, parsing, streaming); the GET /health round trip is reported beside it. A fitted
 efficiency above 1 is an error (the hardware facts are too low: raise --peak-flops or
 --mem-bandwidth); a fixed cost fitted below 0 is set to 0, the slope fitted again, and a
-warning recorded.
+warning recorded. A decode sweep whose step times do not grow with the work (a busy host's
+noise can hide the growth) is measured once more, --repeats more times a point, and fitted on
+every measurement, with a warning; if the growth is still hidden the profile fails.
 
 About 125 requests with the defaults, 155 with a pair (each point measured --repeats times, the median
 fitted): on an H100 well under a minute; on a CPU-only vLLM build, lower --max-context.

@@ -77,6 +77,17 @@ pub struct Measured {
     pub seen: Value,
 }
 
+/// Adds a sweep measured again to its first measurements: each point's times join those of
+/// the point with the same inputs; a point only the second pass measured is added.
+pub fn merge_points(points: &mut Vec<Measured>, again: Vec<Measured>) {
+    for p in again {
+        match points.iter_mut().find(|q| q.inputs == p.inputs) {
+            Some(q) => q.seconds.extend(p.seconds),
+            None => points.push(p),
+        }
+    }
+}
+
 /// The median of each point's measurements fitted by [`fit_sweep`], and its report without
 /// factors (the caller adds them).
 pub fn fit_points(
@@ -769,5 +780,42 @@ mod tests {
         );
         assert!(head.iter().any(|l| l.contains("tiny.fit.json")));
         assert_eq!(Profile::parse(&text, "written").unwrap(), run.profile);
+    }
+
+    /// A point measured in both passes keeps every time, in order; a point only the second
+    /// pass measured is added; the fit then takes each point's median over both passes.
+    #[test]
+    fn a_sweep_measured_again_joins_the_first_pass_point_by_point() {
+        use serde_json::json;
+        let point = |batch: u32, x: f64, seconds: &[f64]| Measured {
+            inputs: json!({ "batch": batch }),
+            x,
+            attention: None,
+            seconds: seconds.to_vec(),
+            seen: json!({}),
+        };
+        // The first pass: a slope lost in the noise (the larger points came out faster).
+        let mut points = vec![
+            point(1, 1.0, &[0.30, 0.10, 0.31]),
+            point(4, 4.0, &[0.29]),
+            point(8, 8.0, &[0.28]),
+        ];
+        assert!(matches!(
+            fit_points("decode", "t", &points),
+            Err(ProfileError::Unfittable { .. })
+        ));
+        let again = vec![
+            point(4, 4.0, &[0.40, 0.41]),
+            point(8, 8.0, &[0.50, 0.52]),
+            point(16, 16.0, &[0.70]),
+        ];
+        merge_points(&mut points, again);
+        assert_eq!(points.len(), 4);
+        assert_eq!(points[0].seconds, [0.30, 0.10, 0.31]);
+        assert_eq!(points[1].seconds, [0.29, 0.40, 0.41]);
+        assert_eq!(points[2].seconds, [0.28, 0.50, 0.52]);
+        assert_eq!(points[3].inputs, json!({ "batch": 16 }));
+        let (fit, _) = fit_points("decode", "t", &points).unwrap();
+        assert!(fit.line.slope > 0.0, "{:?}", fit.line);
     }
 }

@@ -295,12 +295,24 @@ impl<'a> Run<'a> {
         let prefill_factors = fit::prefill_factors(&prefill_fit.line, facts.hardware.peak_flops)?;
         prefill_report.factors = prefill_factors.clone();
         self.say(&summary(&prefill_report));
-        let decode = self.decode_sweep(&plan, &facts, &engine.model).await?;
-        let (decode_fit, mut decode_report) = report::fit_points(
-            "decode",
-            "t = decode_overhead + bytes(batch, context) / (decode_efficiency x hbm_bytes_per_s)",
-            &decode,
-        )?;
+        const DECODE_MODEL: &str =
+            "t = decode_overhead + bytes(batch, context) / (decode_efficiency x hbm_bytes_per_s)";
+        let mut decode = self.decode_sweep(&plan, &facts, &engine.model).await?;
+        let (decode_fit, mut decode_report) =
+            match report::fit_points("decode", DECODE_MODEL, &decode) {
+                // A busy host's step times can hide the growth with the work: the sweep is
+                // measured once more (as many repeats again) and fitted on every measurement.
+                Err(ProfileError::Unfittable { message, .. }) => {
+                    self.warn(format!(
+                        "decode: {message}; the sweep measured again, {} more repeat(s) a point",
+                        plan.repeats
+                    ));
+                    let again = self.decode_sweep(&plan, &facts, &engine.model).await?;
+                    report::merge_points(&mut decode, again);
+                    report::fit_points("decode", DECODE_MODEL, &decode)?
+                }
+                other => other?,
+            };
         let decode_factors = fit::decode_factors(&decode_fit.line, facts.hardware.hbm_bytes_per_s)?;
         decode_report.factors = decode_factors.to_vec();
         self.say(&summary(&decode_report));
