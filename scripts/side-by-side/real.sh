@@ -423,8 +423,12 @@ run_leg() { # run_leg LEG TOPOLOGY REP
     [ "$t" -lt 180 ] || { log "router of leg $leg not healthy within 180 s; see $dir/router.log"; stop_router; exit 1; }
     sleep 1
   done
-  local cpu0 header=()
+  local cpu0 header=() sampler
   cpu0="$(cpu_seconds "$router_pid")"
+  # The machine's load while the leg runs (1-minute load average every 5 s): a leg run beside
+  # other work on these two cores says so in the table.
+  ( while :; do echo "$(date +%s) $(cut -d' ' -f1 /proc/loadavg)"; sleep 5; done ) >"$dir/loadavg.txt" &
+  sampler=$!
   [ "$leg" != dynamo-2x ] || header=(--session-header x-dynamo-session-id)
   if ! "$replay" drive "${header[@]}" --url "$url" --model "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["served-model-name"])' "$engines/ready.json")" \
       --trace "$out/trace.jsonl" --block-size "$block" --tokenizer "$(ready model)/tokenizer.json" \
@@ -432,9 +436,11 @@ run_leg() { # run_leg LEG TOPOLOGY REP
       --out "$dir" >"$dir/drive.out" 2>"$dir/drive.log"; then
     log "leg $leg failed; see $dir/drive.log and $dir/router.log"
     tail -5 "$dir/drive.log" >&2
+    kill "$sampler" 2>/dev/null || true
     stop_router
     exit 1
   fi
+  kill "$sampler" 2>/dev/null || true
   # The router's own CPU over the replay (kv_relay.py, a shim for vllm-router's event input,
   # not counted).
   python3 -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.3f}")' \

@@ -22,6 +22,9 @@ in brackets when there are several. Seconds are wall seconds on the real engines
   the engine's HTTP server and loopback (on 1P1D, P's calls count among the requests).
 - router CPU (ms/request): the router process's CPU time (user and system, with its child
   processes) over the replay, per request (router-cpu-s, written by real.sh).
+- machine load (mean, max): the machine's 1-minute load average sampled every 5 s while the
+  leg ran (loadavg.txt, written by real.sh): the engines, the router and the client are about
+  2-4 on two cores; more says something else ran beside the leg.
 - preemptions: requests the engines preempted for want of KV room (vllm:num_preemptions_total,
   the leg's increase, all engines).
 - blocks evicted: KV blocks the engines removed from their pools while the leg ran, from their
@@ -112,6 +115,13 @@ def rep_figures(d):
     if os.path.exists(cpu) and latencies:
         with open(cpu) as f:
             fig["router cpu ms"] = 1000.0 * float(f.read()) / len(latencies)
+    la = os.path.join(d, "loadavg.txt")
+    if os.path.exists(la):
+        with open(la) as f:
+            loads = [float(line.split()[1]) for line in f if len(line.split()) == 2]
+        if loads:
+            fig["load mean"] = sum(loads) / len(loads)
+            fig["load max"] = max(loads)
     fig["preemptions"] = engine_delta(d, "vllm:num_preemptions_total")
     kv = os.path.join(d, "kv-events.json")
     if os.path.exists(kv):
@@ -170,6 +180,8 @@ def main():
              ("engine TTFT mean (s)", "engine ttft", "{:.3f}"),
              ("router and API (ms/request)", "overhead ms", "{:.0f}"),
              ("router CPU (ms/request)", "router cpu ms", "{:.1f}"),
+             ("machine load, mean", "load mean", "{:.1f}"),
+             ("machine load, max", "load max", "{:.1f}"),
              ("preemptions", "preemptions", "{:.0f}"),
              ("blocks evicted (KV events)", "evicted", "{:.0f}"),
              ("later turns mostly recomputed", "mostly recomputed", "{:.3f}")]
