@@ -54,16 +54,7 @@ fn start_workers(dir: &Path, kv_events: bool) -> (Guard, String, String) {
     let mut workers = Guard(cmd.spawn().unwrap());
     wait_for_ready_file(&mut workers.0, &ready);
     let ready: Value = serde_json::from_str(&std::fs::read_to_string(&ready).unwrap()).unwrap();
-    let url = |role: &str| {
-        ready["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|w| w["role"] == role)
-            .and_then(|w| w["url"].as_str())
-            .unwrap()
-            .to_owned()
-    };
+    let url = |role: &str| common::ready_worker_url(&ready, role);
     let (p, d) = (url("prefill"), url("decode"));
     (workers, p, d)
 }

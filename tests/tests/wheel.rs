@@ -26,17 +26,6 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The version of the kvc-router crate, as its Cargo.toml states it.
-fn router_version() -> String {
-    let manifest = std::fs::read_to_string(root().join("crates/kvc-router/Cargo.toml")).unwrap();
-    manifest
-        .lines()
-        .find_map(|l| l.strip_prefix("version = \""))
-        .and_then(|v| v.strip_suffix('"'))
-        .expect("a version line")
-        .to_owned()
-}
-
 /// Runs `cmd`, panicking with its output unless it succeeds.
 fn run_ok(cmd: &mut Command, what: &str) -> Output {
     let out = cmd
@@ -129,7 +118,7 @@ fn the_installed_wheel_routes_a_chat_direct_to_d_after_its_first_turn() {
         eprintln!("python3 not found: the wheel test is skipped");
         return;
     };
-    let version = router_version();
+    let version = common::kvc_router_version();
     let name = wheel.file_name().unwrap().to_str().unwrap().to_owned();
     assert!(
         name.starts_with(&format!("kvc_router-{version}-py3-none-")) && name.ends_with(".whl"),
@@ -203,16 +192,7 @@ fn the_installed_wheel_routes_a_chat_direct_to_d_after_its_first_turn() {
     );
     wait_for_ready_file(&mut workers.0, &ready);
     let ready: Value = serde_json::from_str(&std::fs::read_to_string(&ready).unwrap()).unwrap();
-    let url = |role: &str| {
-        ready["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|w| w["role"] == role)
-            .and_then(|w| w["url"].as_str())
-            .unwrap()
-            .to_owned()
-    };
+    let url = |role: &str| common::ready_worker_url(&ready, role);
 
     // The installed router, started in one line from the workers' URLs (the rest read from
     // the engines).

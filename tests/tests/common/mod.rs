@@ -246,3 +246,31 @@ pub fn start_http_live(
     }
     live
 }
+
+/// The version of the kvc-router crate, as its Cargo.toml states it (it names the wheel and
+/// the image).
+pub fn kvc_router_version() -> String {
+    let manifest = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/kvc-router/Cargo.toml"
+    ))
+    .unwrap();
+    manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("a version line")
+        .to_owned()
+}
+
+/// The URL of the first worker of `role` in the ready file `kvc-replay workers` writes.
+pub fn ready_worker_url(ready: &serde_json::Value, role: &str) -> String {
+    ready["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["role"] == role)
+        .and_then(|w| w["url"].as_str())
+        .unwrap()
+        .to_owned()
+}
