@@ -57,6 +57,9 @@
 #   harness's model).
 # --only runs just the named legs (their engines are started as needed) and tables every leg
 #   found in DIR. --peers: where the peers' venvs live (shared with run.sh).
+# KVC_ROUTER_LOG=FILTER: kvc-router's log filter in its legs (default warn; kvc_router=debug
+#   writes each worker call's timeline into the leg's router.log: sent, answered, by request
+#   id). Each leg's cpu-use.json: every process's CPU seconds and mean runnable threads.
 # Needs python3 (with venv) and PyPI the first time (vLLM CPU, vllm-router, smg). Each
 # topology's engines are started once (about 2 minutes) and stopped when its legs are done;
 # a leg takes 1-3 minutes. Everything listens on 127.0.0.1 only.
@@ -298,7 +301,7 @@ for k in knobs:
     lines.insert(at, f"{key} = {value}")
 open(dst, "w").write("\n".join(lines) + "\n")
 PY
-      "$kvc_router" --config "$dir/kvc-router.toml" --log warn >"$dir/router.log" 2>&1 &
+      "$kvc_router" --config "$dir/kvc-router.toml" --log "${KVC_ROUTER_LOG:-warn}" >"$dir/router.log" 2>&1 &
       ;;
     vllm-router-1p1d)
       p="$(ready http-url prefill)"; d="$(ready http-url decode)"
@@ -423,12 +426,15 @@ run_leg() { # run_leg LEG TOPOLOGY REP
     [ "$t" -lt 180 ] || { log "router of leg $leg not healthy within 180 s; see $dir/router.log"; stop_router; exit 1; }
     sleep 1
   done
-  local cpu0 header=() sampler
+  local cpu0 header=() sampler cpu_use
   cpu0="$(cpu_seconds "$router_pid")"
   # The machine's load while the leg runs (1-minute load average every 5 s): a leg run beside
   # other work on these two cores says so in the table.
   ( while :; do echo "$(date +%s) $(cut -d' ' -f1 /proc/loadavg)"; sleep 5; done ) >"$dir/loadavg.txt" &
   sampler=$!
+  # And where the CPU went: each process's CPU seconds and runnable threads over the leg.
+  python3 "$root/scripts/side-by-side/cpu_use.py" "$dir/cpu-use.json" 2 &
+  cpu_use=$!
   [ "$leg" != dynamo-2x ] || header=(--session-header x-dynamo-session-id)
   if ! "$replay" drive "${header[@]}" --url "$url" --model "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["served-model-name"])' "$engines/ready.json")" \
       --trace "$out/trace.jsonl" --block-size "$block" --tokenizer "$(ready model)/tokenizer.json" \
@@ -436,11 +442,12 @@ run_leg() { # run_leg LEG TOPOLOGY REP
       --out "$dir" >"$dir/drive.out" 2>"$dir/drive.log"; then
     log "leg $leg failed; see $dir/drive.log and $dir/router.log"
     tail -5 "$dir/drive.log" >&2
-    kill "$sampler" 2>/dev/null || true
+    kill "$sampler" "$cpu_use" 2>/dev/null || true
     stop_router
     exit 1
   fi
-  kill "$sampler" 2>/dev/null || true
+  kill "$sampler" "$cpu_use" 2>/dev/null || true
+  wait "$cpu_use" 2>/dev/null || true
   # The router's own CPU over the replay (kv_relay.py, a shim for vllm-router's event input,
   # not counted).
   python3 -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.3f}")' \

@@ -229,6 +229,7 @@ impl WorkerClient {
             body,
             ..
         } = call;
+        let post = method == Method::POST;
         let mut request = Request::builder()
             .method(method)
             .uri(base.uri(path))
@@ -242,13 +243,26 @@ impl WorkerClient {
         for (name, value) in headers {
             h.insert(name.clone(), value.clone());
         }
-        let response = self
-            .client
-            .request(request)
-            .await
-            .map_err(|e| ForwardError::from_client(&e))?;
+        // A worker call's timeline at debug level (`--log-level debug`): when the router sent
+        // it and when the worker's head came, by the request id both legs of a P→D carry.
+        let traced = (post && tracing::enabled!(tracing::Level::DEBUG))
+            .then(|| (std::time::Instant::now(), request_id_of(h)));
+        if let Some((_, id)) = &traced {
+            tracing::debug!(worker = %base.authority(), path, request_id = %id, "worker call sent");
+        }
+        let response = self.client.request(request).await.map_err(|e| {
+            if let Some((at, id)) = &traced {
+                tracing::debug!(worker = %base.authority(), path, request_id = %id, error = %e,
+                    elapsed_ms = at.elapsed().as_millis() as u64, "worker call failed");
+            }
+            ForwardError::from_client(&e)
+        })?;
         let (head, body) = response.into_parts();
         let status = head.status.as_u16();
+        if let Some((at, id)) = &traced {
+            tracing::debug!(worker = %base.authority(), path, request_id = %id, status,
+                elapsed_ms = at.elapsed().as_millis() as u64, "worker call answered");
+        }
         Ok(WorkerStream {
             status,
             content_type: head.headers.get(header::CONTENT_TYPE).cloned(),
@@ -293,6 +307,15 @@ impl WorkerClient {
         })
         .await
     }
+}
+
+/// The `X-Request-Id` a call carries (`-` without one), for the debug timeline.
+fn request_id_of(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+        .to_owned()
 }
 
 /// `call`'s result, or [`ForwardError::Timeout`] when it takes longer than `timeout`.
