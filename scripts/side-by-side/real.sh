@@ -57,9 +57,11 @@
 #   harness's model).
 # --only runs just the named legs (their engines are started as needed) and tables every leg
 #   found in DIR. --peers: where the peers' venvs live (shared with run.sh).
-# KVC_ROUTER_LOG=FILTER: kvc-router's log filter in its legs (default warn; kvc_router=debug
-#   writes each worker call's timeline into the leg's router.log: sent, answered, by request
-#   id). Each leg's cpu-use.json: every process's CPU seconds and mean runnable threads.
+# KVC_ROUTER_LOG=FILTER: kvc-router's log filter in its legs (default warn). With
+#   warn,kvc_router::http=debug,kvc_router::worker_http=debug the leg's router.log holds each
+#   turn's timeline (received, each worker call sent and answered), and
+#   `stalls.py OUT/runs/LEG/repN` names the turns whose prefill call or what followed it
+#   stalled. Each leg's cpu-use.json: every process's CPU seconds and mean runnable threads.
 # Needs python3 (with venv) and PyPI the first time (vLLM CPU, vllm-router, smg). Each
 # topology's engines are started once (about 2 minutes) and stopped when its legs are done;
 # a leg takes 1-3 minutes. Everything listens on 127.0.0.1 only.
@@ -196,7 +198,9 @@ for e in json.load(open(sys.argv[1]))["engines"]:
         print(e["kv-events"], e["kv-events-replay"], sep="\t")
 PY
 )
-  "$vllm_python" "$root/scripts/side-by-side/kv_relay.py" "${specs[@]}" >"$dir/relay.out" 2>"$dir/relay.log" &
+  # The file exists before the relay opens it: the wait below reads it at once.
+  : >"$dir/relay.out"
+  "$vllm_python" "$root/scripts/side-by-side/kv_relay.py" "${specs[@]}" >>"$dir/relay.out" 2>"$dir/relay.log" &
   relay_pid=$!
   for _ in $(seq 1 100); do
     [ "$(wc -l <"$dir/relay.out")" -ge "$i" ] && break

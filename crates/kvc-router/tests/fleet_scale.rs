@@ -125,7 +125,13 @@ async fn a_fleet_of_4096_workers_routes_over_grpc_and_http() {
         m.decision_latency(0.5),
         m.decision_latency(0.99)
     );
-    // P0 once, the roomy decode worker twice, all through the one mock.
+    // P0 once, the roomy decode worker twice, all through the one mock. P's request of the
+    // first turn runs beside D's, so the client's answer can come before P's request reaches
+    // the mock (on a loaded machine it did): wait for it, then count exactly.
+    common::wait_until("P's request and D's two at the mock", || {
+        mock.received.lock().len() >= 3
+    })
+    .await;
     assert_eq!(mock.received.lock().len(), 3);
     assert_eq!(
         s.outcomes("ok"),

@@ -29,6 +29,8 @@ async fn first_turn_goes_to_p_and_d_then_direct_to_d() {
     let other = 3 - d;
     assert_eq!(r.body["text"], format!("answer from d{d}"));
 
+    // P's request runs beside D's: the answer can come before it reaches P's mock.
+    common::wait_until("P's request at its mock", || s.count(0) >= 1).await;
     let p_got = s.received(0);
     let d_got = s.received(d);
     assert_eq!(p_got.len(), 1);
@@ -99,6 +101,7 @@ async fn text_prompts_and_session_params_follow_the_session() {
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.headers["x-kvc-mode"], "turn1-seed");
     let d = r.headers["x-kvc-decode-worker"].clone();
+    common::wait_until("P's request at its mock", || s.count(0) >= 1).await;
     assert_eq!(s.received(0)[0].1["text"], words[..1_300].join(" "));
 
     let r = s.send("/generate", &[], &body(1_900)).await;

@@ -171,6 +171,14 @@ pub(crate) async fn prepare_request(
         }
         query.set_parent(parent);
     }
+    // With the worker calls' debug lines (`worker_http`), the timeline of each turn.
+    tracing::debug!(
+        request = request_id,
+        session = resolved.as_ref().map_or("-", |r| &*r.key),
+        turn = resolved.as_ref().map_or(0, |r| r.turn),
+        input_tokens = input_length,
+        "request received"
+    );
     let request = ForwardedRequest {
         api,
         request_id,
