@@ -22,6 +22,9 @@ in brackets when there are several. Seconds are wall seconds on the real engines
   the engine's HTTP server and loopback (on 1P1D, P's calls count among the requests).
 - router CPU (ms/request): the router process's CPU time (user and system, with its child
   processes) over the replay, per request (router-cpu-s, written by real.sh).
+- engines' CPU (ms/request): the CPU time of the engines' processes (API servers, engine
+  cores, workers) over the leg, per request (cpu-use.json, written by real.sh): the same work
+  costing more in one leg than another says the engines ran slower there.
 - machine load (mean, max): the machine's 1-minute load average sampled every 5 s while the
   leg ran (loadavg.txt, written by real.sh): the engines, the router and the client are about
   2-4 on two cores; more says something else ran beside the leg.
@@ -122,6 +125,11 @@ def rep_figures(d):
         if loads:
             fig["load mean"] = sum(loads) / len(loads)
             fig["load max"] = max(loads)
+    use = os.path.join(d, "cpu-use.json")
+    if os.path.exists(use) and latencies:
+        procs = load(use)["processes"]
+        engines = sum(p["cpu_s"] for p in procs if p["name"].startswith("vllm:"))
+        fig["engines cpu ms"] = 1000.0 * engines / len(latencies)
     fig["preemptions"] = engine_delta(d, "vllm:num_preemptions_total")
     kv = os.path.join(d, "kv-events.json")
     if os.path.exists(kv):
@@ -180,6 +188,7 @@ def main():
              ("engine TTFT mean (s)", "engine ttft", "{:.3f}"),
              ("router and API (ms/request)", "overhead ms", "{:.0f}"),
              ("router CPU (ms/request)", "router cpu ms", "{:.1f}"),
+             ("engines' CPU (ms/request)", "engines cpu ms", "{:.0f}"),
              ("machine load, mean", "load mean", "{:.1f}"),
              ("machine load, max", "load max", "{:.1f}"),
              ("preemptions", "preemptions", "{:.0f}"),
