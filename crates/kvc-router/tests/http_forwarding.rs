@@ -29,9 +29,7 @@ async fn first_turn_goes_to_p_and_d_then_direct_to_d() {
     let other = 3 - d;
     assert_eq!(r.body["text"], format!("answer from d{d}"));
 
-    // P's request runs beside D's: the answer can come before it reaches P's mock.
-    common::wait_until("P's request at its mock", || s.count(0) >= 1).await;
-    let p_got = s.received(0);
+    let p_got = s.received_at_least(0, 1).await;
     let d_got = s.received(d);
     assert_eq!(p_got.len(), 1);
     assert_eq!(d_got.len(), 1);
@@ -83,7 +81,7 @@ async fn first_turn_goes_to_p_and_d_then_direct_to_d() {
         .await;
     assert_eq!(r.status, 200);
     assert_eq!(r.headers["x-kvc-mode"], "turn1-seed");
-    let p_got = s.received(0);
+    let p_got = s.received_at_least(0, 2).await;
     assert_eq!(p_got.len(), 2);
     assert_ne!(p_got[1].1["bootstrap_room"], room);
 }
@@ -101,8 +99,10 @@ async fn text_prompts_and_session_params_follow_the_session() {
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.headers["x-kvc-mode"], "turn1-seed");
     let d = r.headers["x-kvc-decode-worker"].clone();
-    common::wait_until("P's request at its mock", || s.count(0) >= 1).await;
-    assert_eq!(s.received(0)[0].1["text"], words[..1_300].join(" "));
+    assert_eq!(
+        s.received_at_least(0, 1).await[0].1["text"],
+        words[..1_300].join(" ")
+    );
 
     let r = s.send("/generate", &[], &body(1_900)).await;
     assert_eq!(r.status, 200, "{}", r.body);
@@ -126,7 +126,10 @@ async fn openai_completions_are_forwarded_on_the_same_path() {
     assert_eq!(path, "/v1/completions");
     assert_eq!(got["prompt"], "say hello to the cluster");
     assert_eq!(got["max_tokens"], 12);
-    assert_eq!(got["bootstrap_room"], s.received(0)[0].1["bootstrap_room"]);
+    assert_eq!(
+        got["bootstrap_room"],
+        s.received_at_least(0, 1).await[0].1["bootstrap_room"]
+    );
     assert_eq!(s.cluster.service().pending_decisions(), 0);
 }
 
@@ -149,7 +152,7 @@ async fn chat_completions_are_forwarded_unchanged_and_follow_the_session() {
         r.body["choices"][0]["message"]["content"],
         format!("answer from d{d}")
     );
-    let (p_path, p_body) = &s.received(0)[0];
+    let (p_path, p_body) = &s.received_at_least(0, 1).await[0];
     let (d_path, d_body) = &s.received(d)[0];
     assert_eq!(p_path, "/v1/chat/completions");
     assert_eq!(d_path, "/v1/chat/completions");

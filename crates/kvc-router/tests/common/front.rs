@@ -163,6 +163,17 @@ impl<M: Recording> Front<M> {
     pub fn count(&self, id: u32) -> usize {
         self.mocks[&id].requests().lock().len()
     }
+
+    /// What worker `id`'s mock received, once it holds at least `n` requests (at most
+    /// [`super::WAIT`]): on the SGLang dialect P's request runs beside D's, and the client's
+    /// answer can come before P's request reaches its mock.
+    pub async fn received_at_least(&self, id: u32, n: usize) -> Vec<M::Request> {
+        super::wait_until(format!("{n} request(s) at worker {id}'s mock"), || {
+            self.count(id) >= n
+        })
+        .await;
+        self.received(id)
+    }
 }
 
 /// Serves `app` on a fresh loopback port; its address.
