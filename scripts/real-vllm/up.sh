@@ -28,7 +28,9 @@
 # Environment: KVC_REAL_VLLM_PORT_BASE (default 18200; engine i uses BASE+10i .. BASE+10i+3),
 # KVC_REAL_VLLM_KV_GIB (KV pool per engine, GiB, default 1), KVC_REAL_VLLM_THREADS (compute
 # threads per engine, default the cores divided among the engines), KVC_REAL_VLLM_MAX_MODEL_LEN
-# (default 16384), KVC_REAL_VLLM_CHUNK_TOKENS (the chunked-prefill budget, vLLM's
+# (default 16384), KVC_REAL_VLLM_KV_LEASE_S (a P/D pair's KV lease: how long P keeps a
+# prefilled request's KV for D to read without D's heartbeat, vLLM's kv_lease_duration,
+# default vLLM's 30 s), KVC_REAL_VLLM_CHUNK_TOKENS (the chunked-prefill budget, vLLM's
 # --max-num-batched-tokens: a prompt longer than it is prefilled over several steps; default
 # 2048, vLLM's own default for its CPU build's API server), KVC_REAL_VLLM_DEFAULT_MAX_TOKENS (the output limit of a request that sets
 # none, as coding agents' requests do: default 64, where the engine would otherwise decode up
@@ -81,6 +83,12 @@ max_len="${KVC_REAL_VLLM_MAX_MODEL_LEN:-16384}"
 chunk="${KVC_REAL_VLLM_CHUNK_TOKENS:-2048}"
 [[ "$chunk" =~ ^[1-9][0-9]*$ ]] || { echo "real-vllm: KVC_REAL_VLLM_CHUNK_TOKENS must be a positive count, got $chunk" >&2; exit 2; }
 start_timeout="${KVC_REAL_VLLM_START_TIMEOUT:-420}"
+lease="${KVC_REAL_VLLM_KV_LEASE_S:-}"
+lease_extra=""
+if [ -n "$lease" ]; then
+  [[ "$lease" =~ ^[1-9][0-9]*$ ]] || { echo "real-vllm: KVC_REAL_VLLM_KV_LEASE_S must be a positive number of seconds, got $lease" >&2; exit 2; }
+  lease_extra=",\"kv_connector_extra_config\":{\"kv_lease_duration\":$lease}"
+fi
 router_port="${KVC_REAL_VLLM_ROUTER_PORT:-18080}"
 cache="${KVC_REAL_VLLM_CACHE:-$HOME/.cache/kvc/real-vllm}"
 block_size=32 # the CPU attention backend needs a multiple of 32
@@ -148,8 +156,8 @@ start_engine() { # index name role
   override="$(gpu_blocks "$role")"
   [ -z "$override" ] || args+=(--num-gpu-blocks-override "$override")
   case "$role" in
-    prefill) args+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}') ;;
-    decode) args+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cpu"}') ;;
+    prefill) args+=(--kv-transfer-config "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_producer\",\"kv_buffer_device\":\"cpu\"$lease_extra}") ;;
+    decode) args+=(--kv-transfer-config "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_consumer\",\"kv_buffer_device\":\"cpu\"$lease_extra}") ;;
   esac
   # VLLM_CPU_OMP_THREADS_BIND=nobind: vLLM otherwise pins each engine's threads to the same
   # cores (0, 1, ...), and an idle NixlConnector engine keeps two threads spinning there (its
