@@ -261,6 +261,10 @@ stable_enum! {
         /// The lowest joint cost of the P's in-flight transfers and the target D's queue
         /// (`kvc-policy`'s `prefill` module gives the formula).
         DHealthAware => "d-health-aware",
+        /// `d-health-aware`'s cost plus the share of the prompt the P would have to compute
+        /// (what its prefix cache does not hold): a re-seed or fallback goes to the P that
+        /// holds the session's prefix when the loads allow.
+        PrefixAware => "prefix-aware",
     }
 }
 

@@ -91,7 +91,7 @@ fn outcomes_have_stable_names() {
 
 #[test]
 fn prefill_policies_have_stable_names() {
-    check_names::<PrefillPolicy>(&["round-robin", "d-health-aware"]);
+    check_names::<PrefillPolicy>(&["round-robin", "d-health-aware", "prefix-aware"]);
 }
 
 #[test]

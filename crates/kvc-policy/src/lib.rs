@@ -117,8 +117,8 @@
 //!
 //! [`PolicyConfig::all_names`] lists the same names in this order.
 //!
-//! Prefill selection ([`PrefillPolicy`], named in `kvc-core`): `round-robin` or
-//! `d-health-aware`. Shared helpers:
+//! Prefill selection ([`PrefillPolicy`], named in `kvc-core`): `round-robin`,
+//! `d-health-aware` or `prefix-aware`. Shared helpers:
 //! [`footprint_tokens`], [`classify_turn`], [`recommended_pause_ms`].
 #![forbid(unsafe_code)]
 

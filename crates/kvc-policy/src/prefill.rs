@@ -19,6 +19,18 @@
 //!   in flight per failure, so traffic to D moves to another P until that one is as bad.
 //!   D's health gates it before P is chosen (an unhealthy D is never a target). Ties go to
 //!   round-robin order, so on an idle cluster it spreads like `round-robin`.
+//! - `prefix-aware`: `d-health-aware`'s cost plus the share of the prompt the P would compute:
+//!
+//!   ```text
+//!   cost(P | D) = cost_d_health_aware(P | D) + (input − cached(P)) / input
+//!   ```
+//!
+//!   where `cached(P)` is the request's prefix P's cache holds as the router believes (the
+//!   grow-only view). The share is at most 1: a P holding the whole prompt is worth one request
+//!   in flight less than a P holding none of it (one request in flight costs about one prompt's
+//!   compute), so a re-seed or a fallback goes to the P that holds the session's prefix unless
+//!   it is busier by a whole request. With no cache anywhere every share is 1 and the choice is
+//!   `d-health-aware`'s, ties in round-robin order.
 
 use crate::decision::ScoreEntry;
 use crate::error::PolicyError;
@@ -51,7 +63,10 @@ pub(crate) fn choose(
         PrefillPolicy::RoundRobin => {
             round_robin::pick(ctx, &candidates, WorkerRole::Prefill, scores)
         }
-        PrefillPolicy::DHealthAware => d_health_aware(ctx, &candidates, decode, scores),
+        PrefillPolicy::DHealthAware => d_health_aware(ctx, &candidates, decode, None, scores),
+        PrefillPolicy::PrefixAware => {
+            d_health_aware(ctx, &candidates, decode, Some(block_size), scores)
+        }
     };
     Ok((p, ctx.cached_on(p, BlockView::Seen, block_size)))
 }
@@ -60,15 +75,19 @@ pub(crate) fn choose(
 /// requests in flight.
 const PAIR_FAILURE_COST: u64 = 8;
 
+/// `d-health-aware`, and with `cache` (the block size) `prefix-aware`: the share of the prompt
+/// each P would compute is added to its cost.
 fn d_health_aware(
     ctx: &Ctx<'_>,
     candidates: &WorkerSet,
     decode: WorkerId,
+    cache: Option<BlockSize>,
     scores: &mut Vec<ScoreEntry>,
 ) -> WorkerId {
     let d_queue = u64::from(ctx.worker_state(decode).queue_depth);
+    let input = ctx.req.input_length;
     let first = scores.len();
-    let mut best: Option<(u64, WorkerId)> = None;
+    let mut best: Option<(f64, WorkerId)> = None;
     for (order, slot) in
         round_robin::order(candidates, ctx.state.cursor(WorkerRole::Prefill)).enumerate()
     {
@@ -76,7 +95,17 @@ fn d_health_aware(
         let p_load = u64::from(ctx.load(id)) + u64::from(ctx.worker_state(id).queue_depth);
         let pair = u64::from(ctx.state.pair_in_flight(id, decode));
         let failures = u64::from(ctx.state.pair_failures(id, decode));
-        let cost = p_load + pair * (1 + d_queue) + PAIR_FAILURE_COST * failures;
+        let requests = p_load + pair * (1 + d_queue) + PAIR_FAILURE_COST * failures;
+        // The share of the prompt this P would compute (prefix-aware only; 0 for an empty prompt).
+        let compute = cache.map(|block_size| {
+            let cached = ctx.cached_on(id, BlockView::Seen, block_size).min(input);
+            if input == 0 {
+                0.0
+            } else {
+                (input - cached) as f64 / input as f64
+            }
+        });
+        let cost = requests as f64 + compute.unwrap_or(0.0);
         // Strictly lower cost wins; equal cost keeps the earlier one in round-robin order.
         if best.is_none_or(|(c, _)| cost < c) {
             best = Some((cost, id));
@@ -87,7 +116,10 @@ fn d_health_aware(
             .with("pair_failures", failures as f64)
             .with("d_queue_depth", d_queue as f64)
             .with("rr_order", order as f64);
-        e.total = 0.0 - cost as f64;
+        if let Some(share) = compute {
+            e = e.with("compute_share", share);
+        }
+        e.total = 0.0 - cost;
         scores.push(e);
     }
     scores[first..].sort_unstable_by_key(|e| e.worker);

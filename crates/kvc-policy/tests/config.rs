@@ -41,7 +41,7 @@ fn prefill_policy_names() {
             .iter()
             .map(|p| p.as_str())
             .collect::<Vec<_>>(),
-        vec!["round-robin", "d-health-aware"]
+        vec!["round-robin", "d-health-aware", "prefix-aware"]
     );
     for p in PrefillPolicy::ALL {
         assert_eq!(p.as_str().parse::<PrefillPolicy>().unwrap(), *p);
@@ -55,7 +55,7 @@ fn prefill_policy_names() {
     assert_eq!(err.name, "random");
     assert_eq!(
         err.to_string(),
-        "unknown prefill policy `random` (expected one of: round-robin, d-health-aware)"
+        "unknown prefill policy `random` (expected one of: round-robin, d-health-aware, prefix-aware)"
     );
 }
 

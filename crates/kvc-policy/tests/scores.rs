@@ -520,6 +520,80 @@ fn d_health_aware_prefill_cost() {
 }
 
 #[test]
+fn prefix_aware_prefill_goes_where_the_prefix_is_unless_that_p_is_a_request_busier() {
+    let config = |prefill| {
+        PolicyConfig::KvcV2(KvcV2Config {
+            prefill,
+            ..KvcV2Config::default()
+        })
+    };
+    let base = pd(2, 1);
+    let mut r = Router::new(config(PrefillPolicy::PrefixAware), &base);
+    // P1 prefilled session 9's first 8 context blocks (and the system prompt) for d2, answered.
+    let seen = ctx_blocks(9, 0, 8);
+    r.state.apply(&StateChange {
+        blocks: seen.clone(),
+        ..change(1, 1, 2)
+    });
+    r.state.observe(&Observation::Completed {
+        request_id: RequestId(1),
+        session: None,
+        worker: WorkerId(2),
+        outcome: kvc_core::Outcome::Ok,
+        resident_tokens: 0,
+        direct: false,
+    });
+    assert_eq!(r.state.cursor(WorkerRole::Prefill), Some(WorkerId(1)));
+    // The next request extends that prompt by 8 blocks: P1 holds half of it (or more: the
+    // shared system prompt), P0 nothing.
+    let b = ctx_blocks(9, 0, 16);
+    let req = RouteRequest::new(RequestId(10), b.len() as u64 * BS, 1, &b);
+    let cached = seen.len() as f64;
+    let share_p1 = (b.len() as f64 - cached) / b.len() as f64;
+    let pr = WorkerRole::Prefill;
+
+    // Idle P's: round-robin order would take P0 (after P1); the cache takes P1.
+    let d = r.decide(&base, &req).unwrap();
+    assert_eq!(d.prefill, Some(WorkerId(1)));
+    check(
+        &d,
+        0,
+        pr,
+        &[("compute_share", 1.0), ("rr_order", 0.0)],
+        -1.0,
+        true,
+    );
+    check(
+        &d,
+        1,
+        pr,
+        &[("compute_share", share_p1), ("rr_order", 1.0)],
+        -share_p1,
+        true,
+    );
+
+    // P1 one request busier: 1 + share against P0's 0 + 1; P0 is cheaper.
+    let mut ws = base.clone();
+    set_load(&mut ws, 1, 0, 1);
+    let d = r.decide(&ws, &req).unwrap();
+    assert_eq!(d.prefill, Some(WorkerId(0)));
+    check(&d, 1, pr, &[("p_load", 1.0)], -(1.0 + share_p1), true);
+
+    // d-health-aware on the same state is blind to the cache: round-robin order, P0.
+    let blind = Router {
+        config: config(PrefillPolicy::DHealthAware),
+        ..r
+    };
+    let d = blind.decide(&base, &req).unwrap();
+    assert_eq!(d.prefill, Some(WorkerId(0)));
+    assert!(
+        d.scores
+            .iter()
+            .all(|e| e.component("compute_share").is_none())
+    );
+}
+
+#[test]
 fn d_health_aware_prefill_avoids_a_pair_whose_transfers_keep_failing() {
     let cfg = PolicyConfig::KvcV2(KvcV2Config {
         prefill: PrefillPolicy::DHealthAware,

@@ -96,7 +96,8 @@ pub(crate) struct RunArgs {
     /// Routing policy (see `kvc-replay policies`).
     #[arg(long, default_value = "kvc")]
     pub(crate) policy: String,
-    /// Prefill selection on P/D clusters: round-robin or d-health-aware (default: the policy's).
+    /// Prefill selection on P/D clusters: round-robin, d-health-aware or prefix-aware (default:
+    /// the policy's).
     #[arg(long)]
     pub(crate) prefill_policy: Option<String>,
     /// Set a policy knob, KEY=VALUE (repeatable; VALUE is parsed as JSON, else as a string).
