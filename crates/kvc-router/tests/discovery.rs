@@ -177,23 +177,22 @@ async fn a_vllm_worker_known_by_its_http_url_reads_its_events_from_the_engine() 
     assert!(!warned(&ws[0], "serves"), "{:?}", ws[0].warnings);
 
     // d1's events are indexed under d1.
-    publisher
-        .publish(&kvc_events::EventBatch {
-            ts: 0.0,
-            events: vec![kvc_events::Event::Stored(kvc_events::BlockStored {
-                block_hashes: (100..104).map(kvc_events::EngineHash).collect(),
-                parent: None,
-                token_ids: (0..64).collect(),
-                block_size: 16,
-                session_id: Some("agent-1".to_owned()),
-                ..Default::default()
-            })],
-            dp_rank: None,
-        })
-        .await
-        .unwrap();
-    wait_for(&cluster, "d1's blocks indexed", |ws| {
-        ws[1].events.is_some_and(|e| e.indexed_blocks == 4)
+    let batch = kvc_events::EventBatch {
+        ts: 0.0,
+        events: vec![kvc_events::Event::Stored(kvc_events::BlockStored {
+            block_hashes: (100..104).map(kvc_events::EngineHash).collect(),
+            parent: None,
+            token_ids: (0..64).collect(),
+            block_size: 16,
+            session_id: Some("agent-1".to_owned()),
+            ..Default::default()
+        })],
+        dp_rank: None,
+    };
+    common::publish_applied(&publisher, batch, "d1's blocks indexed", |_| {
+        cluster.service().list_workers()[1]
+            .events
+            .is_some_and(|e| e.indexed_blocks == 4)
     })
     .await;
 

@@ -390,11 +390,8 @@ async fn publish_at(p: &kvc_events::Publisher, ts: f64, events: Vec<kvc_events::
     .unwrap();
 }
 
-/// Publishes a batch at engine time `ts` and waits (at most [`common::WAIT`]) until the router
-/// has applied it; returns its number. A PUB socket drops what it sends before the
-/// subscription has reached it (a subscriber that has just connected, on a loaded machine):
-/// when the batch is not applied within a second, an empty batch with the same time follows,
-/// whose number shows the router the gap, which it closes by replay.
+/// Publishes a batch at engine time `ts` and waits until the router has applied it
+/// ([`common::publish_applied`]).
 async fn publish_applied(
     cluster: &Cluster,
     p: &kvc_events::Publisher,
@@ -402,28 +399,18 @@ async fn publish_applied(
     events: Vec<kvc_events::Event>,
     what: &str,
 ) -> u64 {
-    let batch = |events| kvc_events::EventBatch {
+    let batch = kvc_events::EventBatch {
         ts,
         events,
         dp_rank: None,
     };
-    let seq = p.publish(&batch(events)).await.unwrap();
-    let applied = |ws: &[kvc_router::ListedWorker]| {
-        ws[1]
+    common::publish_applied(p, batch, what, |seq| {
+        cluster.service().list_workers()[1]
             .events
             .as_ref()
             .is_some_and(|e| e.last_seq.is_some_and(|s| s >= seq))
-    };
-    let nudge_at = std::time::Instant::now() + std::time::Duration::from_secs(1);
-    while std::time::Instant::now() < nudge_at {
-        if applied(&cluster.service().list_workers()) {
-            return seq;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    p.publish(&batch(Vec::new())).await.unwrap();
-    wait_for(cluster, what, applied).await;
-    seq
+    })
+    .await
 }
 
 /// P (worker 0), d1 (worker 1, with a KV-event publisher) and d2 (worker 2, out of rotation

@@ -409,6 +409,34 @@ pub fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
 
 /// A KV-cache event publisher on loopback ports, with a replay socket, under `topic` (empty:
 /// none), stopped by `stop`.
+/// Publishes `batch` and waits (at most [`WAIT`]) until `applied(seq)` holds, `seq` the
+/// batch's number, which it returns. A PUB socket drops what it sends before a subscription
+/// has reached it (a subscriber that has just connected, on a loaded machine): when the batch
+/// is not applied within a second, an empty batch with the same time follows, whose number
+/// shows the subscriber the gap, which it closes by replay.
+pub async fn publish_applied(
+    p: &kvc_events::Publisher,
+    batch: kvc_events::EventBatch,
+    what: &str,
+    applied: impl Fn(u64) -> bool,
+) -> u64 {
+    let seq = p.publish(&batch).await.unwrap();
+    let nudge_at = std::time::Instant::now() + Duration::from_secs(1);
+    while std::time::Instant::now() < nudge_at {
+        if applied(seq) {
+            return seq;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let empty = kvc_events::EventBatch {
+        events: Vec::new(),
+        ..batch
+    };
+    p.publish(&empty).await.unwrap();
+    wait_until(what, || applied(seq)).await;
+    seq
+}
+
 pub async fn event_publisher(
     topic: &str,
     stop: &tokio_util::sync::CancellationToken,
