@@ -4,6 +4,8 @@
 //! kvc-router, and its picker runs the image `scripts/image/build.sh` makes.
 #![forbid(unsafe_code)]
 
+mod common;
+
 use serde::Deserialize as _;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -16,21 +18,6 @@ fn documents(path: &Path) -> Vec<Value> {
     serde_yaml_ng::Deserializer::from_str(&text)
         .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
         .collect()
-}
-
-/// The version of the kvc-router crate, which names its image.
-fn kvc_router_version() -> String {
-    let manifest = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../crates/kvc-router/Cargo.toml"
-    ))
-    .unwrap();
-    manifest
-        .lines()
-        .find_map(|l| l.strip_prefix("version = \""))
-        .and_then(|v| v.strip_suffix('"'))
-        .expect("a version line")
-        .to_owned()
 }
 
 fn files(dir: &Path) -> Vec<PathBuf> {
@@ -154,7 +141,7 @@ fn the_kubernetes_picker_runs_two_replicas_with_its_ports_and_probes() {
     // the nodes rather than pulled.
     assert_eq!(
         container["image"],
-        format!("kvc-router:{}", kvc_router_version()).as_str()
+        format!("kvc-router:{}", common::kvc_router_version()).as_str()
     );
     assert_eq!(container["imagePullPolicy"], "IfNotPresent");
     // The router configuration in the ConfigMap is one kvc-router accepts, serving the
