@@ -11,6 +11,7 @@
 mod bench;
 mod criterion;
 mod summary;
+mod unpacked;
 
 use std::process::{Command, ExitCode};
 
@@ -333,6 +334,27 @@ fn published_crates_step() -> Result<(), ExitCode> {
             .args(CRATES)
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
+    // Without this a checkout at the path of an earlier run verifies kvc-policy against that
+    // run's kvc-core (`unpacked.rs` says why).
+    if let Some(home) = unpacked::cargo_home() {
+        match unpacked::forget(&home, &["kvc-core", "kvc-policy"]) {
+            Ok(removed) => {
+                for dir in removed {
+                    eprintln!(
+                        "xtask test: removed cargo's unpacked copy {}",
+                        dir.display()
+                    );
+                }
+            }
+            Err(e) => {
+                eprintln!(
+                    "xtask: could not remove cargo's unpacked copies of kvc-core and kvc-policy under {}: {e}",
+                    home.display()
+                );
+                return Err(ExitCode::FAILURE);
+            }
+        }
+    }
     run(
         "publish dry run of kvc-core and kvc-policy",
         cargo()
