@@ -1,6 +1,7 @@
 //! The HTTP client to the workers: hyper-util's pooled client (HTTP/1.1 keep-alive, idle
 //! connections reused until the idle timeout, a connect timeout, `TCP_NODELAY`), with the
-//! front's deadlines, its size limit and its reading of admission refusals.
+//! front's deadlines, its size limit and its reading of admission refusals. A call whose
+//! connection closes before the answer's first byte goes once more on a new connection.
 
 use crate::config::WorkerUrl;
 use axum::body::Bytes;
@@ -203,6 +204,9 @@ pub(crate) struct Call<'a> {
 #[derive(Debug, Clone)]
 pub(crate) struct WorkerClient {
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Without a pool: the one retry of a call whose connection closed before any answer
+    /// (`WorkerClient::send`) goes out on a connection of its own.
+    fresh: Client<HttpConnector, Full<Bytes>>,
 }
 
 impl WorkerClient {
@@ -216,8 +220,11 @@ impl WorkerClient {
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(pool.idle_timeout)
             .pool_max_idle_per_host(pool.max_idle_per_worker)
+            .build(connector.clone());
+        let fresh = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
             .build(connector);
-        WorkerClient { client }
+        WorkerClient { client, fresh }
     }
 
     /// Sends `method` to `base` + `path` and returns once the response head has arrived.
@@ -230,33 +237,50 @@ impl WorkerClient {
             ..
         } = call;
         let post = method == Method::POST;
-        let mut request = Request::builder()
-            .method(method)
-            .uri(base.uri(path))
-            .body(Full::new(body))
-            .map_err(|e| ForwardError::Unreachable(format!("bad request URI: {e}")))?;
-        let h = request.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        for (name, value) in headers {
-            h.insert(name.clone(), value.clone());
-        }
+        let build = || {
+            let mut request = Request::builder()
+                .method(method.clone())
+                .uri(base.uri(path))
+                .body(Full::new(body.clone()))
+                .map_err(|e| ForwardError::Unreachable(format!("bad request URI: {e}")))?;
+            let h = request.headers_mut();
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            for (name, value) in headers {
+                h.insert(name.clone(), value.clone());
+            }
+            Ok::<_, ForwardError>(request)
+        };
+        let request = build()?;
         // A worker call's timeline at debug level (`--log-level debug`): when the router sent
         // it and when the worker's head came, by the request id both legs of a P→D carry.
         let traced = (post && tracing::enabled!(tracing::Level::DEBUG))
-            .then(|| (std::time::Instant::now(), request_id_of(h)));
+            .then(|| (std::time::Instant::now(), request_id_of(request.headers())));
         if let Some((_, id)) = &traced {
             tracing::debug!(worker = %base.authority(), path, request_id = %id, "worker call sent");
         }
-        let response = self.client.request(request).await.map_err(|e| {
+        let failed = |e: &hyper_util::client::legacy::Error| {
             if let Some((at, id)) = &traced {
                 tracing::debug!(worker = %base.authority(), path, request_id = %id, error = %e,
                     elapsed_ms = at.elapsed().as_millis() as u64, "worker call failed");
             }
-            ForwardError::from_client(&e)
-        })?;
+            ForwardError::from_client(e)
+        };
+        let response = match self.client.request(request).await {
+            Ok(response) => response,
+            // A pooled connection the worker closed as the call went out (its keep-alive
+            // timer and ours race; on a loaded machine the margin goes): the worker read
+            // nothing, or closed without a byte of answer. Once more, on a connection of its
+            // own; a worker that closes that one too has failed the call.
+            Err(e) if closed_before_answer(&e) => {
+                tracing::info!(worker = %base.authority(), path, error = %e,
+                    "worker closed the connection before any answer; sending the call once more on a new connection");
+                self.fresh.request(build()?).await.map_err(|e| failed(&e))?
+            }
+            Err(e) => return Err(failed(&e)),
+        };
         let (head, body) = response.into_parts();
         let status = head.status.as_u16();
         if let Some((at, id)) = &traced {
@@ -307,6 +331,15 @@ impl WorkerClient {
         })
         .await
     }
+}
+
+/// Whether a call failed because its connection closed before the answer's first byte (no
+/// connect error, no malformed answer: hyper's "connection closed before message completed").
+fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+    !e.is_connect()
+        && std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<hyper::Error>())
+            .is_some_and(hyper::Error::is_incomplete_message)
 }
 
 /// The `X-Request-Id` a call carries (`-` without one), for the debug timeline.
@@ -528,6 +561,89 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(30)).await;
         });
         url
+    }
+
+    /// A server whose connections answer `OK` to their first `keep` requests, then close on
+    /// reading the next without a byte of answer (as a worker whose keep-alive timer fired
+    /// as the call went out). Counts connections; records every request it read.
+    async fn server_closing_after(keep: usize) -> RawServer {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let requests = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let (c, r) = (connections.clone(), requests.clone());
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                c.fetch_add(1, Ordering::SeqCst);
+                let r = r.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    for answered in 0.. {
+                        let Some(text) = read_request(&mut s, &mut buf).await else {
+                            return;
+                        };
+                        r.lock().push(text);
+                        if answered == keep {
+                            return; // dropped: closed without an answer
+                        }
+                        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+                        if s.write_all(ok).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        RawServer {
+            url: WorkerUrl::parse(&format!("http://127.0.0.1:{port}/v")).unwrap(),
+            connections,
+            requests,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_whose_kept_alive_connection_closes_unanswered_goes_once_more_on_a_new_one() {
+        let server = server_closing_after(1).await;
+        let c = client();
+        let body = Bytes::from_static(b"{\"turn\":1}");
+        let first = c
+            .post_whole(post(&server.url, "/x", &[], body, SECOND))
+            .await
+            .unwrap();
+        assert_eq!(&first.body[..], b"ok");
+        // The kept-alive connection closes on the second call: it is sent again, on a new
+        // connection, with the same body, and answered.
+        let body = Bytes::from_static(b"{\"turn\":2}");
+        let second = c
+            .post_whole(post(&server.url, "/x", &[], body, SECOND))
+            .await
+            .unwrap();
+        assert_eq!((second.status, &second.body[..]), (200, &b"ok"[..]));
+        assert_eq!(server.connections.load(Ordering::SeqCst), 2);
+        let requests = server.requests.lock().clone();
+        assert_eq!(requests.len(), 3, "{requests:?}");
+        assert!(requests[1].ends_with("{\"turn\":2}") && requests[2].ends_with("{\"turn\":2}"));
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_closes_every_connection_unanswered_fails_the_call_after_one_retry() {
+        let server = server_closing_after(0).await;
+        for (call, streaming) in [(1, false), (2, true)] {
+            let call_of = || post(&server.url, "/x", &[], Bytes::from_static(b"{}"), SECOND);
+            let err = if streaming {
+                client().post_streaming(call_of()).await.unwrap_err()
+            } else {
+                client().post_whole(call_of()).await.unwrap_err()
+            };
+            assert!(matches!(err, ForwardError::Broken(_)), "{err:?}");
+            assert!(
+                err.to_string().contains("closed before message completed"),
+                "{err}"
+            );
+            // Each call: the first connection and exactly one more.
+            assert_eq!(server.connections.load(Ordering::SeqCst), 2 * call);
+            assert_eq!(server.requests.lock().len(), 2 * call);
+        }
     }
 
     #[tokio::test]

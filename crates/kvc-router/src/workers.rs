@@ -646,14 +646,10 @@ impl WorkerEntry {
             return;
         };
         let released = self.released.load(std::sync::atomic::Ordering::Relaxed);
-        let mut answer = client.get(&scraped.url, "", timeout).await;
         // A kept-alive connection the engine's server closed just as the scrape went out
-        // (uvicorn closes idle ones after 5 s) breaks without saying anything of the engine:
-        // asked once more, on a new connection, a live engine answers.
-        if matches!(answer, Err(crate::worker_http::ForwardError::Broken(_))) {
-            tracing::debug!(worker = self.id.0, url = %scraped.url.uri(""), "engine metrics scrape broke; asking again");
-            answer = client.get(&scraped.url, "", timeout).await;
-        }
+        // (uvicorn closes idle ones after 5 s) says nothing of the engine: the client asks
+        // once more on a new connection (`worker_http`), where a live engine answers.
+        let answer = client.get(&scraped.url, "", timeout).await;
         let now = now_ms();
         // A busy engine can be slow to answer /metrics (a CPU engine's API server waits out a
         // long prefill): a scrape that only ran out of time leaves the last good state to age

@@ -23,10 +23,15 @@ by accident):
             points unable to separate them), one efficiency is fitted to all FLOPs and
             fit.attention_efficiency is not written, with a warning.
   decode    B = 1, 2, 4, 8 concurrent streams, each of L prompt tokens (two sizes) and
-            --decode-tokens generated. One decode step is each stream's time from its
-            first to its last token while all B streams decode, over the tokens between
-            (chunks reach the client in bursts; an engine that streams several
-            tokens a chunk: the mean gap of the stream that started last), fitted as
+            --decode-tokens generated, each prompt sent alone first (one token) to be
+            cached. One decode step is the engine's own decode seconds over its steps,
+            from vLLM's counters read before and after the point
+            (vllm:request_decode_time_seconds, vllm:generation_tokens_total): a busy
+            client or API server delivers tokens in bursts. An engine without them: each
+            stream's time from its first to its last token while all B streams decode,
+            over the steps between, only chunks that end a burst taken as ends (an engine
+            that streams several tokens a chunk: the mean gap of the stream that started
+            last). Fitted as
               overhead + bytes(B, context at mid-stream) / (decode_efficiency x bandwidth)
             -> fit.decode_efficiency, fit.decode_overhead_ms.
   transfer  with --prefill-url and --decode-url (a NixlConnector pair), five prompt
@@ -65,7 +70,7 @@ warning recorded. A decode sweep whose step times do not grow with the work (a b
 noise can hide the growth) is measured once more, --repeats more times a point, and fitted on
 every measurement, with a warning; if the growth is still hidden the profile fails.
 
-About 125 requests with the defaults, 155 with a pair (each point measured --repeats times, the median
+About 180 requests with the defaults, 210 with a pair (each point measured --repeats times, the median
 fitted): on an H100 well under a minute; on a CPU-only vLLM build, lower --max-context.
 
 Output: --out, the profile (loads with `kvc-replay sim --profile`), opened by a comment with

@@ -4,6 +4,7 @@
 //! client over `kvc_engine_sim::http::connector`, the SSE scanner of `kvc_core::sse`).
 
 use super::ProfileError;
+use super::fit::DecodeCounters;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvc_core::openai::{cached_tokens_of, completion_tokens_of};
@@ -91,6 +92,37 @@ pub(super) fn cache_config(text: &str) -> Option<CacheConfig> {
     Some(CacheConfig {
         block_size: label("block_size").filter(|b| *b > 0)?,
         num_gpu_blocks: label("num_gpu_blocks").filter(|b| *b > 0)?,
+    })
+}
+
+/// The sum of every sample of the metric `name` in a Prometheus text exposition (`None`
+/// when it has none, or a sample's value is not a number).
+fn metric_total(text: &str, name: &str) -> Option<f64> {
+    let mut total = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let value = if let Some(labels) = rest.strip_prefix('{') {
+            labels.rsplit_once('}')?.1
+        } else if rest.starts_with(' ') {
+            rest
+        } else {
+            continue; // another metric whose name starts with this one's
+        };
+        let value: f64 = value.split_whitespace().next()?.parse().ok()?;
+        total = Some(total.unwrap_or(0.0) + value);
+    }
+    total
+}
+
+/// vLLM's decode counters ([`DecodeCounters`]) from its `/metrics` text; `None` when the
+/// engine does not report all three (the simulated workers).
+pub(super) fn decode_counters(text: &str) -> Option<DecodeCounters> {
+    Some(DecodeCounters {
+        decode_seconds: metric_total(text, "vllm:request_decode_time_seconds_sum")?,
+        finished: metric_total(text, "vllm:request_decode_time_seconds_count")?,
+        generated: metric_total(text, "vllm:generation_tokens_total")?,
     })
 }
 
@@ -202,6 +234,16 @@ impl Engines {
                       not at URL/metrics)"
                 .into(),
         })
+    }
+
+    /// The engine's decode counters from the Prometheus metrics at `url` (`None`: it does
+    /// not report them).
+    pub(super) async fn decode_counters(
+        &self,
+        url: &str,
+    ) -> Result<Option<DecodeCounters>, ProfileError> {
+        let body = self.get(url, "Prometheus metrics").await?;
+        Ok(decode_counters(&String::from_utf8_lossy(&body)))
     }
 
     /// Median milliseconds of a few `GET /health` round trips at `base`.
@@ -383,6 +425,38 @@ mod tests {
         assert!(empty.contains("empty"), "{empty}");
         let other = models_of(&json!({"detail": "Not Found"})).unwrap_err();
         assert!(other.contains("not an OpenAI model list"), "{other}");
+    }
+
+    #[test]
+    fn the_decode_counters_are_summed_over_their_samples() {
+        let text = "# TYPE vllm:request_decode_time_seconds histogram\n\
+                    vllm:request_decode_time_seconds_bucket{engine=\"0\",le=\"0.3\",model_name=\"m\"} 4.0\n\
+                    vllm:request_decode_time_seconds_sum{engine=\"0\",model_name=\"m\"} 1.5\n\
+                    vllm:request_decode_time_seconds_sum{engine=\"1\",model_name=\"m\"} 0.25\n\
+                    vllm:request_decode_time_seconds_count{engine=\"0\",model_name=\"m\"} 6.0\n\
+                    vllm:request_decode_time_seconds_count{engine=\"1\",model_name=\"m\"} 1.0\n\
+                    vllm:generation_tokens_total{engine=\"0\",model_name=\"m {odd}\"} 190.0\n\
+                    vllm:generation_tokens_created{engine=\"0\",model_name=\"m\"} 1.7e9\n\
+                    vllm:generation_tokens_total_other 5\n";
+        assert_eq!(
+            decode_counters(text),
+            Some(DecodeCounters {
+                decode_seconds: 1.75,
+                finished: 7.0,
+                generated: 190.0,
+            })
+        );
+        // An engine without them (the simulated workers) has none; a garbled value is none.
+        assert_eq!(decode_counters("vllm:num_requests_running 2\n"), None);
+        let garbled = text.replace("190.0", "many");
+        assert_eq!(decode_counters(&garbled), None);
+        assert_eq!(
+            metric_total(
+                "vllm:generation_tokens_total 3\n",
+                "vllm:generation_tokens_total"
+            ),
+            Some(3.0)
+        );
     }
 
     #[test]

@@ -574,15 +574,57 @@ pub struct StreamTimes {
 #[serde(rename_all = "kebab-case")]
 pub enum StepMethod {
     /// One chunk per token (vLLM's streaming): each stream's time from its first to its last
-    /// token while every stream was decoding, over the tokens between, summed over the
+    /// token while every stream was decoding, over the steps between, summed over the
     /// streams. Not the gaps one by one: a real vLLM's chunks reach the client in bursts
-    /// (several in one read, the gaps between them near 0), so only the window's ends are
-    /// trusted.
+    /// (several in one read, the gaps between them near 0; on a loaded machine a stream's
+    /// whole answer at once), so only the window's ends are used, and of those only chunks
+    /// that end a burst (the next one more than [`BURST_GAP`] later): the others arrive late
+    /// by the steps that followed them.
     PerToken,
     /// Fewer chunks than tokens (an engine that streams several tokens a chunk, like the
     /// simulated workers' first token then the rest): the mean gap of the stream whose first
     /// token came last, from its first chunk to its last.
     Span,
+    /// The engine's own timing of its steps ([`engine_decode_step`]): what its finished
+    /// requests spent from first token to last, over the steps in that time. Used wherever
+    /// the engine reports it (vLLM); the streams' reading is kept beside it.
+    Engine,
+}
+
+/// An engine's running totals of its decoding (vLLM's `/metrics`): the seconds its finished
+/// requests spent from their first token to their last (`vllm:request_decode_time_seconds`'s
+/// sum, taken at the engine, whatever the client's reading of the stream), how many requests
+/// finished (its count), and the tokens generated (`vllm:generation_tokens_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DecodeCounters {
+    /// Seconds from first to last token, summed over finished requests.
+    pub decode_seconds: f64,
+    /// Requests finished.
+    pub finished: f64,
+    /// Tokens generated.
+    pub generated: f64,
+}
+
+/// One decode step as the engine timed it, from its counters read `before` and `after` a
+/// point's `streams` requests: the decode seconds they added over the steps they took (each
+/// request's tokens after its first). `None` unless exactly `streams` requests finished in
+/// between (another client's request would mix in) and at least [`MIN_POINTS`] steps were
+/// timed.
+pub fn engine_decode_step(
+    before: &DecodeCounters,
+    after: &DecodeCounters,
+    streams: usize,
+) -> Option<StepEstimate> {
+    let finished = after.finished - before.finished;
+    let steps = after.generated - before.generated - finished;
+    let seconds = after.decode_seconds - before.decode_seconds;
+    (finished == streams as f64 && steps >= MIN_POINTS as f64 && seconds > 0.0).then(|| {
+        StepEstimate {
+            seconds: seconds / steps,
+            samples: steps as usize,
+            method: StepMethod::Engine,
+        }
+    })
 }
 
 /// One decode step's time as the streams show it.
@@ -595,6 +637,11 @@ pub struct StepEstimate {
     /// How it was read.
     pub method: StepMethod,
 }
+
+/// Chunks of one stream that arrive closer together than this came in one burst (one read of
+/// the client's, or the API server flushing what queued while it was not scheduled): well
+/// under any engine's decode step.
+pub const BURST_GAP: f64 = 0.000_5;
 
 /// The time of one decode step while every stream of `streams` decodes, skipping the first
 /// `skip` tokens of each stream inside that window; `None` when the streams show too little.
@@ -615,16 +662,21 @@ pub fn decode_step(streams: &[StreamTimes], skip: usize) -> Option<StepEstimate>
             .fold(f64::MAX, f64::min);
         let (mut span, mut gaps) = (0.0, 0usize);
         for s in streams {
-            let inside: Vec<f64> = s
+            // The chunks inside the window, by index; of those, only the last of each burst
+            // is trusted as an end: a burst's chunks were made a step apart and held back
+            // until the last of them, so the earlier ones arrive late by whole steps.
+            let trusted: Vec<(usize, f64)> = s
                 .chunks
                 .iter()
                 .copied()
-                .filter(|t| *t >= start && *t <= end)
+                .enumerate()
+                .filter(|(_, t)| *t >= start && *t <= end)
                 .skip(skip)
+                .filter(|&(i, t)| s.chunks.get(i + 1).is_none_or(|next| next - t > BURST_GAP))
                 .collect();
-            if let (Some(first), Some(last)) = (inside.first(), inside.last()) {
-                span += last - first;
-                gaps += inside.len() - 1;
+            if let (Some(first), Some(last)) = (trusted.first(), trusted.last()) {
+                span += last.1 - first.1;
+                gaps += last.0 - first.0;
             }
         }
         if gaps < MIN_POINTS || span <= 0.0 {

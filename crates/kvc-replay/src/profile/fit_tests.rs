@@ -179,11 +179,11 @@ fn per_token_streams_give_the_step_while_all_decode() {
 
 #[test]
 fn per_token_streams_read_in_bursts_give_the_step() {
-    // Steps of 4 ms, the client reading the chunks three at a time: two gaps of 0 and one
-    // of 12 ms, whose median would say 0.
+    // Steps of 4 ms, the client reading the chunks three at a time: each chunk arrives with
+    // the last of its three (two gaps of 0 and one of 12 ms, whose median would say 0).
     let bursty = |start: f64| -> Vec<f64> {
         (0..30)
-            .map(|i| start + f64::from(i / 3 * 3) * 0.004)
+            .map(|i| start + f64::from(i / 3 * 3 + 2) * 0.004 + 0.000_1)
             .collect()
     };
     let streams = [0.0, 0.0].map(|start| StreamTimes {
@@ -192,15 +192,70 @@ fn per_token_streams_read_in_bursts_give_the_step() {
     });
     let est = decode_step(&streams, 0).unwrap();
     assert_eq!(est.method, StepMethod::PerToken);
-    // 27 steps of 4 ms from the first chunk to the last, read over 29 gaps.
-    assert!(close(est.seconds, 27.0 * 0.004 / 29.0, 1e-12), "{est:?}");
-    assert_eq!(est.samples, 58);
+    // The bursts' last chunks, tokens 2 and 29 of each stream: 27 steps of 4 ms.
+    assert!(close(est.seconds, 0.004, 1e-12), "{est:?}");
+    assert_eq!(est.samples, 54);
     // A window with no time in it tells nothing.
     let flat = [StreamTimes {
         tokens: 10,
         chunks: vec![1.0; 10],
     }];
     assert!(decode_step(&flat, 0).is_none());
+}
+
+#[test]
+fn a_stream_held_back_by_a_loaded_machine_does_not_shorten_the_step() {
+    // Steps of 10 ms. Stream b's API server was not scheduled for its first 12 tokens and
+    // sent them at once with the 12th; stream c came whole in one burst at its end.
+    let steady: Vec<f64> = (0..40).map(|i| f64::from(i) * 0.010).collect();
+    let held: Vec<f64> = (0..40)
+        .map(|i| f64::from(i.max(11)) * 0.010 + 0.000_2)
+        .collect();
+    let whole = vec![0.390_3; 40];
+    let stream = |chunks: &Vec<f64>| StreamTimes {
+        tokens: 40,
+        chunks: chunks.clone(),
+    };
+    let est = decode_step(&[stream(&steady), stream(&held)], 0).unwrap();
+    // The window: from b's first chunk (110.2 ms) to a's last (390 ms). Trusted ends: a's
+    // tokens 12 and 39, b's 11 (its burst's last) and 38.
+    assert!(close(est.seconds, 0.010, 1e-9), "{est:?}");
+    assert_eq!(est.samples, 27 + 27);
+    // Every chunk of the window taken as it came would have said (0.27 + 0.27) / (27 + 38)
+    // = 8.3 ms. A stream that came whole in one burst says nothing of a step.
+    assert!(decode_step(&[stream(&whole)], 0).is_none());
+}
+
+#[test]
+fn the_engine_s_counters_give_its_own_step() {
+    let before = DecodeCounters {
+        decode_seconds: 10.0,
+        finished: 40.0,
+        generated: 1_000.0,
+    };
+    // Four streams of 32 tokens: 4 × 31 steps in 2.48 s of decoding.
+    let after = DecodeCounters {
+        decode_seconds: 12.48,
+        finished: 44.0,
+        generated: 1_128.0,
+    };
+    let est = engine_decode_step(&before, &after, 4).unwrap();
+    assert_eq!((est.method, est.samples), (StepMethod::Engine, 124));
+    assert!(close(est.seconds, 0.020, 1e-12), "{est:?}");
+    // A fifth request finished in between (another client's): not this point's alone.
+    let mixed = DecodeCounters {
+        finished: 45.0,
+        generated: 1_129.0,
+        ..after
+    };
+    assert!(engine_decode_step(&before, &mixed, 4).is_none());
+    // One-token answers time no step.
+    let one_token = DecodeCounters {
+        decode_seconds: 10.0,
+        finished: 44.0,
+        generated: 1_004.0,
+    };
+    assert!(engine_decode_step(&before, &one_token, 4).is_none());
 }
 
 #[test]

@@ -12,9 +12,15 @@
 //!   two efficiencies cannot be told apart (within one standard error of each other, or points
 //!   that cannot separate them) one efficiency for all FLOPs, with a warning
 //!   ([`fit::fit_prefill`]);
-//! - **decode**: `B` concurrent streams of context `L`; the time of one decode step while all
-//!   `B` decode is fitted as `overhead + bytes(B, Σ context) / (efficiency × bandwidth)` →
-//!   `fit.decode_efficiency`, `fit.decode_overhead_ms`;
+//! - **decode**: `B` concurrent streams of context `L`, each prompt sent alone first to be
+//!   cached (so that the streams start together and no step of theirs also prefills); the
+//!   time of one decode step while all `B` decode is fitted as `overhead + bytes(B, Σ
+//!   context) / (efficiency × bandwidth)` → `fit.decode_efficiency`, `fit.decode_overhead_ms`.
+//!   The one time not taken at the client: where the engine counts its own decoding (vLLM's
+//!   `vllm:request_decode_time_seconds` and `vllm:generation_tokens_total`, read before and
+//!   after each point, [`fit::engine_decode_step`]), the step is its seconds of decoding
+//!   over its steps, since a loaded client or API server delivers tokens in bursts whose
+//!   times say little of the engine's (the streams' reading is reported beside it);
 //! - **transfer** (with a NixlConnector prefill/decode pair): vLLM's two calls, P's answer's
 //!   `kv_transfer_params` handed to D; D's time to the first token less one decode step is
 //!   fitted as `setup + tokens × KV bytes per token / bandwidth` → `fit.transfer_bytes_per_s`,
@@ -31,10 +37,11 @@
 //! the cost a request sees, which is what the simulator's overheads stand for.
 //!
 //! Two readings depend on what the engine does, and are chosen from what it shows:
-//! - an engine that streams one chunk per token (vLLM) gives the decode step as the streams'
-//!   time from first to last token while every stream decodes, over the tokens between; one that streams several tokens a chunk
-//!   (the simulated workers: the first token, then the rest) as the mean gap of the stream
-//!   that started last ([`fit::decode_step`]);
+//! - an engine that does not count its decoding (the simulated workers) has the decode step
+//!   read off the streams: with one chunk per token, as the streams' time from first to last
+//!   token while every stream decodes, over the steps between, only chunks that end a burst
+//!   taken as ends; with several tokens a chunk (the simulated workers: the first token, then
+//!   the rest), as the mean gap of the stream that started last ([`fit::decode_step`]);
 //! - a prefill engine that answers P's call only once it has prefilled (vLLM) leaves nothing
 //!   to take off D's wait; one that answers at once and prefills while D waits (the simulated
 //!   workers) has the prefill its answer did not cover taken off too ([`fit::transfer_seconds`]).

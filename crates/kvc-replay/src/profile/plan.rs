@@ -212,7 +212,8 @@ impl Plan {
             .iter()
             .map(|p| if p.cached > 0 { 2 } else { 1 })
             .sum();
-        let decode: usize = self.decode.iter().map(|p| p.batch).sum();
+        // Each decode stream's prompt is sent alone once first, to be cached.
+        let decode: usize = self.decode.iter().map(|p| 2 * p.batch).sum();
         (prefill + decode + 3 * self.transfer.len()) * self.repeats
             + self.intake.len() * (3 + 2 * self.repeats)
     }
@@ -311,10 +312,11 @@ mod tests {
             (1024, 4096, 8)
         );
         assert_eq!(p.transfer, [496, 1008, 2032, 4080, 8176]);
-        // 6 + 12 prefill, 2 × 15 decode streams, 5 × 3 transfer calls; twice.
+        // 6 + 12 prefill, 2 × 15 decode streams each sent first to be cached, 5 × 3 transfer
+        // calls; twice.
         assert_eq!(p.intake, [512, 1024, 2048]);
-        assert_eq!(p.requests(), (18 + 30 + 15) * 2 + 3 * (3 + 2 * 2));
-        assert!(p.requests() <= 150);
+        assert_eq!(p.requests(), (18 + 2 * 30 + 15) * 2 + 3 * (3 + 2 * 2));
+        assert!(p.requests() <= 210);
     }
 
     #[test]

@@ -169,6 +169,8 @@ struct Run<'a> {
     progress: &'a mut dyn FnMut(&str),
     engines: Engines,
     url: String,
+    /// The engine's Prometheus metrics (`--metrics-url`, or `URL/metrics`).
+    metrics_url: String,
     prompts: Prompts,
     /// The next prompt's number.
     next_prompt: u64,
@@ -183,6 +185,10 @@ impl<'a> Run<'a> {
             progress,
             engines: Engines::new(opts.request_timeout),
             url: base(&opts.url),
+            metrics_url: opts
+                .metrics_url
+                .clone()
+                .unwrap_or_else(|| format!("{}/metrics", base(&opts.url))),
             prompts: Prompts::new(opts.seed),
             next_prompt: 0,
             requests: 0,
@@ -247,10 +253,7 @@ impl<'a> Run<'a> {
         }
         let models = self.engines.models(&self.url).await?;
         let served = self.served_model(&models);
-        let metrics_url = opts
-            .metrics_url
-            .clone()
-            .unwrap_or_else(|| format!("{}/metrics", self.url));
+        let metrics_url = self.metrics_url.clone();
         let cache = self.engines.cache_config(&metrics_url).await?;
         let engine = EngineFacts {
             model: served.id.clone(),
@@ -682,15 +685,34 @@ impl<'a> Run<'a> {
                     x: decode_bytes(facts, p.batch, mid),
                     attention: None,
                     seconds: Vec::new(),
-                    seen: json!({ "estimates": [] }),
+                    seen: json!({ "estimates": [], "stream_estimates": [] }),
                 }
             })
             .collect();
         for rep in 0..plan.repeats {
             for (i, p) in plan.decode.iter().enumerate() {
+                // Each stream's prompt is sent alone first (one token) to be cached: the
+                // streams then start within a step or two of each other, and the engine's
+                // counters time steps that decode (not steps that also prefill another
+                // stream's prompt).
+                let prompts: Vec<Vec<u32>> = (0..p.batch).map(|_| self.prompt(p.context)).collect();
+                let mut warm = tokio::task::JoinSet::new();
+                for tokens in &prompts {
+                    let b = body(model, tokens, 1, false);
+                    let (engines, url) = (self.engines.clone(), url.clone());
+                    warm.spawn(async move { engines.complete(&url, &b, None).await });
+                }
+                self.requests += p.batch;
+                while let Some(joined) = warm.join_next().await {
+                    joined.map_err(|e| {
+                        ProfileError::Invalid(format!("a decode prompt's task failed: {e}"))
+                    })??;
+                }
+                let metrics_url = self.metrics_url.clone();
+                let before = self.engines.decode_counters(&metrics_url).await?;
                 let mut tasks = tokio::task::JoinSet::new();
-                for s in 0..p.batch {
-                    let b = body(model, &self.prompt(p.context), k, true);
+                for (s, tokens) in prompts.iter().enumerate() {
+                    let b = body(model, tokens, k, true);
                     let (engines, url) = (self.engines.clone(), url.clone());
                     tasks.spawn(async move { (s, engines.complete(&url, &b, None).await) });
                 }
@@ -728,17 +750,43 @@ impl<'a> Run<'a> {
                     p.batch,
                     p.context
                 );
-                match fit::decode_step(&streams, SKIP_TOKENS) {
+                let after = match before {
+                    Some(_) => self.engines.decode_counters(&metrics_url).await?,
+                    None => None,
+                };
+                let engine_step = before
+                    .zip(after)
+                    .and_then(|(b, a)| fit::engine_decode_step(&b, &a, p.batch));
+                let stream_step = fit::decode_step(&streams, SKIP_TOKENS);
+                if let Some(list) = points[i].seen["stream_estimates"].as_array_mut() {
+                    list.push(json!(stream_step));
+                }
+                let streams_say = stream_step.map_or_else(
+                    || "the streams showed no window where all decoded".to_owned(),
+                    |s| format!("the streams say {}", describe(&s)),
+                );
+                if before.is_some() && engine_step.is_none() {
+                    self.warn(format!(
+                        "{what}: the engine's decode counters did not count {} finished                          request(s) between the two readings (another client?); the streams'                          reading is used",
+                        p.batch
+                    ));
+                }
+                match engine_step.or(stream_step) {
                     Some(est) => {
                         points[i].seconds.push(est.seconds);
                         if let Some(list) = points[i].seen["estimates"].as_array_mut() {
                             list.push(json!(est));
                         }
-                        self.say(&format!("{what} -> step {}", describe(&est)));
+                        if est.method == fit::StepMethod::Engine {
+                            self.say(&format!(
+                                "{what} -> step {} ({streams_say})",
+                                describe(&est)
+                            ));
+                        } else {
+                            self.say(&format!("{what} -> step {}", describe(&est)));
+                        }
                     }
-                    None => self.warn(format!(
-                        "{what}: the streams showed no window where all decoded; point skipped"
-                    )),
+                    None => self.warn(format!("{what}: {streams_say}; point skipped")),
                 }
             }
         }
@@ -836,6 +884,11 @@ fn describe(est: &StepEstimate) -> String {
     match est.method {
         fit::StepMethod::PerToken => format!(
             "{} (over {} gaps between tokens)",
+            ms(est.seconds),
+            est.samples
+        ),
+        fit::StepMethod::Engine => format!(
+            "{} (the engine's own timing of {} steps)",
             ms(est.seconds),
             est.samples
         ),
