@@ -57,7 +57,8 @@ proto_enum!(
     Health {
         Healthy,
         Stale,
-        Down
+        Down,
+        Draining
     }
 );
 proto_enum!(
@@ -68,7 +69,8 @@ proto_enum!(
         Fallback,
         Reseed,
         Colocated,
-        LocalPrefill
+        LocalPrefill,
+        MigrateKv
     }
 );
 proto_enum!(

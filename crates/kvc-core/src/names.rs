@@ -116,6 +116,11 @@ stable_enum! {
         Stale => "stale",
         /// Not answering or declared down; out of rotation.
         Down => "down",
+        /// Answering, but taking no new work (an operator drains it: maintenance, a scale
+        /// down); out of rotation while its requests finish. The sessions it holds still
+        /// leave it with their KV: it may prefill their next turn from its cache for the
+        /// worker they move to ([`ExecutionMode::MigrateKv`]).
+        Draining => "draining",
     }
 }
 
@@ -123,6 +128,12 @@ impl Health {
     /// Whether a policy may send work to a worker in this state.
     pub fn is_routable(self) -> bool {
         matches!(self, Health::Healthy)
+    }
+
+    /// Whether the worker may still send a session it holds to another worker with its KV
+    /// (prefill the session's turn from its cache and ship it): healthy, or draining.
+    pub fn can_send_kv(self) -> bool {
+        matches!(self, Health::Healthy | Health::Draining)
     }
 }
 
@@ -144,6 +155,11 @@ stable_enum! {
         /// append is over the direct limit), decodes, and keeps the session resident. No P,
         /// no transfer.
         LocalPrefill => "local-prefill",
+        /// The session moves to another D with its KV: the worker that holds it (healthy or
+        /// draining, able to prefill for others) is the turn's P — its prefix cache covers
+        /// the session, so it computes only the new tokens — and the new D pulls the whole
+        /// KV from it. A move without it is a `reseed`: another P computes the whole context.
+        MigrateKv => "migrate-kv",
     }
 }
 

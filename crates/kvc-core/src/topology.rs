@@ -78,7 +78,7 @@ impl Topology {
     /// |---|---|---|
     /// | `NpMd` | prefill | decode, + local if `local_prefill` |
     /// | `NpMd-hybrid` | prefill, + local if `local_prefill` | decode, + local if `local_prefill` |
-    /// | `Nx` | – | role `decode`: prefill + decode, + local if `local_prefill` |
+    /// | `Nx` | – | role `decode`: prefill + decode + send-kv, + local if `local_prefill` |
     /// | `Ndp` | – | role `colocated` (serve alone, whatever `local_prefill` says) |
     pub fn layout(self, local_prefill: bool) -> Vec<(WorkerRole, Capabilities)> {
         let with_local = |c: Capabilities| if local_prefill { c.with_local() } else { c };
@@ -107,6 +107,7 @@ impl Topology {
                     prefill: true,
                     decode: true,
                     local: false,
+                    send_kv: true,
                 }),
             )
             .collect(),

@@ -80,13 +80,14 @@ impl WorkerState {
 /// What a worker's engine can do, whatever its role. The role says what a worker is for in a
 /// topology; the capabilities say which paths a policy may plan through it.
 ///
-/// | worker | `prefill` | `decode` | `local` |
-/// |---|:-:|:-:|:-:|
-/// | prefill worker | ✓ | | |
-/// | decode worker (stock SGLang, or any engine by default) | | ✓ | |
-/// | decode worker that serves plain requests (vLLM) | | ✓ | ✓ |
-/// | prefill worker that may host sessions (vLLM) | ✓ | | ✓ |
-/// | all-capable worker | ✓ | ✓ | ✓ |
+/// | worker | `prefill` | `decode` | `local` | `send-kv` |
+/// |---|:-:|:-:|:-:|:-:|
+/// | prefill worker | ✓ | | | |
+/// | decode worker (stock SGLang, or any engine by default) | | ✓ | | |
+/// | decode worker that serves plain requests (vLLM) | | ✓ | ✓ | |
+/// | decode worker whose connector also sends (vLLM NixlConnector `kv_both`) | | ✓ | ✓ | ✓ |
+/// | prefill worker that may host sessions (vLLM) | ✓ | | ✓ | |
+/// | all-capable worker | ✓ | ✓ | ✓ | ✓ |
 ///
 /// A worker *hosts sessions* (their KV stays resident between turns) when it can decode
 /// transferred KV or serve turns alone.
@@ -101,6 +102,11 @@ pub struct Capabilities {
     /// keeps the session resident. A vLLM instance of any role does; a stock SGLang decode
     /// server does not (it answers 400 without a bootstrap room).
     pub local: bool,
+    /// Sends a session it holds to another worker with its KV: prefills the session's next
+    /// turn from its cache and ships the KV, as the prefill side of P→D for its own sessions
+    /// only (a policy's `migrate-kv`; it is not a prefill worker for others' turns). A vLLM
+    /// engine whose NixlConnector runs as `kv_both` does.
+    pub send_kv: bool,
 }
 
 impl Capabilities {
@@ -129,12 +135,21 @@ impl Capabilities {
         prefill: true,
         decode: true,
         local: true,
+        send_kv: true,
     };
 
     /// The same capabilities plus serving turns alone.
     pub fn with_local(self) -> Self {
         Capabilities {
             local: true,
+            ..self
+        }
+    }
+
+    /// The same capabilities plus sending its sessions' KV.
+    pub fn with_send_kv(self) -> Self {
+        Capabilities {
+            send_kv: true,
             ..self
         }
     }

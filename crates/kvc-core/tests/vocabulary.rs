@@ -43,10 +43,18 @@ fn worker_roles_have_stable_names() {
 
 #[test]
 fn health_has_stable_names() {
-    check_names::<Health>(&["healthy", "stale", "down"]);
+    check_names::<Health>(&["healthy", "stale", "down", "draining"]);
     assert!(Health::Healthy.is_routable());
     assert!(!Health::Stale.is_routable());
     assert!(!Health::Down.is_routable());
+    assert!(!Health::Draining.is_routable());
+    // A draining worker still sends its sessions' KV; a stale or down one does not.
+    let senders: Vec<Health> = Health::ALL
+        .iter()
+        .copied()
+        .filter(|h| h.can_send_kv())
+        .collect();
+    assert_eq!(senders, [Health::Healthy, Health::Draining]);
 }
 
 #[test]
@@ -58,6 +66,7 @@ fn execution_modes_have_stable_names() {
         "reseed",
         "colocated",
         "local-prefill",
+        "migrate-kv",
     ]);
 }
 

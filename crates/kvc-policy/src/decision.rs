@@ -13,10 +13,11 @@ pub struct Decision {
     pub mode: ExecutionMode,
     /// The decode worker, or the colocated worker.
     pub decode: WorkerId,
-    /// The prefill worker: `Some` on every P→D path (`turn1-seed`, `fallback`, `reseed`);
+    /// The prefill worker: `Some` on every P→D path (`turn1-seed`, `fallback`, `reseed`, and
+    /// `migrate-kv`, where it is the worker the session moves from);
     /// `None` on `direct-to-d`, `local-prefill` and `colocated`, where `decode` prefills.
     pub prefill: Option<WorkerId>,
-    /// Why a later turn is not direct-to-D: `Some` for `fallback` and `reseed`, and for a
+    /// Why a later turn is not direct-to-D: `Some` for `fallback`, `reseed` and `migrate-kv`, and for a
     /// `local-prefill` turn that is not a first turn.
     pub reason: Option<FallThroughReason>,
     /// Tokens reused, as the router believes: of the session's KV on D for direct-to-D; of the

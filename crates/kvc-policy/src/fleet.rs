@@ -37,6 +37,9 @@ pub struct Fleet {
     healthy_p: WorkerSet,
     /// Healthy workers of a P/D fleet that serve turns alone.
     healthy_local: WorkerSet,
+    /// Workers of a P/D fleet that send their sessions' KV and are healthy or draining: those
+    /// that may send a session they hold to another worker with its KV.
+    kv_senders: WorkerSet,
 }
 
 impl Fleet {
@@ -58,6 +61,7 @@ impl Fleet {
             healthy_d: WorkerSet::EMPTY,
             healthy_p: WorkerSet::EMPTY,
             healthy_local: WorkerSet::EMPTY,
+            kv_senders: WorkerSet::EMPTY,
         };
         for w in workers {
             fleet.views[w.id.0 as usize] = Some(*w);
@@ -82,6 +86,11 @@ impl Fleet {
             } else {
                 set.remove(slot);
             }
+        }
+        if !colocated && w.caps.send_kv && w.state.health.can_send_kv() {
+            self.kv_senders.insert(slot);
+        } else {
+            self.kv_senders.remove(slot);
         }
     }
 
@@ -155,6 +164,10 @@ impl Fleet {
 
     pub(crate) fn healthy_local(&self) -> &WorkerSet {
         &self.healthy_local
+    }
+
+    pub(crate) fn kv_senders(&self) -> &WorkerSet {
+        &self.kv_senders
     }
 }
 

@@ -33,6 +33,12 @@
 //!   sticky term only), not held to its D; the session's stale blocks leave the live view.
 //!   Within the limit it stays direct-to-D, the cheapest path.
 //!
+//! - **migration with KV** (`migrate-with-kv`, off by default): a session that moves to
+//!   another D (migrated, over the hard cap, its D unhealthy or draining) is prefilled by the
+//!   worker that holds it, when that worker sends KV ([`kvc_core::Capabilities::send_kv`]) and
+//!   is healthy or draining and the new D has room for it now (`migrate-kv`): only the new
+//!   tokens are computed, and the new D pulls the whole KV.
+//!
 //! `docs/kvc-policy.md` has the measurements behind each part (ablations on the generated SWE
 //! traces and the public Mooncake trace).
 //!
@@ -77,6 +83,7 @@ use serde::{Deserialize, Serialize};
 /// | `local-prefill` | on ([`LocalPrefillConfig`]) |
 /// | `subagent-placement` | `true` |
 /// | `compaction` | `true` |
+/// | `migrate-with-kv` | `false` |
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
@@ -120,6 +127,11 @@ pub struct KvcConfig {
     pub subagent_placement: bool,
     /// Recognise compacted turns: reason `compacted`, placed as a fresh seed.
     pub compaction: bool,
+    /// A session that moves to another decode worker (migration, its D over the hard cap,
+    /// unhealthy or draining) takes its KV along where the worker holding it sends its
+    /// sessions' KV (capability `send-kv`) and is healthy or draining: that worker is the
+    /// turn's P, computing only the new tokens, and the new D pulls the KV (`migrate-kv`).
+    pub migrate_with_kv: bool,
 }
 
 impl Default for KvcConfig {
@@ -142,6 +154,7 @@ impl Default for KvcConfig {
             local_prefill: LocalPrefillConfig::default(),
             subagent_placement: true,
             compaction: true,
+            migrate_with_kv: false,
         }
     }
 }
@@ -191,6 +204,7 @@ pub(crate) fn route(cfg: &KvcConfig, ctx: &Ctx<'_>) -> Result<Decision, PolicyEr
         local: cfg.local_prefill,
         subagents: cfg.subagent_placement,
         compaction: cfg.compaction,
+        migrate_kv: cfg.migrate_with_kv,
     };
     route_with(&cfg.v2(), Some(placement), ctx)
 }

@@ -180,6 +180,9 @@ pub(crate) struct Placement {
     pub(crate) subagents: bool,
     /// Compacted turns fall through as `compacted` and are placed afresh.
     pub(crate) compaction: bool,
+    /// A session that moves to another D takes its KV along where the worker holding it can
+    /// send it (`migrate-kv`, [`V2::kv_sender`]).
+    pub(crate) migrate_kv: bool,
 }
 
 /// How a non-direct turn reaches its host.
@@ -362,6 +365,37 @@ impl V2<'_, '_> {
         let s = session?;
         let d = s.current_d?;
         (s.residency == Residency::Resident && self.hosts.contains(d.0 as usize)).then_some(d)
+    }
+
+    /// The worker that may send the session's KV to `d`, the D it moves to, and the tokens of
+    /// the prompt it holds: the session's D, where the session is resident (not evicted), when
+    /// it is not `d`, sends its sessions' KV and is healthy or draining, `d` decodes transferred
+    /// KV and has room now for the prompt and its output hint (a transfer that waits for room
+    /// holds the session on both workers), the turn is not a compaction (its old KV is stale)
+    /// and the sender holds some of the prompt.
+    fn kv_sender(
+        &self,
+        session: Option<&SessionRoute>,
+        d: WorkerId,
+        reason: Option<FallThroughReason>,
+    ) -> Option<(WorkerId, u64)> {
+        let s = session?;
+        let source = s.current_d?;
+        let ctx = self.ctx;
+        let req = ctx.req;
+        let movable = source != d
+            && s.residency == Residency::Resident
+            && reason != Some(FallThroughReason::Compacted)
+            && ctx.kv_senders.contains(source.0 as usize)
+            && ctx.healthy_d.contains(d.0 as usize)
+            && ctx.worker_state(d).available_tokens()
+                >= req.input_length.saturating_add(req.output_hint);
+        if !movable {
+            return None;
+        }
+        // What it holds now (the live view: a host's blocks, not a prefill worker's cache).
+        let cached = ctx.cached_on(source, BlockView::Live, self.cfg.block_size);
+        (cached > 0).then_some((source, cached))
     }
 
     /// Whether a session resident on host `d` stays there: `d` is at or below the hard cap, or
@@ -693,6 +727,24 @@ pub(crate) fn route_with(
             }
         }
     };
+    if placement.is_some_and(|p| p.migrate_kv)
+        && mode != ExecutionMode::Turn1Seed
+        && let Some((source, cached)) = v2.kv_sender(session, d, reason)
+    {
+        // The worker that holds the session prefills the turn from its cache and the new D
+        // pulls the KV: nothing of the context is computed again.
+        let mut e = ScoreEntry::new(source, WorkerRole::Prefill).with("kv_sender", 1.0);
+        e.total = 0.0;
+        scores.push(e);
+        let plan = Plan::p_to_d(
+            (ExecutionMode::MigrateKv, reason),
+            d,
+            (source, cached),
+            scores,
+            reject_count,
+        );
+        return Ok(ctx.finish(plan, knobs));
+    }
     let Some(path) = paths().and_then(|p| p[d.0 as usize]) else {
         let chosen_p = prefill::choose(ctx, cfg.prefill, d, cfg.block_size, &mut scores)?;
         let plan = Plan::p_to_d((mode, reason), d, chosen_p, scores, reject_count);

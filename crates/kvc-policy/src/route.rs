@@ -85,6 +85,9 @@ pub(crate) struct Ctx<'a> {
     pub(crate) healthy_p: &'a WorkerSet,
     /// Healthy workers of a P/D cluster that serve turns alone and take direct turns.
     pub(crate) healthy_local: WorkerSet,
+    /// Workers that send their sessions' KV, healthy or draining: they may send a session
+    /// they hold to another worker with its KV (`migrate-kv`).
+    pub(crate) kv_senders: &'a WorkerSet,
 }
 
 impl<'a> Ctx<'a> {
@@ -105,6 +108,7 @@ impl<'a> Ctx<'a> {
             healthy_d: fleet.healthy_d(),
             healthy_p: fleet.healthy_p(),
             healthy_local: fleet.healthy_local().and_not(state.no_direct()),
+            kv_senders: fleet.kv_senders(),
         }
     }
 

@@ -393,7 +393,7 @@ fn read_fractions(path: &Path) -> Result<(Vec<String>, Occupancy)> {
 /// A figure read off a summary.
 type Metric = fn(&Summary) -> f64;
 
-const HEADLINE: [(&str, Metric); 10] = [
+const HEADLINE: [(&str, Metric); 11] = [
     ("TTFT mean (s)", |s| s.ttft_s.mean),
     ("TTFT p50 (s)", |s| s.ttft_s.p50),
     ("TTFT p90 (s)", |s| s.ttft_s.p90),
@@ -403,6 +403,9 @@ const HEADLINE: [(&str, Metric); 10] = [
     ("latency p90 (s)", |s| s.latency_s.p90),
     ("latency p99 (s)", |s| s.latency_s.p99),
     ("direct-to-D rate", |s| s.direct_to_d_rate),
+    ("prefilled (Mtok)", |s| {
+        s.prompt_tokens.computed as f64 / 1e6
+    }),
     ("mechanism errors", |s| s.mechanism_errors as f64),
 ];
 

@@ -708,6 +708,15 @@ pub struct WorkerConfig {
     /// serves alone). A prefill worker that serves alone also hosts sessions (`NpMd-hybrid`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serve_alone: Option<bool>,
+    /// Whether this decode worker's engine can also send KV: prefill a turn of a session it
+    /// holds from its cache and ship the KV to another decode worker (a vLLM engine with
+    /// NixlConnector: its scheduler serves `do_remote_decode` whatever its `kv_role`). With the `kvc` policy's `migrate-with-kv`, a session that
+    /// leaves it (drained, over the hard cap, migrated) takes its KV along instead of being
+    /// prefilled again elsewhere. It never prefills other sessions' turns. Decode workers
+    /// only; refused with `engine = "sglang"`. Default `false`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[cfg_attr(feature = "schema", schemars(example = true))]
+    pub send_kv: bool,
     /// The stock engine serving this worker, `vllm` or `sglang`: which metric names its
     /// `/metrics` uses. Required with `metrics-url`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -777,6 +786,7 @@ impl WorkerConfig {
             bootstrap_port: None,
             append_prefill: None,
             serve_alone: None,
+            send_kv: false,
             engine: None,
             metrics_url: None,
             kv_events: None,
@@ -806,13 +816,15 @@ impl WorkerConfig {
     /// What the worker's engine can do, for the policy's view of it
     /// ([`kvc_policy::WorkerView::with_caps`]): its role's own work
     /// ([`Capabilities::of_role`]) plus serving turns alone where `serve-alone` says so, or,
-    /// without the key, where the engine is vLLM (any role). A worker without `engine` or
+    /// without the key, where the engine is vLLM (any role), and sending its sessions' KV
+    /// where `send-kv` says so. A worker without `engine` or
     /// `serve-alone` routes as before capabilities existed.
     pub fn capabilities(&self) -> Capabilities {
-        let caps = Capabilities::of_role(self.role);
+        let mut caps = Capabilities::of_role(self.role);
         if self.role == WorkerRole::Colocated {
             return caps;
         }
+        caps.send_kv = self.send_kv;
         match self
             .serve_alone
             .unwrap_or(self.engine == Some(EngineKind::Vllm))

@@ -97,7 +97,7 @@ pub(crate) struct WorkerEntry {
     /// Out of rotation by the HTTP front's circuit breaker (overrides any other health).
     pub(crate) http_down: std::sync::atomic::AtomicBool,
     /// Drained by the operator (`drained` in its entry, or `DrainWorker`): out of rotation
-    /// like a down worker, the requests it runs left to finish.
+    /// (`Health::Draining` while it answers), the requests it runs left to finish.
     pub(crate) drained: std::sync::atomic::AtomicBool,
     /// Stops the worker's own background tasks (discovery, scrapes, event streams) when it
     /// leaves the fleet: each task's token, cancelled by [`WorkerEntry::stop_tasks`].
@@ -371,12 +371,10 @@ impl WorkerEntry {
     /// The health of `live` at `now_ms`, and the time from which it changes by itself (the
     /// state grows stale) if nothing is written: `None` when only a write can change it.
     fn health_of(&self, live: &Live, now_ms: u64) -> (Health, Option<u64>) {
-        if self.http_down.load(std::sync::atomic::Ordering::Relaxed)
-            || self.drained.load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if self.http_down.load(std::sync::atomic::Ordering::Relaxed) {
             return (Health::Down, None);
         }
-        match live.last_ok_ms {
+        let health = match live.last_ok_ms {
             None => (Health::Down, None),
             Some(_) if live.failing => (Health::Down, None),
             Some(ok) if now_ms.saturating_sub(ok) > self.stale_after_ms => (Health::Stale, None),
@@ -384,6 +382,13 @@ impl WorkerEntry {
                 live.reported,
                 Some(ok.saturating_add(self.stale_after_ms).saturating_add(1)),
             ),
+        };
+        // Drained: no new work, but a healthy one still sends its sessions' KV as they leave.
+        match health {
+            (Health::Healthy, until) if self.drained.load(std::sync::atomic::Ordering::Relaxed) => {
+                (Health::Draining, until)
+            }
+            other => other,
         }
     }
 
@@ -976,6 +981,26 @@ mod tests {
             let state = w.state_at(0);
             assert_eq!(state.health, health, "{breaks} broken connection(s)");
             assert_eq!(state.used_tokens, used, "{breaks} broken connection(s)");
+            // Drained, a worker that answers is draining (it still sends its sessions' KV as
+            // they leave); one that does not stays down; the breaker's verdict wins.
+            w.set_drained(true);
+            let drained = if health == Health::Healthy {
+                Health::Draining
+            } else {
+                health
+            };
+            assert_eq!(
+                w.state_at(0).health,
+                drained,
+                "{breaks} broken connection(s)"
+            );
+            w.http_down
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(w.state_at(0).health, Health::Down);
+            w.http_down
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+            w.set_drained(false);
+            assert_eq!(w.state_at(0).health, health, "back in rotation");
         }
     }
 }

@@ -46,6 +46,30 @@ impl Engine {
         self.start_p_to_d(job, p, d, now);
     }
 
+    /// Starts a job on the P→D path that moves its session from `from` to `d` with its KV
+    /// (`migrate-kv`): the session's KV stays on `from`, held (not evictable) while the job
+    /// waits, as vLLM's sender prefills at once and holds the KV for the pull; when `from`
+    /// prefills the job the KV becomes prefix cache there, as a stock engine keeps a finished
+    /// request's blocks ([`Engine::admit_prefill`]), so `from` computes only what it does not
+    /// hold and ships the whole KV to `d`. The session's KV on every other worker is
+    /// released, as for a reseed.
+    pub fn migrate(&mut self, job: Job, from: WorkerId, d: WorkerId, now: Micros) {
+        for w in 0..self.workers.len() {
+            let w = WorkerId(w as u32);
+            if w != d && w != from && self.workers[w.0 as usize].hosts {
+                self.release_session(w, job.session, now);
+            }
+        }
+        let wk = &mut self.workers[from.0 as usize];
+        if let Some(r) = wk.residents.get_mut(&job.session)
+            && r.idle()
+        {
+            r.pending = true;
+            wk.idle_tokens -= r.tokens;
+        }
+        self.start_p_to_d(job, from, d, now);
+    }
+
     /// Starts a job that decode worker `d` serves alone and in full (a stock vLLM decode
     /// instance given a plain request whose session it does not hold, or has no room to
     /// extend): the session's KV on every decode worker is released first, then the job
@@ -281,6 +305,13 @@ impl Engine {
     pub(super) fn admit_prefill(&mut self, id: usize, w: WorkerId, now: Micros) -> bool {
         let a = &self.jobs[&id];
         let colocated = a.prefill_on == a.decode_on;
+        if !colocated {
+            // A worker prefilling a session it holds for another (`migrate-kv`): the
+            // session's KV is the prefix this prefill reuses, and leaves with it.
+            let session = a.job.session;
+            self.resident_to_cache(w, session, now);
+        }
+        let a = &self.jobs[&id];
         let extra = if colocated { a.job.output } else { 0 };
         let hashes = a.job.hashes.clone();
         let input = a.job.input;

@@ -381,6 +381,27 @@ impl Engine {
         }
     }
 
+    /// Turns `session`'s idle KV on `w` into prefix cache of its blocks (none if the session
+    /// is not resident there or a request of it runs there): the worker no longer hosts the
+    /// session, and a prefill there reuses those blocks.
+    pub(super) fn resident_to_cache(&mut self, w: WorkerId, session: SessionId, now: Micros) {
+        let wk = &self.workers[w.0 as usize];
+        let Some(hashes) = wk
+            .residents
+            .get(&session)
+            .filter(|r| !r.running)
+            .map(|r| r.hashes.clone())
+        else {
+            return;
+        };
+        self.drop_resident(w, session);
+        // The same blocks, now as cache: no room freed for the waiting jobs (and none woken:
+        // the caller is admitting one of them).
+        let cache = &mut self.workers[w.0 as usize].cache;
+        cache.pin(&hashes, now);
+        cache.unpin(&hashes, now);
+    }
+
     /// Reserves pool room on a prefill/colocated worker for a job's blocks (+ `extra` tokens,
     /// cut to what the pool can hold). Returns `Some((reused blocks, extra reserved))`: the
     /// leading blocks held in the prefix cache or, on a worker that hosts sessions, in a

@@ -61,6 +61,8 @@ Outputs (in --out):
                   the replay; TTFT and latency count from when the turn was ready.
   summary.json    requests, outcomes{name: count}, mechanism_errors, ttft_s / latency_s / wait_s
                   {mean, p50, p90, p99} over ok requests, direct_to_d_rate,
+                  prompt_tokens{computed, cached} (summed over routed requests: what the
+                  fleet prefilled, recomputed context included, and what it reused),
                   modes{mode: {requests, share, ttft_p50_s, latency_p50_s}}, reasons{reason: count},
                   workers{name: {requests}}, worker_spread, sessions{count, d_changes_mean,
                   d_changes_max, direct_rate_0_20, direct_rate_80_100}, config{…}, sim_span_s,

@@ -137,6 +137,16 @@ pub struct WorkerSummary {
     pub requests: usize,
 }
 
+/// Prompt tokens of the routed requests: what their prefills computed and what they found
+/// cached. `computed` is what a policy makes the fleet prefill, recomputed context included.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokens {
+    /// Prompt tokens prefilled (each request's `uncached_tokens`), summed.
+    pub computed: u64,
+    /// Prompt tokens found cached (each request's `cached_tokens`), summed.
+    pub cached: u64,
+}
+
 /// Per-session figures.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionSummary {
@@ -203,6 +213,10 @@ pub struct Summary {
     pub wait_s: Dist,
     /// Share of routed requests that went direct-to-D.
     pub direct_to_d_rate: f64,
+    /// Prompt tokens of the routed requests, computed and cached (absent from summaries
+    /// written before it was counted: zeros).
+    #[serde(default)]
+    pub prompt_tokens: PromptTokens,
     /// Per execution mode.
     pub modes: BTreeMap<String, ModeSummary>,
     /// Count per fall-through reason.
@@ -263,6 +277,7 @@ pub struct SummaryBuilder {
     worker_index: BTreeMap<String, u32>,
     mechanism_errors: usize,
     routed: usize,
+    prompt_tokens: PromptTokens,
     /// Requests per execution mode (routed ones).
     mode_requests: BTreeMap<ExecutionMode, usize>,
     /// Per served request, in the order added: its mode (`NO_MODE` if none), TTFT, latency
@@ -309,6 +324,7 @@ impl SummaryBuilder {
             worker_index: BTreeMap::new(),
             mechanism_errors: 0,
             routed: 0,
+            prompt_tokens: PromptTokens::default(),
             mode_requests: BTreeMap::new(),
             served_mode: Vec::new(),
             ttft: Column::default(),
@@ -355,6 +371,8 @@ impl SummaryBuilder {
         }
         if let Some(mode) = r.mode {
             self.routed += 1;
+            self.prompt_tokens.computed += r.uncached_tokens;
+            self.prompt_tokens.cached += r.cached_tokens;
             *self.mode_requests.entry(mode).or_default() += 1;
         }
         if r.outcome.is_served() {
@@ -466,6 +484,7 @@ impl SummaryBuilder {
             latency_s: self.latency.dist(),
             wait_s: self.wait.dist(),
             direct_to_d_rate,
+            prompt_tokens: self.prompt_tokens,
             modes,
             reasons: self.reasons,
             workers: self.workers,

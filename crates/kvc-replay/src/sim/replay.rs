@@ -575,6 +575,9 @@ impl Replay<'_> {
             (ExecutionMode::Colocated, _) => {
                 self.engine.start_colocated(job, decision.decode, self.now);
             }
+            (ExecutionMode::MigrateKv, Some(p)) => {
+                self.engine.migrate(job, p, decision.decode, self.now);
+            }
             (_, Some(p)) => self.engine.reseed(job, p, decision.decode, self.now),
             (mode, None) => {
                 debug_assert!(false, "mode {mode} without a prefill worker");

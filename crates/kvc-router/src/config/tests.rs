@@ -220,6 +220,42 @@ fn serving_alone_defaults_from_the_engine_and_can_be_declared() {
 }
 
 #[test]
+fn a_decode_worker_declared_to_send_kv_sends_its_sessions_kv_and_nothing_else_may() {
+    let base = "[[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 10\nsnapshot = \"/p\"\n\
+                [[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/d\"\n";
+    let cfg =
+        RouterConfig::from_toml_str(&format!("{base}engine = \"vllm\"\nsend-kv = true\n")).unwrap();
+    let caps = cfg.workers[1].capabilities();
+    assert!(caps.send_kv && caps.decode && !caps.prefill, "{caps:?}");
+    // Not declared: no sending; the key is written out only when set.
+    let plain = RouterConfig::from_toml_str(base).unwrap();
+    assert!(!plain.workers[1].capabilities().send_kv);
+    assert!(!toml::to_string(&plain).unwrap().contains("send-kv"));
+    assert_eq!(
+        toml::to_string(&cfg)
+            .unwrap()
+            .matches("send-kv = true")
+            .count(),
+        1
+    );
+    let sglang =
+        RouterConfig::from_toml_str(&format!("{base}engine = \"sglang\"\nsend-kv = true\n"))
+            .unwrap_err();
+    assert!(
+        matches!(sglang, ConfigError::Invalid(ref m) if m.contains("worker 1: send-kv") && m.contains("kv_both")),
+        "{sglang}"
+    );
+    let on_p = "[[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 10\nsnapshot = \"/p\"\n\
+                send-kv = true\n[[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\n\
+                snapshot = \"/d\"\n";
+    let err = RouterConfig::from_toml_str(on_p).unwrap_err();
+    assert!(
+        matches!(err, ConfigError::Invalid(ref m) if m.contains("worker 0: send-kv applies to decode workers only")),
+        "{err}"
+    );
+}
+
+#[test]
 fn serve_alone_is_refused_where_the_engine_cannot() {
     let base = "[[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 10\nsnapshot = \"/p\"\n\
                 [[workers]]\nid = 1\nrole = \"decode\"\ncapacity-tokens = 10\nsnapshot = \"/d\"\n";

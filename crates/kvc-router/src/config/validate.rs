@@ -312,6 +312,20 @@ impl WorkerConfig {
                 self.role
             ));
         }
+        if self.send_kv && self.role != WorkerRole::Decode {
+            return invalid(format!(
+                "worker {id}: send-kv applies to decode workers only (it is {}): a session \
+                 leaves a decode worker with its KV",
+                self.role
+            ));
+        }
+        if self.send_kv && self.engine == Some(EngineKind::Sglang) {
+            return invalid(format!(
+                "worker {id}: send-kv = true needs a decode engine that can also send KV \
+                 (vLLM's NixlConnector with kv_role \"kv_both\"); a stock SGLang decode server \
+                 cannot (engine = \"sglang\")"
+            ));
+        }
         Ok(())
     }
 

@@ -141,7 +141,23 @@ pub(super) async fn forward_vllm(
     let mut d_body = body;
     let mut prefill_failed = None;
     if let Some(p) = decision.prefill {
-        match prefill(app, request, &d_body, p, &headers).await {
+        let sent = match prefill(app, request, &d_body, p, &headers).await {
+            // The worker a session leaves refused to send it (its connector is no `kv_both`,
+            // whatever the configuration says): the request is not at fault, D prefills it.
+            Err(PrefillFailure::Refused(answer))
+                if decision.mode == ExecutionMode::MigrateKv
+                    && refusal_outcome(answer.status, &answer.body)
+                        == Some(Outcome::InvalidRequest) =>
+            {
+                Err(PrefillFailure::Failed(format!(
+                    "the worker the session leaves refused to send its KV (status {}); is its \
+                     connector kv_both?",
+                    answer.status
+                )))
+            }
+            other => other,
+        };
+        match sent {
             Ok(params) => {
                 d_body.insert("kv_transfer_params".into(), params);
             }
