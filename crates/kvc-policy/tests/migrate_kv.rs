@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use kvc_core::{Capabilities, ExecutionMode, FallThroughReason, Health, WorkerId, WorkerRole};
-use kvc_policy::{KvcConfig, Observation, PolicyConfig, WorkerView};
+use kvc_policy::{Decision, KvcConfig, Observation, PolicyConfig, WorkerView};
 
 /// One prefill worker (0) and two decode workers (1, 2) whose engines send their sessions' KV
 /// (vLLM's NixlConnector `kv_both`), or not.
@@ -37,6 +37,13 @@ fn seeded(ws: &[WorkerView], migrate_with_kv: bool) -> (Router, WorkerId) {
         (ExecutionMode::Turn1Seed, Some(WorkerId(0)))
     );
     (r, d.decode)
+}
+
+/// Session 7's second turn (22 blocks past the system prompt), decided and not applied.
+fn second_turn(r: &mut Router, ws: &[WorkerView]) -> Decision {
+    let blocks = ctx_blocks(7, 0, 22);
+    let req = r.request(7, 2, &blocks);
+    r.decide(ws, &req).unwrap()
 }
 
 #[test]
@@ -78,9 +85,7 @@ fn a_session_moved_off_a_worker_over_the_hard_cap_takes_its_kv_along() {
     let mut ws = fleet(true);
     let (mut r, home) = seeded(&ws, true);
     set_used(&mut ws, home.0, 95_000);
-    let blocks = ctx_blocks(7, 0, 22);
-    let req = r.request(7, 2, &blocks);
-    let d = r.decide(&ws, &req).unwrap();
+    let d = second_turn(&mut r, &ws);
     assert_eq!(
         (d.mode, d.reason, d.prefill),
         (
@@ -106,9 +111,7 @@ fn without_a_sender_or_with_the_knob_off_a_move_recomputes_on_a_prefill_worker()
         let mut ws = fleet(senders);
         let (mut r, home) = seeded(&ws, knob);
         set_health(&mut ws, home.0, health);
-        let blocks = ctx_blocks(7, 0, 22);
-        let req = r.request(7, 2, &blocks);
-        let d = r.decide(&ws, &req).unwrap();
+        let d = second_turn(&mut r, &ws);
         let case = format!("senders {senders}, migrate-with-kv {knob}, {health:?}");
         assert_eq!(d.mode, mode, "{case}");
         assert_eq!(d.reason, Some(FallThroughReason::DecodeUnhealthy), "{case}");
@@ -145,9 +148,7 @@ fn a_session_evicted_from_its_worker_has_no_kv_to_take_along() {
         worker: home,
     });
     set_health(&mut ws, home.0, Health::Draining);
-    let blocks = ctx_blocks(7, 0, 22);
-    let req = r.request(7, 2, &blocks);
-    let d = r.decide(&ws, &req).unwrap();
+    let d = second_turn(&mut r, &ws);
     assert_ne!(d.mode, ExecutionMode::MigrateKv);
     assert_ne!(d.prefill, Some(home));
 }

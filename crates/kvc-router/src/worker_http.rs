@@ -400,25 +400,32 @@ mod tests {
     }
 
     async fn raw_server(parts: Vec<&'static [u8]>) -> RawServer {
+        serve_raw(parts, None).await
+    }
+
+    /// [`raw_server`]; with `close_after = Some(k)`, each connection answers its first `k`
+    /// requests, then closes on reading the next without a byte of answer (as a worker whose
+    /// keep-alive timer fired as the call went out).
+    async fn serve_raw(parts: Vec<&'static [u8]>, close_after: Option<usize>) -> RawServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let connections = Arc::new(AtomicUsize::new(0));
         let requests = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let (c, r) = (connections.clone(), requests.clone());
         tokio::spawn(async move {
-            loop {
-                let Ok((mut s, _)) = listener.accept().await else {
-                    return;
-                };
+            while let Ok((mut s, _)) = listener.accept().await {
                 c.fetch_add(1, Ordering::SeqCst);
                 let (parts, r) = (parts.clone(), r.clone());
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 64 * 1024];
-                    loop {
+                    for answered in 0.. {
                         let Some(text) = read_request(&mut s, &mut buf).await else {
                             return;
                         };
                         r.lock().push(text);
+                        if close_after == Some(answered) {
+                            return; // dropped: closed without an answer
+                        }
                         for p in &parts {
                             if s.write_all(p).await.is_err() {
                                 return;
@@ -563,47 +570,11 @@ mod tests {
         url
     }
 
-    /// A server whose connections answer `OK` to their first `keep` requests, then close on
-    /// reading the next without a byte of answer (as a worker whose keep-alive timer fired
-    /// as the call went out). Counts connections; records every request it read.
-    async fn server_closing_after(keep: usize) -> RawServer {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let connections = Arc::new(AtomicUsize::new(0));
-        let requests = Arc::new(parking_lot::Mutex::new(Vec::new()));
-        let (c, r) = (connections.clone(), requests.clone());
-        tokio::spawn(async move {
-            while let Ok((mut s, _)) = listener.accept().await {
-                c.fetch_add(1, Ordering::SeqCst);
-                let r = r.clone();
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 64 * 1024];
-                    for answered in 0.. {
-                        let Some(text) = read_request(&mut s, &mut buf).await else {
-                            return;
-                        };
-                        r.lock().push(text);
-                        if answered == keep {
-                            return; // dropped: closed without an answer
-                        }
-                        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
-                        if s.write_all(ok).await.is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        RawServer {
-            url: WorkerUrl::parse(&format!("http://127.0.0.1:{port}/v")).unwrap(),
-            connections,
-            requests,
-        }
-    }
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
 
     #[tokio::test]
     async fn a_call_whose_kept_alive_connection_closes_unanswered_goes_once_more_on_a_new_one() {
-        let server = server_closing_after(1).await;
+        let server = serve_raw(vec![OK], Some(1)).await;
         let c = client();
         let body = Bytes::from_static(b"{\"turn\":1}");
         let first = c
@@ -627,7 +598,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_worker_that_closes_every_connection_unanswered_fails_the_call_after_one_retry() {
-        let server = server_closing_after(0).await;
+        let server = serve_raw(vec![OK], Some(0)).await;
         for (call, streaming) in [(1, false), (2, true)] {
             let call_of = || post(&server.url, "/x", &[], Bytes::from_static(b"{}"), SECOND);
             let err = if streaming {

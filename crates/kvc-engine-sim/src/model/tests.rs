@@ -707,52 +707,41 @@ fn a_worker_that_hosts_sessions_prefills_for_another_in_one_pool() {
 
 #[test]
 fn a_session_migrated_with_its_kv_is_prefilled_from_its_old_worker_s_blocks() {
-    let x = Capabilities::ALL;
-    let mut e = hosting_engine(&[(WorkerRole::Decode, x), (WorkerRole::Decode, x)], 8192);
     let (x0, x1) = (WorkerId(0), WorkerId(1));
-    let mut now = 0;
-    // Session 1 lives on x0: three blocks.
-    e.try_local(job(1, 1, &[1, 2, 3], 1536, 2), x0, 1538, now);
-    settle(&mut e, &mut now);
-    assert_eq!(e.resident_tokens(x0, SessionId(1)), Some(1538));
-    // Its next turn (one more block) moves to x1 with its KV: x0 prefills the new block only.
-    e.migrate(job(2, 1, &[1, 2, 3, 4], 2048, 3), x0, x1, now);
-    let ev = settle(&mut e, &mut now);
-    assert!(
-        ev.iter().any(|x| matches!(
-            x,
-            Event::Done {
-                id: 2,
-                cached: 1536,
-                ..
-            }
-        )),
-        "{ev:?}"
-    );
+    // Session 1 lives on x0 (three blocks); its next turn (one more block) moves to x1, by
+    // `migrate` or by `reseed`, with x0 as its prefill worker.
+    let moved = |migrate: bool| {
+        let x = Capabilities::ALL;
+        let mut e = hosting_engine(&[(WorkerRole::Decode, x), (WorkerRole::Decode, x)], 8192);
+        let mut now = 0;
+        e.try_local(job(1, 1, &[1, 2, 3], 1536, 2), x0, 1538, now);
+        settle(&mut e, &mut now);
+        assert_eq!(e.resident_tokens(x0, SessionId(1)), Some(1538));
+        let next = job(2, 1, &[1, 2, 3, 4], 2048, 3);
+        if migrate {
+            e.migrate(next, x0, x1, now);
+        } else {
+            e.reseed(next, x0, x1, now);
+        }
+        let cached = settle(&mut e, &mut now).iter().find_map(|x| match x {
+            Event::Done { id: 2, cached, .. } => Some(*cached),
+            _ => None,
+        });
+        (e, cached)
+    };
+    // With its KV: x0 prefills the new block only.
+    let (e, cached) = moved(true);
+    assert_eq!(cached, Some(1536));
     // The session lives on x1 alone; x0 keeps its blocks as evictable prefix cache.
     assert_eq!(e.resident_tokens(x1, SessionId(1)), Some(2051));
     assert_eq!(e.resident_tokens(x0, SessionId(1)), None);
     let s = e.state(x0);
     assert_eq!((s.resident_sessions, s.used_tokens), (0, 4 * 512));
     assert_eq!(s.evictable_tokens, s.used_tokens);
-    // The same move as a reseed recomputes the whole context.
-    let mut e = hosting_engine(&[(WorkerRole::Decode, x), (WorkerRole::Decode, x)], 8192);
-    let mut now = 0;
-    e.try_local(job(1, 1, &[1, 2, 3], 1536, 2), x0, 1538, now);
-    settle(&mut e, &mut now);
-    e.reseed(job(2, 1, &[1, 2, 3, 4], 2048, 3), x0, x1, now);
-    let ev = settle(&mut e, &mut now);
-    assert!(
-        ev.iter().any(|x| matches!(
-            x,
-            Event::Done {
-                id: 2,
-                cached: 0,
-                ..
-            }
-        )),
-        "{ev:?}"
-    );
+    // As a reseed, x0 lets the session go first and computes the whole context.
+    let (e, cached) = moved(false);
+    assert_eq!(cached, Some(0));
+    assert_eq!(e.resident_tokens(x1, SessionId(1)), Some(2051));
 }
 
 #[test]
