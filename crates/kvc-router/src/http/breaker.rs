@@ -46,6 +46,8 @@ struct Breaker {
     trial_sent: bool,
     /// When the trial was sent (router clock, ms).
     trial_ms: u64,
+    /// When a request to the worker last succeeded (router clock, ms; 0: never).
+    last_success_ms: u64,
 }
 
 impl Default for Breaker {
@@ -57,6 +59,7 @@ impl Default for Breaker {
             until_ms: 0,
             trial_sent: false,
             trial_ms: 0,
+            last_success_ms: 0,
         }
     }
 }
@@ -131,8 +134,34 @@ impl Breakers {
             return;
         }
         let mut b = self.table.entry(worker).or_default();
-        *b = Breaker::default();
+        *b = Breaker {
+            last_success_ms: service.now_ms(),
+            ..Breaker::default()
+        };
         Self::apply(service, worker, &b);
+    }
+
+    /// A health check of `worker` sent at `sent_ms` failed at `now_ms`: a failure
+    /// ([`Breakers::on_failure`]) unless a request to the worker succeeded since the check was
+    /// sent — a worker answering requests is up, however late its `/health` (a CPU engine's
+    /// API server answers it late while a long prefill or a KV transfer holds it). Returns
+    /// whether it counted.
+    pub(crate) fn on_check_failed(
+        &self,
+        service: &RouterService,
+        worker: WorkerId,
+        sent_ms: u64,
+        now_ms: u64,
+    ) -> bool {
+        if self
+            .table
+            .get(&worker)
+            .is_some_and(|b| b.last_success_ms >= sent_ms && b.last_success_ms > 0)
+        {
+            return false;
+        }
+        self.on_failure(service, worker, now_ms);
+        true
     }
 
     /// A health check found `worker` up: a half-open breaker (cool-down over) closes; an open
@@ -250,13 +279,18 @@ mod tests {
     use std::sync::Arc;
 
     fn service() -> RouterService {
+        service_at(Arc::new(ManualClock::new(0)))
+    }
+
+    /// A prefill and a decode worker (ids 0, 1) on `clock`.
+    fn service_at(clock: Arc<ManualClock>) -> RouterService {
         let mut config = RouterConfig::default();
         for (id, role) in [(0, WorkerRole::Prefill), (1, WorkerRole::Decode)] {
             let mut w = WorkerConfig::new(id, role, 100);
             w.address = Some(format!("http://127.0.0.1:{}", id + 1));
             config.workers.push(w);
         }
-        RouterService::with_clock(config, Arc::new(ManualClock::new(0))).unwrap()
+        RouterService::with_clock(config, clock).unwrap()
     }
 
     /// Breakers opening after `threshold` failures, cooling down from `cooldown_ms` up to
@@ -281,6 +315,35 @@ mod tests {
             BreakerState::Closed,
         ]
         .map(|s| m.breaker_transitions(s))
+    }
+
+    #[test]
+    fn a_health_check_that_failed_while_requests_succeeded_does_not_count() {
+        let clock = Arc::new(ManualClock::new(1_000));
+        let svc = service_at(clock.clone());
+        let (w, b) = (WorkerId(1), breakers(3, 1_000, 4_000));
+        // Three checks sent at 1 s, 11 s and 21 s each time out 10 s later; a request the
+        // worker was serving all along is answered at 30.5 s, before the third check fails.
+        clock.set(11_000);
+        assert!(b.on_check_failed(&svc, w, 1_000, 11_000));
+        clock.set(21_000);
+        assert!(b.on_check_failed(&svc, w, 11_000, 21_000));
+        clock.set(30_500);
+        b.on_success(&svc, w);
+        clock.set(31_000);
+        assert!(
+            !b.on_check_failed(&svc, w, 21_000, 31_000),
+            "the worker answered since"
+        );
+        assert_eq!(b.state(w), BreakerState::Closed);
+        assert!(!svc.is_http_down(w));
+        // Checks sent after that success count again: three in a row open the breaker.
+        for sent in [31_000, 41_000, 51_000] {
+            clock.set(sent + 10_000);
+            assert!(b.on_check_failed(&svc, w, sent, sent + 10_000));
+        }
+        assert_eq!(b.state(w), BreakerState::Open);
+        assert!(svc.is_http_down(w));
     }
 
     #[test]

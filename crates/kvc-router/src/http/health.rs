@@ -15,8 +15,9 @@ pub(super) fn spawn_health_checks(app: &Arc<App>, interval: Duration) {
 }
 
 /// Every worker's `GET /health`, every `interval`, while the app lives. A transport failure,
-/// a timeout or a 5xx counts against the worker's breaker; any other answer means it is up,
-/// and closes a breaker whose cool-down has ended.
+/// a timeout or a 5xx counts against the worker's breaker, unless a request to the worker
+/// succeeded after the check was sent; any other answer means it is up, and closes a breaker
+/// whose cool-down has ended.
 async fn health_checks(app: Weak<App>, interval: Duration) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -26,6 +27,7 @@ async fn health_checks(app: Weak<App>, interval: Duration) {
         app.breakers.tick(&app.service, app.service.now_ms());
         let timeout = app.options.health_check_timeout;
         let mut checks = tokio::task::JoinSet::new();
+        let sent_ms = app.service.now_ms();
         for (id, w) in app.workers.iter() {
             let (client, url) = (app.client.clone(), w.url.clone());
             checks.spawn(async move { (id, client.get(&url, "/health", timeout).await) });
@@ -39,9 +41,10 @@ async fn health_checks(app: Weak<App>, interval: Duration) {
                     Ok(a) => format!("status {}", a.status),
                     Err(e) => e.to_string(),
                 };
-                tracing::debug!(worker = id.0, %detail, "health check failed");
-                app.breakers
-                    .on_failure(&app.service, id, app.service.now_ms());
+                let counted =
+                    app.breakers
+                        .on_check_failed(&app.service, id, sent_ms, app.service.now_ms());
+                tracing::debug!(worker = id.0, %detail, counted, "health check failed");
             } else {
                 app.breakers.on_recovered(&app.service, id);
             }
