@@ -1644,6 +1644,21 @@ fn real_vllm_session_moves_off_a_drained_decode_worker_with_its_kv() {
         ("direct-to-d", third.decode.as_str()),
         "{fourth:?}"
     );
+    eprintln!(
+        "real_vllm: moved off drained {home}: turn 3 {} ({:?}) P {:?} D {}, prompt {}, the \
+         sender's prefix cache hit {reused} tokens (previous prompt {}); turn 4 {} on {}, {} of \
+         {} cached",
+        third.mode,
+        third.reason,
+        third.prefill,
+        third.decode,
+        third.prompt_tokens,
+        second.prompt_tokens,
+        fourth.mode,
+        fourth.decode,
+        fourth.cached_tokens,
+        fourth.prompt_tokens
+    );
     assert!(
         fourth.cached_tokens + block >= third.prompt_tokens / block * block,
         "{} of {} cached after a prompt of {}",

@@ -85,7 +85,7 @@ impl WorkerState {
 /// | prefill worker | ✓ | | | |
 /// | decode worker (stock SGLang, or any engine by default) | | ✓ | | |
 /// | decode worker that serves plain requests (vLLM) | | ✓ | ✓ | |
-/// | decode worker whose connector also sends (vLLM NixlConnector `kv_both`) | | ✓ | ✓ | ✓ |
+/// | decode worker whose connector also sends (vLLM NixlConnector) | | ✓ | ✓ | ✓ |
 /// | prefill worker that may host sessions (vLLM) | ✓ | | ✓ | |
 /// | all-capable worker | ✓ | ✓ | ✓ | ✓ |
 ///
@@ -105,7 +105,7 @@ pub struct Capabilities {
     /// Sends a session it holds to another worker with its KV: prefills the session's next
     /// turn from its cache and ships the KV, as the prefill side of P→D for its own sessions
     /// only (a policy's `migrate-kv`; it is not a prefill worker for others' turns). A vLLM
-    /// engine whose NixlConnector runs as `kv_both` does.
+    /// engine with NixlConnector does, whatever its `kv_role`.
     pub send_kv: bool,
 }
 

@@ -8,7 +8,7 @@ use kvc_core::{Capabilities, ExecutionMode, FallThroughReason, Health, WorkerId,
 use kvc_policy::{Decision, KvcConfig, Observation, PolicyConfig, WorkerView};
 
 /// One prefill worker (0) and two decode workers (1, 2) whose engines send their sessions' KV
-/// (vLLM's NixlConnector `kv_both`), or not.
+/// (vLLM with NixlConnector), or not.
 fn fleet(senders: bool) -> Vec<WorkerView> {
     pd(1, 2)
         .into_iter()

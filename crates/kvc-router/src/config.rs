@@ -709,8 +709,9 @@ pub struct WorkerConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serve_alone: Option<bool>,
     /// Whether this decode worker's engine can also send KV: prefill a turn of a session it
-    /// holds from its cache and ship the KV to another decode worker (a vLLM engine with
-    /// NixlConnector: its scheduler serves `do_remote_decode` whatever its `kv_role`). With the `kvc` policy's `migrate-with-kv`, a session that
+    /// holds from its cache and ship the KV to another decode worker. A vLLM engine with
+    /// NixlConnector can, whatever its `kv_role` (0.32's scheduler serves a request's
+    /// `do_remote_decode` as it comes; a `kv_consumer` decode engine has been seen to). With the `kvc` policy's `migrate-with-kv`, a session that
     /// leaves it (drained, over the hard cap, migrated) takes its KV along instead of being
     /// prefilled again elsewhere. It never prefills other sessions' turns. Decode workers
     /// only; refused with `engine = "sglang"`. Default `false`.

@@ -242,7 +242,7 @@ fn a_decode_worker_declared_to_send_kv_sends_its_sessions_kv_and_nothing_else_ma
         RouterConfig::from_toml_str(&format!("{base}engine = \"sglang\"\nsend-kv = true\n"))
             .unwrap_err();
     assert!(
-        matches!(sglang, ConfigError::Invalid(ref m) if m.contains("worker 1: send-kv") && m.contains("kv_both")),
+        matches!(sglang, ConfigError::Invalid(ref m) if m.contains("worker 1: send-kv") && m.contains("stock SGLang decode server")),
         "{sglang}"
     );
     let on_p = "[[workers]]\nid = 0\nrole = \"prefill\"\ncapacity-tokens = 10\nsnapshot = \"/p\"\n\

@@ -322,8 +322,8 @@ impl WorkerConfig {
         if self.send_kv && self.engine == Some(EngineKind::Sglang) {
             return invalid(format!(
                 "worker {id}: send-kv = true needs a decode engine that can also send KV \
-                 (vLLM's NixlConnector with kv_role \"kv_both\"); a stock SGLang decode server \
-                 cannot (engine = \"sglang\")"
+                 (vLLM with NixlConnector); a stock SGLang decode server cannot \
+                 (engine = \"sglang\")"
             ));
         }
         Ok(())

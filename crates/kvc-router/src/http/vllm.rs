@@ -142,16 +142,16 @@ pub(super) async fn forward_vllm(
     let mut prefill_failed = None;
     if let Some(p) = decision.prefill {
         let sent = match prefill(app, request, &d_body, p, &headers).await {
-            // The worker a session leaves refused to send it (its connector is no `kv_both`,
-            // whatever the configuration says): the request is not at fault, D prefills it.
+            // The worker a session leaves refused to send it (no KV connector there, whatever
+            // the configuration says): the request is not at fault, D prefills it.
             Err(PrefillFailure::Refused(answer))
                 if decision.mode == ExecutionMode::MigrateKv
                     && refusal_outcome(answer.status, &answer.body)
                         == Some(Outcome::InvalidRequest) =>
             {
                 Err(PrefillFailure::Failed(format!(
-                    "the worker the session leaves refused to send its KV (status {}); is its \
-                     connector kv_both?",
+                    "the worker the session leaves refused to send its KV (status {}); does it \
+                     run a KV connector?",
                     answer.status
                 )))
             }
