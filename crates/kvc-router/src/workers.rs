@@ -653,8 +653,14 @@ impl WorkerEntry {
         let released = self.released.load(std::sync::atomic::Ordering::Relaxed);
         // A kept-alive connection the engine's server closed just as the scrape went out
         // (uvicorn closes idle ones after 5 s) says nothing of the engine: the client asks
-        // once more on a new connection (`worker_http`), where a live engine answers.
-        let answer = client.get(&scraped.url, "", timeout).await;
+        // once more on a new connection (`worker_http`), where a live engine answers. A
+        // connection that breaks otherwise (mid-answer, or twice) is asked once more here: a
+        // busy engine's one broken scrape must not take it out of rotation.
+        let mut answer = client.get(&scraped.url, "", timeout).await;
+        if matches!(answer, Err(crate::worker_http::ForwardError::Broken(_))) {
+            tracing::debug!(worker = self.id.0, url = %scraped.url.uri(""), "engine metrics scrape broke; asking again");
+            answer = client.get(&scraped.url, "", timeout).await;
+        }
         let now = now_ms();
         // A busy engine can be slow to answer /metrics (a CPU engine's API server waits out a
         // long prefill): a scrape that only ran out of time leaves the last good state to age
@@ -971,7 +977,10 @@ mod tests {
         }
         let client = HttpClient::new(crate::worker_http::PoolOptions::default());
         let timeout = Duration::from_secs(5);
-        for (breaks, health, used) in [(1, Health::Healthy, 50_000), (2, Health::Down, 0)] {
+        // Each scrape is two calls of the client's (the second on a new connection when the
+        // first closes unanswered), and a broken one is scraped once more: three broken
+        // connections are survived, four are not.
+        for (breaks, health, used) in [(3, Health::Healthy, 50_000), (4, Health::Down, 0)] {
             let addr = serve(breaks).await;
             let mut cfg = WorkerConfig::new(1, WorkerRole::Decode, 100_000);
             cfg.engine = Some(EngineKind::Vllm);
