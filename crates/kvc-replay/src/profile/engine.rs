@@ -161,24 +161,23 @@ pub(super) struct Engines {
 impl Engines {
     /// A client whose calls each fail after `timeout`.
     pub(super) fn new(timeout: Duration) -> Self {
+        // Idle connections are dropped before uvicorn's 5 s keep-alive closes them under a call.
         let client =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .pool_idle_timeout(Duration::from_secs(30))
+                .pool_idle_timeout(Duration::from_secs(4))
                 .build(kvc_engine_sim::http::connector());
         Engines { client, timeout }
     }
 
     /// `GET url`: the body of a 2xx answer; `expected` says what should have come.
     async fn get(&self, url: &str, expected: &str) -> Result<Bytes, ProfileError> {
-        let req = hyper::Request::get(url)
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| ProfileError::Invalid(format!("bad URL {url}: {e}")))?;
+        let build = || {
+            hyper::Request::get(url)
+                .body(Full::new(Bytes::new()))
+                .map_err(|e| ProfileError::Invalid(format!("bad URL {url}: {e}")))
+        };
         let call = async {
-            let resp = self
-                .client
-                .request(req)
-                .await
-                .map_err(|e| transport(url, &e))?;
+            let resp = self.send(url, build).await?.1;
             let status = resp.status();
             let body = resp
                 .into_body()
@@ -199,6 +198,31 @@ impl Engines {
         tokio::time::timeout(self.timeout, call)
             .await
             .map_err(|_| self.late(url))?
+    }
+
+    /// Sends the request `build` makes and returns when it was sent and the response head. A
+    /// call whose connection failed once it had one (a kept-alive connection the server
+    /// closed as the call went out) is sent once more, on another connection; a failure to
+    /// connect is not.
+    async fn send(
+        &self,
+        url: &str,
+        build: impl Fn() -> Result<hyper::Request<Full<Bytes>>, ProfileError>,
+    ) -> Result<(Instant, hyper::Response<hyper::body::Incoming>), ProfileError> {
+        let sent = Instant::now();
+        match self.client.request(build()?).await {
+            Ok(resp) => Ok((sent, resp)),
+            Err(e) if !e.is_connect() => {
+                let sent = Instant::now();
+                let resp = self
+                    .client
+                    .request(build()?)
+                    .await
+                    .map_err(|e| transport(url, &e))?;
+                Ok((sent, resp))
+            }
+            Err(e) => Err(transport(url, &e)),
+        }
     }
 
     fn late(&self, url: &str) -> ProfileError {
@@ -280,20 +304,18 @@ impl Engines {
     ) -> Result<Completion, ProfileError> {
         let url = format!("{base}{path}");
         let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-        let mut req = hyper::Request::post(url.as_str()).header("content-type", "application/json");
-        if let Some(id) = request_id {
-            req = req.header("x-request-id", id);
-        }
-        let req = req
-            .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| ProfileError::Invalid(format!("bad URL {url}: {e}")))?;
+        let payload = Bytes::from(body.to_string());
+        let build = || {
+            let mut req =
+                hyper::Request::post(url.as_str()).header("content-type", "application/json");
+            if let Some(id) = request_id {
+                req = req.header("x-request-id", id);
+            }
+            req.body(Full::new(payload.clone()))
+                .map_err(|e| ProfileError::Invalid(format!("bad URL {url}: {e}")))
+        };
         let call = async {
-            let sent = Instant::now();
-            let resp = self
-                .client
-                .request(req)
-                .await
-                .map_err(|e| transport(&url, &e))?;
+            let (sent, resp) = self.send(&url, build).await?;
             let status = resp.status();
             let mut body = resp.into_body();
             let mut out = Completion {
@@ -425,6 +447,40 @@ mod tests {
         assert!(empty.contains("empty"), "{empty}");
         let other = models_of(&json!({"detail": "Not Found"})).unwrap_err();
         assert!(other.contains("not an OpenAI model list"), "{other}");
+    }
+
+    #[tokio::test]
+    async fn a_call_whose_connection_closes_unanswered_is_sent_once_more() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/metrics", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            // The first connection reads the request and closes without a byte of answer.
+            let (mut first, _) = listener.accept().await.unwrap();
+            let _ = first.read(&mut buf).await.unwrap();
+            drop(first);
+            let (mut second, _) = listener.accept().await.unwrap();
+            let _ = second.read(&mut buf).await.unwrap();
+            second
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            // A third connection would mean a second retry.
+            tokio::time::timeout(Duration::from_millis(300), listener.accept())
+                .await
+                .is_ok()
+        });
+        let engines = Engines::new(Duration::from_secs(5));
+        let body = engines.get(&url, "metrics").await.unwrap();
+        assert_eq!(&body[..], b"ok");
+        assert!(!server.await.unwrap(), "one retry, no more");
+        // Nothing listening: a connect error, not retried into success.
+        let closed = "http://127.0.0.1:9/metrics";
+        assert!(matches!(
+            engines.get(closed, "metrics").await,
+            Err(ProfileError::Transport { .. })
+        ));
     }
 
     #[test]
