@@ -71,19 +71,25 @@ impl Topology {
     }
 
     /// The workers of the shape, in worker-id order (prefill workers first), with their roles
-    /// and declared capabilities. `local_prefill` says whether the engines serve turns alone
-    /// (vLLM: yes; a stock SGLang decode server: no):
+    /// and declared capabilities. `local_prefill` says whether the engines are vLLM's, which
+    /// serve turns alone and whose decode engines also send a session's KV (NixlConnector
+    /// sends whatever the `kv_role`), or stock SGLang's, whose decode servers do neither:
     ///
     /// | shape | prefill workers | decode workers |
     /// |---|---|---|
-    /// | `NpMd` | prefill | decode, + local if `local_prefill` |
-    /// | `NpMd-hybrid` | prefill, + local if `local_prefill` | decode, + local if `local_prefill` |
+    /// | `NpMd` | prefill | decode, + local + send-kv if `local_prefill` |
+    /// | `NpMd-hybrid` | prefill, + local if `local_prefill` | decode, + local + send-kv if `local_prefill` |
     /// | `Nx` | – | role `decode`: prefill + decode + send-kv, + local if `local_prefill` |
     /// | `Ndp` | – | role `colocated` (serve alone, whatever `local_prefill` says) |
     pub fn layout(self, local_prefill: bool) -> Vec<(WorkerRole, Capabilities)> {
         let with_local = |c: Capabilities| if local_prefill { c.with_local() } else { c };
         let p = Capabilities::of_role(WorkerRole::Prefill);
-        let d = with_local(Capabilities::of_role(WorkerRole::Decode));
+        let d = Capabilities::of_role(WorkerRole::Decode);
+        let d = if local_prefill {
+            d.with_local().with_send_kv()
+        } else {
+            d
+        };
         let repeat = |n: u32, role, caps| std::iter::repeat_n((role, caps), n as usize);
         match self {
             Topology::Disaggregated { prefill, decode } => repeat(prefill, WorkerRole::Prefill, p)
@@ -232,10 +238,12 @@ mod tests {
                 (WorkerRole::Decode, d)
             ]
         );
-        // vLLM decode workers serve turns alone; the prefill worker of a plain shape does not.
+        // vLLM decode workers serve turns alone and send their sessions' KV; the prefill
+        // worker of a plain shape does neither.
         let l = plain.layout(true);
         assert_eq!(l[0], (WorkerRole::Prefill, p));
-        assert_eq!(l[1], (WorkerRole::Decode, d.with_local()));
+        assert_eq!(l[1], (WorkerRole::Decode, d.with_local().with_send_kv()));
+        assert!(!plain.layout(false)[1].1.send_kv);
         let hybrid: Topology = "1p2d-hybrid".parse().unwrap();
         assert_eq!(
             hybrid.layout(true)[0],

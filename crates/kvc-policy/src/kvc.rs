@@ -36,8 +36,8 @@
 //! - **migration with KV** (`migrate-with-kv`, off by default): a session that moves to
 //!   another D (migrated, over the hard cap, its D unhealthy or draining) is prefilled by the
 //!   worker that holds it, when that worker sends KV ([`kvc_core::Capabilities::send_kv`]) and
-//!   is healthy or draining and the new D has room for it now (`migrate-kv`): only the new
-//!   tokens are computed, and the new D pulls the whole KV.
+//!   is draining, or healthy and not over the hard cap, and the new D has room for it now
+//!   (`migrate-kv`): only the new tokens are computed, and the new D pulls the whole KV.
 //!
 //! `docs/kvc-policy.md` has the measurements behind each part (ablations on the generated SWE
 //! traces and the public Mooncake trace).
@@ -129,8 +129,9 @@ pub struct KvcConfig {
     pub compaction: bool,
     /// A session that moves to another decode worker (migration, its D over the hard cap,
     /// unhealthy or draining) takes its KV along where the worker holding it sends its
-    /// sessions' KV (capability `send-kv`) and is healthy or draining: that worker is the
-    /// turn's P, computing only the new tokens, and the new D pulls the KV (`migrate-kv`).
+    /// sessions' KV (capability `send-kv`) and is draining, or healthy and not over the hard
+    /// cap (one over it is short of memory): that worker is the turn's P, computing only the
+    /// new tokens, and the new D pulls the KV (`migrate-kv`).
     pub migrate_with_kv: bool,
 }
 

@@ -369,7 +369,9 @@ impl V2<'_, '_> {
 
     /// The worker that may send the session's KV to `d`, the D it moves to, and the tokens of
     /// the prompt it holds: the session's D, where the session is resident (not evicted), when
-    /// it is not `d`, sends its sessions' KV and is healthy or draining, `d` decodes transferred
+    /// it is not `d`, sends its sessions' KV and is draining, or healthy and not over the hard
+    /// cap (a routable worker over it is short of memory: prefilling the turn and holding the
+    /// KV until the pull would add to that, so its sessions move by recompute), `d` decodes transferred
     /// KV and has room now for the prompt and its output hint (a transfer that waits for room
     /// holds the session on both workers), the turn is not a compaction (its old KV is stale)
     /// and the sender holds some of the prompt.
@@ -387,6 +389,7 @@ impl V2<'_, '_> {
             && s.residency == Residency::Resident
             && reason != Some(FallThroughReason::Compacted)
             && ctx.kv_senders.contains(source.0 as usize)
+            && (!ctx.healthy_d.contains(source.0 as usize) || !self.over_cap(source))
             && ctx.healthy_d.contains(d.0 as usize)
             && ctx.worker_state(d).available_tokens()
                 >= req.input_length.saturating_add(req.output_hint);

@@ -81,7 +81,10 @@ fn a_session_leaving_a_draining_worker_takes_its_kv_along() {
 }
 
 #[test]
-fn a_session_moved_off_a_worker_over_the_hard_cap_takes_its_kv_along() {
+fn a_worker_over_the_hard_cap_sends_a_session_it_sheds_only_when_it_is_draining() {
+    // Over the hard cap and routable, the worker the session leaves is under memory pressure:
+    // prefilling the turn there and holding the KV until the pull would add to it (in the
+    // simulator such moves prefilled up to 11% more in all), so the move recomputes on P.
     let mut ws = fleet(true);
     let (mut r, home) = seeded(&ws, true);
     set_used(&mut ws, home.0, 95_000);
@@ -89,8 +92,20 @@ fn a_session_moved_off_a_worker_over_the_hard_cap_takes_its_kv_along() {
     assert_eq!(
         (d.mode, d.reason, d.prefill),
         (
-            ExecutionMode::MigrateKv,
+            ExecutionMode::Reseed,
             Some(FallThroughReason::Migrated),
+            Some(WorkerId(0))
+        )
+    );
+    assert_ne!(d.decode, home);
+    // Drained as well, it takes no new work: it sends the session's KV.
+    set_health(&mut ws, home.0, Health::Draining);
+    let d = second_turn(&mut r, &ws);
+    assert_eq!(
+        (d.mode, d.reason, d.prefill),
+        (
+            ExecutionMode::MigrateKv,
+            Some(FallThroughReason::DecodeUnhealthy),
             Some(home)
         )
     );

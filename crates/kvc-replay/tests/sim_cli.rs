@@ -163,6 +163,14 @@ fn bad_options_fail_with_a_clear_message() {
         too_many.contains("4097 workers") && too_many.contains("at most 4096"),
         "{too_many}"
     );
+    let no_worker = run(&["--drain", "d7@10"]);
+    assert!(
+        no_worker.contains("no worker `d7`") && no_worker.contains("p0, d0, d1, d2"),
+        "{no_worker}"
+    );
+    assert!(run(&["--drain", "d0"]).contains("WORKER@SECONDS"));
+    assert!(run(&["--drain", "d0@soon"]).contains("`soon` is not a number of seconds"));
+    assert!(run(&["--drain", "p0@10"]).contains("p0 is a prefill worker"));
     assert!(
         !dir.join("x").join("metrics.jsonl").exists(),
         "nothing is written for a run refused at start"
@@ -202,6 +210,34 @@ fn knobs_reach_the_policy() {
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(s["config"]["policy_config"]["direct-limit-tokens"], 1024);
     assert_eq!(s["config"]["local_prefill"], true);
+    assert!(s.get("drains").is_none(), "no drain, no drains block");
+    // A drain: its block says what became of the sessions the worker held.
+    let drained = dir.join("drained");
+    ok(bin()
+        .args(["sim", "--quiet", "--topology", "1p2d", "--drain", "d1@30"])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--out")
+        .arg(&drained)
+        .output()
+        .unwrap());
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(drained.join("summary.json")).unwrap())
+            .unwrap();
+    let d = &s["drains"][0];
+    assert_eq!(
+        (d["worker"].as_str(), d["at_s"].as_f64()),
+        (Some("d1"), Some(30.0))
+    );
+    let returned = d["returned"].as_u64().unwrap();
+    let modes: u64 = d["next_turn_modes"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(modes, returned, "{d}");
+    assert!(returned <= d["sessions"].as_u64().unwrap(), "{d}");
     // Engines that cannot serve turns alone, on an all-capable shape: kvc plans no local turn.
     let off = dir.join("off");
     ok(bin()

@@ -5,6 +5,7 @@ use anyhow::{Context, Result, bail};
 use kvc_core::{BlockSize, Topology};
 use kvc_policy::PolicyConfig;
 use kvc_replay::output::{self, ProgressMode};
+use kvc_replay::sim::config::Drain;
 use kvc_replay::sim::metrics::Summary;
 use kvc_replay::sim::{EvictionMode, Profile, SimConfig, SimError};
 use kvc_replay::trace::{ReadAhead, SourceError, TraceStream};
@@ -36,6 +37,12 @@ pub(crate) struct Args {
     /// trace that cannot be streamed gets anyway); the outputs are the same.
     #[arg(long)]
     pub(crate) in_memory: bool,
+    /// Drain a worker during the run, WORKER@SECONDS (repeatable): from SECONDS of the run's
+    /// clock (after --time-scale) no turn is placed on WORKER (a name as the summary gives
+    /// it: d0, x1, dp2, …), which finishes its work and keeps the KV it holds; summary.json's
+    /// `drains` says what became of the sessions it held.
+    #[arg(long = "drain", value_name = "WORKER@SECONDS")]
+    pub(crate) drains: Vec<String>,
 }
 
 const SIM_AFTER_HELP: &str = "\
@@ -67,6 +74,11 @@ Outputs (in --out):
                   workers{name: {requests}}, worker_spread, sessions{count, d_changes_mean,
                   d_changes_max, direct_rate_0_20, direct_rate_80_100}, config{…}, sim_span_s,
                   sim_wall_s.
+                  With --drain, drains[{worker, at_s, sessions, resident_tokens, returned,
+                  returned_tokens, next_turn_modes, next_turn_tokens{computed, cached},
+                  next_turn_ttft_mean_s}]: the sessions the worker held when drained, those
+                  that came back, and the mode, prompt tokens and TTFT of each one's first
+                  turn after the drain.
   occupancy.csv   time_s and the used fraction of every worker's KV pool, every 10 s.
   committed.csv   the same for the committed fraction: what eviction cannot reclaim (running
                   requests; on decode workers, sessions that are not idle).
@@ -237,7 +249,10 @@ fn run_streamed(args: &Args, mode: ProgressMode) -> Result<Option<(SimConfig, Su
     let opts = args.trace_opts.options();
     let cannot = || format!("cannot load trace {}", args.trace.display());
     let stream = TraceStream::open(&args.trace, &opts).with_context(cannot)?;
-    let cfg = args.run.config_for_block_size(opts.block_size)?;
+    let cfg = with_drains(
+        args.run.config_for_block_size(opts.block_size)?,
+        &args.drains,
+    )?;
     // Parsed on a thread of its own while the simulation runs.
     let mut ahead = ReadAhead::new(stream).context("cannot start the trace reader thread")?;
     let result = output::stream_and_write(&mut ahead, &cfg, &args.out, mode);
@@ -269,9 +284,40 @@ fn run_streamed(args: &Args, mode: ProgressMode) -> Result<Option<(SimConfig, Su
 /// The run with the whole trace loaded first.
 fn run_whole(args: &Args, mode: ProgressMode) -> Result<(SimConfig, Summary)> {
     let trace = args.trace_opts.load(&args.trace, args.quiet)?;
-    let cfg = args.run.config_for(&trace)?;
+    let cfg = with_drains(args.run.config_for(&trace)?, &args.drains)?;
     let summary = output::run_and_write(&trace, &cfg, &args.out, mode == ProgressMode::Quiet)?;
     Ok((cfg, summary))
+}
+
+/// `cfg` with the drains of `--drain WORKER@SECONDS` options, checked.
+pub(crate) fn with_drains(mut cfg: SimConfig, drains: &[String]) -> Result<SimConfig> {
+    if drains.is_empty() {
+        return Ok(cfg);
+    }
+    let names = kvc_engine_sim::cluster::layout_names(&cfg.topology.layout(cfg.local_prefill));
+    for d in drains {
+        let (name, at) = d
+            .split_once('@')
+            .with_context(|| format!("--drain `{d}`: expected WORKER@SECONDS, e.g. d0@600"))?;
+        let Some(slot) = names.iter().position(|n| n == name.trim()) else {
+            bail!(
+                "--drain `{d}`: topology {} has no worker `{}` (its workers: {})",
+                cfg.topology,
+                name.trim(),
+                names.join(", ")
+            );
+        };
+        let at_s: f64 = at
+            .trim()
+            .parse()
+            .with_context(|| format!("--drain `{d}`: `{at}` is not a number of seconds"))?;
+        cfg.drains.push(Drain {
+            worker: kvc_core::WorkerId(slot as u32),
+            at_s,
+        });
+    }
+    cfg.validate()?;
+    Ok(cfg)
 }
 
 /// A short label for a run: `1p3d+kvc-v2 ts1`.

@@ -4,7 +4,7 @@
 use super::SimError;
 use super::metrics::RunConfig;
 use crate::trace::Trace;
-use kvc_core::{BlockSize, StableName, Topology};
+use kvc_core::{BlockSize, StableName, Topology, WorkerId};
 use kvc_engine_sim::ClusterSpec;
 use kvc_engine_sim::model::{Engine, Profile};
 use kvc_policy::PolicyConfig;
@@ -38,13 +38,28 @@ pub struct SimConfig {
     /// cannot: nor can they recompute a request they retract, which they back up to host
     /// memory or abort (`retraction_host_pool_tokens` in the profile). Only policies that plan
     /// `local-prefill` turns (`kvc`) route by it; on every policy it decides what a decode
-    /// worker does with a retracted request.
+    /// worker does with a retracted request. It also says whether decode workers send their
+    /// sessions' KV (vLLM's do; only `kvc` with `migrate-with-kv` uses it).
     pub local_prefill: bool,
     /// Whether the clients' explicit session ends (a trace's `final`) are honoured: the
     /// router forgets the session once its last request is answered, and the engine releases
     /// its KV (as vLLM holds an ended request's blocks unreferenced, the first to go). Off,
     /// ended sessions stay until evicted or expired, as without the signal.
     pub session_ends: bool,
+    /// Workers the operator drains during the run (none by default).
+    pub drains: Vec<Drain>,
+}
+
+/// A worker drained during a run, as an operator drains a node for maintenance: from `at_s`
+/// on (seconds of the run's clock, after the time scale) no decision places a turn on it,
+/// while it finishes what it runs and keeps the KV it holds (health `draining`: a policy
+/// that moves sessions with their KV may still have it send a session it holds).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Drain {
+    /// The drained worker.
+    pub worker: WorkerId,
+    /// When, in seconds of the run's clock.
+    pub at_s: f64,
 }
 
 impl SimConfig {
@@ -83,6 +98,7 @@ impl SimConfig {
             jitter: 0.02,
             local_prefill: true,
             session_ends: true,
+            drains: Vec::new(),
         }
     }
 
@@ -98,7 +114,8 @@ impl SimConfig {
         if self.concurrency == 0 {
             return Err(SimError::Invalid("concurrency must be at least 1".into()));
         }
-        let workers = self.topology.layout(self.local_prefill).len();
+        let layout = self.topology.layout(self.local_prefill);
+        let workers = layout.len();
         if workers > kvc_policy::MAX_WORKERS {
             return Err(SimError::Invalid(format!(
                 "topology {} has {workers} workers; the routing policies hold at most {} \
@@ -106,6 +123,57 @@ impl SimConfig {
                 self.topology,
                 kvc_policy::MAX_WORKERS
             )));
+        }
+        self.validate_drains(&layout)
+    }
+
+    /// Checks the drains: a worker of the topology that hosts sessions, drained once, at a
+    /// time that is a number of seconds, and one such worker left undrained.
+    fn validate_drains(
+        &self,
+        layout: &[(kvc_core::WorkerRole, kvc_core::Capabilities)],
+    ) -> Result<(), SimError> {
+        let names = kvc_engine_sim::cluster::layout_names(layout);
+        let mut drained = vec![false; layout.len()];
+        for d in &self.drains {
+            let slot = d.worker.0 as usize;
+            let Some((_, caps)) = layout.get(slot) else {
+                return Err(SimError::Invalid(format!(
+                    "drain: topology {} has no worker {} (it has {})",
+                    self.topology,
+                    d.worker.0,
+                    layout.len()
+                )));
+            };
+            if !caps.hosts_sessions() {
+                return Err(SimError::Invalid(format!(
+                    "drain: {} is a prefill worker, which holds no session to move; drain a \
+                     worker that hosts sessions",
+                    names[slot]
+                )));
+            }
+            if !(d.at_s.is_finite() && d.at_s >= 0.0) {
+                return Err(SimError::Invalid(format!(
+                    "drain: the time of {}'s drain must be a number of seconds, at least 0 \
+                     (got {})",
+                    names[slot], d.at_s
+                )));
+            }
+            if std::mem::replace(&mut drained[slot], true) {
+                return Err(SimError::Invalid(format!(
+                    "drain: {} is drained twice",
+                    names[slot]
+                )));
+            }
+        }
+        let left = layout
+            .iter()
+            .zip(&drained)
+            .any(|((_, caps), d)| caps.hosts_sessions() && !d);
+        if !left {
+            return Err(SimError::Invalid(
+                "drain: every worker that hosts sessions is drained; leave one to route to".into(),
+            ));
         }
         Ok(())
     }

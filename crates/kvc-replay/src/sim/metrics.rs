@@ -162,6 +162,31 @@ pub struct SessionSummary {
     pub direct_rate_80_100: usize,
 }
 
+/// A worker drained during a run, and the sessions it held then.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct DrainSummary {
+    /// The drained worker.
+    pub worker: String,
+    /// When, in seconds of the run's clock.
+    pub at_s: f64,
+    /// Sessions it held when drained.
+    pub sessions: usize,
+    /// Their resident tokens then, summed.
+    pub resident_tokens: u64,
+    /// Of those sessions, the ones with a turn dispatched after the drain.
+    pub returned: usize,
+    /// Their resident tokens at the drain, summed: the context a move recomputes unless it
+    /// takes the KV along.
+    pub returned_tokens: u64,
+    /// The execution mode of each returning session's first turn after the drain (`none`
+    /// for a turn that was not routed), counted.
+    pub next_turn_modes: BTreeMap<String, usize>,
+    /// Prompt tokens those first turns computed and found cached, summed.
+    pub next_turn_tokens: PromptTokens,
+    /// Those first turns' mean TTFT, s (latency for one that failed).
+    pub next_turn_ttft_mean_s: f64,
+}
+
 /// The run configuration, echoed in the summary.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
@@ -227,6 +252,10 @@ pub struct Summary {
     pub worker_spread: f64,
     /// Per session.
     pub sessions: SessionSummary,
+    /// The workers drained during the run and what became of the sessions they held (absent
+    /// when none was).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drains: Vec<DrainSummary>,
     /// Run configuration.
     pub config: RunConfig,
     /// Simulated time from the first ready turn to the last completion, s.
@@ -490,6 +519,7 @@ impl SummaryBuilder {
             workers: self.workers,
             worker_spread,
             sessions,
+            drains: Vec::new(),
             config,
             sim_span_s: if self.requests == 0 {
                 0.0

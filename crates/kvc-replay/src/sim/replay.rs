@@ -17,10 +17,12 @@
 
 use super::cluster::{host_names, initial_views, layout_names, worker_layout};
 use super::decider::{Decider, Hooks, LocalPolicy, Routed, Virtual};
-use super::metrics::{FailureRecord, RequestRecord, Summary, SummaryBuilder};
+use super::metrics::{DrainSummary, FailureRecord, RequestRecord, Summary, SummaryBuilder};
 use super::{Occupancy, SimConfig, SimError, SimOutput, run_config};
 use crate::trace::{Arrival, RequestSource, Trace, TraceArrivals, TraceRequest};
-use kvc_core::{ExecutionMode, Outcome, RequestId, WorkerId, WorkerState};
+use kvc_core::{
+    ExecutionMode, Health, Outcome, RequestId, SessionId, StableName, WorkerId, WorkerState,
+};
 use kvc_engine_sim::model::{
     DirectAdmission, Engine, Event, Failure, Job, LocalAdmission, Micros, Wake, micros,
 };
@@ -45,6 +47,8 @@ enum Scheduled {
     Sample,
     /// Periodic hook tick.
     Tick,
+    /// The operator drains a worker (index into the configuration's drains).
+    Drain(usize),
 }
 
 /// Order of events within one microsecond: a session's first turn (by session id) before
@@ -178,6 +182,11 @@ struct Replay<'a> {
     completed: usize,
     /// A sink error met where the loop cannot return it; returned after the event.
     failed: Option<SimError>,
+    /// What became of the sessions each drained worker held, by drain.
+    drains: Vec<DrainSummary>,
+    /// Sessions a drained worker held whose next turn has not come yet: the drain (index)
+    /// and the tokens the session held there.
+    drained: HashMap<SessionId, (usize, u64), foldhash::fast::FixedState>,
 }
 
 /// Runs the simulation with the config's policy in process, on the virtual clock.
@@ -208,12 +217,13 @@ pub fn run(
         progress(p.completed, n)
     })?;
     // Built from the records themselves: exact whatever the order of a session's turns.
-    let summary = Summary::build(
+    let mut summary = Summary::build(
         &sink.records,
         &host_names(&worker_layout(cfg), &out.worker_names),
         run_config(cfg),
         wall.elapsed().as_secs_f64(),
     );
+    summary.drains = out.summary.drains;
     Ok(SimOutput {
         records: sink.records,
         summary,
@@ -257,6 +267,15 @@ pub fn run_stream(
         .map_err(|e| SimError::Invalid(format!("topology {}: {e}", cfg.topology)))?;
     let summary = SummaryBuilder::new(&host_names(&layout, &names));
     sink.start(&names)?;
+    let drains = cfg
+        .drains
+        .iter()
+        .map(|d| DrainSummary {
+            worker: names[d.worker.0 as usize].clone(),
+            at_s: d.at_s,
+            ..DrainSummary::default()
+        })
+        .collect();
     let mut sim = Replay {
         cfg,
         engine,
@@ -280,12 +299,17 @@ pub fn run_stream(
         read: 0,
         completed: 0,
         failed: None,
+        drains,
+        drained: HashMap::default(),
     };
     sim.peeked = sim.source.next_arrival()?;
     if sim.peeked.is_some() {
         sim.push(0, Scheduled::Sample);
         if hooks.tick_every().is_some() {
             sim.push(0, Scheduled::Tick);
+        }
+        for (k, d) in cfg.drains.iter().enumerate() {
+            sim.push(micros(d.at_s), Scheduled::Drain(k));
         }
     }
     let mut reported = 0;
@@ -322,6 +346,7 @@ pub fn run_stream(
                     sim.push(t + every.max(1), Scheduled::Tick);
                 }
             }
+            Scheduled::Drain(k) => sim.drain(k),
         }
         hooks.after(t, &mut sim.engine);
         sim.drain_engine();
@@ -340,9 +365,11 @@ pub fn run_stream(
             first: sim.next_record,
         });
     }
-    let summary = sim
+    let drains = sim.drain_summaries();
+    let mut summary = sim
         .summary
         .finish(run_config(cfg), wall.elapsed().as_secs_f64());
+    summary.drains = drains;
     Ok(StreamOutput {
         summary,
         worker_names: sim.names,
@@ -425,6 +452,52 @@ impl Replay<'_> {
                 }
             },
         }
+    }
+
+    /// The operator drains worker `cfg.drains[k]`: no decision places a turn on it from now
+    /// on (it is `draining`: it finishes its work and keeps its KV), and the sessions it
+    /// holds are noted, to count what their next turns compute.
+    fn drain(&mut self, k: usize) {
+        let w = self.cfg.drains[k].worker;
+        for (session, tokens, ..) in self.engine.residents(w) {
+            self.drains[k].sessions += 1;
+            self.drains[k].resident_tokens += tokens;
+            self.drained.insert(session, (k, tokens));
+        }
+        self.fleet.set_health(w, Health::Draining);
+    }
+
+    /// Counts a finished request against the drain that moved its session, if it is the
+    /// session's first turn dispatched (at `dispatch`) after that drain.
+    fn note_drained(&mut self, dispatch: Micros, record: &RequestRecord) {
+        let Some(&(k, tokens)) = self.drained.get(&record.session) else {
+            return;
+        };
+        if dispatch < micros(self.cfg.drains[k].at_s) {
+            return;
+        }
+        self.drained.remove(&record.session);
+        let report = &mut self.drains[k];
+        report.returned += 1;
+        report.returned_tokens += tokens;
+        let mode = record.mode.map_or("none", |m| m.as_str());
+        *report.next_turn_modes.entry(mode.to_owned()).or_default() += 1;
+        report.next_turn_tokens.computed += record.uncached_tokens;
+        report.next_turn_tokens.cached += record.cached_tokens;
+        // A sum until the run ends (`Replay::drain_summaries`).
+        report.next_turn_ttft_mean_s += record.ttft_s.unwrap_or(record.latency_s);
+    }
+
+    /// The drains' summaries, with their means.
+    fn drain_summaries(&mut self) -> Vec<DrainSummary> {
+        let mut drains = std::mem::take(&mut self.drains);
+        for d in &mut drains {
+            if d.returned > 0 {
+                d.next_turn_ttft_mean_s =
+                    (d.next_turn_ttft_mean_s / d.returned as f64 * 1e6).round() / 1e6;
+            }
+        }
+        drains
     }
 
     fn dispatch_waiting(&mut self) {
@@ -717,6 +790,7 @@ impl Replay<'_> {
                 queue_depth: f.queue_depth,
             }),
         };
+        self.note_drained(st.dispatch, &record);
         self.emit(record);
         if self.cfg.session_ends && live.request.session_final {
             // The client ended the session: the router forgets it and its D lets its KV go.
