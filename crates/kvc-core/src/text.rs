@@ -5,7 +5,7 @@
 //! - [`chat_prompt`]: the text of a chat request (a simple template over role and content);
 //! - [`fallback_tokens`]: one token per whitespace-separated word (the router's default
 //!   tokenizer when no `tokenizer.json` is configured);
-//! - [`block_hashes`]: chained 64-bit ids per block of token ids;
+//! - [`block_hashes`]: chained 64-bit ids per block of token ids ([`chain_hash`]: one of them);
 //! - the output lengths assumed when a request does not say.
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -185,12 +185,31 @@ pub fn block_hashes(tokens: &[u32], block: crate::BlockSize) -> Vec<u64> {
     tokens
         .chunks(size)
         .map(|chunk| {
-            bytes.clear();
-            bytes.extend(chunk.iter().flat_map(|t| t.to_le_bytes()));
-            prev = xxh3_64_with_seed(&bytes, prev);
+            prev = chain_into(&mut bytes, prev, chunk);
             prev
         })
         .collect()
+}
+
+/// The id [`block_hashes`] gives a block of `tokens` (any number of them: a partial block's
+/// id too) after a block whose id is `prev` (0 for the first block).
+///
+/// ```
+/// use kvc_core::BlockSize;
+/// use kvc_core::text::{block_hashes, chain_hash};
+///
+/// let ids = block_hashes(&[1, 2, 3, 4, 5], BlockSize::new(4).unwrap());
+/// assert_eq!(chain_hash(0, &[1, 2, 3, 4]), ids[0]);
+/// assert_eq!(chain_hash(ids[0], &[5]), ids[1]);
+/// ```
+pub fn chain_hash(prev: u64, tokens: &[u32]) -> u64 {
+    chain_into(&mut Vec::with_capacity(tokens.len() * 4), prev, tokens)
+}
+
+fn chain_into(bytes: &mut Vec<u8>, prev: u64, tokens: &[u32]) -> u64 {
+    bytes.clear();
+    bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+    xxh3_64_with_seed(bytes, prev)
 }
 
 #[cfg(test)]

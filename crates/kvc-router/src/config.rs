@@ -404,9 +404,11 @@ pub struct HttpConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(example = &"/models/my-model/tokenizer.json"))]
     pub tokenizer: Option<PathBuf>,
-    /// How many leading full blocks a request without a session key must share with a known
-    /// session's latest prompt (ending exactly at that prompt's last full block) to continue
-    /// it; 0 turns session inference off. Default 4.
+    /// Session inference: a request without a session key continues the known session whose
+    /// whole latest prompt its own begins with (every token, whatever the block alignment:
+    /// a shared system prompt alone never glues two conversations), and otherwise starts an
+    /// inferred session; prompts of fewer full blocks than this are routed without a
+    /// session. 0 turns session inference off. Default 1.
     pub infer_min_blocks: u32,
     /// Longest session id the front accepts (a session header, an agent header, or
     /// `session_params.id`), in bytes; a longer one gets 400. Default 256.
@@ -466,7 +468,7 @@ impl Default for HttpConfig {
             health_check_interval_ms: 5_000,
             health_check_timeout_ms: 1_000,
             tokenizer: None,
-            infer_min_blocks: 4,
+            infer_min_blocks: 1,
             max_session_id_bytes: 256,
             session_headers: HttpConfig::DEFAULT_SESSION_HEADERS
                 .iter()

@@ -13,6 +13,7 @@
 //! | `kvc_router_probe_reroutes_total` | counter | — |
 //! | `kvc_router_event_evictions_total` | counter | — (direct-to-D plans dropped because the D's KV-cache events showed none of the session's blocks: blocks they had shown and then removed, or none at all once the events have caught up with the session's last request or answer, or `engine-signals.events-lag-ms` after it) |
 //! | `kvc_router_event_adoptions_total` | counter | — (sessions this router had no placement for, adopted where the engines' KV-cache events show them: another replica placed them) |
+//! | `kvc_router_stale_routed_total` | counter | — (decisions made on workers whose state had grown stale, because no worker of a needed role had a fresh one) |
 //! | `kvc_router_commit_evicts_total` | counter | `result` (`admitted`, `rejected`, `busy`, `error`) |
 //! | `kvc_router_outcomes_total` | counter | `outcome` |
 //! | `kvc_router_sessions_tracked` | gauge | — |
@@ -195,6 +196,7 @@ pub struct Metrics {
     reroutes: Counter,
     event_evictions: Counter,
     event_adoptions: Counter,
+    stale_routed: Counter,
     commits: [Counter; CommitKind::ALL.len()],
     outcomes: [Counter; Outcome::ALL.len()],
     forgotten: [Counter; Forgotten::ALL.len()],
@@ -284,6 +286,11 @@ impl Metrics {
             r,
             "kvc_router_event_adoptions",
             "Sessions this router had no placement for, adopted where the engines' KV-cache events show them (placed by another replica)",
+        );
+        let stale_routed = counter(
+            r,
+            "kvc_router_stale_routed",
+            "Decisions made on workers whose state had grown stale, because no worker of a needed role had a fresh one",
         );
         let commits = counter_family(
             r,
@@ -385,6 +392,7 @@ impl Metrics {
             reroutes,
             event_evictions,
             event_adoptions,
+            stale_routed,
             commits,
             outcomes,
             forgotten,
@@ -463,6 +471,16 @@ impl Metrics {
     /// Counts a session adopted from the engines' events (placed by another replica).
     pub fn record_event_adoption(&self) {
         self.event_adoptions.inc();
+    }
+
+    /// Counts a decision made on stale workers (none of a needed role was fresh).
+    pub fn record_stale_routed(&self) {
+        self.stale_routed.inc();
+    }
+
+    /// Decisions made on stale workers so far.
+    pub fn stale_routed(&self) -> u64 {
+        self.stale_routed.get()
     }
 
     /// Counts a `CommitEvict`.

@@ -357,3 +357,23 @@ async fn a_worker_removed_and_one_added_by_the_control_plane() {
     }
     let _keep = writer;
 }
+
+#[tokio::test]
+async fn a_drained_worker_is_not_routed_on_stale_state() {
+    let (mut c, _dir) = with_token().await;
+    assert!(!drain(&mut c, 2, true).await.unwrap(), "not drained before");
+    // Every worker's state grows stale, but P's: the decision is made on the stale decode
+    // workers' last state, and never on the drained one.
+    c.clock.advance(common::STALE_MS + 1);
+    c.heartbeat(&[0]);
+    c.wait_health(&[1], kvc_core::Health::Stale).await;
+    for i in 0..6u64 {
+        let d = route(
+            &mut c,
+            route_req(10 + i, Some(10 + i), Some(1), 600, &[i, 50 + i]),
+        )
+        .await;
+        assert_eq!(d.decode_worker, 1, "decision {i}");
+    }
+    assert_eq!(c.service().metrics().stale_routed(), 6);
+}

@@ -462,7 +462,8 @@ async fn health_is_readiness_and_liveness_is_separate() {
     }
     let r = f.get("GET", "/livez").await;
     assert_eq!(r.status, 200, "liveness does not depend on the workers");
-    // And indeed nothing routes.
+    // A request that comes all the same is routed on P's last known state (a late publisher
+    // is not a dead worker), and counted.
     let r = f
         .post(
             "/generate",
@@ -470,7 +471,9 @@ async fn health_is_readiness_and_liveness_is_separate() {
             &json!({"input_ids": ids(0..300)}),
         )
         .await;
-    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvc-prefill-worker"), "0");
+    assert_eq!(f.metric("kvc_router_stale_routed_total", &[]), 1.0);
 }
 
 #[tokio::test]

@@ -133,6 +133,53 @@ async fn openai_completions_are_forwarded_on_the_same_path() {
     assert_eq!(s.cluster.service().pending_decisions(), 0);
 }
 
+/// The shape a real agent sent without a session key: `[system, user]`, its answer cut off, then
+/// the same with a second user message (no answer in between, at once), then one more. The
+/// first prompt is short (two full blocks of 512, the second inside the system prompt): it
+/// used to be routed without a session, so the second request, which extends it, started one
+/// and was prefilled again. Each request continues the first one's session.
+#[tokio::test]
+async fn a_keyless_retry_after_a_cut_off_answer_continues_its_session() {
+    let s = start().await;
+    let words = |r: std::ops::Range<u32>| r.map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    let mut messages = vec![
+        json!({"role": "system", "content": words(0..1_100)}),
+        json!({"role": "user", "content": "list the files"}),
+    ];
+    let mut seen = Vec::new();
+    for more in ["and read the first one", "then edit it"] {
+        let body =
+            json!({"model": "test-model", "messages": messages, "max_tokens": 4}).to_string();
+        let r = s.send("/v1/chat/completions", &[], &body).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        seen.push((
+            r.headers["x-kvc-session"].clone(),
+            r.headers["x-kvc-mode"].clone(),
+        ));
+        messages.push(json!({"role": "user", "content": more}));
+    }
+    let body = json!({"model": "test-model", "messages": messages, "max_tokens": 4}).to_string();
+    let r = s.send("/v1/chat/completions", &[], &body).await;
+    seen.push((
+        r.headers["x-kvc-session"].clone(),
+        r.headers["x-kvc-mode"].clone(),
+    ));
+    let first = &seen[0].0;
+    assert!(first.starts_with("kvc-inferred-"), "{seen:?}");
+    assert!(seen.iter().all(|(session, _)| session == first), "{seen:?}");
+    let modes: Vec<&str> = seen.iter().map(|(_, m)| m.as_str()).collect();
+    assert_eq!(modes, ["turn1-seed", "direct-to-d", "direct-to-d"]);
+    // A conversation with the same system prompt and another first message is another.
+    let other = json!({"model": "test-model", "max_tokens": 4, "messages": [
+        {"role": "system", "content": words(0..1_100)},
+        {"role": "user", "content": "list the tests"},
+    ]})
+    .to_string();
+    let r = s.send("/v1/chat/completions", &[], &other).await;
+    assert_ne!(&r.headers["x-kvc-session"], first);
+    assert_eq!(r.headers["x-kvc-mode"], "turn1-seed");
+}
+
 #[tokio::test]
 async fn chat_completions_are_forwarded_unchanged_and_follow_the_session() {
     let s = start().await;
@@ -295,11 +342,12 @@ async fn health_is_503_when_no_worker_is_routable() {
     let r = s.request("GET", "/health").await;
     assert_eq!(r.status, 503);
     assert_eq!(r.body["error"]["message"], "no routable worker");
-    // Routing fails too: 503, nothing forwarded.
+    // Not ready, yet a request that comes all the same is routed on the workers' last known
+    // state rather than refused (their publishers are late; a worker that is gone would fail
+    // the request and be taken out by its breaker).
     let r = s.send("/generate", &[], &generate_body(0..100)).await;
-    assert_eq!(r.status, 503, "{}", r.body);
-    assert!(r.body["error"]["message"].is_string());
-    assert_eq!(s.counts(), [0, 0, 0]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(s.cluster.service().metrics().stale_routed(), 1);
 }
 
 #[tokio::test]
@@ -431,7 +479,19 @@ async fn the_session_header_name_is_configurable() {
         )
         .await;
     assert_eq!(r.headers["x-kvc-mode"], "direct-to-d");
-    // The default header now names no session: a sessionless request takes the P path.
+    // The default header now names no session: a request that does not extend c1's prompt
+    // starts a session of its own (inferred), through P.
+    let r = s
+        .send(
+            "/generate",
+            &[("x-session-id", "c1")],
+            &generate_body(5_000..7_000),
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["x-kvc-prefill-worker"], "0");
+    assert_ne!(r.headers["x-kvc-session"], "c1");
+    // One that does extend it continues it, by its prompt.
     let r = s
         .send(
             "/generate",
@@ -439,7 +499,12 @@ async fn the_session_header_name_is_configurable() {
             &generate_body(0..2_000),
         )
         .await;
-    assert_eq!(r.status, 200);
-    assert_eq!(r.headers["x-kvc-prefill-worker"], "0");
+    assert_eq!(
+        (
+            r.headers["x-kvc-session"].as_str(),
+            r.headers["x-kvc-mode"].as_str()
+        ),
+        ("c1", "direct-to-d")
+    );
     assert_eq!(s.counts()[0], 2);
 }

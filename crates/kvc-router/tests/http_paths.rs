@@ -666,18 +666,37 @@ async fn keyless_conversations_are_told_apart_by_their_prefix() {
     assert_eq!(c1.header("x-kvc-mode"), "turn1-seed");
     let sessions = [&a1, &b1, &c1].map(|r| r.header("x-kvc-session").to_owned());
     assert!(sessions[2] != sessions[0] && sessions[2] != sessions[1]);
-    // Too short to infer anything: routed without a session.
-    let short = f
-        .post("/generate", &[], &conversation(4, 1_024, 1_500))
-        .await;
+    // Under one full block: routed without a session.
+    let short = f.post("/generate", &[], &conversation(4, 100, 400)).await;
     assert!(!short.headers.contains_key("x-kvc-session"));
+    // A short first prompt (two full blocks, the second inside the system prompt) anchors its
+    // session all the same: the next request, which extends it, continues it.
+    let e1 = f
+        .post("/generate", &[], &conversation(5, 1_024, 1_300))
+        .await;
+    let e2 = f
+        .post("/generate", &[], &conversation(5, 1_024, 1_700))
+        .await;
+    assert_eq!(e2.header("x-kvc-session"), e1.header("x-kvc-session"));
+    assert_eq!(e2.header("x-kvc-mode"), "direct-to-d");
+    // A system prompt of five full blocks, then a short first message of each conversation's
+    // own (inside the sixth block): their last full blocks are the same, their whole prompts
+    // are not, so they are two sessions.
+    let g1 = f
+        .post("/generate", &[], &conversation(6, 2_560, 2_700))
+        .await;
+    let h1 = f
+        .post("/generate", &[], &conversation(7, 2_560, 2_700))
+        .await;
+    assert_ne!(g1.header("x-kvc-session"), h1.header("x-kvc-session"));
+    assert_eq!(h1.header("x-kvc-mode"), "turn1-seed");
     let inferred = |result| {
         f.metric(
             "kvc_router_http_inferred_sessions_total",
             &[("result", result)],
         )
     };
-    assert_eq!((inferred("new"), inferred("continued")), (3.0, 2.0));
+    assert_eq!((inferred("new"), inferred("continued")), (6.0, 3.0));
 }
 
 /// A word-level `tokenizer.json` over `w0..w{n}` with a whitespace pre-tokenizer (which

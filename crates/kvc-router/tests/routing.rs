@@ -319,27 +319,44 @@ async fn stale_worker_leaves_rotation_and_returns() {
     assert!(chosen, "the recovered worker is routed to again");
 }
 
+/// Every decode worker's state grown stale (its publisher late, not its engine gone): the
+/// decision is made on the state last known rather than refused, and counted; a worker that
+/// publishes again is routed as before. (A worker that is down is never routed: see the
+/// HTTP front's tests of killed workers.)
 #[tokio::test]
-async fn no_healthy_decode_worker_is_unavailable() {
+async fn no_fresh_decode_worker_routes_on_the_stale_state() {
     let mut c = Cluster::start(|_| {}).await;
     c.clock.advance(common::STALE_MS + 1);
     c.heartbeat(&[0]);
-    let err = c
+    c.wait_health(&[1, 2], Health::Stale).await;
+    let d = c
         .client
         .route(route_req(1, Some(1), Some(1), 600, &[1, 2]))
         .await
-        .unwrap_err();
-    assert_eq!(err.code(), tonic::Code::Unavailable);
-    assert!(err.message().contains("decode"), "{}", err.message());
+        .unwrap()
+        .into_inner();
+    assert_eq!(mode(&d), ExecutionMode::Turn1Seed);
+    assert_eq!(d.prefill_worker, Some(0));
+    assert!([1, 2].contains(&d.decode_worker), "{d:?}");
     let m = c.metrics().await;
+    assert_eq!(value(&m, "kvc_router_stale_routed_total", &[]), 1.0);
     assert_eq!(
         value(
             &m,
             "kvc_router_route_errors_total",
             &[("code", "unavailable")]
         ),
-        1.0
+        0.0
     );
+    // Fresh again: routed without the fallback.
+    c.heartbeat(&[0, 1, 2]);
+    c.wait_health(&[1, 2], Health::Healthy).await;
+    c.client
+        .route(route_req(2, Some(2), Some(1), 600, &[3, 4]))
+        .await
+        .unwrap();
+    let m = c.metrics().await;
+    assert_eq!(value(&m, "kvc_router_stale_routed_total", &[]), 1.0);
 }
 
 #[tokio::test]

@@ -35,7 +35,7 @@ fn example_file_parses() {
         Some(SocketAddr::from(([127, 0, 0, 1], 8000)))
     );
     assert_eq!(cfg.http, HttpConfig::default());
-    assert_eq!(cfg.http.infer_min_blocks, 4);
+    assert_eq!(cfg.http.infer_min_blocks, 1);
     assert_eq!(cfg.http.tokenizer, None);
     assert_eq!(cfg.http.max_retries, 2);
     assert!(cfg.workers.iter().all(|w| w.can_append_prefill()));

@@ -2,14 +2,20 @@
 //! with which a request that names no session continues a known one.
 //!
 //! A session's *anchor* is the chained block hash at the last full block of its latest prompt
-//! (with that block's position). Because block hashes are chained, a request whose hash at the
-//! same position is equal extends that prompt at least up to its last full block: it is the
-//! session's next turn. The deepest such match wins (ties: the most recently seen session), and
-//! it must be at least `min_blocks` blocks deep, so that a shared system prompt alone never
-//! glues two conversations together.
+//! (with that block's position), and its *tail* the hash and length of the tokens after that
+//! block (the partial last block). Because block hashes are chained, a request whose hash at
+//! the same position is equal extends that prompt up to its last full block; when its next
+//! tokens also hash to the tail, it extends the whole prompt, whatever the block alignment: it
+//! is the session's next turn. The deepest such match wins (ties: the most recently seen
+//! session). Matching the whole prompt, not its last full block, is what keeps a shared system
+//! prompt from gluing two conversations together: two first prompts that differ only in a
+//! short user message share every full block when the system prompt is long. A prompt needs
+//! `min_blocks` full blocks to be placed at all (1 by default; 0 turns inference off), so a
+//! short first request still anchors the session its next request continues.
 
 use crate::SessionLimits;
 use kvc_core::SessionId;
+use kvc_core::text::chain_hash;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
 use std::sync::Arc;
@@ -52,6 +58,33 @@ pub(crate) struct Prompt<'a> {
     pub(crate) hashes: &'a [u64],
     /// How many of them are full blocks.
     pub(crate) full_blocks: usize,
+    /// The tokens the hashes cover, and the block size in tokens; `None` where they are not
+    /// known (a session anchored so matches at its last full block).
+    pub(crate) tokens: Option<(&'a [u32], usize)>,
+}
+
+impl Prompt<'_> {
+    /// The tail of a prompt anchored at its last full block: the hash ([`chain_hash`] after
+    /// that block) and length of the tokens after it.
+    fn tail(&self) -> Option<(u64, u32)> {
+        let (tokens, block) = self.tokens?;
+        let start = self.full_blocks.checked_mul(block)?;
+        let rest = tokens.get(start..)?;
+        let prev = self.hashes.get(self.full_blocks.checked_sub(1)?)?;
+        Some((chain_hash(*prev, rest), rest.len() as u32))
+    }
+
+    /// Whether the tokens after full block `i` begin with a tail of `len` tokens hashing to
+    /// `hash` (unknown tokens: no).
+    fn goes_on_with(&self, i: usize, (hash, len): (u64, u32)) -> bool {
+        let Some((tokens, block)) = self.tokens else {
+            return false;
+        };
+        let start = (i + 1) * block;
+        tokens
+            .get(start..start + len as usize)
+            .is_some_and(|rest| chain_hash(self.hashes[i], rest) == hash)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -65,6 +98,9 @@ struct Entry {
     rotating: bool,
     /// (hash, position) of the last full block of the session's latest prompt.
     anchor: Option<(u64, u32)>,
+    /// (hash, length) of that prompt's tokens after its anchor; `None` where they were not
+    /// known.
+    tail: Option<(u64, u32)>,
 }
 
 /// Sessions by id, bounded by the router's session limits, with an index of their anchors.
@@ -149,6 +185,9 @@ impl SessionBook {
                 (prompt.hashes[i], i as u32)
             });
         self.set_anchor(session, anchor);
+        if let Some(e) = self.entries.get_mut(&session) {
+            e.tail = anchor.and_then(|_| prompt.tail());
+        }
         self.bound(session, now_ms);
         Some(Resolved {
             session,
@@ -159,10 +198,11 @@ impl SessionBook {
         })
     }
 
-    /// The live session anchored deepest within the prompt's full blocks (at least
-    /// `min_blocks` deep); ties to the most recently seen.
+    /// The live session whose latest prompt this one extends (through its last full block,
+    /// and through its tail where that is known), anchored deepest (at least `min_blocks`
+    /// deep); ties to the most recently seen.
     fn continued(&self, prompt: Prompt<'_>, now_ms: u64) -> Option<(SessionId, Arc<str>)> {
-        let shallowest = self.min_blocks as usize - 1;
+        let shallowest = self.min_blocks.max(1) as usize - 1;
         for i in (shallowest..prompt.full_blocks).rev() {
             let hash = prompt.hashes[i];
             let Some(list) = self.anchors.get(&hash) else {
@@ -171,7 +211,11 @@ impl SessionBook {
             let best = list
                 .iter()
                 .filter_map(|s| self.entries.get(s).map(|e| (*s, e)))
-                .filter(|(_, e)| e.anchor == Some((hash, i as u32)) && self.live(e, now_ms))
+                .filter(|(_, e)| {
+                    e.anchor == Some((hash, i as u32))
+                        && self.live(e, now_ms)
+                        && e.tail.is_none_or(|tail| prompt.goes_on_with(i, tail))
+                })
                 .max_by_key(|(s, e)| (e.last_ms, s.0));
             if let Some((s, e)) = best {
                 return Some((s, Arc::clone(&e.key)));
@@ -243,6 +287,7 @@ impl SessionBook {
                     keyed,
                     rotating: false,
                     anchor: None,
+                    tail: None,
                 });
                 1
             }
@@ -337,6 +382,7 @@ mod tests {
             key,
             hashes,
             full_blocks,
+            tokens: None,
         }
     }
 
@@ -545,5 +591,165 @@ mod tests {
         b.resolve(prompt(Some("k"), &h, 8), 0, String::new);
         assert_eq!(b.anchor_count(), 0);
         assert_eq!(b.resolve(prompt(None, &h, 8), 1, || "x".into()), None);
+    }
+
+    /// Conversations as clients send them: their messages rendered by the router (a chat
+    /// request, [`kvc_core::text::chat_tokens`]) or by a real model's chat template into a
+    /// text prompt (ChatML as Qwen's, Llama 3's, the real-vLLM harness's), tokenized, in
+    /// blocks of any size.
+    mod properties {
+        use super::*;
+        use kvc_core::BlockSize;
+        use kvc_core::text::{block_hashes, chat_tokens, fallback_tokens};
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone, Copy)]
+        enum Render {
+            /// A chat request: the router hashes its messages, not the generation prompt.
+            Router,
+            ChatMl,
+            Llama3,
+            Harness,
+        }
+
+        /// The tokens a request's block hashes cover.
+        fn hashed(render: Render, messages: &[(String, String)]) -> Vec<u32> {
+            let (open, close, generation): (fn(&str) -> String, &str, &str) = match render {
+                Render::Router => {
+                    let pairs = messages.iter().map(|(r, c)| (r.as_str(), c.as_str()));
+                    return chat_tokens(pairs, fallback_tokens).hashed().to_vec();
+                }
+                Render::ChatMl => (
+                    |r| format!("<|im_start|>{r}\n"),
+                    "<|im_end|>\n",
+                    "<|im_start|>assistant\n",
+                ),
+                Render::Llama3 => (
+                    |r| format!("<|start_header_id|>{r}<|end_header_id|>\n\n"),
+                    "<|eot_id|>",
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                ),
+                Render::Harness => (|r| format!("<|{r}|>\n"), "<|end|>\n", "<|assistant|>\n"),
+            };
+            let mut text = String::new();
+            if matches!(render, Render::Llama3) {
+                text.push_str("<|begin_of_text|>");
+            }
+            for (role, content) in messages {
+                text.push_str(&open(role));
+                text.push_str(content);
+                text.push_str(close);
+            }
+            text.push_str(generation);
+            fallback_tokens(&text)
+        }
+
+        fn words(tag: &str, n: usize) -> String {
+            (0..n).map(|i| format!("{tag}{i} ")).collect::<String>()
+        }
+
+        /// What a turn appends: 0 a user message after a user message (a retry after a
+        /// cut-off answer), 1 an answer and a user message, 2 an answer with a tool call and
+        /// the tool's result, 3 two tool results.
+        fn append(conv: &mut Vec<(String, String)>, render: Render, step: u8, n: usize, tag: &str) {
+            let msg = |role: &str, t: &str| (role.to_owned(), words(&format!("{tag}{t}"), n));
+            // A text prompt ends with the generation prompt: the next one extends it only
+            // with the answer it asked for (a chat request's messages extend with anything).
+            let step = match render {
+                Render::Router => step % 4,
+                _ => 1 + step % 2,
+            };
+            match step {
+                0 => conv.push(msg("user", "again")),
+                1 => conv.extend([msg("assistant", "answer"), msg("user", "next")]),
+                2 => conv.extend([msg("assistant", "call"), msg("tool", "result")]),
+                _ => conv.extend([msg("tool", "out"), msg("tool", "more")]),
+            }
+        }
+
+        fn render_strategy() -> impl Strategy<Value = Render> {
+            prop_oneof![
+                Just(Render::Router),
+                Just(Render::ChatMl),
+                Just(Render::Llama3),
+                Just(Render::Harness)
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            /// Every turn of a conversation that sends no session key continues its session,
+            /// whatever the block size and the lengths (its first request too, unless it is
+            /// shorter than one full block); another conversation with the same system prompt
+            /// and a first message of its own, interleaved with it, is never glued to it.
+            #[test]
+            fn keyless_conversations_hold_and_stay_apart(
+                render in render_strategy(),
+                block in 1u32..64,
+                system in 0usize..200,
+                first in 1usize..40,
+                steps in proptest::collection::vec((any::<u8>(), 1usize..60), 1..8),
+            ) {
+                let bs = BlockSize::new(block).unwrap();
+                let mut book = book(1_000_000, 1_000, 1);
+                let shared = words("system", system);
+                let mut convs: Vec<Vec<(String, String)>> = ["a", "b"]
+                    .iter()
+                    .map(|tag| {
+                        let mut c = Vec::new();
+                        if system > 0 {
+                            c.push(("system".to_owned(), shared.clone()));
+                        }
+                        c.push(("user".to_owned(), words(&format!("task-{tag}-"), first)));
+                        c
+                    })
+                    .collect();
+                let mut sessions: [Option<SessionId>; 2] = [None, None];
+                let mut now = 0;
+                for turn in 0..=steps.len() {
+                    for (k, tag) in ["a", "b"].into_iter().enumerate() {
+                        if turn > 0 {
+                            let (step, n) = steps[turn - 1];
+                            append(&mut convs[k], render, step, n, tag);
+                        }
+                        let tokens = hashed(render, &convs[k]);
+                        let hashes = block_hashes(&tokens, bs);
+                        let full_blocks = tokens.len() / block as usize;
+                        now += 1;
+                        let r = book.resolve(
+                            Prompt {
+                                key: None,
+                                hashes: &hashes,
+                                full_blocks,
+                                tokens: Some((&tokens, block as usize)),
+                            },
+                            now,
+                            || format!("inferred-{tag}-{turn}"),
+                        );
+                        let Some(r) = r else {
+                            prop_assert_eq!(full_blocks, 0, "{:?} turn {} placed nowhere", render, turn);
+                            continue;
+                        };
+                        match sessions[k] {
+                            None => {
+                                prop_assert_eq!(r.inferred, Some(Inferred::New));
+                                sessions[k] = Some(r.session);
+                            }
+                            Some(s) => {
+                                prop_assert_eq!(
+                                    (r.session, r.inferred),
+                                    (s, Some(Inferred::Continued)),
+                                    "{:?} conversation {} turn {}", render, tag, turn
+                                );
+                            }
+                        }
+                    }
+                    if let [Some(a), Some(b)] = sessions {
+                        prop_assert_ne!(a, b, "{:?}: glued at turn {}", render, turn);
+                    }
+                }
+            }
+        }
     }
 }

@@ -46,7 +46,13 @@
 //! "decode", "colocated"}}`; the 503 body adds the JSON error naming what is missing (e.g.
 //! `no routable prefill worker (0 of 1): a first turn cannot be routed`). `/livez` answers
 //! 200 `{"status": "ok"}` whatever the workers' state: restart the process only when it
-//! fails.
+//! fails. Readiness is advice to a load balancer, not a gate: a request that comes while no
+//! worker of a role it needs has fresh state (its snapshots, scrapes or events older than
+//! `stale-after-ms`) is routed on the stale workers' last known state rather than refused
+//! (`kvc_router_stale_routed_total`): a late publisher or a slow `/metrics` on a busy machine
+//! is not a dead worker, and one that is gone fails the request, its breaker opens and the
+//! request is retried elsewhere. Workers that are down, drained or excluded are never
+//! routed so.
 //!
 //! **Client connections.** [`serve_front`] serves the front (the router binary uses it; see
 //! [`ListenerOptions`], from the `[http]` table): hyper's HTTP/1.1 connection with keep-alive
@@ -180,19 +186,24 @@
 //!
 //! **Session inference.** A request with neither is placed by its prefix. The front remembers,
 //! for each session it knows (keyed or inferred; same bounds), the chained block hash at the
-//! last *full* block of the session's latest prompt. A request whose block hashes hold one of
-//! those hashes at the same position extends that prompt, so it continues that session: the
-//! deepest such match wins, ties go to the most recently seen session. The match must be at
-//! least [`HttpOptions::infer_min_blocks`] blocks deep (`http.infer-min-blocks`, default 4), so
-//! that a shared system prompt alone never glues two conversations together. A request with no
-//! such match but at least that many full blocks starts a new inferred session, keyed
-//! `kvc-inferred-<16 hex digits>` (a per-process keyed hash of its first block hashes and its
-//! request id), which later requests can continue; a shorter one is routed without a session.
-//! `infer-min-blocks = 0` turns inference off.
+//! last *full* block of the session's latest prompt, and the hash and length of the tokens
+//! after it (the partial last block). A request whose block hashes hold one of those hashes at
+//! the same position, and whose next tokens hash to that tail, extends the whole of that
+//! prompt, whatever the block alignment, so it continues that session: the deepest such match
+//! wins, ties go to the most recently seen session. A chat is hashed message by message
+//! without its closing generation prompt ([`kvc_core::text::chat_tokens`]), so a request that
+//! appends messages of any kind (a user message after a user message, a retry after a cut-off
+//! answer, tool results) extends the previous one. Matching the whole prompt keeps a shared
+//! system prompt from gluing two conversations together, however long it is: their first
+//! prompts differ after it. A request with no such match but at least
+//! [`HttpOptions::infer_min_blocks`] full blocks (`http.infer-min-blocks`, default 1) starts a
+//! new inferred session, keyed `kvc-inferred-<16 hex digits>` (a per-process keyed hash of its
+//! first block hashes and its request id), which later requests can continue; a shorter one is
+//! routed without a session. `infer-min-blocks = 0` turns inference off.
 //!
 //! **A session id that changes every request.** Some clients send a new id with every
 //! request of one conversation. A request whose key the front has not seen, yet whose prompt
-//! extends (as above, at least `infer-min-blocks` deep, and going on past it: a second session
+//! extends (as above, at least `infer-min-blocks` full blocks long, and going on past it: a second session
 //! that merely starts with the same first prompt is not one) the latest prompt of a session
 //! another key named for one turn only — or of a session already found rotating — is taken as that
 //! session's next turn: the id is not trusted, the request continues the first id's session

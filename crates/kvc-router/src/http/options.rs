@@ -50,9 +50,9 @@ pub struct HttpOptions {
     pub health_check_timeout: Duration,
     /// How text prompts become token ids. Default: the whitespace fallback.
     pub tokenizer: Tokenizer,
-    /// Session inference: how many leading full blocks a request without a session key must
-    /// share with a known session's latest prompt to continue it (see the module docs); 0
-    /// turns inference off. Default 4.
+    /// Session inference: the fewest full blocks a prompt without a session key needs to be
+    /// placed in a session by its prefix (see the module docs); 0 turns inference off.
+    /// Default 1.
     pub infer_min_blocks: u32,
     /// Longest session id accepted (header or `session_params.id`), in bytes; a longer one
     /// gets 400. Default 256.
@@ -80,7 +80,7 @@ impl Default for HttpOptions {
             health_check_interval: Some(Duration::from_secs(5)),
             health_check_timeout: Duration::from_secs(1),
             tokenizer: Tokenizer::fallback(),
-            infer_min_blocks: 4,
+            infer_min_blocks: 1,
             max_session_id_bytes: 256,
             body_read_timeout: Duration::from_secs(30),
         }

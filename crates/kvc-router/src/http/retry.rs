@@ -126,7 +126,6 @@ pub(crate) async fn prepare_request(
     }
     let block = app.service.config().policy.block_size();
     let hash_ids = block_hashes(&tokens[..hashed], block);
-    let full_blocks = hashed / block.tokens() as usize;
     let request_id = app.next_request_id();
     let client_key = match from_headers {
         Some(ClientKey { key, source, .. }) => {
@@ -141,8 +140,8 @@ pub(crate) async fn prepare_request(
     let resolved = app.sessions.resolve(
         &app.service,
         client_key.as_deref(),
+        (&tokens[..hashed], block),
         &hash_ids,
-        full_blocks,
         request_id,
     );
     if ends_session && let Some(r) = &resolved {

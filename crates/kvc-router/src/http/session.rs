@@ -138,19 +138,23 @@ impl Sessions {
     }
 
     /// The session of a request (`key` when the client named one) and its turn (see
-    /// [`SessionBook::resolve`]), counted in `service`'s metrics when inferred.
+    /// [`SessionBook::resolve`]), counted in `service`'s metrics when inferred: `hashed` is
+    /// the tokens the block hashes `hash_ids` cover, and the block size.
     pub(super) fn resolve(
         &self,
         service: &RouterService,
         key: Option<&str>,
+        hashed: (&[u32], kvc_core::BlockSize),
         hash_ids: &[u64],
-        full_blocks: usize,
         request_id: u64,
     ) -> Option<Resolved> {
+        let (tokens, block) = hashed;
+        let block = block.tokens() as usize;
         let prompt = infer::Prompt {
             key,
             hashes: hash_ids,
-            full_blocks,
+            full_blocks: tokens.len() / block,
+            tokens: Some((tokens, block)),
         };
         let resolved = self.book.lock().resolve(prompt, service.now_ms(), || {
             self.inferred_key(hash_ids, request_id)
@@ -213,25 +217,30 @@ mod tests {
         };
         let service = RouterService::with_clock(config, clock.clone()).unwrap();
         let sessions = Sessions::new(limits, 2);
-        let h = [11, 12, 13];
-        let r = sessions.resolve(&service, Some("a"), &h, 3, 1).unwrap();
+        let block = kvc_core::BlockSize::new(2).unwrap();
+        let resolve = |key, tokens: &[u32], id| {
+            let h = kvc_core::text::block_hashes(tokens, block);
+            sessions.resolve(&service, key, (tokens, block), &h, id)
+        };
+        let a = [1, 2, 3, 4, 5, 6, 7];
+        let r = resolve(Some("a"), &a, 1).unwrap();
         assert_eq!((r.turn, r.inferred), (1, None));
         clock.advance(101);
-        let r = sessions.resolve(&service, Some("a"), &h, 3, 2).unwrap();
+        let r = resolve(Some("a"), &a, 2).unwrap();
         assert_eq!(r.turn, 1, "expired after the router's session TTL");
-        // No key: it extends session `a`'s prompt.
-        let longer = [11, 12, 13, 14];
-        let r = sessions.resolve(&service, None, &longer, 4, 3).unwrap();
+        // No key: it extends session `a`'s prompt, its partial last block included.
+        let longer = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+        let r = resolve(None, &longer, 3).unwrap();
         assert_eq!(&*r.key, "a");
         assert_eq!((r.turn, r.inferred), (2, Some(Inferred::Continued)));
-        let other = [21, 22, 23];
-        let r = sessions.resolve(&service, None, &other, 3, 4).unwrap();
+        let other = [1, 2, 3, 4, 5, 6, 8, 8];
+        let r = resolve(None, &other, 4).unwrap();
         assert_eq!(r.inferred, Some(Inferred::New));
         assert!(r.key.starts_with("kvc-inferred-"), "{}", r.key);
         assert_eq!(r.key.len(), "kvc-inferred-".len() + 16);
         assert_ne!(
-            sessions.inferred_key(&other, 4),
-            sessions.inferred_key(&other, 5)
+            sessions.inferred_key(&[21, 22], 4),
+            sessions.inferred_key(&[21, 22], 5)
         );
         let m = service.metrics();
         assert_eq!(

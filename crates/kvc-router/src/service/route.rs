@@ -176,7 +176,28 @@ impl RouterService {
             }
             _ => req,
         };
-        let mut decision = decide(&core.state, req)?;
+        let mut decision = match decide(&core.state, req) {
+            // No worker of a needed role has fresh state: route on the stale ones rather
+            // than refuse (a starved publisher or a late scrape is not a dead worker; one
+            // that is gone fails the request, and its breaker takes it out).
+            Err(e @ kvc_policy::PolicyError::NoHealthyWorker { .. }) => {
+                let drained: Vec<WorkerId> = self
+                    .workers()
+                    .list
+                    .iter()
+                    .filter(|w| w.drained.load(Ordering::Relaxed))
+                    .map(|w| w.id)
+                    .collect();
+                let Some(revived) = stale_as_healthy(fleet, &drained) else {
+                    return Err(e.into());
+                };
+                let decision =
+                    kvc_policy::route_in(policy, &core.state, &revived, &states, now, req)?;
+                self.metrics.record_stale_routed();
+                decision
+            }
+            other => other?,
+        };
         // The engine's own events say the session's KV is gone from the worker it would go
         // to: the policy learns the eviction and decides again (reseed or fallback; a local
         // turn planned on the session's host, which counted on that KV, is costed again).
@@ -362,4 +383,22 @@ fn handed_out(id: u64, d: &Decision, probe_rejected_by: Option<WorkerId>) -> Rou
             .map(|o| o.max(0.0).round() as u64),
         predicted_prefill_us: d.change.prefill_us,
     }
+}
+
+/// A copy of `fleet` with its stale workers (but the `drained` ones) taken as healthy; `None`
+/// when it has none.
+fn stale_as_healthy(fleet: &kvc_policy::Fleet, drained: &[WorkerId]) -> Option<kvc_policy::Fleet> {
+    let stale: Vec<WorkerId> = fleet
+        .workers()
+        .filter(|w| w.state.health == kvc_core::Health::Stale && !drained.contains(&w.id))
+        .map(|w| w.id)
+        .collect();
+    if stale.is_empty() {
+        return None;
+    }
+    let mut revived = fleet.clone();
+    for w in stale {
+        revived.set_health(w, kvc_core::Health::Healthy);
+    }
+    Some(revived)
 }
