@@ -2,17 +2,19 @@
 //! is placed on it afterwards, and with `kvc`'s `migrate-with-kv` the sessions it held move
 //! with their KV instead of being prefilled again.
 
+mod common;
+
 use kvc_core::{BlockSize, ExecutionMode, Topology, WorkerId};
 use kvc_policy::{KvcConfig, PolicyConfig};
 use kvc_replay::sim::config::Drain;
 use kvc_replay::sim::{Profile, SimConfig, SimOutput, simulate};
-use kvc_replay::trace::{self, Trace, generate::SweConfig};
+use kvc_replay::trace::{Trace, generate::SweConfig};
 
 /// Agentic SWE sessions packed closer than the reference rate (64 started within 1,000 s),
 /// so that a worker holds several when it is drained.
 fn trace() -> Trace {
     let (subagents, compactions, ends) = SweConfig::AGENTIC;
-    let records = trace::generate::swe(&SweConfig {
+    common::trace_of(&SweConfig {
         seed: 1,
         sessions: 64,
         start_span_s: Some(1_000.0),
@@ -20,12 +22,7 @@ fn trace() -> Trace {
         compactions,
         ends,
         ..SweConfig::default()
-    });
-    let mut bytes = Vec::new();
-    trace::write_jsonl(&mut bytes, &records).unwrap();
-    trace::parse(&bytes[..], "generated", &trace::LoadOptions::default())
-        .unwrap()
-        .0
+    })
 }
 
 const DRAIN_AT_S: f64 = 300.0;

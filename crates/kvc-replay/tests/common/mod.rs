@@ -9,11 +9,16 @@ use std::sync::OnceLock;
 
 /// The generated SWE-agent trace for `seed` (52 sessions), loaded as the simulator sees it.
 pub fn swe_trace(seed: u64, sessions: usize) -> Trace {
-    let records = trace::generate::swe(&SweConfig {
+    trace_of(&SweConfig {
         seed,
         sessions,
         ..SweConfig::default()
-    });
+    })
+}
+
+/// The generated SWE-agent trace of `cfg`, loaded as the simulator sees it.
+pub fn trace_of(cfg: &SweConfig) -> Trace {
+    let records = trace::generate::swe(cfg);
     let mut bytes = Vec::new();
     trace::write_jsonl(&mut bytes, &records).unwrap();
     trace::parse(&bytes[..], "generated", &trace::LoadOptions::default())
