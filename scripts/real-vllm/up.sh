@@ -9,8 +9,9 @@
 # events with a replay socket, prompt-token details (`usage.prompt_tokens_details.cached_tokens`),
 # tool calling (`--enable-auto-tool-choice --tool-call-parser pythonic`: agents send tools) and
 # `/reset_prefix_cache` (VLLM_SERVER_DEV_MODE=1). Waits until every engine answers /health and
-# (P/D) every prefill/decode pair has completed one KV transfer (warm_transfer.py: the NIXL
-# handshake done before the first real request), then writes:
+# (P/D) every prefill/decode pair, and every two decode engines both ways, have completed one
+# KV transfer (warm_transfer.py: the NIXL handshake done before the first real request, or the
+# first session that moves between decode engines with its KV), then writes:
 #   OUT_DIR/NAME.start        the command that starts engine NAME (restart.sh runs it again)
 #   OUT_DIR/ready.json        the model directory and, per engine: name, role, http-url,
 #                             metrics-url, event endpoints and topic, block size, pid, log;
@@ -315,7 +316,7 @@ for i, e in enumerate(engines):
 with open(f"{out}/kvc-router.toml", "w") as f:
     f.write("\n".join(toml) + "\n")
 PY
-"$python" "$here/warm_transfer.py" "$out/ready.json.tmp" || fail "no P->D transfer completes" d0
+"$python" "$here/warm_transfer.py" "$out/ready.json.tmp" || fail "a P->D (or D->D) transfer path never completes" d0
 mv "$out/ready.json.tmp" "$out/ready.json"
 echo "real-vllm: ${#roles[@]} engine(s) ready: $out/ready.json, $out/kvc-router.toml" >&2
 echo "$out/ready.json"

@@ -36,6 +36,10 @@
 //! with `kvc-replay profile`: its sweeps complete against the real engine, the prefixes and
 //! chats sent to be cached are found cached, and the profile written loads.
 //!
+//! A third (`up.sh 1p2d`) moves a session off a drained decode worker with its KV: the drained
+//! worker prefills the turn from its cache, the other pulls the prompt over NixlConnector
+//! (its external prefix-cache hits), and the session's next turn goes direct-to-D there.
+//!
 //! `cargo test` skips them (`#[ignore]`): `cargo xtask test` runs it in a step of its own after
 //! the rest of the suite, and there it is skipped with a notice only where the machine cannot
 //! install the engine (no python3).
@@ -1522,4 +1526,175 @@ fn real_vllm_engine_profiled_by_kvc_replay_profile() {
     assert_eq!(loaded.fit.chunk_tokens, chunk);
     assert_eq!(loaded.model.max_input_tokens, 16_384);
     assert!(loaded.hardware.kv_pool_tokens >= 16_384);
+}
+
+/// A session moves off a drained decode worker with its KV (`migrate-with-kv`): on a 1p2d
+/// fleet whose decode workers are declared `send-kv`, the session's worker is drained and its
+/// next turn is prefilled there — from its cache, only the new tokens — and pulled by the
+/// other decode worker, where the turn after goes direct-to-D.
+#[test]
+#[ignore = "needs a real vLLM: run by `cargo xtask test` (scripts/real-vllm)"]
+fn real_vllm_session_moves_off_a_drained_decode_worker_with_its_kv() {
+    let Some(engines) = Engines::up("1p2d") else {
+        return;
+    };
+    let block = engines.engine("d0")["block-size"].as_u64().unwrap();
+    let text = std::fs::read_to_string(engines.dir.join("kvc-router.toml")).unwrap();
+    let configured = |drained: Option<&str>| {
+        let mut out = String::new();
+        for line in text.lines() {
+            out.push_str(line);
+            out.push('\n');
+            if line == "policy = \"kvc\"" {
+                out.push_str("migrate-with-kv = true\n");
+            }
+            if let Some(name) = line.strip_prefix("name = ")
+                && drained == Some(name.trim_matches('"'))
+            {
+                out.push_str("drained = true\n");
+            }
+            if line == "role = \"decode\"" {
+                out.push_str("send-kv = true\n");
+            }
+        }
+        out
+    };
+    let path = engines.dir.join("router-migrate.toml");
+    std::fs::write(&path, configured(None)).unwrap();
+    let log = engines.dir.join("router-migrate.log");
+    let router = start_router(&path, &log);
+    let name_of = |id: &str| {
+        ["p0", "d0", "d1"]
+            .into_iter()
+            .find(|n| engines.id(n) == id)
+            .unwrap_or_else(|| panic!("no engine with id {id}"))
+    };
+    let hits = |engine: &str| {
+        metric_of(
+            &http_get(&engines.addr(engine), "/metrics"),
+            "vllm:prefix_cache_hits_total",
+            &[],
+        )
+        .unwrap_or(0.0)
+    };
+    let mut s = Session::new("moving", Api::Chat, false, 41);
+    let (first, _) = s.send(&router.http);
+    assert_eq!(
+        (first.status, first.mode.as_str()),
+        (200, "turn1-seed"),
+        "{first:?}"
+    );
+    let home = name_of(&first.decode);
+    let (second, _) = s.send(&router.http);
+    assert_eq!(
+        (second.mode.as_str(), second.decode.as_str()),
+        ("direct-to-d", first.decode.as_str()),
+        "{second:?}"
+    );
+    // Drained by the operator (the configuration re-read on SIGHUP): out of rotation while it
+    // still answers.
+    std::fs::write(&path, configured(Some(home))).unwrap();
+    let pid = router._process.0.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !router.list_workers().iter().any(|w| {
+        w.name == home
+            && w.drained
+            && w.state
+                .as_ref()
+                .is_some_and(|st| st.health == kvc_proto::pb::Health::Draining as i32)
+    }) {
+        assert!(
+            Instant::now() < deadline,
+            "{home} not draining within 30 s; the router's log ends:\n{}",
+            log_tail(&log, 30)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let other = if home == "d0" { "d1" } else { "d0" };
+    let external = |engine: &str| {
+        metric_of(
+            &http_get(&engines.addr(engine), "/metrics"),
+            "vllm:external_prefix_cache_hits_total",
+            &[],
+        )
+        .unwrap_or(0.0)
+    };
+    let sender_hits = hits(home);
+    let pulled_before = external(other);
+    let (third, _) = s.send(&router.http);
+    assert_eq!(third.status, 200, "{third:?}");
+    assert_eq!(
+        (third.mode.as_str(), third.reason.as_deref()),
+        ("migrate-kv", Some("decode-unhealthy")),
+        "{third:?}; the router's log ends:\n{}",
+        log_tail(&log, 40)
+    );
+    assert_eq!(
+        third.prefill.as_deref(),
+        Some(first.decode.as_str()),
+        "{third:?}"
+    );
+    assert_ne!(third.decode, first.decode);
+    assert_eq!(name_of(&third.decode), other);
+    // The other worker pulled the prompt over the connector: NixlConnector counts what a
+    // request loads from its remote as external prefix-cache hits (all of the prompt but the
+    // tokens vLLM leaves to compute locally).
+    let pulled = external(other) - pulled_before;
+    assert!(
+        pulled + block as f64 >= (third.prompt_tokens / block * block) as f64,
+        "{other} pulled {pulled} tokens of a prompt of {}",
+        third.prompt_tokens
+    );
+    // The drained worker prefilled the turn from its cache: every full block of the previous
+    // prompt but (closed by the generation prompt) the last was a hit there.
+    let reused = hits(home) - sender_hits;
+    assert!(
+        reused + block as f64 >= (second.prompt_tokens / block * block) as f64,
+        "{home} reused {reused} tokens of a previous prompt of {}",
+        second.prompt_tokens
+    );
+    // The session lives on the other worker now: its next turn goes there direct, holding
+    // the moved context.
+    let (fourth, _) = s.send(&router.http);
+    assert_eq!(
+        (fourth.mode.as_str(), fourth.decode.as_str()),
+        ("direct-to-d", third.decode.as_str()),
+        "{fourth:?}"
+    );
+    eprintln!(
+        "real_vllm: moved off drained {home}: turn 3 {} ({:?}) P {:?} D {}, prompt {}, the \
+         sender's prefix cache hit {reused} tokens (previous prompt {}), {other} pulled {pulled}; \
+         turn 4 {} on {}, {} of {} cached",
+        third.mode,
+        third.reason,
+        third.prefill,
+        third.decode,
+        third.prompt_tokens,
+        second.prompt_tokens,
+        fourth.mode,
+        fourth.decode,
+        fourth.cached_tokens,
+        fourth.prompt_tokens
+    );
+    assert!(
+        fourth.cached_tokens + block >= third.prompt_tokens / block * block,
+        "{} of {} cached after a prompt of {}",
+        fourth.cached_tokens,
+        fourth.prompt_tokens,
+        third.prompt_tokens
+    );
+    assert_eq!(
+        router.metric(
+            "kvc_router_decisions_total",
+            &["mode=\"migrate-kv\"", "reason=\"decode-unhealthy\""]
+        ),
+        Some(1.0)
+    );
 }
