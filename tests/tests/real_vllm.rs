@@ -1569,14 +1569,12 @@ fn real_vllm_session_moves_off_a_drained_decode_worker_with_its_kv() {
             .find(|n| engines.id(n) == id)
             .unwrap_or_else(|| panic!("no engine with id {id}"))
     };
-    let hits = |engine: &str| {
-        metric_of(
-            &http_get(&engines.addr(engine), "/metrics"),
-            "vllm:prefix_cache_hits_total",
-            &[],
-        )
-        .unwrap_or(0.0)
+    // An engine's counter (its local or its external, pulled, prefix-cache hits).
+    let counter = |engine: &str, name: &str| {
+        metric_of(&http_get(&engines.addr(engine), "/metrics"), name, &[]).unwrap_or(0.0)
     };
+    let hits = |engine: &str| counter(engine, "vllm:prefix_cache_hits_total");
+    let external = |engine: &str| counter(engine, "vllm:external_prefix_cache_hits_total");
     let mut s = Session::new("moving", Api::Chat, false, 41);
     let (first, _) = s.send(&router.http);
     assert_eq!(
@@ -1618,14 +1616,6 @@ fn real_vllm_session_moves_off_a_drained_decode_worker_with_its_kv() {
         std::thread::sleep(Duration::from_millis(200));
     }
     let other = if home == "d0" { "d1" } else { "d0" };
-    let external = |engine: &str| {
-        metric_of(
-            &http_get(&engines.addr(engine), "/metrics"),
-            "vllm:external_prefix_cache_hits_total",
-            &[],
-        )
-        .unwrap_or(0.0)
-    };
     let sender_hits = hits(home);
     let pulled_before = external(other);
     let (third, _) = s.send(&router.http);
