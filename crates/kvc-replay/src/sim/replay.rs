@@ -184,6 +184,9 @@ struct Replay<'a> {
     failed: Option<SimError>,
     /// What became of the sessions each drained worker held, by drain.
     drains: Vec<DrainSummary>,
+    /// The TTFT (latency when none) of the drains' returning sessions' first turns, summed,
+    /// by drain: their means when the run ends.
+    drain_ttft_s: Vec<f64>,
     /// Sessions a drained worker held whose next turn has not come yet: the drain (index)
     /// and the tokens the session held there.
     drained: HashMap<SessionId, (usize, u64), foldhash::fast::FixedState>,
@@ -299,6 +302,7 @@ pub fn run_stream(
         read: 0,
         completed: 0,
         failed: None,
+        drain_ttft_s: vec![0.0; cfg.drains.len()],
         drains,
         drained: HashMap::default(),
     };
@@ -484,17 +488,15 @@ impl Replay<'_> {
         *report.next_turn_modes.entry(mode.to_owned()).or_default() += 1;
         report.next_turn_tokens.computed += record.uncached_tokens;
         report.next_turn_tokens.cached += record.cached_tokens;
-        // A sum until the run ends (`Replay::drain_summaries`).
-        report.next_turn_ttft_mean_s += record.ttft_s.unwrap_or(record.latency_s);
+        self.drain_ttft_s[k] += record.ttft_s.unwrap_or(record.latency_s);
     }
 
     /// The drains' summaries, with their means.
     fn drain_summaries(&mut self) -> Vec<DrainSummary> {
         let mut drains = std::mem::take(&mut self.drains);
-        for d in &mut drains {
+        for (d, sum) in drains.iter_mut().zip(&self.drain_ttft_s) {
             if d.returned > 0 {
-                d.next_turn_ttft_mean_s =
-                    (d.next_turn_ttft_mean_s / d.returned as f64 * 1e6).round() / 1e6;
+                d.next_turn_ttft_mean_s = (sum / d.returned as f64 * 1e6).round() / 1e6;
             }
         }
         drains
