@@ -23,11 +23,14 @@
 //!    still in rotation;
 //! 5. the engines' `/metrics` and events feed `ListWorkers` and the router's `/metrics`
 //!    (the pool read from `vllm:cache_config_info`, requests running, KV in use);
-//! 6. the coding agents themselves (`scripts/agents/install.sh`: Claude Code and Codex CLI
-//!    from npm, into a cache): Claude Code in print mode (a prompt, then two `--continue`d)
-//!    over `/v1/messages` and Codex in exec mode (a prompt, then the thread resumed) over
-//!    `/v1/responses`, each run of several requests keyed by the client's own session header,
-//!    its first request through P and every later one direct-to-D; skipped with a notice
+//! 6. the coding agents themselves (`scripts/agents/install.sh`: from npm and PyPI, into a
+//!    cache; `docs/agents.md`): Claude Code in print mode (a prompt, then `--continue`) over
+//!    `/v1/messages`, Codex in exec mode (a prompt, then the thread resumed) over
+//!    `/v1/responses`, and over Chat Completions OpenCode and Kilo Code (`run`, then
+//!    `--continue`; keyed by `x-session-id`), Qwen Code (`-p`, then `--continue`), Continue
+//!    CLI (`-p`, then `--resume`) and Aider (two messages in one run), the last three keyless
+//!    and followed by inference: each run one session, its first request through P and every
+//!    later one direct-to-D, D's prefix cache serving the later prompts; skipped with a notice
 //!    where npm is absent;
 //! 7. P killed mid-session → every later turn served by D alone, nothing lost; D restarted
 //!    (its event sequence back to 0) → its index reset and rebuilt.
@@ -39,6 +42,9 @@
 //! A third (`up.sh 1p2d`) moves a session off a drained decode worker with its KV: the drained
 //! worker prefills the turn from its cache, the other pulls the prompt over NixlConnector
 //! (its external prefix-cache hits), and the session's next turn goes direct-to-D there.
+//! Then a real subagent on those engines: OpenCode's command run as a `subtask` starts a
+//! child session naming its parent in `x-parent-session-id`, and the child's first turn goes
+//! direct to the decode engine that holds the parent's session.
 //!
 //! `cargo test` skips them (`#[ignore]`): `cargo xtask test` runs it in a step of its own after
 //! the rest of the suite, and there it is skipped with a notice only where the machine cannot
@@ -1091,7 +1097,10 @@ fn real_vllm_prefill_decode_pair_behind_kvc_router() {
 
     // 6. The coding agents themselves through the router: Claude Code in print mode and Codex
     // in exec mode, each one run of several requests in one session.
-    coding_agents_through_the_router(&router, &engines);
+    if let Some(bin) = install_agents() {
+        coding_agents_through_the_router(&router, &engines, &bin);
+        open_agents_through_the_router(&router, &engines, &bin);
+    }
 
     // 7a. P killed mid-session, under the default configuration (a vLLM engine may serve a
     // turn alone): every later turn is served by D alone.
@@ -1264,13 +1273,9 @@ fn run_agent(what: &str, mut cmd: Command) -> String {
     stdout
 }
 
-/// Claude Code (print mode: a first prompt, then another with `--continue`) and Codex CLI
-/// (exec mode: a first prompt, then `exec resume --last` twice), installed by
-/// `scripts/agents/install.sh` and pointed at the router's HTTP front: every request of a run
-/// keyed by the client's own session header, the first turn through P, every later one
-/// direct-to-D, and the cached share D reported to each client quoted. Skipped with a notice
-/// where npm is absent.
-fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
+/// `scripts/agents/install.sh`: the directory of the coding agents' commands (and the Node.js
+/// they run on), or `None` after a notice where npm is absent.
+fn install_agents() -> Option<PathBuf> {
     let install = Command::new("bash")
         .arg(Path::new(ROOT).join("scripts/agents/install.sh"))
         .stderr(Stdio::inherit())
@@ -1278,19 +1283,36 @@ fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
         .expect("run scripts/agents/install.sh");
     if install.status.code() == Some(3) {
         eprintln!("real_vllm: npm not found; the coding agents' runs are skipped");
-        return;
+        return None;
     }
     assert!(
         install.status.success(),
         "installing the coding agents failed"
     );
-    let bin = PathBuf::from(
+    Some(PathBuf::from(
         String::from_utf8(install.stdout)
             .unwrap()
             .lines()
             .last()
             .unwrap(),
-    );
+    ))
+}
+
+/// `PATH` with the agents' directory first (their `node` before the machine's).
+fn agents_path(bin: &Path) -> std::ffi::OsString {
+    let mut dirs = vec![bin.to_path_buf()];
+    dirs.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    std::env::join_paths(dirs).unwrap()
+}
+
+/// Claude Code (print mode: a first prompt, then another with `--continue`) and Codex CLI
+/// (exec mode: a first prompt, then `exec resume --last` twice), installed by
+/// `scripts/agents/install.sh` and pointed at the router's HTTP front: every request of a run
+/// keyed by the client's own session header, the first turn through P, every later one
+/// direct-to-D, and the cached share D reported to each client quoted.
+fn coding_agents_through_the_router(router: &Router, engines: &Engines, bin: &Path) {
     let home = engines.dir.join("agents-home");
     let work = home.join("project");
     let _ = std::fs::remove_dir_all(&home);
@@ -1306,6 +1328,7 @@ fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
         cmd.arg("300").arg(bin.join(program)).args(args);
         cmd.current_dir(&work)
             .env("HOME", &home)
+            .env("PATH", agents_path(bin))
             .env("ANTHROPIC_BASE_URL", &base)
             .env("ANTHROPIC_API_KEY", "sk-kvc-local")
             .env("ANTHROPIC_SMALL_FAST_MODEL", "kvc-tiny")
@@ -1446,6 +1469,455 @@ fn coding_agents_through_the_router(router: &Router, engines: &Engines) {
         "D's cached tokens per turn: {usage:?}"
     );
     assert_one_session_run(before, after);
+}
+
+/// How a run's session is named: by a header the agent sends, or by inference (no key).
+#[derive(Clone, Copy, Debug)]
+enum Named {
+    Header(&'static str),
+    Inferred,
+}
+
+/// What the router and the decode engines counted so far, for one agent run's deltas.
+#[derive(Clone, Copy, Debug, Default)]
+struct RunCounts {
+    decided: f64,
+    seeded: f64,
+    direct: f64,
+    keyed: f64,
+    inferred_new: f64,
+    inferred_continued: f64,
+    subagents: f64,
+    /// Per decode engine (`d0`, `d1`): requests answered, prefix-cache hits and queries.
+    answered: [f64; 2],
+    hits: f64,
+    queries: f64,
+}
+
+impl RunCounts {
+    fn read(router: &Router, engines: &Engines, named: Named) -> RunCounts {
+        let router_metric =
+            |name: &str, labels: &[&str]| router.metric(name, labels).unwrap_or(0.0);
+        let mode =
+            |m: &str| router_metric("kvc_router_decisions_total", &[&format!("mode=\"{m}\"")]);
+        let mut counts = RunCounts {
+            decided: router_metric("kvc_router_decisions_total", &[]),
+            seeded: mode("turn1-seed"),
+            direct: mode("direct-to-d"),
+            keyed: match named {
+                Named::Header(h) => router_metric(
+                    "kvc_router_http_session_keys_total",
+                    &[&format!("source=\"{h}\"")],
+                ),
+                Named::Inferred => 0.0,
+            },
+            inferred_new: router_metric(
+                "kvc_router_http_inferred_sessions_total",
+                &["result=\"new\""],
+            ),
+            inferred_continued: router_metric(
+                "kvc_router_http_inferred_sessions_total",
+                &["result=\"continued\""],
+            ),
+            subagents: router_metric("kvc_router_http_subagent_sessions_total", &[]),
+            ..RunCounts::default()
+        };
+        for (i, d) in ["d0", "d1"].into_iter().enumerate() {
+            if engines.ready["engines"]
+                .as_array()
+                .is_some_and(|es| es.iter().any(|e| e["name"] == d))
+            {
+                let text = http_get(&engines.addr(d), "/metrics");
+                let m = |name: &str| metric_of(&text, name, &[]).unwrap_or(0.0);
+                counts.answered[i] = m("vllm:request_success_total");
+                counts.hits += m("vllm:prefix_cache_hits_total");
+                counts.queries += m("vllm:prefix_cache_queries_total");
+            }
+        }
+        counts
+    }
+
+    fn since(self, before: RunCounts) -> RunCounts {
+        RunCounts {
+            decided: self.decided - before.decided,
+            seeded: self.seeded - before.seeded,
+            direct: self.direct - before.direct,
+            keyed: self.keyed - before.keyed,
+            inferred_new: self.inferred_new - before.inferred_new,
+            inferred_continued: self.inferred_continued - before.inferred_continued,
+            subagents: self.subagents - before.subagents,
+            answered: [
+                self.answered[0] - before.answered[0],
+                self.answered[1] - before.answered[1],
+            ],
+            hits: self.hits - before.hits,
+            queries: self.queries - before.queries,
+        }
+    }
+}
+
+/// A project directory for one agent (a `lib.rs` to read), under its own home.
+fn agent_project(engines: &Engines, agent: &str) -> (PathBuf, PathBuf) {
+    let home = engines.dir.join("agents").join(agent);
+    let work = home.join("project");
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::write(
+        work.join("lib.rs"),
+        "pub fn add(a: u32, b: u32) -> u32 { a + b }\n",
+    )
+    .unwrap();
+    (home, work)
+}
+
+/// OpenCode's (and Kilo Code's, which reads the same file) configuration: the router as an
+/// OpenAI-compatible provider, and a command that runs as a subagent (`subtask`).
+fn opencode_config(base: &str) -> String {
+    json!({
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"kvc": {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "kvc-router",
+            "options": {"baseURL": format!("{base}/v1"), "apiKey": "sk-kvc-local"},
+            "models": {"kvc-tiny": {"name": "kvc-tiny", "limit": {"context": 16384, "output": 64}}}
+        }},
+        "model": "kvc/kvc-tiny",
+        "small_model": "kvc/kvc-tiny",
+        "autoupdate": false,
+        "share": "disabled",
+        "command": {"inspect": {
+            "template": "Look at lib.rs and report what $ARGUMENTS does.",
+            "description": "Inspect a function in a subagent",
+            "agent": "general",
+            "subtask": true
+        }}
+    })
+    .to_string()
+}
+
+/// Runs an agent's commands in turn (each bounded by `timeout`), every one to success, and
+/// returns what the router and the decode engines counted over them.
+fn agent_run(
+    router: &Router,
+    engines: &Engines,
+    named: Named,
+    steps: Vec<(String, Command)>,
+) -> RunCounts {
+    let before = RunCounts::read(router, engines, named);
+    for (what, mut cmd) in steps {
+        let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+        eprintln!("real_vllm: {what}: {}", out.status);
+        assert!(
+            out.status.success(),
+            "{what} failed ({}): {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    RunCounts::read(router, engines, named).since(before)
+}
+
+/// An agent's command: bounded by `timeout`, run in `work` with `home` as its home and the
+/// agents' directory first on its `PATH`.
+fn agent_command(bin: &Path, home: &Path, work: &Path, program: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new("timeout");
+    cmd.arg("300").arg(bin.join(program)).args(args);
+    cmd.current_dir(work)
+        .env("HOME", home)
+        .env("PATH", agents_path(bin))
+        .env_remove("XDG_CONFIG_HOME")
+        .env_remove("XDG_DATA_HOME")
+        .env_remove("XDG_CACHE_HOME")
+        .env_remove("XDG_STATE_HOME")
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// OpenCode, Kilo Code, Qwen Code, Continue CLI and Aider (installed by
+/// `scripts/agents/install.sh`) pointed at the router's HTTP front as an OpenAI-compatible
+/// provider, each a prompt and then the same conversation continued: every run is one session
+/// — OpenCode and Kilo Code name it in `x-session-id`, Qwen Code, Continue and Aider send no
+/// key and are followed by inference (Qwen Code's and Aider's reminders moved to the newest
+/// message) — its
+/// first request through P and every later one direct-to-D, where D's prefix cache serves part
+/// of each prompt. The figures per agent are printed.
+fn open_agents_through_the_router(router: &Router, engines: &Engines, bin: &Path) {
+    let base = format!("http://{}", router.http);
+    let first = "Read lib.rs and say what add does.";
+    let second = "Now add a test for add.";
+    let mut runs = Vec::new();
+
+    // OpenCode and Kilo Code, `run` mode: a prompt, then `--continue`.
+    for (agent, program) in [("OpenCode", "opencode"), ("Kilo Code", "kilo")] {
+        let (home, work) = agent_project(engines, program);
+        std::fs::write(work.join("opencode.json"), opencode_config(&base)).unwrap();
+        let steps = vec![
+            (
+                format!("{program} run"),
+                agent_command(bin, &home, &work, program, &["run", first]),
+            ),
+            (
+                format!("{program} run --continue"),
+                agent_command(bin, &home, &work, program, &["run", "--continue", second]),
+            ),
+        ];
+        let named = Named::Header("x-session-id");
+        runs.push((agent, named, agent_run(router, engines, named, steps)));
+    }
+
+    // Qwen Code, headless (`-p`), then `--continue`; its settings name the provider and keep
+    // answers to the harness's 64 tokens (its own default asks for 32,000), and its managed
+    // memory (a side conversation of its own after a turn) off. Its own system prompt, skills
+    // list and tools come to more than the harness model's 16,384 tokens of context in that
+    // model's small vocabulary: the system prompt is replaced (`--system-prompt`) and the
+    // customizations (skills) left out (`--safe-mode`). Each request still carries the
+    // current date in its newest user message, left out of the history the next one sends.
+    let (home, work) = agent_project(engines, "qwen");
+    std::fs::create_dir_all(home.join(".qwen")).unwrap();
+    std::fs::write(
+        home.join(".qwen/settings.json"),
+        json!({
+            "security": {"auth": {"selectedType": "openai"}},
+            "model": {"name": "kvc-tiny",
+                      "generationConfig": {"samplingParams": {"max_tokens": 64}}},
+            "memory": {"enableManagedAutoMemory": false},
+            "privacy": {"usageStatisticsEnabled": false}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let qwen = |args: &[&str]| {
+        let mut cmd = agent_command(bin, &home, &work, "qwen", args);
+        cmd.env("OPENAI_BASE_URL", format!("{base}/v1"))
+            .env("OPENAI_API_KEY", "sk-kvc-local")
+            .env("OPENAI_MODEL", "kvc-tiny");
+        cmd
+    };
+    let system = "You are Qwen Code, a coding agent in the user's project. Use the tools to read \
+                  and edit files.";
+    let bare = ["--safe-mode", "--system-prompt", system];
+    let steps = vec![
+        (
+            "qwen -p".to_owned(),
+            qwen(&[&bare[..], &["-p", first]].concat()),
+        ),
+        (
+            "qwen --continue -p".to_owned(),
+            qwen(&[&bare[..], &["--continue", "-p", second]].concat()),
+        ),
+    ];
+    runs.push((
+        "Qwen Code",
+        Named::Inferred,
+        agent_run(router, engines, Named::Inferred, steps),
+    ));
+
+    // Continue CLI, print mode (`-p`) on a local configuration, then `--resume`.
+    let (home, work) = agent_project(engines, "continue");
+    let config = home.join("continue.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "name: kvc\nversion: 1.0.0\nschema: v1\nmodels:\n  - name: kvc-tiny\n    \
+             provider: openai\n    model: kvc-tiny\n    apiBase: {base}/v1\n    \
+             apiKey: sk-kvc-local\n    roles: [chat, edit, apply]\n    \
+             defaultCompletionOptions:\n      maxTokens: 64\n"
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let steps = vec![
+        (
+            "cn -p".to_owned(),
+            agent_command(bin, &home, &work, "cn", &["--config", config, "-p", first]),
+        ),
+        (
+            "cn --resume -p".to_owned(),
+            agent_command(
+                bin,
+                &home,
+                &work,
+                "cn",
+                &["--config", config, "--resume", "-p", second],
+            ),
+        ),
+    ];
+    runs.push((
+        "Continue CLI",
+        Named::Inferred,
+        agent_run(router, engines, Named::Inferred, steps),
+    ));
+
+    // Aider (from PyPI, where python3 can make a virtual environment): one run, two messages
+    // read from its input. It adds its edit format's rules after the newest user message's
+    // text and sends the history without them.
+    if bin.join("aider").exists() {
+        let (home, work) = agent_project(engines, "aider");
+        let input = home.join("input.txt");
+        std::fs::write(&input, format!("{first}\n{second}\n")).unwrap();
+        let base_url = format!("{base}/v1");
+        let mut cmd = agent_command(
+            bin,
+            &home,
+            &work,
+            "aider",
+            &[
+                "--model",
+                "openai/kvc-tiny",
+                "--openai-api-base",
+                &base_url,
+                "--openai-api-key",
+                "sk-kvc-local",
+                "--no-git",
+                "--yes-always",
+                "--no-check-update",
+                "--analytics-disable",
+                "--no-show-model-warnings",
+                "--no-pretty",
+                "--no-stream",
+                "--no-fancy-input",
+                "lib.rs",
+            ],
+        );
+        cmd.stdin(std::fs::File::open(&input).unwrap());
+        runs.push((
+            "Aider",
+            Named::Inferred,
+            agent_run(
+                router,
+                engines,
+                Named::Inferred,
+                vec![("aider".to_owned(), cmd)],
+            ),
+        ));
+    } else {
+        eprintln!(
+            "real_vllm: no `aider` among the agents (no python3 to install it); Aider is skipped"
+        );
+    }
+
+    for (agent, named, c) in &runs {
+        eprintln!(
+            "real_vllm: {agent}: {} requests, named by {}: {} turn1-seed, {} direct-to-d; \
+             D's prefix cache hit {} of {} prompt tokens ({:.1}%)",
+            c.decided,
+            match named {
+                Named::Header(h) => format!("{h} ({} keyed)", c.keyed),
+                Named::Inferred => format!(
+                    "inference ({} new, {} continued)",
+                    c.inferred_new, c.inferred_continued
+                ),
+            },
+            c.seeded,
+            c.direct,
+            c.hits,
+            c.queries,
+            100.0 * c.hits / c.queries.max(1.0)
+        );
+    }
+    for (agent, named, c) in &runs {
+        assert!(c.decided >= 2.0, "{agent}: several requests: {c:?}");
+        match named {
+            Named::Header(_) => {
+                assert_eq!(c.keyed, c.decided, "{agent}: every request keyed: {c:?}")
+            }
+            Named::Inferred => assert_eq!(
+                (c.inferred_new, c.inferred_continued),
+                (1.0, c.decided - 1.0),
+                "{agent}: one inferred session: {c:?}"
+            ),
+        }
+        assert_eq!(
+            (c.seeded, c.direct),
+            (1.0, c.decided - 1.0),
+            "{agent}: the first request through P, every later one direct-to-D: {c:?}"
+        );
+        assert!(
+            c.hits > 0.0,
+            "{agent}: D served later prompts from its cache: {c:?}"
+        );
+    }
+}
+
+/// OpenCode's subagent on the 1P2D engines: a prompt, then a command configured as a
+/// `subtask`, which OpenCode runs as a child session of its own naming its parent in
+/// `x-parent-session-id`; the child's first turn goes direct to the decode engine that holds
+/// the parent's session (the `kvc` policy's subagent placement), and so does the parent's
+/// next turn after it.
+fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, bin: &Path) {
+    let base = format!("http://{}", router.http);
+    let (home, work) = agent_project(engines, "opencode-subagent");
+    std::fs::write(work.join("opencode.json"), opencode_config(&base)).unwrap();
+    let named = Named::Header("x-session-id");
+    let parent = agent_run(
+        router,
+        engines,
+        named,
+        vec![(
+            "opencode run".to_owned(),
+            agent_command(
+                bin,
+                &home,
+                &work,
+                "opencode",
+                &["run", "Read lib.rs and say what add does."],
+            ),
+        )],
+    );
+    eprintln!("real_vllm: OpenCode's parent session: {parent:?}");
+    assert_eq!(
+        parent.seeded, 1.0,
+        "the parent's first turn through P: {parent:?}"
+    );
+    let home_d = match parent.answered {
+        [n, 0.0] if n > 0.0 => 0,
+        [0.0, n] if n > 0.0 => 1,
+        other => panic!("the parent's session on one decode engine: {other:?}"),
+    };
+    let child = agent_run(
+        router,
+        engines,
+        named,
+        vec![(
+            "opencode run --continue --command inspect".to_owned(),
+            agent_command(
+                bin,
+                &home,
+                &work,
+                "opencode",
+                &["run", "--continue", "--command", "inspect", "add"],
+            ),
+        )],
+    );
+    eprintln!(
+        "real_vllm: OpenCode's subagent: {} requests ({} subagent session): {} turn1-seed, {} \
+         direct-to-d; answered by d0 {}, d1 {} (the parent's on d{home_d})",
+        child.decided,
+        child.subagents,
+        child.seeded,
+        child.direct,
+        child.answered[0],
+        child.answered[1]
+    );
+    assert_eq!(
+        child.subagents, 1.0,
+        "one child session named by its parent: {child:?}"
+    );
+    assert!(
+        child.decided >= 2.0,
+        "the child's turn and the parent's next: {child:?}"
+    );
+    assert_eq!(
+        (child.seeded, child.direct),
+        (0.0, child.decided),
+        "the child's first turn and the parent's next direct to D: {child:?}"
+    );
+    assert_eq!(
+        (child.answered[home_d], child.answered[1 - home_d]),
+        (child.decided, 0.0),
+        "every request on the parent's decode engine: {child:?}"
+    );
 }
 
 /// `kvc-replay profile` against one real engine (the harness's `1x`): the sweeps complete, the
@@ -1687,4 +2159,12 @@ fn real_vllm_session_moves_off_a_drained_decode_worker_with_its_kv() {
         ),
         Some(1.0)
     );
+    // A real subagent: OpenCode's child session, placed where its parent's is, under the
+    // harness's own configuration (nothing drained).
+    drop(router);
+    if let Some(bin) = install_agents() {
+        let config = engines.router_config("subagent", &[]);
+        let router = start_router(&config, &engines.dir.join("router-subagent.log"));
+        opencode_subagent_on_its_parents_worker(&router, &engines, &bin);
+    }
 }

@@ -63,6 +63,9 @@ pub struct ChatTokens {
     pub tokens: Vec<u32>,
     /// How many leading tokens are the messages' (what block hashes cover).
     pub messages: usize,
+    /// Where each message's tokens start, in order (session inference finds a conversation's
+    /// newest user message and its last message by them).
+    pub starts: Vec<usize>,
 }
 
 impl ChatTokens {
@@ -91,6 +94,7 @@ impl ChatTokens {
 /// );
 /// assert_eq!(one.tokens.len(), 6); // <|system|> Be brief. <|user|> Hi <|assistant|>
 /// assert_eq!(one.messages, 5);
+/// assert_eq!(one.starts, [0, 3]);
 /// assert!(two.hashed().starts_with(one.hashed()));
 /// ```
 pub fn chat_tokens<'a>(
@@ -98,8 +102,10 @@ pub fn chat_tokens<'a>(
     mut tokenize: impl FnMut(&str) -> Vec<u32>,
 ) -> ChatTokens {
     let mut tokens = Vec::new();
+    let mut starts = Vec::new();
     let mut text = String::new();
     for (role, content) in messages {
+        starts.push(tokens.len());
         text.clear();
         text.push_str("<|");
         text.push_str(role);
@@ -110,7 +116,11 @@ pub fn chat_tokens<'a>(
     }
     let messages = tokens.len();
     tokens.extend(tokenize(GENERATION_PROMPT));
-    ChatTokens { tokens, messages }
+    ChatTokens {
+        tokens,
+        messages,
+        starts,
+    }
 }
 
 /// The fallback tokenizer for text prompts: one token per whitespace-separated word, its id the

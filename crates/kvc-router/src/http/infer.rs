@@ -12,6 +12,19 @@
 //! short user message share every full block when the system prompt is long. A prompt needs
 //! `min_blocks` full blocks to be placed at all (1 by default; 0 turns inference off), so a
 //! short first request still anchors the session its next request continues.
+//!
+//! Some agents (Qwen Code, Aider) add a reminder to the newest user message of each request —
+//! the current date before it, the edit format's rules after it — and send the history without
+//! it: the next prompt leaves the previous one inside that message, so it extends no whole
+//! prompt. For a session without a client key, the book also keeps where the newest user
+//! message of its latest prompt starts (anchored as above, or at the start of the prompt) and
+//! the tokens from there on ([`MOVED_MAX_TOKENS`] at most, [`MOVED_BUDGET_TOKENS`] for all
+//! sessions). A request that holds that message with one span of at least [`MOVED_MIN_TOKENS`]
+//! left out (its role and some of its text kept), then the messages that followed it
+//! unchanged, and the span again in its own last message (the reminder moved to the new newest
+//! message), continues that session. A second conversation with the same system prompt and
+//! reminder is not taken for it: what it would leave out of the session's message includes
+//! that session's own words, which its last message does not hold.
 
 use crate::SessionLimits;
 use kvc_core::SessionId;
@@ -61,7 +74,40 @@ pub(crate) struct Prompt<'a> {
     /// The tokens the hashes cover, and the block size in tokens; `None` where they are not
     /// known (a session anchored so matches at its last full block).
     pub(crate) tokens: Option<(&'a [u32], usize)>,
+    /// For a chat: where its newest user message and its last message start in `tokens`.
+    pub(crate) turns: Option<Turns<'a>>,
 }
+
+/// A chat's messages, as session inference needs them: where each starts in its tokens, and
+/// which is its newest of role `user`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Turns<'a> {
+    /// Each message's first token, in order (at least one message).
+    pub(crate) starts: &'a [usize],
+    /// The index of the newest message of role `user` (`None`: the chat has none).
+    pub(crate) newest_user: Option<usize>,
+}
+
+/// The most tokens kept of a keyless session's prompt from its newest user message on; a
+/// longer rest is not kept (the session's next request must then extend the whole prompt).
+pub(crate) const MOVED_MAX_TOKENS: usize = 16_384;
+
+/// The most tokens kept for all sessions' [`Moved`] records together (4 bytes each: 64 MiB);
+/// past it, the records of the least recently seen sessions are dropped until a quarter of it
+/// is free.
+pub(crate) const MOVED_BUDGET_TOKENS: usize = 16 << 20;
+
+/// The fewest tokens a reminder that moved to the newest message must have.
+pub(crate) const MOVED_MIN_TOKENS: usize = 3;
+
+/// The anchor of a [`Moved`] record whose newest user message starts within the prompt's
+/// first block (its tail is then everything before that message).
+const MOVED_ROOT: u64 = 0x6b76_635f_6d6f_7665;
+
+/// The most sessions anchored at one place that a request is checked against for a moved
+/// reminder (the most recently anchored first): many keyless sessions of one agent share the
+/// place right after its system prompt while they are at their first turn.
+const MOVED_CANDIDATES: usize = 64;
 
 impl Prompt<'_> {
     /// The tail of a prompt anchored at its last full block: the hash ([`chain_hash`] after
@@ -101,6 +147,87 @@ struct Entry {
     /// (hash, length) of that prompt's tokens after its anchor; `None` where they were not
     /// known.
     tail: Option<(u64, u32)>,
+    /// A keyless session's latest prompt from its newest user message on.
+    moved: Option<Moved>,
+}
+
+/// A keyless session's latest prompt from its newest user message on, and where that
+/// message starts: anchored (hash and position of the last full block before it, or
+/// [`MOVED_ROOT`] where it starts within the first block) with the tail up to it.
+#[derive(Debug, Clone)]
+struct Moved {
+    anchor: (u64, u32),
+    tail: (u64, u32),
+    /// The tokens from the newest user message on.
+    rest: Box<[u32]>,
+    /// How many of them are that message's.
+    first: usize,
+}
+
+impl Moved {
+    /// The record of `prompt` (a chat with a newest user message, not its first message, and
+    /// from there on at most [`MOVED_MAX_TOKENS`]).
+    fn of(prompt: &Prompt<'_>) -> Option<Moved> {
+        let (tokens, block) = prompt.tokens?;
+        let turns = prompt.turns?;
+        let i = turns.newest_user?;
+        let start = *turns.starts.get(i)?;
+        let end = turns.starts.get(i + 1).copied().unwrap_or(tokens.len());
+        let blocks = start / block;
+        let rest = tokens.get(start..)?;
+        if start == 0 || blocks > prompt.full_blocks || rest.len() > MOVED_MAX_TOKENS {
+            return None;
+        }
+        // Anchored at the last full block before the message, or (none) at the start.
+        let (prev, at) = match blocks.checked_sub(1) {
+            Some(b) => (prompt.hashes[b], b as u32),
+            None => (MOVED_ROOT, u32::MAX),
+        };
+        let before = &tokens[blocks * block..start];
+        Some(Moved {
+            anchor: (prev, at),
+            tail: (chain_hash(prev, before), before.len() as u32),
+            rest: rest.into(),
+            first: end.checked_sub(start)?,
+        })
+    }
+
+    /// Whether the chat `tokens` (its messages `starts`) holds this record's rest from `start`
+    /// — a message there that is the newest user message with one span of at least
+    /// [`MOVED_MIN_TOKENS`] left out (its role and some of its text kept), then the messages
+    /// that followed it, unchanged — and the span is found again in its last message, which
+    /// comes after them.
+    fn moved_into(&self, tokens: &[u32], start: usize, starts: &[usize]) -> bool {
+        let Some(j) = starts.iter().position(|&s| s == start) else {
+            return false;
+        };
+        let (Some(&end), Some(&last)) = (starts.get(j + 1), starts.last()) else {
+            return false;
+        };
+        let (was, later) = self.rest.split_at(self.first);
+        let now = &tokens[start..end];
+        if now.len() < 2 || now.len() + MOVED_MIN_TOKENS > was.len() {
+            return false;
+        }
+        // What is kept: a prefix and a suffix of the message as it was.
+        let prefix = was.iter().zip(now).take_while(|(a, b)| a == b).count();
+        let suffix = now.len() - prefix.min(now.len());
+        if !was.ends_with(&now[now.len() - suffix..]) {
+            return false;
+        }
+        let span = &was[prefix.min(now.len())..was.len() - suffix];
+        let after = end + later.len();
+        if after > last || tokens[end..after] != *later {
+            return false;
+        }
+        // The span's first and last tokens may have merged with what bordered them.
+        let core = if span.len() > 4 {
+            &span[1..span.len() - 1]
+        } else {
+            span
+        };
+        tokens[last..].windows(core.len()).any(|w| w == core)
+    }
 }
 
 /// Sessions by id, bounded by the router's session limits, with an index of their anchors.
@@ -112,6 +239,13 @@ pub(crate) struct SessionBook {
     entries: HashMap<SessionId, Entry>,
     /// Anchor hash → the sessions anchored there (usually one).
     anchors: HashMap<u64, Vec<SessionId>>,
+    /// Hash of the last full block before a keyless session's newest user message → the
+    /// sessions whose [`Moved`] record is anchored there.
+    moved_index: HashMap<u64, Vec<SessionId>>,
+    /// Tokens held by the [`Moved`] records.
+    moved_tokens: usize,
+    /// [`MOVED_BUDGET_TOKENS`] (smaller in tests).
+    moved_budget: usize,
 }
 
 impl SessionBook {
@@ -121,6 +255,9 @@ impl SessionBook {
             min_blocks,
             entries: HashMap::new(),
             anchors: HashMap::new(),
+            moved_index: HashMap::new(),
+            moved_tokens: 0,
+            moved_budget: MOVED_BUDGET_TOKENS,
         }
     }
 
@@ -132,7 +269,8 @@ impl SessionBook {
     /// The number of anchors indexed (for tests of the bound).
     #[cfg(test)]
     pub(crate) fn anchor_count(&self) -> usize {
-        self.anchors.values().map(Vec::len).sum()
+        self.anchors.values().map(Vec::len).sum::<usize>()
+            + self.moved_index.values().map(Vec::len).sum::<usize>()
     }
 
     fn live(&self, e: &Entry, now_ms: u64) -> bool {
@@ -162,7 +300,10 @@ impl SessionBook {
                 if self.min_blocks == 0 || prompt.full_blocks < self.min_blocks as usize {
                     return None;
                 }
-                match self.continued(prompt, now_ms) {
+                match self
+                    .continued(prompt, now_ms)
+                    .or_else(|| self.moved_from(prompt, now_ms))
+                {
                     Some((s, key)) => (s, key, Some(Inferred::Continued)),
                     None => {
                         let key = Arc::<str>::from(new_key());
@@ -188,6 +329,10 @@ impl SessionBook {
         if let Some(e) = self.entries.get_mut(&session) {
             e.tail = anchor.and_then(|_| prompt.tail());
         }
+        let moved = (!keyed && self.min_blocks > 0)
+            .then(|| Moved::of(&prompt))
+            .flatten();
+        self.set_moved(session, moved);
         self.bound(session, now_ms);
         Some(Resolved {
             session,
@@ -215,6 +360,45 @@ impl SessionBook {
                     e.anchor == Some((hash, i as u32))
                         && self.live(e, now_ms)
                         && e.tail.is_none_or(|tail| prompt.goes_on_with(i, tail))
+                })
+                .max_by_key(|(s, e)| (e.last_ms, s.0));
+            if let Some((s, e)) = best {
+                return Some((s, Arc::clone(&e.key)));
+            }
+        }
+        None
+    }
+
+    /// The live keyless session whose latest prompt this one holds with a reminder moved
+    /// from that prompt's newest user message to this one's last message ([`Moved`]),
+    /// anchored deepest; ties to the most recently seen.
+    fn moved_from(&self, prompt: Prompt<'_>, now_ms: u64) -> Option<(SessionId, Arc<str>)> {
+        let (tokens, block) = prompt.tokens?;
+        let starts = prompt.turns?.starts;
+        // Each full block, deepest first, then the start of the prompt.
+        let places = (0..prompt.full_blocks)
+            .rev()
+            .map(|i| (prompt.hashes[i], i as u32, (i + 1) * block))
+            .chain(std::iter::once((MOVED_ROOT, u32::MAX, 0)));
+        for (hash, at, from) in places {
+            let Some(list) = self.moved_index.get(&hash) else {
+                continue;
+            };
+            let best = list
+                .iter()
+                .rev()
+                .take(MOVED_CANDIDATES)
+                .filter_map(|s| self.entries.get(s).map(|e| (*s, e)))
+                .filter(|(_, e)| {
+                    self.live(e, now_ms)
+                        && e.moved.as_ref().is_some_and(|m| {
+                            let (tail, len) = (m.tail.0, m.tail.1 as usize);
+                            m.anchor == (hash, at)
+                                && tokens
+                                    .get(from..from + len)
+                                    .is_some_and(|t| chain_hash(hash, t) == tail)
+                                && m.moved_into(tokens, from + len, starts)
+                        })
                 })
                 .max_by_key(|(s, e)| (e.last_ms, s.0));
             if let Some((s, e)) = best {
@@ -288,6 +472,7 @@ impl SessionBook {
                     rotating: false,
                     anchor: None,
                     tail: None,
+                    moved: None,
                 });
                 1
             }
@@ -310,6 +495,48 @@ impl SessionBook {
         }
     }
 
+    fn set_moved(&mut self, session: SessionId, moved: Option<Moved>) {
+        let Some(e) = self.entries.get_mut(&session) else {
+            return;
+        };
+        let new = moved.as_ref().map(|m| (m.anchor.0, m.rest.len()));
+        let old = std::mem::replace(&mut e.moved, moved).map(|m| (m.anchor.0, m.rest.len()));
+        self.moved_tokens = self.moved_tokens - old.map_or(0, |o| o.1) + new.map_or(0, |n| n.1);
+        if old.map(|o| o.0) != new.map(|n| n.0) {
+            if let Some((hash, _)) = old {
+                Self::unindex(&mut self.moved_index, hash, session);
+            }
+            if let Some((hash, _)) = new {
+                self.moved_index.entry(hash).or_default().push(session);
+            }
+        }
+        if self.moved_tokens > self.moved_budget {
+            self.shed_moved(session);
+        }
+    }
+
+    /// Drops the [`Moved`] records of the least recently seen sessions (never `keep`'s) until
+    /// a quarter of the budget is free.
+    fn shed_moved(&mut self, keep: SessionId) {
+        let mut held: Vec<(u64, SessionId)> = self
+            .entries
+            .iter()
+            .filter(|(s, e)| **s != keep && e.moved.is_some())
+            .map(|(s, e)| (e.last_ms, *s))
+            .collect();
+        held.sort_unstable();
+        let target = self.moved_budget / 4 * 3;
+        for (_, s) in held {
+            if self.moved_tokens <= target {
+                break;
+            }
+            if let Some(m) = self.entries.get_mut(&s).and_then(|e| e.moved.take()) {
+                self.moved_tokens -= m.rest.len();
+                Self::unindex(&mut self.moved_index, m.anchor.0, s);
+            }
+        }
+    }
+
     fn unindex(anchors: &mut HashMap<u64, Vec<SessionId>>, hash: u64, session: SessionId) {
         if let Some(list) = anchors.get_mut(&hash) {
             list.retain(|s| *s != session);
@@ -326,6 +553,10 @@ impl SessionBook {
         };
         if let Some((hash, _)) = e.anchor {
             Self::unindex(&mut self.anchors, hash, session);
+        }
+        if let Some(m) = e.moved {
+            self.moved_tokens -= m.rest.len();
+            Self::unindex(&mut self.moved_index, m.anchor.0, session);
         }
         true
     }
@@ -383,6 +614,7 @@ mod tests {
             hashes,
             full_blocks,
             tokens: None,
+            turns: None,
         }
     }
 
@@ -584,6 +816,206 @@ mod tests {
         assert_eq!(&*r.key, "fresh");
     }
 
+    /// Resolves a keyless chat (as the router hashes it, each word a token) in blocks of 4
+    /// tokens.
+    fn keyless(b: &mut SessionBook, messages: &[(&str, String)], now: u64) -> Resolved {
+        let c = kvc_core::text::chat_tokens(
+            messages.iter().map(|(r, t)| (*r, t.as_str())),
+            kvc_core::text::fallback_tokens,
+        );
+        let turns = Turns {
+            starts: &c.starts,
+            newest_user: messages.iter().rposition(|(r, _)| *r == "user"),
+        };
+        let tokens = c.hashed();
+        let hashes = kvc_core::text::block_hashes(tokens, kvc_core::BlockSize::new(4).unwrap());
+        b.resolve(
+            Prompt {
+                key: None,
+                hashes: &hashes,
+                full_blocks: tokens.len() / 4,
+                tokens: Some((tokens, 4)),
+                turns: Some(turns),
+            },
+            now,
+            || format!("inferred-{now}"),
+        )
+        .unwrap()
+    }
+
+    fn text(words: &str) -> String {
+        words.to_owned()
+    }
+
+    /// Qwen Code's shape: the current date before the newest user message's text, left out
+    /// of the history sent with the next request. Aider's: its edit-format rules after it.
+    /// Each conversation's next turns continue it (the reminder moved to the new last
+    /// message); a second conversation with the same system prompt and reminder starts a
+    /// session of its own and stays apart.
+    #[test]
+    fn a_reminder_moved_to_the_newest_message_continues_the_session() {
+        let system = text("you are a coding agent with tools to read and edit files");
+        let date = "<reminder> the current date is monday december 7 </reminder> ";
+        let rules = " to suggest changes you must return the whole file in a fenced block";
+        for shape in ["before", "after"] {
+            let reminder = if shape == "before" { date } else { rules };
+            let with = |r: &str, t: &str| {
+                if shape == "before" {
+                    format!("{r}{t}")
+                } else {
+                    format!("{t}{r}")
+                }
+            };
+            let mut b = book(1_000_000, 100, 1);
+            let turn = |task: &str, n: usize| -> Vec<(&str, String)> {
+                let mut m = vec![("system", system.clone())];
+                for i in 0..n {
+                    m.push(("user", format!("{task} step {i} please")));
+                    m.push(("assistant", format!("done {task} {i}")));
+                }
+                m.push(("user", with(reminder, &format!("{task} step {n} please"))));
+                m
+            };
+            let a1 = keyless(&mut b, &turn("read lib.rs", 0), 1);
+            assert_eq!(a1.inferred, Some(Inferred::New), "{shape}");
+            let other1 = keyless(&mut b, &turn("fix the failing test", 0), 2);
+            assert_eq!(other1.inferred, Some(Inferred::New), "{shape}: apart");
+            assert_ne!(other1.session, a1.session);
+            for n in 1..4 {
+                let a = keyless(&mut b, &turn("read lib.rs", n), 10 * n as u64);
+                assert_eq!(
+                    (a.session, a.inferred, a.turn),
+                    (a1.session, Some(Inferred::Continued), n as u32 + 1),
+                    "{shape}: turn {}",
+                    n + 1
+                );
+                let o = keyless(&mut b, &turn("fix the failing test", n), 10 * n as u64 + 1);
+                assert_eq!(
+                    (o.session, o.inferred),
+                    (other1.session, Some(Inferred::Continued)),
+                    "{shape}: the other, turn {}",
+                    n + 1
+                );
+            }
+        }
+    }
+
+    /// Within a turn of tool calls the newest user message keeps its reminder (the prompt
+    /// extends the last whole); the next user turn drops it from that message, now behind
+    /// tool results, and adds it to the new one.
+    #[test]
+    fn a_reminder_moved_past_tool_results_continues_the_session() {
+        let mut b = book(1_000_000, 100, 1);
+        let system = (
+            "system",
+            text("you are a coding agent with tools to read and edit files"),
+        );
+        let date = "<reminder> the current date is monday december 7 </reminder> ";
+        let first = keyless(
+            &mut b,
+            &[
+                system.clone(),
+                ("user", format!("{date}read lib.rs please")),
+            ],
+            1,
+        );
+        let tool = keyless(
+            &mut b,
+            &[
+                system.clone(),
+                ("user", format!("{date}read lib.rs please")),
+                ("assistant", text("[read_file(path='lib.rs')]")),
+                ("tool", text("pub fn add(a: u32, b: u32) -> u32 { a + b }")),
+            ],
+            2,
+        );
+        assert_eq!(
+            (tool.session, tool.inferred),
+            (first.session, Some(Inferred::Continued))
+        );
+        let next = keyless(
+            &mut b,
+            &[
+                system.clone(),
+                ("user", text("read lib.rs please")),
+                ("assistant", text("[read_file(path='lib.rs')]")),
+                ("tool", text("pub fn add(a: u32, b: u32) -> u32 { a + b }")),
+                ("assistant", text("add returns the sum")),
+                ("user", format!("{date}now add a test")),
+            ],
+            3,
+        );
+        assert_eq!(
+            (next.session, next.inferred, next.turn),
+            (first.session, Some(Inferred::Continued), 3)
+        );
+        // Its words left out and not found in the last message: not the same conversation.
+        let edited = keyless(
+            &mut b,
+            &[
+                system,
+                ("user", text("read lib.rs please")),
+                ("assistant", text("[read_file(path='lib.rs')]")),
+                ("tool", text("pub fn add(a: u32, b: u32) -> u32 { a + b }")),
+                ("assistant", text("add returns the sum")),
+                ("user", text("now add a test")),
+                ("assistant", text("added")),
+                ("user", text("run it")),
+            ],
+            4,
+        );
+        assert_eq!(edited.inferred, Some(Inferred::New));
+    }
+
+    /// The records a moved reminder is matched by are bounded all together: past the budget,
+    /// the least recently seen sessions' go, and their next turn (which extends no whole
+    /// prompt) starts a session of its own; the others still continue theirs.
+    #[test]
+    fn moved_reminder_records_are_bounded_by_their_budget() {
+        let mut b = book(1_000_000, 100, 1);
+        let system = (
+            "system",
+            text("you are a coding agent with tools to read and edit files"),
+        );
+        let date = "<reminder> the current date is monday december 7 </reminder> ";
+        let first = |task: &str| vec![system.clone(), ("user", format!("{date}{task} please"))];
+        let next = |task: &str| {
+            vec![
+                system.clone(),
+                ("user", format!("{task} please")),
+                ("assistant", text("done")),
+                ("user", format!("{date}and then test it")),
+            ]
+        };
+        let one = keyless(&mut b, &first("read lib.rs"), 1);
+        let per_session = b.moved_tokens;
+        assert!(per_session > 10, "{per_session}");
+        // Room for three sessions' records: the fourth sheds the oldest (down to 3/4).
+        b.moved_budget = per_session * 3 + per_session / 2;
+        keyless(&mut b, &first("fix main.rs"), 2);
+        let three = keyless(&mut b, &first("explain util.rs"), 3);
+        let four = keyless(&mut b, &first("rename a function"), 4);
+        assert!(
+            b.moved_tokens <= b.moved_budget,
+            "{} tokens",
+            b.moved_tokens
+        );
+        let lost = keyless(&mut b, &next("read lib.rs"), 5);
+        assert_eq!(lost.inferred, Some(Inferred::New));
+        assert_ne!(lost.session, one.session);
+        for (task, s, now) in [
+            ("explain util.rs", &three, 6),
+            ("rename a function", &four, 7),
+        ] {
+            let r = keyless(&mut b, &next(task), now);
+            assert_eq!(
+                (r.session, r.inferred),
+                (s.session, Some(Inferred::Continued)),
+                "{task}"
+            );
+        }
+    }
+
     #[test]
     fn inference_off_routes_keyless_requests_without_a_session() {
         let mut b = book(1_000_000, 100, 0);
@@ -612,12 +1044,19 @@ mod tests {
             Harness,
         }
 
-        /// The tokens a request's block hashes cover.
-        fn hashed(render: Render, messages: &[(String, String)]) -> Vec<u32> {
+        /// The tokens a request's block hashes cover, and for a chat request where its
+        /// messages start and which is its newest user message.
+        #[allow(clippy::type_complexity)]
+        fn hashed(
+            render: Render,
+            messages: &[(String, String)],
+        ) -> (Vec<u32>, Option<(Vec<usize>, Option<usize>)>) {
             let (open, close, generation): (fn(&str) -> String, &str, &str) = match render {
                 Render::Router => {
                     let pairs = messages.iter().map(|(r, c)| (r.as_str(), c.as_str()));
-                    return chat_tokens(pairs, fallback_tokens).hashed().to_vec();
+                    let c = chat_tokens(pairs, fallback_tokens);
+                    let newest_user = messages.iter().rposition(|(r, _)| r == "user");
+                    return (c.hashed().to_vec(), Some((c.starts, newest_user)));
                 }
                 Render::ChatMl => (
                     |r| format!("<|im_start|>{r}\n"),
@@ -641,7 +1080,23 @@ mod tests {
                 text.push_str(close);
             }
             text.push_str(generation);
-            fallback_tokens(&text)
+            (fallback_tokens(&text), None)
+        }
+
+        /// A chat request's messages: the conversation's, with `reminder` added to its newest
+        /// user message (0: none; 1: before its text, as Qwen Code adds the date; 2: after
+        /// it, as Aider adds its edit format's rules), which the conversation itself keeps
+        /// without it.
+        fn sent(conv: &[(String, String)], reminder: u8, words_of: &str) -> Vec<(String, String)> {
+            let mut m = conv.to_vec();
+            if let Some(u) = m.iter_mut().rev().find(|(r, _)| r == "user") {
+                match reminder {
+                    1 => u.1 = format!("{words_of}{}", u.1),
+                    2 => u.1 = format!("{}{words_of}", u.1),
+                    _ => {}
+                }
+            }
+            m
         }
 
         fn words(tag: &str, n: usize) -> String {
@@ -682,7 +1137,9 @@ mod tests {
             /// Every turn of a conversation that sends no session key continues its session,
             /// whatever the block size and the lengths (its first request too, unless it is
             /// shorter than one full block); another conversation with the same system prompt
-            /// and a first message of its own, interleaved with it, is never glued to it.
+            /// and a first message of its own, interleaved with it, is never glued to it. So
+            /// too for chat requests whose newest user message carries a reminder the history
+            /// leaves out, before or after its text, where a system prompt precedes it.
             #[test]
             fn keyless_conversations_hold_and_stay_apart(
                 render in render_strategy(),
@@ -690,7 +1147,13 @@ mod tests {
                 system in 0usize..200,
                 first in 1usize..40,
                 steps in proptest::collection::vec((any::<u8>(), 1usize..60), 1..8),
+                reminder in 0u8..3,
+                reminder_words in 3usize..30,
             ) {
+                let reminder = if matches!(render, Render::Router) { reminder } else { 0 };
+                // Something comes before the newest user message (a system prompt).
+                prop_assume!(reminder == 0 || system > 0);
+                let reminded = words("remind", reminder_words);
                 let bs = BlockSize::new(block).unwrap();
                 let mut book = book(1_000_000, 1_000, 1);
                 let shared = words("system", system);
@@ -713,7 +1176,12 @@ mod tests {
                             let (step, n) = steps[turn - 1];
                             append(&mut convs[k], render, step, n, tag);
                         }
-                        let tokens = hashed(render, &convs[k]);
+                        let (tokens, turns) =
+                            hashed(render, &sent(&convs[k], reminder, &reminded));
+                        let turns = turns.as_ref().map(|(starts, newest_user)| Turns {
+                            starts,
+                            newest_user: *newest_user,
+                        });
                         let hashes = block_hashes(&tokens, bs);
                         let full_blocks = tokens.len() / block as usize;
                         now += 1;
@@ -723,6 +1191,7 @@ mod tests {
                                 hashes: &hashes,
                                 full_blocks,
                                 tokens: Some((&tokens, block as usize)),
+                                turns,
                             },
                             now,
                             || format!("inferred-{tag}-{turn}"),

@@ -195,7 +195,13 @@
 //! appends messages of any kind (a user message after a user message, a retry after a cut-off
 //! answer, tool results) extends the previous one. Matching the whole prompt keeps a shared
 //! system prompt from gluing two conversations together, however long it is: their first
-//! prompts differ after it. A request with no such match but at least
+//! prompts differ after it. Some agents (Qwen Code, Aider) add a reminder to the newest user
+//! message of each request (the date before its text, the edit format's rules after it) and
+//! send the history without it; a keyless request that holds a session's latest prompt with
+//! one span left out of that prompt's newest user message (its role and some of its text
+//! kept), the messages after it unchanged, and the span again in the request's own last
+//! message continues that session too (the reminder moved; `docs/agents.md`). A request with no
+//! such match but at least
 //! [`HttpOptions::infer_min_blocks`] full blocks (`http.infer-min-blocks`, default 1) starts a
 //! new inferred session, keyed `kvc-inferred-<16 hex digits>` (a per-process keyed hash of its
 //! first block hashes and its request id), which later requests can continue; a shorter one is

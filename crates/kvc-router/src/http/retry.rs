@@ -7,6 +7,7 @@ use super::app::App;
 use super::attempt::{AttemptResult, ForwardedRequest};
 use super::decision::{self, RouteQuery};
 use super::direct::add_continuation_params;
+use super::infer::Turns;
 use super::request::{self, Api, Prompt};
 use super::responses::{error_response, route_error_response, with_decision_headers};
 use super::session::{ClientKey, client_key, parent_key, session_final};
@@ -109,18 +110,23 @@ pub(crate) async fn prepare_request(
     };
     // Block hashes cover the prompt, but for a chat not its closing generation prompt (which
     // the conversation's next request replaces with a message).
-    let (tokens, hashed) = match &req.prompt {
-        Prompt::Tokens(t) => (t.clone(), t.len()),
+    let (tokens, hashed, starts, newest_user) = match &req.prompt {
+        Prompt::Tokens(t) => (t.clone(), t.len(), Vec::new(), None),
         Prompt::Text(text) => {
             let t = app.options.tokenizer.encode_off_thread(text).await;
             let n = t.len();
-            (t, n)
+            (t, n, Vec::new(), None)
         }
         Prompt::Chat(messages) => {
             let c = app.options.tokenizer.encode_chat_off_thread(messages).await;
-            (c.tokens, c.messages)
+            let newest_user = messages.iter().rposition(|(role, _)| role == "user");
+            (c.tokens, c.messages, c.starts, newest_user)
         }
     };
+    let turns = (!starts.is_empty()).then_some(Turns {
+        starts: &starts,
+        newest_user,
+    });
     if tokens.is_empty() {
         return Err(bad_request("the prompt is empty"));
     }
@@ -141,6 +147,7 @@ pub(crate) async fn prepare_request(
         &app.service,
         client_key.as_deref(),
         (&tokens[..hashed], block),
+        turns,
         &hash_ids,
         request_id,
     );

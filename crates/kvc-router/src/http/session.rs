@@ -139,12 +139,14 @@ impl Sessions {
 
     /// The session of a request (`key` when the client named one) and its turn (see
     /// [`SessionBook::resolve`]), counted in `service`'s metrics when inferred: `hashed` is
-    /// the tokens the block hashes `hash_ids` cover, and the block size.
+    /// the tokens the block hashes `hash_ids` cover, and the block size; `turns`, for a chat,
+    /// where its newest user message and its last message start.
     pub(super) fn resolve(
         &self,
         service: &RouterService,
         key: Option<&str>,
         hashed: (&[u32], kvc_core::BlockSize),
+        turns: Option<infer::Turns<'_>>,
         hash_ids: &[u64],
         request_id: u64,
     ) -> Option<Resolved> {
@@ -155,6 +157,7 @@ impl Sessions {
             hashes: hash_ids,
             full_blocks: tokens.len() / block,
             tokens: Some((tokens, block)),
+            turns,
         };
         let resolved = self.book.lock().resolve(prompt, service.now_ms(), || {
             self.inferred_key(hash_ids, request_id)
@@ -220,7 +223,7 @@ mod tests {
         let block = kvc_core::BlockSize::new(2).unwrap();
         let resolve = |key, tokens: &[u32], id| {
             let h = kvc_core::text::block_hashes(tokens, block);
-            sessions.resolve(&service, key, (tokens, block), &h, id)
+            sessions.resolve(&service, key, (tokens, block), None, &h, id)
         };
         let a = [1, 2, 3, 4, 5, 6, 7];
         let r = resolve(Some("a"), &a, 1).unwrap();
