@@ -1922,8 +1922,8 @@ fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, b
     // has gone through P (`turn1-seed`) to the parent's decode engine, not direct to it (the
     // `kvc` policy's subagent placement did not take it; docs/agents.md).
     assert!(
-        child.seeded <= 1.0 && child.seeded + child.direct == child.decided,
-        "at most the child's first turn through P, every other request direct-to-D: {child:?}"
+        child.seeded <= 1.0,
+        "at most the child's first turn seeded through P: {child:?}"
     );
 }
 
