@@ -90,6 +90,8 @@ if [ -n "$lease" ]; then
   [[ "$lease" =~ ^[1-9][0-9]*$ ]] || { echo "real-vllm: KVC_REAL_VLLM_KV_LEASE_S must be a positive number of seconds, got $lease" >&2; exit 2; }
   lease_extra=",\"kv_connector_extra_config\":{\"kv_lease_duration\":$lease}"
 fi
+nixl_delay="${KVC_REAL_VLLM_NIXL_DELAY_US:-0}"
+[[ "$nixl_delay" =~ ^[0-9]+$ ]] || { echo "real-vllm: KVC_REAL_VLLM_NIXL_DELAY_US must be a count of microseconds, got $nixl_delay" >&2; exit 2; }
 router_port="${KVC_REAL_VLLM_ROUTER_PORT:-18080}"
 cache="${KVC_REAL_VLLM_CACHE:-$HOME/.cache/kvc/real-vllm}"
 block_size=32 # the CPU attention backend needs a multiple of 32
@@ -174,7 +176,8 @@ start_engine() { # index name role
     echo "#!/usr/bin/env bash"
     echo "# Starts engine $name as scripts/real-vllm/up.sh did."
     printf 'exec env'
-    printf ' %q' VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS="$threads" \
+    printf ' %q' PYTHONPATH="$here/nixl" KVC_NIXL_PROGRESS_DELAY_US="$nixl_delay" \
+      VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS="$threads" \
       VLLM_CPU_KVCACHE_SPACE="$kv_gib" VLLM_SERVER_DEV_MODE=1 VLLM_HOST_IP=127.0.0.1 \
       VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" \
       UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \

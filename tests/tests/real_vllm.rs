@@ -1918,12 +1918,19 @@ fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, b
         child.decided >= 2.0,
         "the child's turn and the parent's next: {child:?}"
     );
-    // Where the child's first turn goes is printed above, not asserted: on these engines it
-    // has gone through P (`turn1-seed`) to the parent's decode engine, not direct to it (the
-    // `kvc` policy's subagent placement did not take it; docs/agents.md).
-    assert!(
-        child.seeded <= 1.0,
-        "at most the child's first turn seeded through P: {child:?}"
+    // The child's first turn is an append to what the parent's decode engine holds (the
+    // system prompt they share), and the parent's next turn still finds its own KV there
+    // (the engine reports the child's prefix-cache hit as a store under the child's session).
+    assert_eq!(
+        (child.seeded, child.direct),
+        (0.0, child.decided),
+        "the child's first turn and the parent's next direct to D: {child:?}"
+    );
+    let mut on_parents = [0.0, 0.0];
+    on_parents[home_d] = child.decided;
+    assert_eq!(
+        child.answered, on_parents,
+        "every turn on the parent's decode engine d{home_d}: {child:?}"
     );
 }
 

@@ -335,11 +335,11 @@ impl V2<'_, '_> {
     }
 
     /// Where a subagent's first turn goes direct-to-D, with the tokens that D holds of it: its
-    /// parent's D, when the parent is resident on a healthy host that serves turns alone (it
-    /// prefills what it does not hold of a session it has no KV of: a vLLM instance does, a
-    /// stock SGLang decode server does not) and takes direct turns, is at or below the hard
-    /// cap, and holds some of the prompt, the rest within the direct limit and within the room
-    /// the host has. Never on a re-route after a refusal.
+    /// parent's D, when the parent is resident on a healthy host that takes direct turns (it
+    /// prefills the part of a prompt it does not hold, as for a later turn of its own sessions:
+    /// a vLLM instance of any role does, a stock SGLang decode server does not and is declared
+    /// so), is at or below the hard cap, and holds some of the prompt, the rest within the
+    /// direct limit and within the room the host has. Never on a re-route after a refusal.
     fn parent_host(&self) -> Option<(WorkerId, u64)> {
         let ctx = self.ctx;
         let req = ctx.req;
@@ -348,7 +348,10 @@ impl V2<'_, '_> {
         }
         let parent = ctx.state.session(req.parent?)?;
         let d = self.resident_d(Some(parent))?;
-        if !ctx.healthy_local.contains(d.0 as usize) || self.over_cap(d) {
+        let takes_direct = (ctx.healthy_d.contains(d.0 as usize)
+            || ctx.healthy_local.contains(d.0 as usize))
+            && ctx.state.accepts_direct(d);
+        if !takes_direct || self.over_cap(d) {
             return None;
         }
         let cached = ctx.cached_on(d, BlockView::Live, self.cfg.block_size);

@@ -56,12 +56,23 @@ fn a_subagents_first_turn_is_an_append_on_its_parents_d() {
     let req = r.request(3, 1, &child);
     let d = r.decide(&ws, &req).unwrap();
     assert_ne!(d.mode, ExecutionMode::DirectToD);
-    // Nor on a D that cannot serve a session it holds no KV of (a stock SGLang decode server).
-    let sglang = pd(1, 3);
-    let mut r = Router::new(PolicyConfig::default(), &sglang);
-    parent_on_its_d(&mut r, &sglang);
+    // A D that keeps to its role (decodes transferred KV, never serves a whole turn alone)
+    // appends the child as it appends its parent's turns: a vLLM decode engine does.
+    let decode_only = pd(1, 3);
+    let mut r = Router::new(PolicyConfig::default(), &decode_only);
+    let parent_d = parent_on_its_d(&mut r, &decode_only);
     let req = r.request(2, 1, &child).with_parent(SessionId(1));
-    let d = r.decide(&sglang, &req).unwrap();
+    let d = r.decide(&decode_only, &req).unwrap();
+    assert_eq!(
+        (d.mode, d.decode, d.prefill, d.cached_tokens),
+        (ExecutionMode::DirectToD, parent_d, None, 4 * BS)
+    );
+    // Nor on a D declared without direct appends (a stock SGLang decode server).
+    let mut r = Router::new(PolicyConfig::default(), &decode_only);
+    let parent_d = parent_on_its_d(&mut r, &decode_only);
+    r.state.set_direct_append(parent_d, false);
+    let req = r.request(2, 1, &child).with_parent(SessionId(1));
+    let d = r.decide(&decode_only, &req).unwrap();
     assert_eq!(
         (d.mode, d.prefill),
         (ExecutionMode::Turn1Seed, Some(WorkerId(0)))

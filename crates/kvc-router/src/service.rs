@@ -643,6 +643,23 @@ impl RouterService {
         Some(u64::from(blocks) * block)
     }
 
+    /// How many leading tokens of `prompt` `worker`'s engine events say it holds (its best
+    /// rank), whichever request stored them; `None` for a worker without events, or before a
+    /// stream of it has applied any.
+    pub(crate) fn events_prompt_held(&self, worker: WorkerId, prompt: &[u32]) -> Option<u64> {
+        self.entry(worker.0)?.event_stats()?.last_seq?;
+        let held = self
+            .kv_index
+            .write()
+            .overlap_tokens(prompt)
+            .into_iter()
+            .filter(|o| o.worker == worker)
+            .map(|o| o.tokens)
+            .max()
+            .unwrap_or(0);
+        Some(held)
+    }
+
     /// The data-parallel rank of `worker` whose events hold the most of `session`'s blocks
     /// (the lowest on a tie), for a worker read as several ranks; `None` for one rank, or
     /// when no rank holds any.

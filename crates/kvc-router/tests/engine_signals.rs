@@ -564,6 +564,102 @@ async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
     stop.cancel();
 }
 
+/// A session's blocks that another session re-used (vLLM reports a prefix-cache hit as a
+/// store by the request that hit, under that request's session) are still the session's: the
+/// eviction check of a front that has the prompt's tokens asks how much of the prompt the
+/// worker holds, whoever stored it last; the removal of those blocks is still an eviction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_another_session_reused_still_holds_the_session() {
+    use kvc_core::{BlockHash, ExecutionMode, Outcome, RequestId, SessionId, TurnId};
+    use kvc_router::DecisionOutcome;
+
+    let (cluster, publisher, stop, _engines) = events_cluster(|_| {}).await;
+    let service = cluster.service();
+    let a = SessionId::from_key("agent-a");
+    // The prompt of A's first turn: 2,000 tokens, of which d1 stores 125 blocks of 16.
+    let prompt: Vec<u32> = (0..2_400).map(|t| 7_000 + t).collect();
+    let hashes: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
+    let request = |id: u64, turn: u32, len: usize, blocks: usize| kvc_policy::RouteRequest {
+        request_id: RequestId(id),
+        session: Some(a),
+        turn: Some(TurnId(turn)),
+        input_length: len as u64,
+        output_hint: 16,
+        hash_ids: &hashes[..blocks],
+        rejected_by: None,
+        parent: None,
+    };
+    let t1 = service
+        .route_prompt(&request(1, 1, 2_000, 3), &[], Some(&prompt[..2_000]))
+        .unwrap();
+    assert_eq!(t1.decode_worker.0, 1);
+    service
+        .report_outcome(&DecisionOutcome {
+            decision_id: t1.decision_id,
+            request_id: RequestId(1),
+            outcome: Outcome::Ok,
+            resident_tokens: 2_000,
+        })
+        .unwrap();
+    let block = |i: usize, session: &str| {
+        kvc_events::Event::Stored(kvc_events::BlockStored {
+            block_hashes: vec![kvc_events::EngineHash(500 + i as u64)],
+            parent: i
+                .checked_sub(1)
+                .map(|p| kvc_events::EngineHash(500 + p as u64)),
+            token_ids: prompt[i * 16..(i + 1) * 16].to_vec(),
+            block_size: 16,
+            session_id: Some(session.to_owned()),
+            ..Default::default()
+        })
+    };
+    // Batches the engine published after A's answer (the events have caught up with it).
+    let engine_now = cluster.now() as f64 / 1_000.0;
+    let a_blocks = (0..125).map(|i| block(i, "agent-a")).collect();
+    publish_applied(&cluster, &publisher, engine_now, a_blocks, "A's blocks").await;
+    // Session B hits the first 96 blocks (its system prompt is A's): the engine reports them
+    // stored again, under B.
+    let b_hits = (0..96).map(|i| block(i, "agent-b")).collect();
+    publish_applied(&cluster, &publisher, engine_now, b_hits, "B's hits").await;
+    let listed = cluster.list_workers().await;
+    assert_eq!(listed[1].indexed_blocks, Some(125));
+    // The events credit A with 29 blocks (464 tokens), B with 96; d1 holds all 2,000 of A's.
+    let t2 = service
+        .route_prompt(&request(2, 2, 2_200, 4), &[], Some(&prompt[..2_200]))
+        .unwrap();
+    assert_eq!(
+        (t2.mode, t2.decode_worker.0, t2.cached_tokens),
+        (ExecutionMode::DirectToD, 1, 1_536)
+    );
+    service
+        .report_outcome(&DecisionOutcome {
+            decision_id: t2.decision_id,
+            request_id: RequestId(2),
+            outcome: Outcome::Ok,
+            resident_tokens: 2_200,
+        })
+        .unwrap();
+    // The engine drops the blocks from the 17th on: what d1 holds of the prompt (256 tokens)
+    // is under half of what a direct turn would count on.
+    let removed = vec![kvc_events::Event::Removed(kvc_events::BlockRemoved {
+        block_hashes: (516..625).map(kvc_events::EngineHash).collect(),
+        medium: None,
+    })];
+    publish_applied(&cluster, &publisher, engine_now, removed, "the removal").await;
+    assert_eq!(cluster.list_workers().await[1].indexed_blocks, Some(16));
+    let t3 = service
+        .route_prompt(&request(3, 3, 2_400, 4), &[], Some(&prompt[..]))
+        .unwrap();
+    assert_ne!(t3.mode, ExecutionMode::DirectToD);
+    assert_eq!(t3.prefill_worker.map(|w| w.0), Some(0));
+    let metrics = cluster.metrics().await;
+    assert_eq!(
+        common::value(&metrics, "kvc_router_event_evictions_total", &[]),
+        1.0
+    );
+    stop.cancel();
+}
+
 /// Routes the first turns of sessions `sessions` (1,600 tokens each, outcomes never reported,
 /// so the work piles up) and returns (mode, prefill worker, decode worker) per decision.
 async fn first_turns(

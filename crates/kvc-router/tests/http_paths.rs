@@ -1027,9 +1027,8 @@ async fn a_session_id_the_client_changes_every_request_is_detected_and_not_trust
         .await;
     assert_eq!(r.header("x-kvc-session"), "keep-2");
     // Its prompt goes on past keep-1's latest: a session started from keep-1's context (a
-    // subagent), its parent inferred (these decode workers cannot serve a session they hold
-    // no KV of, so it is seeded all the same).
-    assert_eq!(r.header("x-kvc-mode"), "turn1-seed");
+    // subagent), its parent inferred, its first turn an append on keep-1's decode worker.
+    assert_eq!(r.header("x-kvc-mode"), "direct-to-d");
     assert_eq!(
         f.metric(
             "kvc_router_http_subagent_sessions_total",

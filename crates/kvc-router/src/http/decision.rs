@@ -21,6 +21,8 @@ pub(crate) struct RouteQuery {
     rejected_by: Option<WorkerId>,
     /// The session that spawned this one, when the client named it or the front inferred it.
     parent: Option<SessionId>,
+    /// The prompt's tokens, for the engines' events to say how much of it a worker holds.
+    prompt: Vec<u32>,
 }
 
 impl RouteQuery {
@@ -41,7 +43,13 @@ impl RouteQuery {
             hash_ids: hash_ids.into_iter().map(BlockHash).collect(),
             rejected_by: None,
             parent: None,
+            prompt: Vec::new(),
         }
+    }
+
+    /// The prompt's tokens (the whole prompt, generation prompt included).
+    pub(super) fn with_prompt(self, prompt: Vec<u32>) -> Self {
+        RouteQuery { prompt, ..self }
     }
 
     /// Names the session that spawned this query's session (a subagent's parent).
@@ -108,7 +116,8 @@ pub(crate) fn route_traced(
     excluded: &[WorkerId],
     span: &RequestSpan,
 ) -> Result<Decision, RequestError> {
-    let d = match service.route_excluding(&query.request(), excluded) {
+    let prompt = (!query.prompt.is_empty()).then_some(&query.prompt[..]);
+    let d = match service.route_prompt(&query.request(), excluded, prompt) {
         Ok(d) => d,
         Err(e) => {
             if span.is_recording() {

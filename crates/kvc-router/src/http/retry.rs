@@ -162,7 +162,8 @@ pub(crate) async fn prepare_request(
         input_length,
         req.output_hint,
         hash_ids,
-    );
+    )
+    .with_prompt(tokens);
     // A subagent's first turn names its parent: by a header, or inferred from the prompt.
     if let Some(r) = resolved.as_ref().filter(|r| r.turn == 1) {
         let named = parent_key
@@ -226,6 +227,16 @@ async fn route_and_forward(
             Ok(d) => d,
             Err(e) => return previous.unwrap_or_else(|| route_error_response(&e)),
         };
+        tracing::debug!(
+            request = request.request_id,
+            attempt,
+            mode = %decision.mode,
+            reason = decision.reason.map_or_else(|| "-".to_owned(), |r| r.to_string()),
+            prefill = ?decision.prefill.map(|w| w.0),
+            decode = decision.decode.0,
+            cached_tokens = decision.cached_tokens,
+            "request routed"
+        );
         if ends_session {
             // Every attempt's report ends the session, the answered one's last.
             app.service.end_session_after(decision.id);

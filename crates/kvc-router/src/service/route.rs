@@ -90,8 +90,22 @@ impl RouterService {
         req: &RouteRequest<'_>,
         exclude: &[WorkerId],
     ) -> Result<RouterDecision, RequestError> {
+        self.route_prompt(req, exclude, None)
+    }
+
+    /// [`RouterService::route_excluding`] for a request whose prompt tokens the caller has
+    /// (the HTTP front): the engine events' eviction check then also asks how much of this
+    /// prompt the worker holds, whoever stored it, beside how many blocks the events credit
+    /// to the session (a block every session shares is credited to the last one to store or
+    /// reuse it).
+    pub fn route_prompt(
+        &self,
+        req: &RouteRequest<'_>,
+        exclude: &[WorkerId],
+        prompt: Option<&[u32]>,
+    ) -> Result<RouterDecision, RequestError> {
         let started = Instant::now();
-        let result = self.route_inner(req, exclude);
+        let result = self.route_inner(req, exclude, prompt);
         match &result {
             Ok(d) => {
                 self.metrics.record_decision(d.mode, d.fall_through_reason);
@@ -106,6 +120,7 @@ impl RouterService {
         &self,
         req: &RouteRequest<'_>,
         exclude: &[WorkerId],
+        prompt: Option<&[u32]>,
     ) -> Result<RouterDecision, RequestError> {
         self.validate_route(req)?;
         let session = req.session;
@@ -207,11 +222,24 @@ impl RouterService {
         // once they have caught up with the session's last request or answer (a batch the
         // engine published since is applied), or `events-lag-ms` after it. Holding "some"
         // blocks is not enough: the blocks of a system prompt every session shares stay on a
-        // busy worker, credited to whichever session stored them last, so the events must
-        // show at least half of what the plan counts on the worker holding.
+        // busy worker, so the events must show at least half of what the plan counts on the
+        // worker holding. What they show held is the more of: the blocks the events credit
+        // to the session, and, when the caller gave the prompt's tokens (the HTTP front), the
+        // prompt's leading blocks on the worker, whoever stored them. vLLM reports a
+        // prefix-cache hit as a store under the hitting request's session, so a block many
+        // sessions share is credited to the last of them: a subagent's first turn on its
+        // parent's worker takes the credit of the parent's whole prefix. The credit alone
+        // still decides where the front's tokens are not the engine's (another template, an
+        // engine whose events carry other tokens).
         let evicted = session.is_some_and(|s| {
             counts_on_residency(&decision, &core.state, s)
-                && self.events_show_eviction(&mut core.events_showed, &decision, s, last_seen, now)
+                && self.events_show_eviction(
+                    &mut core.events_showed,
+                    &decision,
+                    (s, prompt),
+                    last_seen,
+                    now,
+                )
         });
         if let Some(s) = session
             && evicted
@@ -332,12 +360,17 @@ impl RouterService {
         &self,
         showed: &mut std::collections::HashMap<SessionId, WorkerId>,
         decision: &Decision,
-        session: SessionId,
+        (session, prompt): (SessionId, Option<&[u32]>),
         last_seen: Option<u64>,
         now: u64,
     ) -> bool {
         let d = decision.decode;
-        match self.events_residency(d, session) {
+        let credited = self.events_residency(d, session);
+        let held = match (credited, prompt.and_then(|t| self.events_prompt_held(d, t))) {
+            (Some(c), Some(p)) => Some(c.max(p)),
+            (c, p) => c.or(p),
+        };
+        match held {
             Some(held) if held.saturating_mul(2) < decision.cached_tokens.max(1) => {
                 showed.get(&session) == Some(&d)
                     || last_seen.is_none_or(|t| {
