@@ -56,7 +56,14 @@
 # unpinned too: pinned to core 0, `kvc-replay profile` measured its decode step at 110-121 ms
 # at every batch size (against 1-6 ms unpinned), its own engine-core loop and API server
 # taking turns with it on that core. The core is recorded in
-# ready.json ("core", null when unpinned). Exit 3: python3 missing (callers skip); any other
+# ready.json ("core", null when unpinned). KVC_REAL_VLLM_NIXL_DELAY_US (default 200): NIXL's
+# progress thread pauses this long between polls (nixl/sitecustomize.py, on the engines'
+# PYTHONPATH; 0 leaves NIXL's own setting, no pause). NIXL's Python agent sets no pause, and
+# each P/D engine then spins a core on it even when idle: on two cores, a third of the machine
+# per engine, taken from the engines' compute and from whatever runs beside them (measured on
+# an idle 1p1d pair: 95% of a core per engine without the pause, 4% with 200 us; the pair
+# test's first turns through P took 0.9-2.6 s with it, 1.4-29 s without). Recorded in
+# ready.json ("nixl-progress-delay-us"). Exit 3: python3 missing (callers skip); any other
 # failure prints the failing engine's log tail.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -90,7 +97,7 @@ if [ -n "$lease" ]; then
   [[ "$lease" =~ ^[1-9][0-9]*$ ]] || { echo "real-vllm: KVC_REAL_VLLM_KV_LEASE_S must be a positive number of seconds, got $lease" >&2; exit 2; }
   lease_extra=",\"kv_connector_extra_config\":{\"kv_lease_duration\":$lease}"
 fi
-nixl_delay="${KVC_REAL_VLLM_NIXL_DELAY_US:-0}"
+nixl_delay="${KVC_REAL_VLLM_NIXL_DELAY_US:-200}"
 [[ "$nixl_delay" =~ ^[0-9]+$ ]] || { echo "real-vllm: KVC_REAL_VLLM_NIXL_DELAY_US must be a count of microseconds, got $nixl_delay" >&2; exit 2; }
 router_port="${KVC_REAL_VLLM_ROUTER_PORT:-18080}"
 cache="${KVC_REAL_VLLM_CACHE:-$HOME/.cache/kvc/real-vllm}"
@@ -230,9 +237,9 @@ for i in "${!roles[@]}"; do
   fi
 done
 
-"$python" - "$out" "$model" "$block_size" "$router_port" "$served" "$max_len" "$chunk" <<'PY'
+"$python" - "$out" "$model" "$block_size" "$router_port" "$served" "$max_len" "$chunk" "$nixl_delay" <<'PY'
 import json, os, re, sys, urllib.request
-out, model, block_size, router_port, served, max_len, chunk = sys.argv[1:]
+out, model, block_size, router_port, served, max_len, chunk, nixl_delay = sys.argv[1:]
 
 
 def pool_blocks(url):
@@ -259,6 +266,7 @@ with open(f"{out}/engines.tsv") as f:
         })
 ready = {"model": model, "served-model-name": served, "max-model-len": int(max_len),
          "max-num-batched-tokens": int(chunk),
+         "nixl-progress-delay-us": int(nixl_delay),
          "tokenizer": f"{model}/tokenizer.json", "engines": engines,
          "router-http": f"http://127.0.0.1:{router_port}"}
 with open(f"{out}/ready.json.tmp", "w") as f:

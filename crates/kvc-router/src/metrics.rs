@@ -43,6 +43,7 @@
 //! | `kvc_router_http_retries_total` | counter | — (requests forwarded again after a failure before any byte reached the client) |
 //! | `kvc_router_http_health_checks_total` | counter | `result` (`ok`, `failed`) |
 //! | `kvc_router_http_admission_rejects_total` | counter | — (answers `503` + `x-kvc-admission: rejected` from a decode worker) |
+//! | `kvc_router_http_sessions_started_total` | counter | — (requests that started a session: a key the front had no record of, or a new inferred session) |
 //! | `kvc_router_http_rotated_session_ids_total` | counter | — (requests whose session key was new, yet whose prompt extends a session another key had used for one turn only: an id the client changes every request, not trusted; the request continues that session) |
 //! | `kvc_router_http_subagent_sessions_total` | counter | `parent` (`header`: a parent-session or parent-agent header named it, or an agent header within a client session; `inferred`: a new key whose prompt goes on past a live session's latest) — first turns of sessions with a known parent |
 //! | `kvc_router_http_inferred_sessions_total` | counter | `result` (`continued`: a request without a session key continued a known session; `new`: it started an inferred session) |
@@ -211,6 +212,7 @@ pub struct Metrics {
     /// `continued`, then `new`.
     inferred_sessions: [Counter; 2],
     rotated_session_ids: Counter,
+    sessions_started: Counter,
     /// `header`, then `inferred`.
     subagent_sessions: [Counter; 2],
     /// Requests with a client session key, by where it came from.
@@ -359,6 +361,11 @@ impl Metrics {
                 ResultLabel { result: "new" },
             ],
         );
+        let sessions_started = counter(
+            r,
+            "kvc_router_http_sessions_started",
+            "Requests that started a session (a key the front had no record of, or a new inferred session)",
+        );
         let rotated_session_ids = counter(
             r,
             "kvc_router_http_rotated_session_ids",
@@ -404,6 +411,7 @@ impl Metrics {
             http_admission_rejects,
             inferred_sessions,
             rotated_session_ids,
+            sessions_started,
             subagent_sessions,
             session_keys,
         }
@@ -583,6 +591,11 @@ impl Metrics {
     /// inferred.
     pub fn subagent_sessions(&self, inferred: bool) -> u64 {
         self.subagent_sessions[usize::from(inferred)].get()
+    }
+
+    /// Counts a request that started a session at the HTTP front.
+    pub fn record_session_started(&self) {
+        self.sessions_started.inc();
     }
 
     /// Requests whose session key was found to rotate, so far.

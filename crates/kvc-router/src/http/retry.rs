@@ -166,6 +166,7 @@ pub(crate) async fn prepare_request(
     .with_prompt(tokens);
     // A subagent's first turn names its parent: by a header, or inferred from the prompt.
     if let Some(r) = resolved.as_ref().filter(|r| r.turn == 1) {
+        app.service.metrics().record_session_started();
         let named = parent_key
             .as_deref()
             .map(SessionId::from_key)
