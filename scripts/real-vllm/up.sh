@@ -62,7 +62,7 @@
 # each P/D engine then spins a core on it even when idle: on two cores, a third of the machine
 # per engine, taken from the engines' compute and from whatever runs beside them (measured on
 # an idle 1p1d pair: 95% of a core per engine without the pause, 4% with 200 us; the pair
-# test's first turns through P took 0.9-2.6 s with it, 1.4-29 s without). Recorded in
+# test's first turns through P took 0.4-2.6 s with it, 0.7-29 s without). Recorded in
 # ready.json ("nixl-progress-delay-us"). Exit 3: python3 missing (callers skip); any other
 # failure prints the failing engine's log tail.
 set -euo pipefail
