@@ -293,7 +293,8 @@
 //!   refusal, so admission is the router's own, from D's state before the decision leaves
 //!   [`RouterService::route_prompt`]: the engine events' eviction check (a D whose events
 //!   hold less than half of what the plan counts on, as the blocks they credit to the
-//!   session or the prompt's leading blocks on D, is not planned direct) and the probe of D's state (room for
+//!   session or the prompt's leading blocks on D, is not planned direct) and the probe of
+//!   D's state (room for
 //!   the turn), as for every direct-to-D decision. On a D whose events come as several
 //!   data-parallel ranks, the request carries `X-data-parallel-rank: <r>` with the rank
 //!   whose events hold the most of the session (vLLM's OpenAI server serves the request on

@@ -365,13 +365,17 @@ impl RouterService {
         now: u64,
     ) -> bool {
         let d = decision.decode;
-        let credited = self.events_residency(d, session);
-        let held = match (credited, prompt.and_then(|t| self.events_prompt_held(d, t))) {
-            (Some(c), Some(p)) => Some(c.max(p)),
-            (c, p) => c.or(p),
+        let enough = |held: u64| held.saturating_mul(2) >= decision.cached_tokens.max(1);
+        // The prompt's overlap is worked out only where the credit alone falls short.
+        let held = match self.events_residency(d, session) {
+            Some(c) if enough(c) => Some(c),
+            credited => match (credited, prompt.and_then(|t| self.events_prompt_held(d, t))) {
+                (Some(c), Some(p)) => Some(c.max(p)),
+                (c, p) => c.or(p),
+            },
         };
         match held {
-            Some(held) if held.saturating_mul(2) < decision.cached_tokens.max(1) => {
+            Some(held) if !enough(held) => {
                 showed.get(&session) == Some(&d)
                     || last_seen.is_none_or(|t| {
                         now.saturating_sub(t) >= self.config.engine_signals.events_lag_ms
