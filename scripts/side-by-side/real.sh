@@ -6,7 +6,11 @@
 #
 # Legs, two engines each:
 #   on 1P1D (NixlConnector P/D):
-#     kvc-1p1d          kvc-router, policy kvc, each engine kept to its role
+#     kvc-1p1d          kvc-router, policy kvc, with its default of letting a vLLM engine of
+#                       either role serve a turn alone where that is cheaper (conditional
+#                       disaggregation: a session may live on P, whose pool holds it, and its
+#                       turns skip the transfer); --kvc-keep-roles keeps each engine to its
+#                       role instead (every turn direct-to-D or P -> D)
 #     vllm-router-1p1d  vllm-router --vllm-pd-disaggregation --policy kv_aware with decode
 #                       session affinity, fed by the prefill engine's KV events
 #   on 2 colocated engines:
@@ -50,8 +54,11 @@
 # Usage: scripts/side-by-side/real.sh [--pressure] [--no-sim] [--reps 3] [--sessions 4] [--turns 6]
 #          [--factor 4] [--start-span 30] [--pool-blocks N] [--max-model-len N] [--seed 7]
 #          [--only LEG[,LEG...]] [--out DIR] [--peers DIR] [--kvc-knob KEY=VALUE]...
+#          [--kvc-keep-roles]
 # --kvc-knob sets a knob of kvc-router's policy in its legs (repeatable; `kvc-replay
 #   policies` lists them), written into [policy] of the leg's kvc-router.toml.
+# --kvc-keep-roles: kvc-router's 1P1D leg keeps each engine to its role (`serve-alone =
+#   false` on both workers, as scripts/real-vllm/up.sh writes it for the pair tests).
 # --pool-blocks N cuts the colocated engines' and the decode engine's pools to N blocks of 32
 #   tokens (vLLM's --num-gpu-blocks-override; default: what 1 GiB holds, 32,768 blocks of the
 #   harness's model).
@@ -81,6 +88,7 @@ seed=7
 only=""
 out=""
 knobs=()
+keep_roles=0
 peers="$root/target/side-by-side"
 vllm_router_version=0.1.17
 smg_version=1.13.0
@@ -92,6 +100,7 @@ while [ $# -gt 0 ]; do
     --reps) reps="$2"; shift 2 ;;
     --pressure) pressure=1; shift ;;
     --no-sim) sim=0; shift ;;
+    --kvc-keep-roles) keep_roles=1; shift ;;
     --kvc-knob)
       [[ "$2" =~ ^[a-z][a-z0-9-]*=[^\n]+$ ]] || { echo "side-by-side-real: --kvc-knob takes KEY=VALUE, got $2" >&2; exit 2; }
       knobs+=("$2"); shift 2 ;;
@@ -295,10 +304,13 @@ start_router() { # start_router LEG DIR: the leg's router, in the background; se
       url="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["router-http"])' "$engines/ready.json")"
       mode=unknown
       # The engines' configuration, with the knobs of --kvc-knob in its [policy] table.
-      python3 - "$engines/kvc-router.toml" "$dir/kvc-router.toml" "${knobs[@]}" <<'PY'
+      # Unless --kvc-keep-roles, without up.sh's `serve-alone = false` (kvc's default).
+      python3 - "$engines/kvc-router.toml" "$dir/kvc-router.toml" "$keep_roles" "${knobs[@]}" <<'PY'
 import sys
-src, dst, knobs = sys.argv[1], sys.argv[2], sys.argv[3:]
+src, dst, keep_roles, knobs = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4:]
 lines = open(src).read().splitlines()
+if not keep_roles:
+    lines = [l for l in lines if l != "serve-alone = false"]
 at = lines.index('policy = "kvc"') + 1
 for k in knobs:
     key, value = k.split("=", 1)

@@ -160,6 +160,23 @@ def cell(values, fmt):
     return f"{fmt.format(mean)} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
+def kvc_pd_label(name, configs):
+    """kvc-router's 1P1D label, saying whether its engines were kept to their roles (every
+    worker `serve-alone = false`) or could serve turns alone, as its configurations say."""
+    kept = set()
+    for path in configs:
+        try:
+            with open(path) as f:
+                kept.add("serve-alone = false" in f.read().splitlines())
+        except OSError:
+            return name
+    if kept == {True}:
+        return "kvc-router (kvc, 1P1D, roles kept)"
+    if kept == {False}:
+        return "kvc-router (kvc, 1P1D, P or D may serve alone)"
+    return "kvc-router (kvc, 1P1D, mixed configurations)"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace")
@@ -174,6 +191,8 @@ def main():
                        and os.path.exists(os.path.join(d, r, "drive.json"))),
                       key=lambda r: int(r[3:]))
         if reps:
+            if key == "kvc-1p1d":
+                name = kvc_pd_label(name, [os.path.join(d, r, "kvc-router.toml") for r in reps])
             legs.append((key, name, [rep_figures(os.path.join(d, r)) for r in reps]))
     if not legs:
         sys.exit(f"real_table.py: no leg with results under {a.runs}")

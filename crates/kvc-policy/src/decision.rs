@@ -59,7 +59,7 @@ pub struct Component {
 }
 
 /// Most components a score entry holds.
-const MAX_COMPONENTS: usize = 8;
+const MAX_COMPONENTS: usize = 9;
 
 /// The score of one candidate, for debugging. `total` is what the policy maximised (each
 /// policy documents it); ties are broken as the policy documents. Components are stored inline

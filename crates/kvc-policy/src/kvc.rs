@@ -8,6 +8,12 @@
 //!   `active-window-ms`) costs `active-weight`. Those sessions decode alongside the new one and
 //!   will grow into the same pool; co-locating active sessions is what later forces D to evict
 //!   one of them (a `session-evicted` fall-through through P) and slows every decode step.
+//!   Where the hosts' KV pools differ, a session active on a host costs `active-weight` times
+//!   the largest host pool over that host's pool (`pool_scale`): a pool a tenth the size fills
+//!   with a tenth of the sessions. Placed by the count alone, a decode engine cut to a couple of
+//!   sessions beside a prefill engine with room for all of them (the prefill engine serving
+//!   turns alone too) took as many new sessions as the large pool and evicted them from each
+//!   other.
 //! - **weak stickiness for non-resident sessions**: a session that lost its KV does not get a
 //!   large bonus to return to the D that evicted it (`sticky-weight` 0.5 instead of 2.0); the
 //!   old D is usually still the fullest.
@@ -49,7 +55,7 @@
 //!       + sticky_weight   × [D is the session's current D]
 //!       − capacity_weight × committed_fraction(D)
 //!       − load_weight     × (in_flight(D) + queue_depth(D))
-//!       − active_weight   × active_sessions(D)
+//!       − active_weight   × active_sessions(D) × largest host pool / pool(D)
 //!       − ttft_weight     × cost of D's cheapest path      (local prefill; placement only)
 //! ```
 

@@ -274,6 +274,14 @@ impl V2<'_, '_> {
             (Some(p), None) => p.active_weight,
             (None, _) => 0.0,
         };
+        // The largest pool among the hosts: an active session on a host with a smaller pool
+        // costs more in proportion (`pool_scale`).
+        let largest_pool = self
+            .hosts
+            .iter()
+            .map(|slot| ctx.worker_state(WorkerId(slot as u32)).capacity_tokens)
+            .max()
+            .unwrap_or(0);
         let cap = f64::from(cfg.overlap_cap_blocks);
         scores.reserve(self.hosts.len());
         let mut best: Option<RankKey> = None;
@@ -292,7 +300,8 @@ impl V2<'_, '_> {
             };
             let capacity_term = 0.0 - cfg.capacity_weight * used;
             let load_term = 0.0 - cfg.load_weight * load as f64;
-            let active_term = 0.0 - active_weight * f64::from(active[slot]);
+            let pool_scale = pool_scale(largest_pool, state.capacity_tokens);
+            let active_term = 0.0 - active_weight * f64::from(active[slot]) * pool_scale;
             let path_term = paths
                 .and_then(|p| p[slot])
                 .map_or(0.0, |p| 0.0 - ttft_weight * p.cost_s);
@@ -323,6 +332,7 @@ impl V2<'_, '_> {
                 .with("capacity_term", capacity_term)
                 .with("load_term", load_term)
                 .with("active_term", active_term)
+                .with("pool_scale", pool_scale)
                 .with("committed_fraction", used);
             if paths.is_some() {
                 e = e.with("path_term", path_term);
@@ -575,6 +585,17 @@ impl V2<'_, '_> {
 
 pub(crate) fn route(cfg: &KvcV2Config, ctx: &Ctx<'_>) -> Result<Decision, PolicyError> {
     route_with(cfg, None, ctx)
+}
+
+/// How much more an active session weighs on a host whose KV pool holds `pool` tokens than on
+/// the hosts with the largest pool, `largest`: `largest / pool`, 1 where either is unknown (0).
+/// A pool a tenth of the largest takes a tenth of the sessions before it evicts one of them.
+fn pool_scale(largest: u64, pool: u64) -> f64 {
+    if largest == 0 || pool == 0 {
+        1.0
+    } else {
+        largest as f64 / pool as f64
+    }
 }
 
 /// The v2 decision procedure, with `kvc`'s placement terms and local prefill when given.

@@ -328,3 +328,67 @@ fn local_prefill_knobs_are_checked() {
         serde_json::from_str(r#"{"policy":"kvc","local-prefill":{"enabled":false}}"#).unwrap();
     assert!(ok.validate().is_ok());
 }
+
+/// 1P1D whose prefill worker also serves turns alone and has a pool a hundred times the decode
+/// worker's (a decode engine cut to a session or two beside a prefill engine with room for all
+/// of them). With pools of one size, new sessions split between the two by the count of active
+/// sessions; with these pools an active session on the small one weighs a hundred times as
+/// much, and the small pool takes one session at a time.
+#[test]
+fn an_active_session_weighs_by_the_pool_it_fills() {
+    const SMALL: u64 = 20 * BS; // 10,240 tokens: one session of 12 blocks (6,144 tokens)
+    let cluster = |small: u64| {
+        vec![
+            WorkerView::new(
+                WorkerId(0),
+                WorkerRole::Prefill,
+                kvc_core::WorkerState::empty(100 * SMALL),
+            )
+            .with_caps(Capabilities::of_role(WorkerRole::Prefill).with_local()),
+            WorkerView::new(
+                WorkerId(1),
+                WorkerRole::Decode,
+                kvc_core::WorkerState::empty(small),
+            )
+            .with_caps(Capabilities::of_role(WorkerRole::Decode).with_local()),
+        ]
+    };
+    // Sessions 1..=n placed in turn (the system prompt's 4 blocks and 8 of their own), each
+    // one still active when the next is placed.
+    let hosts = |r: &mut Router, ws: &[WorkerView], n: u64| -> Vec<u32> {
+        (1..=n)
+            .map(|s| r.serve(ws, Some((s, 1)), &ctx_blocks(s, 0, 8)).decode.0)
+            .collect()
+    };
+    let on_small = |placed: &[u32]| placed.iter().filter(|&&h| h == 1).count();
+    let even = cluster(100 * SMALL);
+    let placed = hosts(&mut Router::named("kvc", &even), &even, 8);
+    assert_eq!(on_small(&placed), 4, "pools of one size: {placed:?}");
+
+    let ws = cluster(SMALL);
+    let mut r = Router::named("kvc", &ws);
+    let placed = hosts(&mut r, &ws, 16);
+    assert_eq!(on_small(&placed), 1, "a small pool: {placed:?}");
+    let blocks = ctx_blocks(17, 0, 8);
+    let req = r.request(17, 1, &blocks);
+    let d = r.decide(&ws, &req).unwrap();
+    assert_eq!(d.decode, WorkerId(0));
+    let dr = WorkerRole::Decode;
+    // The small pool's one active session: −0.25 × 1 × 100; the large pool's fifteen:
+    // −0.25 × 15 × 1 (`local-prefill.active-weight`, where local prefill is planned).
+    let small = d.score(WorkerId(1), dr).unwrap();
+    assert!(approx(small.component("pool_scale").unwrap(), 100.0));
+    assert!(approx(small.component("active_term").unwrap(), -25.0));
+    let large = d.score(WorkerId(0), dr).unwrap();
+    assert!(approx(large.component("pool_scale").unwrap(), 1.0));
+    assert!(approx(
+        large.component("active_term").unwrap(),
+        -0.25 * 15.0
+    ));
+    // Once the small pool's session has been quiet for the active window, it takes the next.
+    let quiet = RouteRequest::new(RequestId(900), 12 * BS, 10, &blocks)
+        .in_session(SessionId(17), kvc_core::TurnId(1));
+    let later =
+        kvc_policy::route(&r.config, &r.state, &ClusterView::new(31_000, &ws), &quiet).unwrap();
+    assert_eq!(later.decode, WorkerId(1));
+}
