@@ -660,6 +660,107 @@ async fn a_prefix_another_session_reused_still_holds_the_session() {
     stop.cancel();
 }
 
+/// Two colocated vLLM engines: a session the events show gone from its engine is placed again
+/// by score, as a P/D session whose direct turn they rule out is, rather than held to the
+/// engine that evicted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_colocated_session_its_engine_evicted_is_placed_again() {
+    use kvc_core::{BlockHash, ExecutionMode, Outcome, RequestId, SessionId, TurnId, WorkerRole};
+    use kvc_router::DecisionOutcome;
+
+    let (cluster, publisher, stop, [w0, w1, _]) = events_cluster(|cfg| {
+        for w in &mut cfg.workers {
+            w.role = WorkerRole::Colocated;
+            w.serve_alone = None;
+        }
+    })
+    .await;
+    let service = cluster.service();
+    // w0 out of rotation for the first turn, so that the session starts on w1 (the engine
+    // with events).
+    *w0.lock() = (StatusCode::SERVICE_UNAVAILABLE, String::new());
+    wait_for(&cluster, "w0 out", |ws| {
+        ws[0].state.health != Health::Healthy
+    })
+    .await;
+    let a = SessionId::from_key("agent-a");
+    let prompt: Vec<u32> = (0..2_400).map(|t| 7_000 + t).collect();
+    let hashes: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
+    let request = |id: u64, turn: u32, len: usize, blocks: usize| kvc_policy::RouteRequest {
+        request_id: RequestId(id),
+        session: Some(a),
+        turn: Some(TurnId(turn)),
+        input_length: len as u64,
+        output_hint: 16,
+        hash_ids: &hashes[..blocks],
+        rejected_by: None,
+        parent: None,
+    };
+    let answered = |d: &kvc_router::RouterDecision, id: u64, tokens: u64| {
+        service
+            .report_outcome(&DecisionOutcome {
+                decision_id: d.decision_id,
+                request_id: RequestId(id),
+                outcome: Outcome::Ok,
+                resident_tokens: tokens,
+            })
+            .unwrap();
+    };
+    let t1 = service
+        .route_prompt(&request(1, 1, 2_000, 3), &[], Some(&prompt[..2_000]))
+        .unwrap();
+    assert_eq!((t1.mode, t1.decode_worker.0), (ExecutionMode::Colocated, 1));
+    answered(&t1, 1, 2_000);
+    let engine_now = cluster.now() as f64 / 1_000.0;
+    let stored = (0..125)
+        .map(|i: usize| {
+            kvc_events::Event::Stored(kvc_events::BlockStored {
+                block_hashes: vec![kvc_events::EngineHash(500 + i as u64)],
+                parent: i
+                    .checked_sub(1)
+                    .map(|p| kvc_events::EngineHash(500 + p as u64)),
+                token_ids: prompt[i * 16..(i + 1) * 16].to_vec(),
+                block_size: 16,
+                session_id: Some("agent-a".to_owned()),
+                ..Default::default()
+            })
+        })
+        .collect();
+    publish_applied(&cluster, &publisher, engine_now, stored, "A's blocks").await;
+    // Both engines in rotation, w1 the fuller: a session held there stays there.
+    *w0.lock() = (StatusCode::OK, vllm_text(0, 0, 0.0, 5_750));
+    *w1.lock() = (StatusCode::OK, vllm_text(0, 0, 0.3, 5_750));
+    wait_for(&cluster, "w0 back, w1 at 30%", |ws| {
+        ws[0].state.health == Health::Healthy && ws[1].state.used_tokens > 20_000
+    })
+    .await;
+    let t2 = service
+        .route_prompt(&request(2, 2, 2_200, 4), &[], Some(&prompt[..2_200]))
+        .unwrap();
+    assert_eq!((t2.mode, t2.decode_worker.0), (ExecutionMode::Colocated, 1));
+    assert!(t2.cached_tokens > 1_000, "{t2:?}");
+    answered(&t2, 2, 2_200);
+    // w1 drops the blocks from the 17th on: 256 tokens of the prompt left there.
+    let removed = vec![kvc_events::Event::Removed(kvc_events::BlockRemoved {
+        block_hashes: (516..625).map(kvc_events::EngineHash).collect(),
+        medium: None,
+    })];
+    publish_applied(&cluster, &publisher, engine_now, removed, "the removal").await;
+    let t3 = service
+        .route_prompt(&request(3, 3, 2_400, 4), &[], Some(&prompt[..]))
+        .unwrap();
+    // Placed again by score: the emptier engine (w1's small remainder and the weak sticky
+    // bonus do not outweigh its 30% committed).
+    assert_eq!((t3.mode, t3.decode_worker.0), (ExecutionMode::Colocated, 0));
+    assert_eq!(t3.cached_tokens, 0);
+    let metrics = cluster.metrics().await;
+    assert_eq!(
+        common::value(&metrics, "kvc_router_event_evictions_total", &[]),
+        1.0
+    );
+    stop.cancel();
+}
+
 /// Routes the first turns of sessions `sessions` (1,600 tokens each, outcomes never reported,
 /// so the work piles up) and returns (mode, prefill worker, decode worker) per decision.
 async fn first_turns(

@@ -215,7 +215,8 @@ impl RouterService {
         };
         // The engine's own events say the session's KV is gone from the worker it would go
         // to: the policy learns the eviction and decides again (reseed or fallback; a local
-        // turn planned on the session's host, which counted on that KV, is costed again).
+        // turn planned on the session's host, which counted on that KV, is costed again; a
+        // colocated session is placed again by score).
         // Not while the events of the session's last turn may still be on their way: a turn
         // sent as soon as the last one was answered would otherwise find nothing stored yet.
         // The events decide once they had shown the blocks there (then they saw them go),
@@ -391,12 +392,18 @@ impl RouterService {
     }
 }
 
+/// Whether `decision` counts on `session`'s KV being where the policy believes it: a direct
+/// turn, or a turn served alone (local prefill, or a colocated worker's) on the worker the
+/// session is resident on. A colocated session held to its worker after that worker evicted
+/// it would never be placed again (strict stickiness), however full its worker.
 fn counts_on_residency(decision: &Decision, state: &RouterState, session: SessionId) -> bool {
     match decision.mode {
         ExecutionMode::DirectToD => true,
-        ExecutionMode::LocalPrefill => state.session(session).is_some_and(|r| {
-            r.current_d == Some(decision.decode) && r.residency == Residency::Resident
-        }),
+        ExecutionMode::LocalPrefill | ExecutionMode::Colocated => {
+            state.session(session).is_some_and(|r| {
+                r.current_d == Some(decision.decode) && r.residency == Residency::Resident
+            })
+        }
         _ => false,
     }
 }
