@@ -11,7 +11,7 @@
 //! | `kvc_router_decision_latency_quantile_seconds` | gauge | `quantile` (0.5, 0.99, 0.999) |
 //! | `kvc_router_probes_total` | counter | `result` (`admit`, `reject`, `stale`, `contended`, `state`) |
 //! | `kvc_router_probe_reroutes_total` | counter | — |
-//! | `kvc_router_event_evictions_total` | counter | — (direct-to-D plans dropped because the D's KV-cache events showed none of the session's blocks: blocks they had shown and then removed, or none at all once the events have caught up with the session's last request or answer, or `engine-signals.events-lag-ms` after it) |
+//! | `kvc_router_event_evictions_total` | counter | — (plans that counted on a session's KV on its worker — direct-to-D, or a turn served alone there, local or colocated — dropped because the worker's KV-cache events showed none of the session's blocks: blocks they had shown and then removed, or none at all once the events have caught up with the session's last request or answer, or `engine-signals.events-lag-ms` after it) |
 //! | `kvc_router_event_adoptions_total` | counter | — (sessions this router had no placement for, adopted where the engines' KV-cache events show them: another replica placed them) |
 //! | `kvc_router_stale_routed_total` | counter | — (decisions made on workers whose state had grown stale, because no worker of a needed role had a fresh one) |
 //! | `kvc_router_commit_evicts_total` | counter | `result` (`admitted`, `rejected`, `busy`, `error`) |
@@ -282,7 +282,7 @@ impl Metrics {
         let event_evictions = counter(
             r,
             "kvc_router_event_evictions",
-            "Direct-to-D plans dropped because the decode worker's KV-cache events showed none of the session's blocks",
+            "Plans that counted on a session's KV on its worker (direct-to-D, or served alone there) dropped because the worker's KV-cache events showed none of the session's blocks",
         );
         let event_adoptions = counter(
             r,
