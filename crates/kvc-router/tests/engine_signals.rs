@@ -413,6 +413,27 @@ async fn publish_applied(
     .await
 }
 
+/// Turn `turn` (request `id`) of `session`: `len` tokens, of which `hashes` are the blocks,
+/// 16 tokens of output expected.
+fn turn_of(
+    session: kvc_core::SessionId,
+    hashes: &[kvc_core::BlockHash],
+    id: u64,
+    turn: u32,
+    len: usize,
+) -> kvc_policy::RouteRequest<'_> {
+    kvc_policy::RouteRequest {
+        request_id: kvc_core::RequestId(id),
+        session: Some(session),
+        turn: Some(kvc_core::TurnId(turn)),
+        input_length: len as u64,
+        output_hint: 16,
+        hash_ids: hashes,
+        rejected_by: None,
+        parent: None,
+    }
+}
+
 /// P (worker 0), d1 (worker 1, with a KV-event publisher) and d2 (worker 2, out of rotation
 /// so that sessions land on d1), all vLLM engines scraped every 20 ms; returned once P and d1
 /// are scraped and d1's subscriber is up. Cancel the token to stop the publisher.
@@ -570,7 +591,7 @@ async fn engine_events_show_residency_and_an_eviction_drops_the_direct_plan() {
 /// worker holds, whoever stored it last; the removal of those blocks is still an eviction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_another_session_reused_still_holds_the_session() {
-    use kvc_core::{BlockHash, ExecutionMode, Outcome, RequestId, SessionId, TurnId};
+    use kvc_core::{BlockHash, ExecutionMode, Outcome, RequestId, SessionId};
     use kvc_router::DecisionOutcome;
 
     let (cluster, publisher, stop, _engines) = events_cluster(|_| {}).await;
@@ -579,15 +600,8 @@ async fn a_prefix_another_session_reused_still_holds_the_session() {
     // The prompt of A's first turn: 2,000 tokens, of which d1 stores 125 blocks of 16.
     let prompt: Vec<u32> = (0..2_400).map(|t| 7_000 + t).collect();
     let hashes: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
-    let request = |id: u64, turn: u32, len: usize, blocks: usize| kvc_policy::RouteRequest {
-        request_id: RequestId(id),
-        session: Some(a),
-        turn: Some(TurnId(turn)),
-        input_length: len as u64,
-        output_hint: 16,
-        hash_ids: &hashes[..blocks],
-        rejected_by: None,
-        parent: None,
+    let request = |id: u64, turn: u32, len: usize, blocks: usize| {
+        turn_of(a, &hashes[..blocks], id, turn, len)
     };
     let t1 = service
         .route_prompt(&request(1, 1, 2_000, 3), &[], Some(&prompt[..2_000]))
@@ -665,7 +679,7 @@ async fn a_prefix_another_session_reused_still_holds_the_session() {
 /// engine that evicted it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_colocated_session_its_engine_evicted_is_placed_again() {
-    use kvc_core::{BlockHash, ExecutionMode, Outcome, RequestId, SessionId, TurnId, WorkerRole};
+    use kvc_core::{BlockHash, ExecutionMode, Outcome, RequestId, SessionId, WorkerRole};
     use kvc_router::DecisionOutcome;
 
     let (cluster, publisher, stop, [w0, w1, _]) = events_cluster(|cfg| {
@@ -686,15 +700,8 @@ async fn a_colocated_session_its_engine_evicted_is_placed_again() {
     let a = SessionId::from_key("agent-a");
     let prompt: Vec<u32> = (0..2_400).map(|t| 7_000 + t).collect();
     let hashes: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
-    let request = |id: u64, turn: u32, len: usize, blocks: usize| kvc_policy::RouteRequest {
-        request_id: RequestId(id),
-        session: Some(a),
-        turn: Some(TurnId(turn)),
-        input_length: len as u64,
-        output_hint: 16,
-        hash_ids: &hashes[..blocks],
-        rejected_by: None,
-        parent: None,
+    let request = |id: u64, turn: u32, len: usize, blocks: usize| {
+        turn_of(a, &hashes[..blocks], id, turn, len)
     };
     let answered = |d: &kvc_router::RouterDecision, id: u64, tokens: u64| {
         service
