@@ -413,6 +413,21 @@ async fn publish_applied(
     .await
 }
 
+/// The engine's event for block `i` (16 tokens, hash 500 + i, chained to block i − 1) of
+/// `prompt`, stored under `session`.
+fn prompt_block(prompt: &[u32], i: usize, session: &str) -> kvc_events::Event {
+    kvc_events::Event::Stored(kvc_events::BlockStored {
+        block_hashes: vec![kvc_events::EngineHash(500 + i as u64)],
+        parent: i
+            .checked_sub(1)
+            .map(|p| kvc_events::EngineHash(500 + p as u64)),
+        token_ids: prompt[i * 16..(i + 1) * 16].to_vec(),
+        block_size: 16,
+        session_id: Some(session.to_owned()),
+        ..Default::default()
+    })
+}
+
 /// Turn `turn` (request `id`) of `session`: `len` tokens, of which `hashes` are the blocks,
 /// 16 tokens of output expected.
 fn turn_of(
@@ -615,18 +630,7 @@ async fn a_prefix_another_session_reused_still_holds_the_session() {
             resident_tokens: 2_000,
         })
         .unwrap();
-    let block = |i: usize, session: &str| {
-        kvc_events::Event::Stored(kvc_events::BlockStored {
-            block_hashes: vec![kvc_events::EngineHash(500 + i as u64)],
-            parent: i
-                .checked_sub(1)
-                .map(|p| kvc_events::EngineHash(500 + p as u64)),
-            token_ids: prompt[i * 16..(i + 1) * 16].to_vec(),
-            block_size: 16,
-            session_id: Some(session.to_owned()),
-            ..Default::default()
-        })
-    };
+    let block = |i: usize, session: &str| prompt_block(&prompt, i, session);
     // Batches the engine published after A's answer (the events have caught up with it).
     let engine_now = cluster.now() as f64 / 1_000.0;
     let a_blocks = (0..125).map(|i| block(i, "agent-a")).collect();
@@ -720,18 +724,7 @@ async fn a_colocated_session_its_engine_evicted_is_placed_again() {
     answered(&t1, 1, 2_000);
     let engine_now = cluster.now() as f64 / 1_000.0;
     let stored = (0..125)
-        .map(|i: usize| {
-            kvc_events::Event::Stored(kvc_events::BlockStored {
-                block_hashes: vec![kvc_events::EngineHash(500 + i as u64)],
-                parent: i
-                    .checked_sub(1)
-                    .map(|p| kvc_events::EngineHash(500 + p as u64)),
-                token_ids: prompt[i * 16..(i + 1) * 16].to_vec(),
-                block_size: 16,
-                session_id: Some("agent-a".to_owned()),
-                ..Default::default()
-            })
-        })
+        .map(|i| prompt_block(&prompt, i, "agent-a"))
         .collect();
     publish_applied(&cluster, &publisher, engine_now, stored, "A's blocks").await;
     // Both engines in rotation, w1 the fuller: a session held there stays there.
