@@ -102,7 +102,7 @@ while [ $# -gt 0 ]; do
     --no-sim) sim=0; shift ;;
     --kvc-keep-roles) keep_roles=1; shift ;;
     --kvc-knob)
-      [[ "$2" =~ ^[a-z][a-z0-9-]*=[^\n]+$ ]] || { echo "side-by-side-real: --kvc-knob takes KEY=VALUE, got $2" >&2; exit 2; }
+      [[ "$2" =~ ^[a-z][a-z0-9-]*=.+$ && "$2" != *$'\n'* ]] || { echo "side-by-side-real: --kvc-knob takes KEY=VALUE, got $2" >&2; exit 2; }
       knobs+=("$2"); shift 2 ;;
     --sessions) sessions="$2"; shift 2 ;;
     --start-span) span="$2"; shift 2 ;;

@@ -189,6 +189,7 @@ fn full_exposition() -> String {
         )),
         discovery_warnings: 1,
         drained,
+        prefill_pace: 1.0,
     };
     let gauges = Gauges {
         workers: vec![

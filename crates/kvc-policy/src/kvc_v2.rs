@@ -43,7 +43,9 @@
 //! Colocated topologies: every decision is `colocated`. A session resident on a healthy worker
 //! stays there (strict stickiness, as a direct-to-D turn does) unless that worker is over the
 //! hard cap while another is at or below it; every other turn goes to the best worker by the
-//! same score.
+//! same score, less (with `kvc`'s local prefill on) `ttft-weight ×` the seconds of prefill
+//! queued on the worker and the turn's own, at the worker's measured pace
+//! ([`crate::RouterState::prefill_pace`]).
 //!
 //! Score components: `overlap` (blocks), `overlap_term`, `sticky_term`, `capacity_term`,
 //! `load_term`, `committed_fraction`; `total` is the sum of the four terms.
@@ -268,7 +270,12 @@ impl V2<'_, '_> {
                 &mut active,
             );
         }
-        let ttft_weight = self.local.map_or(0.0, |l| l.ttft_weight);
+        // Paths are worked out only where local prefill is on (`local`, or on a colocated
+        // cluster the placement's own configuration).
+        let ttft_weight = self
+            .local
+            .or(self.placement.map(|p| p.local))
+            .map_or(0.0, |l| l.ttft_weight);
         let active_weight = match (self.placement, self.local) {
             (Some(_), Some(l)) => l.active_weight,
             (Some(p), None) => p.active_weight,
@@ -439,6 +446,30 @@ impl V2<'_, '_> {
         }
         // `hosts` is not empty (checked by the caller), so `pick` found a D.
         best.unwrap_or(WorkerId(0))
+    }
+
+    /// On a colocated cluster, every host's one path: it serves the turn alone, after the
+    /// prefill already queued there, both at its measured pace
+    /// ([`crate::RouterState::prefill_pace`]).
+    fn colocated_paths(&self, l: &LocalPrefillConfig) -> Vec<Option<Path>> {
+        let ctx = self.ctx;
+        let mut out = vec![None; ctx.width()];
+        for slot in self.hosts.iter() {
+            let h = WorkerId(slot as u32);
+            let host_cached = ctx.cached_on(h, BlockView::Live, self.cfg.block_size);
+            let pf = l.prefill_s(
+                ctx.req.input_length.saturating_sub(host_cached),
+                host_cached,
+            );
+            out[slot] = Some(Path {
+                via: Via::Local,
+                cost_s: ctx.state.paced_backlog_s(h) + pf * ctx.state.prefill_pace(h),
+                prefill_s: pf,
+                host_cached,
+                own: 0,
+            });
+        }
+        out
     }
 
     /// The cheapest path to every host (`None` where there is none), `crate::local`'s rule.
@@ -630,7 +661,11 @@ pub(crate) fn route_with(
         let current = session
             .and_then(|s| s.current_d)
             .filter(|d| ctx.healthy_d.contains(d.0 as usize));
-        let best = v2.pick(current, None, None, &mut scores);
+        // With local prefill on, each worker's cost of the turn: the prefill queued there
+        // and the turn's own, at the worker's measured pace.
+        let colocated_local = placement.map(|p| p.local).filter(|l| l.enabled);
+        let costs = colocated_local.map(|l| v2.colocated_paths(&l));
+        let best = v2.pick(current, None, costs.as_deref(), &mut scores);
         // Strict stickiness, as for a direct-to-D turn: a session resident on a healthy
         // worker stays there (its next turn is an append to what that worker holds) unless
         // the worker is over the hard cap while another is not. Moving it for a lighter
@@ -640,7 +675,13 @@ pub(crate) fn route_with(
             _ => best.unwrap_or(WorkerId(0)),
         };
         let cached = ctx.cached_on(w, BlockView::Live, cfg.block_size);
-        return Ok(ctx.finish(Plan::colocated(w, cached, scores), knobs));
+        let mut plan = Plan::colocated(w, cached, scores);
+        if let Some(l) = colocated_local {
+            // Counted in the worker's backlog until its first token.
+            plan = plan
+                .with_prefill_s(l.prefill_s(ctx.req.input_length.saturating_sub(cached), cached));
+        }
+        return Ok(ctx.finish(plan, knobs));
     }
 
     // Every host's cheapest path, worked out only for a decision that weighs them (not for a

@@ -102,8 +102,11 @@
 //! workers can serve a turn alone, `kvc` chooses per turn between direct-to-D, P→D and
 //! `local-prefill` (the worker prefills the turn itself and keeps the session), by expected
 //! cost ([`LocalPrefillConfig`]); the router's prefill backlog per worker comes from the
-//! decisions it applied and [`Observation::PrefillDone`]. Other policies only plan P→D (from a
-//! prefill-capable worker to another, decode-capable one) and direct-to-D.
+//! decisions it applied and [`Observation::PrefillDone`], whose time also measures each
+//! worker's pace against the estimates ([`RouterState::prefill_pace`]; on colocated clusters,
+//! `kvc` places sessions by the prefill waiting on each worker at that pace). Other policies
+//! only plan P→D (from a prefill-capable worker to another, decode-capable one) and
+//! direct-to-D.
 //!
 //! ## Policies (stable names)
 //!

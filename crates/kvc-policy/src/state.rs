@@ -37,6 +37,39 @@ struct WorkerCounters {
     /// The prompt blocks of those decisions: KV on its way to the worker, which its pool must
     /// find room for when it lands.
     awaiting_kv_blocks: u64,
+    /// How the worker's first tokens came against the estimates ([`RouterState::prefill_pace`]).
+    pace: Pace,
+}
+
+/// Decayed sums of a worker's measured times to first token and of what the router's
+/// estimates gave for them (the backlog ahead of each request and its own prefill).
+#[derive(Debug, Clone, Copy, Default)]
+struct Pace {
+    measured_us: f64,
+    estimated_us: f64,
+    samples: u32,
+}
+
+impl Pace {
+    /// Each sample's weight falls by this much per later sample (about the last 20 count).
+    const DECAY: f64 = 0.95;
+    /// Samples before the pace is used.
+    const MIN_SAMPLES: u32 = 3;
+    /// The range the pace is kept in.
+    const RANGE: (f64, f64) = (1.0 / 64.0, 4096.0);
+
+    fn add(&mut self, measured_us: f64, estimated_us: f64) {
+        self.measured_us = self.measured_us * Self::DECAY + measured_us;
+        self.estimated_us = self.estimated_us * Self::DECAY + estimated_us;
+        self.samples = self.samples.saturating_add(1);
+    }
+
+    fn value(&self) -> f64 {
+        if self.samples < Self::MIN_SAMPLES || self.estimated_us <= 0.0 {
+            return 1.0;
+        }
+        (self.measured_us / self.estimated_us).clamp(Self::RANGE.0, Self::RANGE.1)
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +81,9 @@ struct Pending {
     /// Its prefill estimate still counted on the worker that prefills it (`prefill`, else
     /// `decode`); 0 once its first token is reported.
     prefill_us: u64,
+    /// The estimates of the decisions ahead of it on that worker when it was applied (its
+    /// backlog then).
+    ahead_us: u64,
     /// When it was applied (the decision's `now_ms`).
     sent_ms: u64,
     /// A P→D decision whose KV has not reached its D yet (no first token reported).
@@ -410,6 +446,24 @@ impl RouterState {
         self.counters
             .get(worker.0 as usize)
             .map_or(0.0, |c| c.prefill_us as f64 / 1e6)
+    }
+
+    /// How much longer `worker`'s first tokens take than the router's estimates give: the
+    /// measured time from sending a request to its first token over the estimate of the
+    /// backlog ahead of it and of its own prefill, as decayed sums over the requests reported
+    /// with a time ([`Observation::PrefillDone`] `at_ms`), the latest weighing most. 1 until
+    /// three have been (and for a worker with none). An engine on slower hardware, or
+    /// serving a larger model, than the estimates' rates assume has a pace above 1.
+    pub fn prefill_pace(&self, worker: WorkerId) -> f64 {
+        self.counters
+            .get(worker.0 as usize)
+            .map_or(1.0, |c| c.pace.value())
+    }
+
+    /// [`RouterState::prefill_backlog_s`] at the worker's own pace
+    /// ([`RouterState::prefill_pace`]): the seconds of prefill queued there as it measures.
+    pub fn paced_backlog_s(&self, worker: WorkerId) -> f64 {
+        self.prefill_backlog_s(worker) * self.prefill_pace(worker)
     }
 
     /// Requests ever assigned to `worker`.

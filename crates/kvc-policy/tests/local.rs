@@ -274,6 +274,7 @@ fn the_backlog_counts_prefills_until_their_first_token_or_completion() {
     assert!(approx(r.state.prefill_backlog_s(p), us as f64 / 1e6));
     r.state.observe(&Observation::PrefillDone {
         request_id: req.request_id,
+        at_ms: None,
     });
     assert_eq!(r.state.prefill_backlog_s(p), 0.0);
     // Completion after the first token takes nothing more away; without one, it does.
@@ -391,4 +392,137 @@ fn an_active_session_weighs_by_the_pool_it_fills() {
     let later =
         kvc_policy::route(&r.config, &r.state, &ClusterView::new(31_000, &ws), &quiet).unwrap();
     assert_eq!(later.decode, WorkerId(1));
+}
+
+/// Applies a first turn of `session` (`n` blocks past the system prompt) on `worker`, as a
+/// router that sent it there holds it: in flight, its prefill estimate in the backlog.
+fn send_to(
+    r: &mut Router,
+    ws: &[WorkerView],
+    session: u64,
+    n: usize,
+    worker: u32,
+) -> (RequestId, u64) {
+    let blocks = ctx_blocks(session, 0, n);
+    let req = r.request(session, 1, &blocks);
+    let mut d = r.decide(ws, &req).unwrap();
+    assert_eq!(d.mode, ExecutionMode::Colocated);
+    d.change.decode = WorkerId(worker);
+    r.state.apply(&d.change);
+    (req.request_id, d.change.prefill_us)
+}
+
+#[test]
+fn a_workers_pace_is_its_measured_first_tokens_over_the_estimates() {
+    let ws = dp(2);
+    let mut r = Router::new(kvc(), &ws);
+    let w0 = WorkerId(0);
+    // A colocated turn carries its prefill estimate, counted in its worker's backlog.
+    let (id, us) = send_to(&mut r, &ws, 1, 20, 0);
+    assert!(us > 1_000, "an estimate of {us} µs");
+    assert!(approx(r.state.prefill_backlog_s(w0), us as f64 / 1e6));
+    // First tokens ten times later than the estimates (decisions at 0 ms): the pace is 1
+    // until three have come, then 10.
+    let ten_times = |us: u64| Some((us * 10).div_ceil(1_000));
+    r.state.observe(&Observation::PrefillDone {
+        request_id: id,
+        at_ms: ten_times(us),
+    });
+    assert_eq!(r.state.prefill_backlog_s(w0), 0.0);
+    assert_eq!(r.state.prefill_pace(w0), 1.0);
+    let (id, us) = send_to(&mut r, &ws, 2, 20, 0);
+    r.state.observe(&Observation::PrefillDone {
+        request_id: id,
+        at_ms: ten_times(us),
+    });
+    assert_eq!(r.state.prefill_pace(w0), 1.0);
+    let (id, us) = send_to(&mut r, &ws, 3, 20, 0);
+    r.state.observe(&Observation::PrefillDone {
+        request_id: id,
+        at_ms: ten_times(us),
+    });
+    let pace = r.state.prefill_pace(w0);
+    assert!((pace - 10.0).abs() < 0.1, "pace {pace}");
+    // Reported again, or without a time, a first token adds no sample.
+    r.state.observe(&Observation::PrefillDone {
+        request_id: id,
+        at_ms: Some(1_000_000),
+    });
+    assert_eq!(r.state.prefill_pace(w0), pace);
+    // The backlog in the worker's own time.
+    let (_, us) = send_to(&mut r, &ws, 4, 20, 0);
+    assert!(approx(r.state.paced_backlog_s(w0), pace * us as f64 / 1e6));
+    // The other worker's first tokens came without a time: its pace stays 1.
+    for s in 5..9 {
+        let (id, _) = send_to(&mut r, &ws, s, 20, 1);
+        r.state.observe(&Observation::PrefillDone {
+            request_id: id,
+            at_ms: None,
+        });
+    }
+    assert_eq!(r.state.prefill_pace(WorkerId(1)), 1.0);
+}
+
+#[test]
+fn a_colocated_session_is_placed_where_less_prefill_waits_at_the_workers_pace() {
+    let ws = dp(2);
+    let disabled: PolicyConfig =
+        serde_json::from_str(r#"{"policy":"kvc","local-prefill":{"enabled":false}}"#).unwrap();
+    // (configuration, worker 0's first tokens measured, where the new session goes)
+    for (config, measured, expected) in [
+        (kvc(), true, 1),
+        (kvc(), false, 0),
+        (disabled.clone(), true, 0),
+    ] {
+        let enabled = config != disabled;
+        let mut r = Router::new(config, &ws);
+        // Worker 0 measured at 400 times the estimates (a CPU engine against rates for a GPU
+        // one), or not measured at all (its first tokens came without a time).
+        // Those sessions then end (nothing of them kept there).
+        for s in 1..4 {
+            let (id, us) = send_to(&mut r, &ws, s, 20, 0);
+            let at_ms = measured.then(|| (us * 400).div_ceil(1_000));
+            r.state.observe(&Observation::PrefillDone {
+                request_id: id,
+                at_ms,
+            });
+            r.state.observe(&Observation::Completed {
+                request_id: id,
+                session: Some(SessionId(s)),
+                worker: WorkerId(0),
+                outcome: Outcome::Ok,
+                resident_tokens: 0,
+                direct: false,
+            });
+        }
+        // One prompt of 10 blocks waits on worker 0, two of one block on worker 1: by the
+        // count of requests in flight worker 0 is the lighter; by the prefill waiting there at
+        // its pace, the heavier by seconds.
+        send_to(&mut r, &ws, 10, 10, 0);
+        send_to(&mut r, &ws, 11, 1, 1);
+        send_to(&mut r, &ws, 12, 1, 1);
+        let blocks = ctx_blocks(20, 0, 20);
+        let req = r.request(20, 1, &blocks);
+        let d = r.decide(&ws, &req).unwrap();
+        let term = |w: u32| {
+            d.score(WorkerId(w), WorkerRole::Colocated)
+                .and_then(|s| s.component("path_term"))
+        };
+        assert_eq!(
+            d.decode,
+            WorkerId(expected),
+            "measured {measured}, enabled {enabled}"
+        );
+        if enabled {
+            let (t0, t1) = (term(0).unwrap(), term(1).unwrap());
+            assert!(t0 < t1, "path terms {t0} and {t1}");
+            if measured {
+                assert!(t0 < t1 - 10.0, "path terms {t0} and {t1}");
+            }
+            assert!(d.change.prefill_us > 0);
+        } else {
+            assert_eq!((term(0), term(1)), (None, None));
+            assert_eq!(d.change.prefill_us, 0);
+        }
+    }
 }

@@ -29,6 +29,7 @@
 //! | `kvc_router_worker_queue_depth` | gauge | `worker`, `name`, `role` |
 //! | `kvc_router_worker_in_flight` | gauge | `worker`, `name`, `role` |
 //! | `kvc_router_worker_state_age_seconds` | gauge | `worker`, `name`, `role` (staleness) |
+//! | `kvc_router_worker_prefill_pace` | gauge | `worker`, `name`, `role` (measured time to first token over the policy's estimate) |
 //! | `kvc_router_worker_health` | gauge | `worker`, `name`, `role`, `health` (1 for the current health) |
 //! | `kvc_router_worker_kv_events` | gauge | `worker`, `name`, `kind` (`indexed-blocks`, `last-seq`, and since start `batches`, `gaps`, `replays`, `replay-failures`, `resets`, `malformed`, `unknown-blocks`, `dropped-blocks`, `connect-failures`; `synced` 1 once the first replay after start has ended), for workers with `kv-events` |
 //! | `kvc_router_worker_kv_events_rank` | gauge | `worker`, `name`, `rank`, `kind` (`indexed-blocks`, `last-seq`, `synced`, and since start `gaps`, `resets`, `other-rank`): each data-parallel rank's own stream |

@@ -865,23 +865,29 @@ impl RouterService {
     /// Gauges for the metrics exposition.
     pub fn gauges(&self) -> Gauges {
         let now = self.now_ms();
-        let (sessions_tracked, pending_decisions, blocks) = {
+        let fleet = self.workers();
+        let (sessions_tracked, pending_decisions, blocks, paces) = {
             let core = self.core.lock();
+            let paces: Vec<f64> = fleet
+                .list
+                .iter()
+                .map(|w| core.state.prefill_pace(w.id))
+                .collect();
             let blocks = BlockSizes {
                 known: core.state.known_blocks(),
                 dropped: core.state.dropped_blocks(),
                 session_dropped: core.state.dropped_session_blocks(),
             };
-            (core.sessions.len(), core.pending.len(), blocks)
+            (core.sessions.len(), core.pending.len(), blocks, paces)
         };
         let models = self.model_warnings();
         Gauges {
-            workers: self
-                .workers()
+            workers: fleet
                 .list
                 .iter()
                 .zip(models)
-                .map(|(w, model)| WorkerSample {
+                .zip(paces)
+                .map(|((w, model), prefill_pace)| WorkerSample {
                     id: w.id,
                     name: w.name.clone(),
                     role: w.role,
@@ -903,6 +909,7 @@ impl RouterService {
                             + usize::from(model.is_some())
                     },
                     drained: w.drained.load(Ordering::Relaxed),
+                    prefill_pace,
                 })
                 .collect(),
             sessions_tracked,

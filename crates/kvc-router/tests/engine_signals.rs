@@ -316,6 +316,131 @@ async fn a_scrape_that_only_times_out_leaves_the_state_to_age() {
     .await;
 }
 
+/// A vLLM engine's `/metrics` as vLLM serves it: `text` whole at `/metrics`, and at
+/// `/metrics/` only the families its `name[]` query names (`prometheus_client`'s filter), or
+/// the status in `filtered_status` when it is not 200. Counts the reads of each path.
+struct FilteringEngine {
+    addr: SocketAddr,
+    whole_reads: Arc<std::sync::atomic::AtomicUsize>,
+    filtered_reads: Arc<std::sync::atomic::AtomicUsize>,
+    filtered_status: Arc<Mutex<StatusCode>>,
+}
+
+async fn filtering_engine(text: String) -> FilteringEngine {
+    use axum::extract::RawQuery;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let whole_reads = Arc::new(AtomicUsize::new(0));
+    let filtered_reads = Arc::new(AtomicUsize::new(0));
+    let filtered_status = Arc::new(Mutex::new(StatusCode::OK));
+    let (w, f, st) = (
+        Arc::clone(&whole_reads),
+        Arc::clone(&filtered_reads),
+        Arc::clone(&filtered_status),
+    );
+    let whole_text = text.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                w.fetch_add(1, Ordering::SeqCst);
+                let t = whole_text.clone();
+                async move { t }
+            }),
+        )
+        .route(
+            "/metrics/",
+            get(move |RawQuery(query): RawQuery| {
+                f.fetch_add(1, Ordering::SeqCst);
+                let status = *st.lock();
+                let names: Vec<String> = query
+                    .unwrap_or_default()
+                    .split('&')
+                    .filter_map(|kv| kv.split_once('='))
+                    .filter(|(k, _)| *k == "name%5B%5D" || *k == "name[]")
+                    .map(|(_, v)| v.replace("%3A", ":"))
+                    .collect();
+                let kept: String = text
+                    .lines()
+                    .filter(|l| !l.starts_with('#'))
+                    .filter(|l| {
+                        let name = l.split(['{', ' ']).next().unwrap_or("");
+                        names.iter().any(|n| n == name)
+                    })
+                    .map(|l| format!("{l}\n"))
+                    .collect();
+                async move { (status, kept) }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    FilteringEngine {
+        addr,
+        whole_reads,
+        filtered_reads,
+        filtered_status,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_engine_is_asked_for_the_families_of_its_load_alone() {
+    use std::sync::atomic::Ordering;
+    // Beside the load's families, a histogram the router has no use for.
+    let text = vllm_text(2, 1, 0.5, 5_750)
+        + "vllm:e2e_request_latency_seconds_bucket{le=\"1.0\",model_name=\"m\"} 3.0\n";
+    let p = filtering_engine(text.clone()).await;
+    let d = filtering_engine(text).await;
+    let cluster = vllm_pair([p.addr, d.addr], |_| {}).await;
+    common::wait_until("three filtered reads of each engine", || {
+        [&p, &d]
+            .iter()
+            .all(|e| e.filtered_reads.load(Ordering::SeqCst) >= 3)
+    })
+    .await;
+    for e in [&p, &d] {
+        assert_eq!(e.whole_reads.load(Ordering::SeqCst), 0, "never read whole");
+    }
+    let state = cluster.service().list_workers()[1].state;
+    assert_eq!((state.in_flight, state.queue_depth), (2, 1));
+    assert_eq!(state.capacity_tokens, 5_750 * 16);
+    assert_eq!(state.used_tokens, 5_750 * 8);
+
+    // A failing engine's 500 on the filtered path is its failure, not a sign that the path
+    // is not served: D goes out of rotation, and comes back on the same path.
+    *d.filtered_status.lock() = StatusCode::INTERNAL_SERVER_ERROR;
+    wait_for(&cluster, "d down after HTTP 500", |ws| {
+        ws[1].state.health == Health::Down
+    })
+    .await;
+    *d.filtered_status.lock() = StatusCode::OK;
+    wait_for(&cluster, "d back", |ws| {
+        ws[1].state.health == Health::Healthy
+    })
+    .await;
+    assert_eq!(
+        d.whole_reads.load(Ordering::SeqCst),
+        0,
+        "still never read whole"
+    );
+
+    // An endpoint that does not serve the filter (a 404 there) is read whole from then on.
+    *p.filtered_status.lock() = StatusCode::NOT_FOUND;
+    common::wait_until("P read whole", || p.whole_reads.load(Ordering::SeqCst) >= 2).await;
+    let filtered = p.filtered_reads.load(Ordering::SeqCst);
+    common::wait_until("P read whole again", || {
+        p.whole_reads.load(Ordering::SeqCst) >= 4
+    })
+    .await;
+    assert_eq!(
+        p.filtered_reads.load(Ordering::SeqCst),
+        filtered,
+        "the filtered path is not asked again"
+    );
+    let ws = cluster.service().list_workers();
+    assert_eq!(ws[0].state.health, Health::Healthy, "{:?}", ws[0]);
+    assert_eq!((ws[0].state.in_flight, ws[0].state.queue_depth), (2, 1));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_engine_stays_down_and_the_rest_route() {
     let (p_addr, _p) = mock_engine(&vllm_text(0, 0, 0.0, 5_750)).await;

@@ -11,6 +11,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use common::answer::Answer;
 use common::front::{self, Recording, error_response, json_response, sse_response, worker_routes};
+use kvc_admission::ManualClock;
 use kvc_core::{EngineKind, WorkerId};
 use kvc_router::RouterConfig;
 use kvc_router::http::PREFILL_FAILED_HEADER;
@@ -43,6 +44,9 @@ struct Mock {
     raw: Mutex<Vec<Bytes>>,
     /// A streamed answer's connection is held open this long after its last event.
     hold_open: Mutex<Option<Duration>>,
+    /// A streamed answer comes this many ms later on the router's clock (which the worker
+    /// moves on before answering).
+    first_token_after: Mutex<Option<(Arc<ManualClock>, u64)>>,
 }
 
 impl Recording for Mock {
@@ -69,6 +73,11 @@ async fn handler(
     body: Bytes,
 ) -> Response {
     let response = answer(&m, &uri, &headers, &body);
+    if response.headers()["content-type"] == "text/event-stream"
+        && let Some((clock, ms)) = &*m.first_token_after.lock()
+    {
+        clock.advance(*ms);
+    }
     let Some(hold) = *m.hold_open.lock() else {
         return response;
     };
@@ -249,6 +258,7 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         received: Mutex::new(Vec::new()),
         raw: Mutex::new(Vec::new()),
         hold_open: Mutex::new(None),
+        first_token_after: Mutex::new(None),
     });
     let addr = front::serve(worker_routes(handler).with_state(mock.clone())).await;
     (mock, addr)
@@ -1094,4 +1104,56 @@ async fn a_turn_sent_on_the_closing_event_of_the_last_sees_its_outcome() {
     f.settle().await;
     assert_eq!(f.outcomes("direct-cache-miss"), 3.0);
     assert_eq!(f.outcomes("ok"), 6.0);
+}
+
+#[tokio::test]
+async fn a_streamed_turn_its_worker_prefilled_measures_that_worker_s_pace() {
+    // D1 serves alone; P0 only prefills for others. Every streamed answer comes 400 ms after
+    // its request on the router's clock, far past the policy's estimate for 1,300 words.
+    let f = start_with([Some(false), None]).await;
+    for id in [0, 1] {
+        *f.mocks[&id].first_token_after.lock() = Some((Arc::clone(&f.cluster.clock), 400));
+    }
+    let pace = |w: usize| f.cluster.service().gauges().workers[w].prefill_pace;
+    for i in 0..3 {
+        assert_eq!(pace(1), 1.0, "not measured before three first tokens");
+        let r = f
+            .post_as(
+                "/v1/completions",
+                &format!("pace-{i}"),
+                &completion(1_300, true),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-kvc-mode"), "local-prefill");
+    }
+    let d1 = pace(1);
+    assert!(d1 > 5.0 && d1 < 4096.0, "D1's pace {d1}");
+    assert_eq!(pace(0), 1.0, "P0 prefilled nothing");
+    // A whole answer has no first token to time.
+    let r = f
+        .post_as("/v1/completions", "pace-whole", &completion(1_300, false))
+        .await;
+    assert_eq!(r.header("x-kvc-mode"), "local-prefill");
+    assert_eq!(pace(1), d1);
+
+    // With fixed roles every first turn goes P→D: its first token comes after the KV
+    // transfer, and times neither worker.
+    let f = start().await;
+    for id in [0, 1] {
+        *f.mocks[&id].first_token_after.lock() = Some((Arc::clone(&f.cluster.clock), 400));
+    }
+    for i in 0..3 {
+        let r = f
+            .post_as(
+                "/v1/completions",
+                &format!("pd-{i}"),
+                &completion(1_300, true),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-kvc-prefill-worker"), "0");
+    }
+    let pace = |w: usize| f.cluster.service().gauges().workers[w].prefill_pace;
+    assert_eq!((pace(0), pace(1)), (1.0, 1.0));
 }

@@ -38,6 +38,11 @@ pub enum Observation {
     PrefillDone {
         /// The request.
         request_id: RequestId,
+        /// When its first token came, on the clock of the decisions' `now_ms`: with it, the
+        /// time since the decision is a sample of its worker's pace
+        /// ([`RouterState::prefill_pace`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at_ms: Option<u64>,
     },
     /// D evicted the session's KV.
     Evicted {
@@ -144,8 +149,18 @@ impl RouterState {
                 route.set_rejects(worker, n);
                 route.observed_reject = Some(worker);
             }
-            Observation::PrefillDone { request_id } => {
+            Observation::PrefillDone { request_id, at_ms } => {
                 if let Some(mut p) = self.pending.get(&request_id).copied() {
+                    // A sample of the pace: only a decision with an estimate, reported once.
+                    if let Some(at) = at_ms
+                        && p.prefill_us > 0
+                        && let Some(c) = self
+                            .counters
+                            .get_mut(p.prefill.unwrap_or(p.decode).0 as usize)
+                    {
+                        let measured = at.saturating_sub(p.sent_ms) as f64 * 1e3;
+                        c.pace.add(measured, (p.ahead_us + p.prefill_us) as f64);
+                    }
                     self.add_backlog(&p, false);
                     p.prefill_us = 0;
                     let arrived = p;

@@ -31,11 +31,16 @@ impl RouterState {
         }
         self.activity.advance(change.now_ms);
         let awaiting_kv = change.prefill.is_some_and(|p| p != change.decode);
+        let ahead_us = self
+            .counters
+            .get(change.prefill.unwrap_or(change.decode).0 as usize)
+            .map_or(0, |c| c.prefill_us);
         let pending = Pending {
             decode: change.decode,
             prefill: change.prefill,
             seq: self.next_seq,
             prefill_us: change.prefill_us,
+            ahead_us,
             sent_ms: change.now_ms,
             awaiting_kv,
             kv_blocks: u32::try_from(change.blocks.len()).unwrap_or(u32::MAX),

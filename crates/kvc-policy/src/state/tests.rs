@@ -155,7 +155,10 @@ fn run(
                 if let Some(&(request_id, _, _)) =
                     applied.iter().rev().nth(*back % applied.len().max(1))
                 {
-                    state.observe(&Observation::PrefillDone { request_id });
+                    state.observe(&Observation::PrefillDone {
+                        request_id,
+                        at_ms: None,
+                    });
                 }
             }
         }
@@ -256,11 +259,11 @@ proptest! {
 fn pending_and_worker_entries_are_the_documented_size() {
     // The figures of `docs/kvc-policy.md` ("Memory and cost"): a pending decision's value,
     // an awaiting-KV queue entry, and a worker's counters plus its queue's header.
-    assert_eq!(std::mem::size_of::<Pending>(), 48);
+    assert_eq!(std::mem::size_of::<Pending>(), 56);
     assert_eq!(std::mem::size_of::<(u64, RequestId)>(), 16);
     assert_eq!(
         std::mem::size_of::<WorkerCounters>() + std::mem::size_of::<VecDeque<(u64, RequestId)>>(),
-        64
+        88
     );
 }
 

@@ -676,6 +676,7 @@ impl Replay<'_> {
                     }
                     let done = Observation::PrefillDone {
                         request_id: RequestId(id as u64),
+                        at_ms: Some(at / 1000),
                     };
                     self.decider.observe(&done, None);
                 }

@@ -137,6 +137,14 @@ pub(crate) fn route_traced(
     })
 }
 
+/// Reports the first token of `decision`'s answer, for a turn its worker prefilled itself
+/// (not a P→D one: see [`RouterService::report_first_token`]).
+pub(crate) fn report_first_token(service: &RouterService, decision: &Decision) {
+    if decision.prefill.is_none() {
+        service.report_first_token(decision.id);
+    }
+}
+
 /// Reports the outcome of `decision` (logged, never fatal).
 pub(crate) fn report(
     service: &RouterService,

@@ -115,6 +115,9 @@ pub(super) async fn forward_stream(
         }
     };
     let status = StatusCode::from_u16(stream.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    if status.is_success() {
+        decision::report_first_token(&app.service, decision);
+    }
     let content_type = stream
         .content_type
         .take()

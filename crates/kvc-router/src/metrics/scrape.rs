@@ -37,6 +37,9 @@ pub struct WorkerSample {
     pub discovery_warnings: usize,
     /// Drained by the operator.
     pub drained: bool,
+    /// How much longer its first tokens take than the policy's estimates give
+    /// (`kvc_policy::RouterState::prefill_pace`; 1 until measured).
+    pub prefill_pace: f64,
 }
 
 /// The live state a scrape reports, read by the service just before rendering.
@@ -473,6 +476,15 @@ fn worker_gauges(r: &mut Registry, workers: &[WorkerSample]) {
         };
         age.get_or_create(&labels(w)).set(seconds);
     }
+    let pace = Family::<WorkerLabels, FloatGauge>::default();
+    for w in workers {
+        pace.get_or_create(&labels(w)).set(w.prefill_pace);
+    }
+    r.register(
+        "kvc_router_worker_prefill_pace",
+        "Each worker's measured time to first token over the policy's estimate for it (1 until three are measured)",
+        pace,
+    );
     r.register(
         "kvc_router_worker_state_age_seconds",
         "Age of each worker's last published state (staleness)",
@@ -508,6 +520,7 @@ mod tests {
             kv_events: None,
             discovery_warnings: 0,
             drained: false,
+            prefill_pace: 1.0 + f64::from(id),
             id: WorkerId(id),
             name: name.to_owned(),
             role: WorkerRole::Decode,
@@ -546,6 +559,7 @@ mod tests {
             format!("kvc_router_worker_used_fraction{d1} 0.5\n"),
             format!("kvc_router_worker_state_age_seconds{d1} 0.25\n"),
             format!("kvc_router_worker_state_age_seconds{d2} +Inf\n"),
+            format!("kvc_router_worker_prefill_pace{d2} 3.0\n"),
             "kvc_router_worker_health{worker=\"2\",name=\"d2\",role=\"decode\",health=\"down\"} 1\n"
                 .to_owned(),
             "kvc_router_worker_health{worker=\"2\",name=\"d2\",role=\"decode\",health=\"healthy\"} 0\n"

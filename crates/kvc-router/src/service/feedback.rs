@@ -84,6 +84,23 @@ impl RouterService {
         Ok(())
     }
 
+    /// The first token of decision `decision_id`'s answer came now: its prefill leaves its
+    /// worker's backlog, and the time since the decision is a sample of that worker's pace
+    /// ([`kvc_policy::RouterState::prefill_pace`]). Only for a turn its worker prefilled
+    /// itself: a P→D turn's first token comes after its KV transfer, and its prefill stays in
+    /// P's backlog until it completes. Nothing for a decision already reported.
+    pub fn report_first_token(&self, decision_id: u64) {
+        let now = self.now_ms();
+        let mut core = self.core.lock();
+        let Some(p) = core.pending.get(&decision_id).copied() else {
+            return;
+        };
+        core.state.observe(&Observation::PrefillDone {
+            request_id: p.request_id,
+            at_ms: Some(now),
+        });
+    }
+
     /// Asks `worker` to make room (evicting if needed) through its commit queue: an attached
     /// in-process queue, else its worker service. Sessions it evicts are observed as evicted.
     /// `INVALID_ARGUMENT` for an unknown worker, `FAILED_PRECONDITION` for one with neither.
