@@ -54,11 +54,14 @@
 # Usage: scripts/side-by-side/real.sh [--pressure] [--no-sim] [--reps 3] [--sessions 4] [--turns 6]
 #          [--factor 4] [--start-span 30] [--pool-blocks N] [--max-model-len N] [--seed 7]
 #          [--only LEG[,LEG...]] [--out DIR] [--peers DIR] [--kvc-knob KEY=VALUE]...
-#          [--kvc-keep-roles]
+#          [--kvc-keep-roles] [--kvc-prefills-per-worker N]
 # --kvc-knob sets a knob of kvc-router's policy in its legs (repeatable; `kvc-replay
 #   policies` lists them), written into [policy] of the leg's kvc-router.toml.
 # --kvc-keep-roles: kvc-router's 1P1D leg keeps each engine to its role (`serve-alone =
 #   false` on both workers, as scripts/real-vllm/up.sh writes it for the pair tests).
+# --kvc-prefills-per-worker N: kvc-router's prefill gate in its legs (`http.prefills-per-worker`:
+#   at most N turns a worker prefills itself sent to it before their first token, the others
+#   held in the router, the fewest tokens to prefill first; default 0, no gate).
 # --pool-blocks N cuts the colocated engines' and the decode engine's pools to N blocks of 32
 #   tokens (vLLM's --num-gpu-blocks-override; default: what 1 GiB holds, 32,768 blocks of the
 #   harness's model).
@@ -89,6 +92,7 @@ only=""
 out=""
 knobs=()
 keep_roles=0
+gate=0
 peers="$root/target/side-by-side"
 vllm_router_version=0.1.17
 smg_version=1.13.0
@@ -101,6 +105,7 @@ while [ $# -gt 0 ]; do
     --pressure) pressure=1; shift ;;
     --no-sim) sim=0; shift ;;
     --kvc-keep-roles) keep_roles=1; shift ;;
+    --kvc-prefills-per-worker) gate="$2"; shift 2 ;;
     --kvc-knob)
       [[ "$2" =~ ^[a-z][a-z0-9-]*=.+$ && "$2" != *$'\n'* ]] || { echo "side-by-side-real: --kvc-knob takes KEY=VALUE, got $2" >&2; exit 2; }
       knobs+=("$2"); shift 2 ;;
@@ -124,6 +129,7 @@ if [ "$pressure" = 1 ]; then
 else
   : "${sessions:=4}" "${turns:=6}" "${factor:=4}" "${span:=30}" "${out:=$root/target/side-by-side-real}"
 fi
+[[ "$gate" =~ ^[0-9]+$ ]] || { echo "side-by-side-real: --kvc-prefills-per-worker takes a count, got $gate" >&2; exit 2; }
 for n in "$reps" "$sessions" "$turns" "$factor" "$span" ${pool_blocks:+"$pool_blocks"} ${max_model_len:+"$max_model_len"}; do
   [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "side-by-side-real: expected a positive count, got $n" >&2; exit 2; }
 done
@@ -305,12 +311,14 @@ start_router() { # start_router LEG DIR: the leg's router, in the background; se
       mode=unknown
       # The engines' configuration, with the knobs of --kvc-knob in its [policy] table.
       # Unless --kvc-keep-roles, without up.sh's `serve-alone = false` (kvc's default).
-      python3 - "$engines/kvc-router.toml" "$dir/kvc-router.toml" "$keep_roles" "${knobs[@]}" <<'PY'
+      python3 - "$engines/kvc-router.toml" "$dir/kvc-router.toml" "$keep_roles" "$gate" "${knobs[@]}" <<'PY'
 import sys
-src, dst, keep_roles, knobs = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4:]
+src, dst, keep_roles, gate, knobs = sys.argv[1], sys.argv[2], sys.argv[3] == "1", int(sys.argv[4]), sys.argv[5:]
 lines = open(src).read().splitlines()
 if not keep_roles:
     lines = [l for l in lines if l != "serve-alone = false"]
+if gate:
+    lines.insert(lines.index("[http]") + 1, f"prefills-per-worker = {gate}")
 at = lines.index('policy = "kvc"') + 1
 for k in knobs:
     key, value = k.split("=", 1)

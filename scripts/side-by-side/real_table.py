@@ -177,6 +177,24 @@ def kvc_pd_label(name, configs):
     return "kvc-router (kvc, 1P1D, mixed configurations)"
 
 
+def gate_label(name, configs):
+    """`name` with kvc-router's prefill gate (`prefills-per-worker` in its [http] table), when
+    its configurations set one."""
+    gates = set()
+    for path in configs:
+        try:
+            with open(path) as f:
+                lines = [l.strip() for l in f.read().splitlines()]
+        except OSError:
+            return name
+        found = [l.split("=", 1)[1].strip() for l in lines if l.startswith("prefills-per-worker")]
+        gates.add(found[0] if found else "0")
+    if gates == {"0"}:
+        return name
+    said = "/".join(sorted(gates))
+    return name[:-1] + f", prefill gate {said})" if name.endswith(")") else f"{name} (prefill gate {said})"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace")
@@ -191,8 +209,11 @@ def main():
                        and os.path.exists(os.path.join(d, r, "drive.json"))),
                       key=lambda r: int(r[3:]))
         if reps:
+            configs = [os.path.join(d, r, "kvc-router.toml") for r in reps]
             if key == "kvc-1p1d":
-                name = kvc_pd_label(name, [os.path.join(d, r, "kvc-router.toml") for r in reps])
+                name = kvc_pd_label(name, configs)
+            if key.startswith("kvc-"):
+                name = gate_label(name, configs)
             legs.append((key, name, [rep_figures(os.path.join(d, r)) for r in reps]))
     if not legs:
         sys.exit(f"real_table.py: no leg with results under {a.runs}")

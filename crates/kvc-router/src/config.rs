@@ -451,6 +451,14 @@ pub struct HttpConfig {
     /// `/readyz` served, anything else 503 — then closed; past these too, a connection is
     /// closed without an answer. Default 32.
     pub overflow_connections: usize,
+    /// Turns a worker prefills itself (colocated, local prefill, direct-to-D) that the front
+    /// sends it at a time before their first token; further ones wait in the front, and the
+    /// one with the fewest tokens to prefill goes next (a turn's tokens count half as much for
+    /// every 2 s it has waited). A stock engine matches a prompt against its cache only when
+    /// it schedules it, first come first served: on a busy engine with a small KV pool a turn
+    /// whose prefix was cached when it arrived loses it to the prefills queued ahead of it.
+    /// 0 (the default): no limit, every turn goes to its worker at once.
+    pub prefills_per_worker: usize,
 }
 
 impl Default for HttpConfig {
@@ -493,6 +501,7 @@ impl Default for HttpConfig {
             idle_timeout_ms: 60_000,
             max_connections: 1_024,
             overflow_connections: 32,
+            prefills_per_worker: 0,
         }
     }
 }

@@ -47,6 +47,8 @@ struct Mock {
     /// A streamed answer comes this many ms later on the router's clock (which the worker
     /// moves on before answering).
     first_token_after: Mutex<Option<(Arc<ManualClock>, u64)>>,
+    /// The next request waits for a permit of this before it is answered (once).
+    hold_next: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
 }
 
 impl Recording for Mock {
@@ -72,7 +74,11 @@ async fn handler(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let held = m.hold_next.lock().take();
     let response = answer(&m, &uri, &headers, &body);
+    if let Some(sem) = held {
+        let _ = sem.acquire().await;
+    }
     if response.headers()["content-type"] == "text/event-stream"
         && let Some((clock, ms)) = &*m.first_token_after.lock()
     {
@@ -259,6 +265,7 @@ async fn spawn_mock(name: &str) -> (Arc<Mock>, SocketAddr) {
         raw: Mutex::new(Vec::new()),
         hold_open: Mutex::new(None),
         first_token_after: Mutex::new(None),
+        hold_next: Mutex::new(None),
     });
     let addr = front::serve(worker_routes(handler).with_state(mock.clone())).await;
     (mock, addr)
@@ -276,7 +283,19 @@ async fn start() -> Front {
 /// [`start`] with P0's and D1's `serve-alone` keys as given (`None`: the vLLM default,
 /// serving alone).
 async fn start_with(serve_alone: [Option<bool>; 2]) -> Front {
+    start_gated(serve_alone, 0).await
+}
+
+/// [`start_with`], with `http.prefills-per-worker` at `gate`; with a gate, a KV transfer
+/// costs the policy 1,000 s, so that a worker that serves alone prefills every turn itself.
+async fn start_gated(serve_alone: [Option<bool>; 2], gate: usize) -> Front {
     let edit = |cfg: &mut RouterConfig| {
+        if gate > 0 {
+            cfg.policy = serde_json::from_str(
+                r#"{"policy":"kvc","local-prefill":{"transfer-setup-ms":1000000}}"#,
+            )
+            .unwrap();
+        }
         cfg.workers.truncate(2);
         for (w, alone) in cfg.workers.iter_mut().zip(serve_alone) {
             w.engine = Some(EngineKind::Vllm);
@@ -289,7 +308,10 @@ async fn start_with(serve_alone: [Option<bool>; 2]) -> Front {
         }
     };
     // Only guards against a hang.
-    let options = front::options(Duration::from_secs(30));
+    let options = kvc_router::http::HttpOptions {
+        prefills_per_worker: gate,
+        ..front::options(Duration::from_secs(30))
+    };
     Front::start(edit, spawn_mock, |_, _| None, vllm, options).await
 }
 
@@ -1156,4 +1178,49 @@ async fn a_streamed_turn_its_worker_prefilled_measures_that_worker_s_pace() {
     }
     let pace = |w: usize| f.cluster.service().gauges().workers[w].prefill_pace;
     assert_eq!((pace(0), pace(1)), (1.0, 1.0));
+}
+
+#[tokio::test]
+async fn with_a_prefill_gate_a_worker_gets_its_next_turn_at_the_first_token_shortest_first() {
+    // One turn at a time in prefill on D1 (which serves alone; P0 only prefills for others).
+    let f = start_gated([Some(false), None], 1).await;
+    let d1 = &f.mocks[&1];
+    let hold = Arc::new(tokio::sync::Semaphore::new(0));
+    *d1.hold_next.lock() = Some(Arc::clone(&hold));
+    let front = Arc::new(f);
+    // Prompts of `n` words of their own (no one the start of another's).
+    let send = |session: &'static str, n: u32| {
+        let f = Arc::clone(&front);
+        let prompt: Vec<String> = (0..n).map(|i| format!("{session}{i}")).collect();
+        let body = json!({"model": "m", "prompt": prompt.join(" "), "max_tokens": 8,
+            "stream": true, "temperature": 0.0});
+        tokio::spawn(async move { f.post_as("/v1/completions", session, &body).await })
+    };
+    // The first turn is held by D1 before its first token; a long turn, then a short one,
+    // come while it is.
+    let first = send("gate-a", 1_300);
+    front.received_at_least(1, 1).await;
+    let long = send("gate-long", 2_600);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let short = send("gate-short", 1_300);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        front.count(1),
+        1,
+        "D1 gets nothing more before the first token"
+    );
+    hold.add_permits(1);
+    for (name, task) in [("first", first), ("long", long), ("short", short)] {
+        let r = task.await.unwrap();
+        assert_eq!(r.status, 200, "{name}: {}", r.body);
+        // D1 prefills each itself (the later two find the first's prompt there).
+        assert!(!r.headers.contains_key("x-kvc-prefill-worker"), "{name}");
+        assert_eq!(r.header("x-kvc-decode-worker"), "1", "{name}");
+    }
+    let sessions: Vec<String> = front
+        .received(1)
+        .iter()
+        .map(|(_, h, _)| h["x-session-id"].clone())
+        .collect();
+    assert_eq!(sessions, ["gate-a", "gate-short", "gate-long"]);
 }

@@ -34,6 +34,8 @@ pub(crate) struct App {
     /// `kvc_router_http_session_keys_total` by source: every session header, and the body.
     session_keys: HashMap<String, prometheus_client::metrics::counter::Counter>,
     next_request: AtomicU64,
+    /// The prefill gate ([`HttpOptions::prefills_per_worker`]).
+    pub(super) gate: super::gate::PrefillGate,
 }
 
 impl App {
@@ -62,6 +64,7 @@ impl App {
         App {
             client: WorkerClient::new(options.pool),
             breakers: Breakers::new(options.breaker, options.request_timeout),
+            gate: super::gate::PrefillGate::new(options.prefills_per_worker),
             session_header: HeaderName::from_bytes(options.session_header.as_bytes()).ok(),
             sessions,
             rooms: BootstrapRooms::new(),

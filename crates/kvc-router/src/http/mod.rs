@@ -444,6 +444,7 @@ mod decision;
 mod direct;
 mod endpoints;
 mod error;
+mod gate;
 mod health;
 mod infer;
 mod listener;

@@ -60,6 +60,10 @@ pub struct HttpOptions {
     /// A request body must be complete within this time of the request's head; otherwise
     /// 408 and the connection is closed. Default 30 s.
     pub body_read_timeout: Duration,
+    /// Turns one worker prefills itself at a time, before their first token; the others wait
+    /// in the front, the fewest tokens to prefill first (`http.prefills-per-worker`; the
+    /// prefill gate, `gate.rs`). 0 (the default): no limit.
+    pub prefills_per_worker: usize,
 }
 
 impl Default for HttpOptions {
@@ -83,6 +87,7 @@ impl Default for HttpOptions {
             infer_min_blocks: 1,
             max_session_id_bytes: 256,
             body_read_timeout: Duration::from_secs(30),
+            prefills_per_worker: 0,
         }
     }
 }
@@ -122,6 +127,7 @@ impl HttpOptions {
             parent_agent_headers: lowercase(&config.session_parent_agent_headers),
             max_body_bytes: config.max_body_bytes,
             body_read_timeout: ms(config.body_read_timeout_ms),
+            prefills_per_worker: config.prefills_per_worker,
             ..HttpOptions::default()
         })
     }
@@ -149,10 +155,12 @@ mod tests {
             connect_timeout_ms: 30,
             pool_idle_timeout_ms: 40,
             pool_max_idle_per_worker: 0,
+            prefills_per_worker: 2,
             ..HttpConfig::default()
         };
         let o = HttpOptions::from_config(&config).unwrap();
         assert_eq!(o.max_retries, 1);
+        assert_eq!(o.prefills_per_worker, 2);
         assert_eq!(o.breaker.failure_threshold, 0);
         assert_eq!(o.health_check_interval, None);
         assert_eq!(o.request_timeout, Duration::from_millis(700));

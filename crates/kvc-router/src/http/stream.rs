@@ -41,6 +41,11 @@ pub(super) async fn forward_stream(
     attempt.headers.extend(leg.headers.iter().cloned());
     let d_id = attempt.decode();
     let timeout = app.options.request_timeout;
+    // A place in its worker's prefill gate, given back at the first piece of the answer.
+    let mut place = app
+        .gate
+        .enter_for(decision, request.input_length, timeout)
+        .await;
     let sent = attempt.send(body, |call| app.client.post_streaming(call));
     let (opened, mut prefill) = match sent.await {
         Ok(sent) => sent,
@@ -115,6 +120,7 @@ pub(super) async fn forward_stream(
         }
     };
     let status = StatusCode::from_u16(stream.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    place.release();
     if status.is_success() {
         decision::report_first_token(&app.service, decision);
     }

@@ -30,11 +30,18 @@ pub(super) async fn forward_whole(
 ) -> AttemptResult {
     let mut attempt = Attempt::new(app, request, decision);
     attempt.headers.extend(leg.headers.iter().cloned());
+    // A place in its worker's prefill gate, given back with the whole answer (its first
+    // token is not seen apart).
+    let place = app
+        .gate
+        .enter_for(decision, request.input_length, app.options.request_timeout)
+        .await;
     let sent = attempt.send(body, |call| app.client.post_whole(call));
     let (answer, mut prefill) = match sent.await {
         Ok(sent) => sent,
         Err(end) => return end,
     };
+    drop(place);
     let answer = match answer {
         Ok(a) if a.admission_rejected => {
             attempt.decode_call.record_answer(Ok(a.status));
