@@ -61,7 +61,9 @@
 #   false` on both workers, as scripts/real-vllm/up.sh writes it for the pair tests).
 # --kvc-prefills-per-worker N: kvc-router's prefill gate in its legs (`http.prefills-per-worker`:
 #   at most N turns a worker prefills itself sent to it before their first token, the others
-#   held in the router, the fewest tokens to prefill first; default 0, no gate).
+#   held in the router, the fewest tokens to prefill first). Default 1 with --pressure (the
+#   turns' prefixes then survive the engines' queues), else 0 (no gate, kvc-router's own
+#   default).
 # --pool-blocks N cuts the colocated engines' and the decode engine's pools to N blocks of 32
 #   tokens (vLLM's --num-gpu-blocks-override; default: what 1 GiB holds, 32,768 blocks of the
 #   harness's model).
@@ -92,7 +94,7 @@ only=""
 out=""
 knobs=()
 keep_roles=0
-gate=0
+gate=""
 peers="$root/target/side-by-side"
 vllm_router_version=0.1.17
 smg_version=1.13.0
@@ -125,9 +127,9 @@ while [ $# -gt 0 ]; do
 done
 if [ "$pressure" = 1 ]; then
   : "${sessions:=16}" "${turns:=16}" "${factor:=4}" "${span:=30}" "${pool_blocks:=320}"
-  : "${max_model_len:=8192}" "${out:=$root/target/side-by-side-real-pressure}"
+  : "${max_model_len:=8192}" "${out:=$root/target/side-by-side-real-pressure}" "${gate:=1}"
 else
-  : "${sessions:=4}" "${turns:=6}" "${factor:=4}" "${span:=30}" "${out:=$root/target/side-by-side-real}"
+  : "${sessions:=4}" "${turns:=6}" "${factor:=4}" "${span:=30}" "${out:=$root/target/side-by-side-real}" "${gate:=0}"
 fi
 [[ "$gate" =~ ^[0-9]+$ ]] || { echo "side-by-side-real: --kvc-prefills-per-worker takes a count, got $gate" >&2; exit 2; }
 for n in "$reps" "$sessions" "$turns" "$factor" "$span" ${pool_blocks:+"$pool_blocks"} ${max_model_len:+"$max_model_len"}; do
