@@ -1128,25 +1128,32 @@ async fn a_turn_sent_on_the_closing_event_of_the_last_sees_its_outcome() {
     assert_eq!(f.outcomes("ok"), 6.0);
 }
 
+/// Every streamed answer of both mocks comes 400 ms after its request on the router's clock.
+fn slow_first_tokens(f: &Front) {
+    for id in [0, 1] {
+        *f.mocks[&id].first_token_after.lock() = Some((Arc::clone(&f.cluster.clock), 400));
+    }
+}
+
+/// A streamed first turn of 1,300 words in `session`, answered 200.
+async fn streamed_turn(f: &Front, session: &str) -> Answer {
+    let r = f
+        .post_as("/v1/completions", session, &completion(1_300, true))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    r
+}
+
 #[tokio::test]
 async fn a_streamed_turn_its_worker_prefilled_measures_that_worker_s_pace() {
     // D1 serves alone; P0 only prefills for others. Every streamed answer comes 400 ms after
     // its request on the router's clock, far past the policy's estimate for 1,300 words.
     let f = start_with([Some(false), None]).await;
-    for id in [0, 1] {
-        *f.mocks[&id].first_token_after.lock() = Some((Arc::clone(&f.cluster.clock), 400));
-    }
+    slow_first_tokens(&f);
     let pace = |w: usize| f.cluster.service().gauges().workers[w].prefill_pace;
     for i in 0..3 {
         assert_eq!(pace(1), 1.0, "not measured before three first tokens");
-        let r = f
-            .post_as(
-                "/v1/completions",
-                &format!("pace-{i}"),
-                &completion(1_300, true),
-            )
-            .await;
-        assert_eq!(r.status, 200, "{}", r.body);
+        let r = streamed_turn(&f, &format!("pace-{i}")).await;
         assert_eq!(r.header("x-kvc-mode"), "local-prefill");
     }
     let d1 = pace(1);
@@ -1162,18 +1169,9 @@ async fn a_streamed_turn_its_worker_prefilled_measures_that_worker_s_pace() {
     // With fixed roles every first turn goes P→D: its first token comes after the KV
     // transfer, and times neither worker.
     let f = start().await;
-    for id in [0, 1] {
-        *f.mocks[&id].first_token_after.lock() = Some((Arc::clone(&f.cluster.clock), 400));
-    }
+    slow_first_tokens(&f);
     for i in 0..3 {
-        let r = f
-            .post_as(
-                "/v1/completions",
-                &format!("pd-{i}"),
-                &completion(1_300, true),
-            )
-            .await;
-        assert_eq!(r.status, 200, "{}", r.body);
+        let r = streamed_turn(&f, &format!("pd-{i}")).await;
         assert_eq!(r.header("x-kvc-prefill-worker"), "0");
     }
     let pace = |w: usize| f.cluster.service().gauges().workers[w].prefill_pace;
