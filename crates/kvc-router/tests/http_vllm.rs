@@ -1199,8 +1199,13 @@ async fn with_a_prefill_gate_a_worker_gets_its_next_turn_at_the_first_token_shor
     let first = send("gate-a", 1_300);
     front.received_at_least(1, 1).await;
     let long = send("gate-long", 2_600);
-    tokio::time::sleep(Duration::from_millis(100)).await;
     let short = send("gate-short", 1_300);
+    // Both decided (a turn enters its worker's gate right after its decision), then a
+    // margin for them to reach it on a loaded machine.
+    common::wait_until("three decisions awaiting their outcome", || {
+        front.cluster.service().pending_decisions() >= 3
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         front.count(1),
