@@ -179,12 +179,81 @@ impl Drop for Engines {
     }
 }
 
-/// A `kvc-router` process: its HTTP front, `/metrics` and gRPC addresses.
+/// A `kvc-router` process: its HTTP front, `/metrics` and gRPC addresses, and its log (which
+/// names each request's session and every decision made for it).
 struct Router {
     _process: Guard,
     http: String,
     metrics: String,
     grpc: String,
+    log: PathBuf,
+}
+
+/// One decision of the router's log (`request routed`), with the session its request named.
+#[derive(Clone)]
+struct Routed {
+    request: u64,
+    session: String,
+    mode: String,
+    reason: String,
+    decode: String,
+}
+
+/// Every decision a router's log shows (`request routed`, logged at debug by
+/// `kvc_router::http::retry`), in the order made, each with the session its request named
+/// (`request received`; `-` for none).
+fn routed_in(log: &str) -> Vec<Routed> {
+    let field = |line: &str, key: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+            .map(|v| v.trim_matches('"').to_owned())
+    };
+    let mut sessions = std::collections::HashMap::new();
+    let mut out = Vec::new();
+    for line in log.lines() {
+        let request = field(line, "request").and_then(|r| r.parse::<u64>().ok());
+        let Some(request) = request else { continue };
+        if line.contains("request received") {
+            sessions.insert(request, field(line, "session").unwrap_or_default());
+        } else if line.contains("request routed") {
+            out.push(Routed {
+                request,
+                session: sessions.get(&request).cloned().unwrap_or_default(),
+                mode: field(line, "mode").unwrap_or_default(),
+                reason: field(line, "reason").unwrap_or_default(),
+                decode: field(line, "decode").unwrap_or_default(),
+            });
+        }
+    }
+    out
+}
+
+/// The router's log read back: each decision with its request's session, in order.
+#[test]
+fn a_routers_log_gives_each_decision_with_its_session() {
+    let log = "\
+T DEBUG kvc_router::http::retry: request received request=1 session=\"ses_a\" turn=1 input_tokens=1448
+T DEBUG kvc_router::http::retry: request routed request=1 attempt=0 mode=turn1-seed reason=\"-\" prefill=Some(0) decode=1 cached_tokens=0
+T  INFO kvc_router::workers: engine metrics read; in rotation worker=2
+T DEBUG kvc_router::http::retry: request received request=2 session=\"ses_a\" turn=2 input_tokens=5672
+T DEBUG kvc_router::http::retry: request routed request=2 attempt=0 mode=fallback reason=\"session-evicted\" prefill=Some(0) decode=2 cached_tokens=0
+";
+    let routed = routed_in(log);
+    assert_eq!(
+        format!("{routed:?}"),
+        "[request 1 of ses_a: turn1-seed (-) on worker 1, \
+          request 2 of ses_a: fallback (session-evicted) on worker 2]"
+    );
+}
+
+impl std::fmt::Debug for Routed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "request {} of {}: {} ({}) on worker {}",
+            self.request, self.session, self.mode, self.reason, self.decode
+        )
+    }
 }
 
 fn start_router(config: &Path, log: &Path) -> Router {
@@ -199,7 +268,10 @@ fn start_router(config: &Path, log: &Path) -> Router {
         .arg(config)
         .args(["--http-listen", &http, "--metrics-listen", &metrics])
         .args(["--listen", &grpc])
-        .args(["--log", "info,kvc_events=debug"])
+        .args([
+            "--log",
+            "info,kvc_events=debug,kvc_router::http::retry=debug",
+        ])
         .stdout(Stdio::null())
         .stderr(log_file)
         .spawn()
@@ -209,6 +281,7 @@ fn start_router(config: &Path, log: &Path) -> Router {
         http,
         metrics,
         grpc,
+        log: log.to_path_buf(),
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -228,6 +301,11 @@ fn start_router(config: &Path, log: &Path) -> Router {
 }
 
 impl Router {
+    /// Every decision the router's log shows so far ([`routed_in`]).
+    fn routed(&self) -> Vec<Routed> {
+        routed_in(&std::fs::read_to_string(&self.log).unwrap_or_default())
+    }
+
     /// One series of the router's `/metrics` whose labels contain every one of `labels`.
     fn metric(&self, name: &str, labels: &[&str]) -> Option<f64> {
         metric_of(&http_get(&self.metrics, "/metrics"), name, labels)
@@ -1872,12 +1950,20 @@ fn open_agents_through_the_router(router: &Router, engines: &Engines, bin: &Path
 /// OpenCode's subagent on the 1P2D engines: a prompt, then a command configured as a
 /// `subtask`, which OpenCode runs as a child session of its own naming its parent in
 /// `x-parent-session-id`: the router takes it for a subagent session of that parent, and
-/// every request is answered; where the child's first turn went is printed.
+/// every request is answered on the decode engine the parent's session was last placed on.
+///
+/// OpenCode's first run sends two requests under the session's key: a title for the session
+/// (its own short system prompt), then the turn. The title seeds the session; the turn, which
+/// does not extend it, is placed like any later turn: direct to the same engine, unless that
+/// engine looked unfit at that moment (a CPU engine stalled around a KV transfer misses its
+/// health checks), when it goes P→D, to the other one. Where the parent's session lives is
+/// read from the router's own decisions, not assumed.
 fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, bin: &Path) {
     let base = format!("http://{}", router.http);
     let (home, work) = agent_project(engines, "opencode-subagent");
     std::fs::write(work.join("opencode.json"), opencode_config(&base)).unwrap();
     let named = Named::Header("x-session-id");
+    let decided_before = router.routed().len();
     let parent = agent_run(
         router,
         engines,
@@ -1893,16 +1979,30 @@ fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, b
             ),
         )],
     );
-    eprintln!("real_vllm: OpenCode's parent session: {parent:?}");
+    let parent_decisions = router.routed().split_off(decided_before);
+    eprintln!("real_vllm: OpenCode's parent session: {parent:?}; decisions {parent_decisions:?}");
     assert_eq!(
         parent.seeded, 1.0,
-        "the parent's first turn through P: {parent:?}"
+        "the parent's first turn through P: {parent:?}; decisions {parent_decisions:?}"
     );
-    let home_d = match parent.answered {
-        [n, 0.0] if n > 0.0 => 0,
-        [0.0, n] if n > 0.0 => 1,
-        other => panic!("the parent's session on one decode engine: {other:?}"),
+    let last = parent_decisions
+        .last()
+        .unwrap_or_else(|| panic!("no decision in the router's log for the parent's run"));
+    assert!(
+        parent_decisions.iter().all(|r| r.session == last.session),
+        "one session for the parent's run: {parent_decisions:?}"
+    );
+    let home_d = match ["d0", "d1"]
+        .iter()
+        .position(|d| engines.id(d) == last.decode)
+    {
+        Some(i) => i,
+        None => panic!("the parent's last turn on no decode engine: {last:?}"),
     };
+    assert!(
+        parent.answered[home_d] >= 1.0,
+        "the parent's last turn answered on d{home_d}: {parent:?}; decisions {parent_decisions:?}"
+    );
     let child = agent_run(
         router,
         engines,
@@ -1918,9 +2018,13 @@ fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, b
             ),
         )],
     );
+    let child_decisions = router
+        .routed()
+        .split_off(decided_before + parent_decisions.len());
     eprintln!(
         "real_vllm: OpenCode's subagent: {} requests ({} subagent session): {} turn1-seed, {} \
-         direct-to-d; answered by d0 {}, d1 {} (the parent's on d{home_d})",
+         direct-to-d; answered by d0 {}, d1 {} (the parent's on d{home_d}); decisions \
+         {child_decisions:?}",
         child.decided,
         child.subagents,
         child.seeded,
@@ -1942,13 +2046,15 @@ fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, b
     assert_eq!(
         (child.seeded, child.direct),
         (0.0, child.decided),
-        "the child's first turn and the parent's next direct to D: {child:?}"
+        "the child's first turn and the parent's next direct to D: {child:?}; decisions \
+         {child_decisions:?}"
     );
     let mut on_parents = [0.0, 0.0];
     on_parents[home_d] = child.decided;
     assert_eq!(
         child.answered, on_parents,
-        "every turn on the parent's decode engine d{home_d}: {child:?}"
+        "every turn on the parent's decode engine d{home_d}: {child:?}; decisions \
+         {child_decisions:?}"
     );
 }
 

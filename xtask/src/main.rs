@@ -229,8 +229,15 @@ fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
+/// Runs one step to its end, and says how long it took (CI's log shows where its time goes).
 fn run(what: &str, cmd: &mut Command) -> Result<(), ExitCode> {
-    match cmd.status() {
+    let started = std::time::Instant::now();
+    let status = cmd.status();
+    eprintln!(
+        "xtask: {what} took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    match status {
         Ok(s) if s.success() => Ok(()),
         Ok(s) => {
             eprintln!("xtask: {what} failed ({s})");
@@ -310,7 +317,13 @@ fn test() -> ExitCode {
             mode: bench::Mode::Smoke,
             baseline: None,
         };
-        if let Err(e) = bench::bench(&smoke) {
+        let started = std::time::Instant::now();
+        let smoked = bench::bench(&smoke);
+        eprintln!(
+            "xtask: cargo xtask bench --smoke took {:.0} s",
+            started.elapsed().as_secs_f64()
+        );
+        if let Err(e) = smoked {
             eprintln!("xtask: cargo xtask bench --smoke failed: {e}");
             return ExitCode::FAILURE;
         }
