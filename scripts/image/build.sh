@@ -5,11 +5,15 @@
 #
 #   podman load -i target/image/kvc-router-oci.tar     # or: docker load -i ...
 #
-#   scripts/image/build.sh [--release | --debug | --profile NAME] [--out FILE] [--check]
+#   scripts/image/build.sh [--release | --debug | --profile NAME] [--bins DIR] [--out FILE]
+#                          [--check]
 #
 #   --release        the release profile, binaries stripped (the default)
 #   --debug          the dev profile's binaries as `cargo build` made them (a test image)
 #   --profile NAME   any Cargo profile; stripped unless it is `dev`
+#   --bins DIR       kvc-router and kvc-replay as they are in DIR, nothing built (the tests
+#                    pass the binaries `cargo test` just built: a build of its own would
+#                    compile them again, with the test build's features left out)
 #   --out FILE       the archive (default target/image/kvc-router-oci.tar)
 #   --check          then read the archive back and run it (scripts/image/oci.py check):
 #                    digests, entrypoint and user, and kvc-router and kvc-replay run from the
@@ -33,14 +37,16 @@ target="${CARGO_TARGET_DIR:-$root/target}"
 profile="release"
 out="$target/image/kvc-router-oci.tar"
 check=false
+bins=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --release) profile="release" ;;
     --debug) profile="dev" ;;
     --profile) profile="${2:?--profile needs a name}"; shift ;;
     --out) out="${2:?--out needs a file}"; shift ;;
+    --bins) bins="${2:?--bins needs a directory}"; shift ;;
     --check) check=true ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -59,21 +65,28 @@ case "$profile" in
   dev) dir="debug"; strip=false ;;
   *) dir="$profile"; strip=true ;;
 esac
-# Each binary built on its own, as scripts/wheel/build.sh and maturin build them, so a
-# release build serves both packages.
-for crate in kvc-replay kvc-router; do
-  if $strip; then
-    "$cargo" rustc --quiet --locked --profile "$profile" -p "$crate" --bin "$crate" \
-      --manifest-path "$root/Cargo.toml" -- -C strip=symbols >&2
-  else
-    "$cargo" build --quiet --locked --profile "$profile" -p "$crate" --bin "$crate" \
-      --manifest-path "$root/Cargo.toml" >&2
-  fi
-done
+if [ -n "$bins" ]; then
+  for b in kvc-router kvc-replay; do
+    [ -x "$bins/$b" ] || { echo "build.sh: --bins $bins has no executable $b" >&2; exit 2; }
+  done
+else
+  bins="$target/$dir"
+  # Each binary built on its own, as scripts/wheel/build.sh and maturin build them, so a
+  # release build serves both packages.
+  for crate in kvc-replay kvc-router; do
+    if $strip; then
+      "$cargo" rustc --quiet --locked --profile "$profile" -p "$crate" --bin "$crate" \
+        --manifest-path "$root/Cargo.toml" -- -C strip=symbols >&2
+    else
+      "$cargo" build --quiet --locked --profile "$profile" -p "$crate" --bin "$crate" \
+        --manifest-path "$root/Cargo.toml" >&2
+    fi
+  done
+fi
 version="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$root/crates/kvc-router/Cargo.toml" | head -n 1)"
 mkdir -p "$(dirname "$out")"
 python3 "$here/oci.py" build --name kvc-router --tag "$version" --out "$out" \
-  "$target/$dir/kvc-router" "$target/$dir/kvc-replay"
+  "$bins/kvc-router" "$bins/kvc-replay"
 if $check; then
   python3 "$here/oci.py" check "$out" --version "$version"
 fi

@@ -6,13 +6,23 @@
 # The router fronts simulated workers: `kvc-replay live` publishes their snapshots.
 # Installs grpcio-tools and prometheus-client into target/pyclient/venv (needs PyPI).
 # Every process it starts is stopped on exit; every wait is bounded.
+# KVC_BIN_DIR=DIR: kvc-router and kvc-replay as they are in DIR, nothing built (`cargo xtask
+# test` passes the ones its `cargo test` just built, which a build here would compile again
+# with other features); unset, the debug binaries are built first.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 work="$root/target/pyclient"
 mkdir -p "$work"
 cargo="${CARGO:-cargo}"
-"$cargo" build --quiet --locked -p kvc-router -p kvc-replay --manifest-path "$root/Cargo.toml"
-bins="${CARGO_TARGET_DIR:-$root/target}/debug"
+if [ -n "${KVC_BIN_DIR:-}" ]; then
+  bins="$KVC_BIN_DIR"
+  for b in kvc-router kvc-replay; do
+    [ -x "$bins/$b" ] || { echo "check.sh: KVC_BIN_DIR=$bins has no executable $b" >&2; exit 2; }
+  done
+else
+  "$cargo" build --quiet --locked -p kvc-router -p kvc-replay --manifest-path "$root/Cargo.toml"
+  bins="${CARGO_TARGET_DIR:-$root/target}/debug"
+fi
 
 if [ ! -x "$work/venv/bin/python" ]; then
   python3 -m venv "$work/venv"

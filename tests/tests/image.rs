@@ -1,10 +1,14 @@
 //! The container image `scripts/image/build.sh` makes by hand, as an OCI image layout archive:
-//! built from the debug build (`--debug`) and read back by its own `--check` (blob digests and
-//! sizes, entrypoint and user, every library the binaries need and their loader in the
-//! image), which runs kvc-router and kvc-replay from the unpacked root filesystem; this test
-//! then reads the archive's index and Docker manifest itself. Skipped with a notice only where
-//! python3 is absent (the script exits 3).
+//! built from the debug binaries this test run has (`--debug --bins`: a build of the
+//! script's own would compile them again, without the features the tests' build turns on)
+//! and read back by its own `--check` (blob digests and sizes, entrypoint and user, every
+//! library the binaries need and their loader in the image), which runs kvc-router and
+//! kvc-replay from the unpacked root filesystem; this test then reads the archive's index and
+//! Docker manifest itself. Skipped with a notice only where python3 is absent (the script
+//! exits 3).
 #![forbid(unsafe_code)]
+
+mod common;
 
 use serde_json::Value;
 use std::io::Read as _;
@@ -32,7 +36,9 @@ fn the_image_archive_runs_its_binaries_as_stated() {
     let archive = dir.join("kvc-router-oci.tar");
     let out = Command::new("bash")
         .arg(root.join("scripts/image/build.sh"))
-        .args(["--debug", "--check", "--out"])
+        .args(["--debug", "--check", "--bins"])
+        .arg(common::bin_dir())
+        .arg("--out")
         .arg(&archive)
         .output()
         .expect("run scripts/image/build.sh");

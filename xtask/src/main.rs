@@ -278,6 +278,9 @@ fn test() -> ExitCode {
                     "loom",
                 ])
                 .env("RUSTFLAGS", "--cfg loom")
+                // Optimized for the model checks' speed, without the release profile's debug
+                // information, which only lengthens the build.
+                .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
                 .env("CARGO_TARGET_DIR", target),
         );
         if let Err(code) = loom {
@@ -305,7 +308,15 @@ fn test() -> ExitCode {
             eprintln!("xtask test: python3 not found; the {what} is skipped");
             continue;
         }
-        if let Err(code) = run(what, Command::new("bash").arg(&script)) {
+        // The binaries `cargo test` built just now: a build of the script's own would compile
+        // them again with the features of those two packages alone.
+        let bins = std::env::var_os("CARGO_TARGET_DIR")
+            .map_or_else(|| root.join("target"), std::path::PathBuf::from)
+            .join("debug");
+        if let Err(code) = run(
+            what,
+            Command::new("bash").arg(&script).env("KVC_BIN_DIR", bins),
+        ) {
             return code;
         }
     }
@@ -398,11 +409,12 @@ fn real_vllm_step(has_python: bool) -> ExitCode {
     let started = std::time::Instant::now();
     let result = run(
         "real-vLLM tests",
+        // `--workspace`, as the first step's `cargo test`: the same features, so nothing is
+        // compiled again (`-p kvc-tests` alone would build its dependencies anew).
         cargo().args([
             "test",
             "--locked",
-            "-p",
-            "kvc-tests",
+            "--workspace",
             "--test",
             "real_vllm",
             "--",

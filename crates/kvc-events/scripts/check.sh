@@ -33,5 +33,7 @@ done
 [ "$status" -eq 0 ] || exit "$status"
 echo "kv-events fixtures: $(ls "$work"/fixtures/*.msgpack | wc -l) payloads identical to msgspec's"
 
-KVC_EVENTS_PYTHON="$work/venv/bin/python" "$cargo" test --quiet --locked -p kvc-events \
+# `--workspace` (only kvc-events has a test named python): the features `cargo test --workspace`
+# builds with, so after it nothing is compiled again.
+KVC_EVENTS_PYTHON="$work/venv/bin/python" "$cargo" test --quiet --locked --workspace \
   --manifest-path "$root/Cargo.toml" --test python -- --ignored
