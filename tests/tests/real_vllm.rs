@@ -1992,13 +1992,10 @@ fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, b
         parent_decisions.iter().all(|r| r.session == last.session),
         "one session for the parent's run: {parent_decisions:?}"
     );
-    let home_d = match ["d0", "d1"]
+    let home_d = ["d0", "d1"]
         .iter()
         .position(|d| engines.id(d) == last.decode)
-    {
-        Some(i) => i,
-        None => panic!("the parent's last turn on no decode engine: {last:?}"),
-    };
+        .unwrap_or_else(|| panic!("the parent's last turn on no decode engine: {last:?}"));
     assert!(
         parent.answered[home_d] >= 1.0,
         "the parent's last turn answered on d{home_d}: {parent:?}; decisions {parent_decisions:?}"

@@ -299,6 +299,11 @@ fn test() -> ExitCode {
             "crates/kvc-events/scripts/check.sh",
         ),
     ];
+    // The binaries `cargo test` built just now: a build of a script's own would compile them
+    // again with the features of those two packages alone.
+    let bins = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| root.join("target"), std::path::PathBuf::from)
+        .join("debug");
     for (what, path) in scripts {
         let script = root.join(path);
         if !script.exists() {
@@ -308,14 +313,9 @@ fn test() -> ExitCode {
             eprintln!("xtask test: python3 not found; the {what} is skipped");
             continue;
         }
-        // The binaries `cargo test` built just now: a build of the script's own would compile
-        // them again with the features of those two packages alone.
-        let bins = std::env::var_os("CARGO_TARGET_DIR")
-            .map_or_else(|| root.join("target"), std::path::PathBuf::from)
-            .join("debug");
         if let Err(code) = run(
             what,
-            Command::new("bash").arg(&script).env("KVC_BIN_DIR", bins),
+            Command::new("bash").arg(&script).env("KVC_BIN_DIR", &bins),
         ) {
             return code;
         }
@@ -406,7 +406,6 @@ fn real_vllm_step(has_python: bool) -> ExitCode {
         eprintln!("xtask test: python3 not found; the real-vLLM tests are skipped");
         return ExitCode::SUCCESS;
     }
-    let started = std::time::Instant::now();
     let result = run(
         "real-vLLM tests",
         // `--workspace`, as the first step's `cargo test`: the same features, so nothing is
@@ -422,10 +421,6 @@ fn real_vllm_step(has_python: bool) -> ExitCode {
             "--test-threads=1",
             "--nocapture",
         ]),
-    );
-    eprintln!(
-        "xtask test: the real-vLLM step took {:.0} s",
-        started.elapsed().as_secs_f64()
     );
     match result {
         Ok(()) => ExitCode::SUCCESS,
