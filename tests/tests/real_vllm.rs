@@ -1685,15 +1685,23 @@ fn opencode_config(base: &str) -> String {
     .to_string()
 }
 
+/// What one agent run did: the router's and the decode engines' counts over it, and the
+/// router's decisions for its requests (from its log), each with its session.
+struct AgentRun {
+    counts: RunCounts,
+    decisions: Vec<Routed>,
+}
+
 /// Runs an agent's commands in turn (each bounded by `timeout`), every one to success, and
-/// returns what the router and the decode engines counted over them.
+/// returns what the router and the decode engines counted over them, and the decisions made.
 fn agent_run(
     router: &Router,
     engines: &Engines,
     named: Named,
     steps: Vec<(String, Command)>,
-) -> RunCounts {
+) -> AgentRun {
     let before = RunCounts::read(router, engines, named);
+    let decided_before = router.routed().len();
     for (what, mut cmd) in steps {
         let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
         eprintln!("real_vllm: {what}: {}", out.status);
@@ -1705,7 +1713,10 @@ fn agent_run(
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    RunCounts::read(router, engines, named).since(before)
+    let counts = RunCounts::read(router, engines, named).since(before);
+    // The router logs a decision as it makes it, before the answer the agent waited for.
+    let decisions = router.routed().split_off(decided_before);
+    AgentRun { counts, decisions }
 }
 
 /// An agent's command: bounded by `timeout`, run in `work` with `home` as its home and the
@@ -1890,10 +1901,11 @@ fn open_agents_through_the_router(router: &Router, engines: &Engines, bin: &Path
         );
     }
 
-    for (agent, named, c) in &runs {
+    for (agent, named, run) in &runs {
+        let c = &run.counts;
         eprintln!(
             "real_vllm: {agent}: {} requests in {} session(s), named by {}: {} turn1-seed, {} \
-             direct-to-d; D's prefix cache hit {} of {} prompt tokens ({:.1}%)",
+             direct-to-d; D's prefix cache hit {} of {} prompt tokens ({:.1}%); decisions {:?}",
             c.decided,
             c.started,
             match named {
@@ -1907,10 +1919,12 @@ fn open_agents_through_the_router(router: &Router, engines: &Engines, bin: &Path
             c.direct,
             c.hits,
             c.queries,
-            100.0 * c.hits / c.queries.max(1.0)
+            100.0 * c.hits / c.queries.max(1.0),
+            run.decisions
         );
     }
-    for (agent, named, c) in &runs {
+    for (agent, named, run) in &runs {
+        let (c, decisions) = (&run.counts, &run.decisions);
         assert!(c.decided >= 2.0, "{agent}: several requests: {c:?}");
         match named {
             Named::Header(_) => {
@@ -1938,7 +1952,8 @@ fn open_agents_through_the_router(router: &Router, engines: &Engines, bin: &Path
         assert_eq!(
             (c.seeded, c.direct),
             (c.started, c.decided - c.started),
-            "{agent}: each session's first request through P, every later one direct-to-D: {c:?}"
+            "{agent}: each session's first request through P, every later one direct-to-D: \
+             {c:?}; decisions {decisions:?}"
         );
         assert!(
             c.hits > 0.0,
@@ -1953,18 +1968,23 @@ fn open_agents_through_the_router(router: &Router, engines: &Engines, bin: &Path
 /// every request is answered on the decode engine the parent's session was last placed on.
 ///
 /// OpenCode's first run sends two requests under the session's key: a title for the session
-/// (its own short system prompt), then the turn. The title seeds the session; the turn, which
-/// does not extend it, is placed like any later turn: direct to the same engine, unless that
-/// engine looked unfit at that moment (a CPU engine stalled around a KV transfer misses its
-/// health checks), when it goes P→D, to the other one. Where the parent's session lives is
-/// read from the router's own decisions, not assumed.
+/// (its own short system prompt, asked in the background as the first message goes out),
+/// then the turn. The title seeds the session; the turn, which does not extend it, is placed
+/// like any later turn: direct to the same engine, also while the title's KV is still on its
+/// way there (a seed on these CPU engines can take 30 s; the router does not read the
+/// engine's events as an eviction while a request of the session there is unanswered),
+/// unless that engine looked unfit at that moment (a CPU engine stalled around a KV transfer
+/// misses its health checks), when it goes P→D, to the other one. Where the parent's session
+/// lives is read from the router's own decisions, not assumed.
 fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, bin: &Path) {
     let base = format!("http://{}", router.http);
     let (home, work) = agent_project(engines, "opencode-subagent");
     std::fs::write(work.join("opencode.json"), opencode_config(&base)).unwrap();
     let named = Named::Header("x-session-id");
-    let decided_before = router.routed().len();
-    let parent = agent_run(
+    let AgentRun {
+        counts: parent,
+        decisions: parent_decisions,
+    } = agent_run(
         router,
         engines,
         named,
@@ -1979,7 +1999,6 @@ fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, b
             ),
         )],
     );
-    let parent_decisions = router.routed().split_off(decided_before);
     eprintln!("real_vllm: OpenCode's parent session: {parent:?}; decisions {parent_decisions:?}");
     assert_eq!(
         parent.seeded, 1.0,
@@ -2000,7 +2019,10 @@ fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, b
         parent.answered[home_d] >= 1.0,
         "the parent's last turn answered on d{home_d}: {parent:?}; decisions {parent_decisions:?}"
     );
-    let child = agent_run(
+    let AgentRun {
+        counts: child,
+        decisions: child_decisions,
+    } = agent_run(
         router,
         engines,
         named,
@@ -2015,9 +2037,6 @@ fn opencode_subagent_on_its_parents_worker(router: &Router, engines: &Engines, b
             ),
         )],
     );
-    let child_decisions = router
-        .routed()
-        .split_off(decided_before + parent_decisions.len());
     eprintln!(
         "real_vllm: OpenCode's subagent: {} requests ({} subagent session): {} turn1-seed, {} \
          direct-to-d; answered by d0 {}, d1 {} (the parent's on d{home_d}); decisions \

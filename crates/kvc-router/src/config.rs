@@ -344,7 +344,9 @@ pub struct EngineSignalsConfig {
     /// it, the session's blocks missing from its worker's events are not taken for an
     /// eviction (the engine may have stored them and not yet published, or the router not yet
     /// read, the events). A busy engine publishes every step, so its events catch up within
-    /// milliseconds; this bound is for an idle one. 0: always trust the events.
+    /// milliseconds; this bound is for an idle one. 0: always trust the events. While a
+    /// request of the session on that worker is unanswered (its KV may still be computed on P
+    /// and shipped), the events never count as an eviction, whatever this bound.
     /// Default 2,000 ms.
     pub events_lag_ms: u64,
 }

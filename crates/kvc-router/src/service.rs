@@ -55,6 +55,33 @@ struct Core {
     /// looked: blocks missing from that worker's events later are an eviction the events saw
     /// happen, whatever the events' lag ([`crate::config::EngineSignalsConfig::events_lag_ms`]).
     events_showed: HashMap<SessionId, WorkerId>,
+    /// Decisions of a session on a worker still waiting for their outcome: while one is, its
+    /// KV may still be on its way to that worker (a P→D seed is computed and shipped before
+    /// the engine stores and reports it), so the worker's events cannot show it gone.
+    /// Keyed by session and worker, the count of such decisions.
+    in_flight: HashMap<(SessionId, WorkerId), u32>,
+}
+
+impl Core {
+    /// Records a decision of `session` on `worker` as waiting for its outcome.
+    fn flight_started(&mut self, session: Option<SessionId>, worker: WorkerId) {
+        if let Some(s) = session {
+            *self.in_flight.entry((s, worker)).or_insert(0) += 1;
+        }
+    }
+
+    /// The outcome of a decision of `session` on `worker` is in (or will never be).
+    fn flight_ended(&mut self, session: Option<SessionId>, worker: WorkerId) {
+        let Some(s) = session else { return };
+        if let std::collections::hash_map::Entry::Occupied(mut e) =
+            self.in_flight.entry((s, worker))
+        {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
 }
 
 /// What a probe of a worker said.
@@ -312,6 +339,7 @@ impl RouterService {
                 forgotten: Vec::new(),
                 fleet,
                 events_showed: HashMap::new(),
+                in_flight: HashMap::new(),
             }),
             config,
             clock,

@@ -1145,6 +1145,115 @@ async fn a_turn_right_after_the_last_is_not_judged_by_events_still_on_their_way(
     stop.cancel();
 }
 
+/// A request of a session while an earlier one of it on the same worker is still waiting for
+/// its outcome (an agent's title request beside its turn; a seed whose prefill and transfer
+/// take longer than `events-lag-ms`): the worker's events, caught up and past the lag, do not
+/// show the session's blocks yet, and that is no eviction: the KV is on its way. Once the
+/// earlier request is answered, the events judge again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_beside_the_sessions_seed_in_flight_is_not_judged_by_events() {
+    use kvc_core::{Outcome, SessionId};
+    use kvc_proto::convert::ProtoEnum;
+    use kvc_proto::pb;
+
+    let (cluster, publisher, stop, _engines) = events_cluster(|cfg| {
+        cfg.engine_signals.events_lag_ms = 2_000;
+    })
+    .await;
+    let mut client = cluster.client.clone();
+    let evictions = async |cluster: &Cluster| {
+        let metrics = cluster.metrics().await;
+        common::value(&metrics, "kvc_router_event_evictions_total", &[])
+    };
+    let engine_now = |cluster: &Cluster| cluster.now() as f64 / 1_000.0;
+    let session = SessionId::from_key("agent-11").0;
+    let answer = async |client: &mut kvc_proto::pb::router_client::RouterClient<_>,
+                        d: &pb::RouteDecision,
+                        id: u64,
+                        resident: u64| {
+        client
+            .report_outcome(pb::OutcomeReport {
+                decision_id: d.decision_id,
+                request_id: id,
+                outcome: Outcome::Ok.to_proto(),
+                resident_tokens: resident,
+            })
+            .await
+            .unwrap();
+    };
+
+    // The seed: P→D to d1, not answered yet.
+    let seed = client
+        .route(route_req(1, Some(session), Some(1), 1_448, &[3_001, 3_002]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (seed.mode(), seed.decode_worker),
+        (pb::ExecutionMode::Turn1Seed, 1)
+    );
+    // Thirty seconds on, d1 has published since (other sessions' blocks), never this one's.
+    cluster.clock.advance(30_000);
+    wait_for(&cluster, "p and d1 scraped again", |ws| {
+        ws[1].state.health == Health::Healthy && ws[0].state.health == Health::Healthy
+    })
+    .await;
+    publish_applied(
+        &cluster,
+        &publisher,
+        engine_now(&cluster),
+        vec![stored(800, 4, None, "other")],
+        "d1's batch applied",
+    )
+    .await;
+    // The session's next request, its seed still in flight: direct to d1, no eviction.
+    let beside = client
+        .route(route_req(
+            2,
+            Some(session),
+            Some(2),
+            5_712,
+            &[4_001, 4_002, 4_003],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (beside.mode(), beside.decode_worker),
+        (pb::ExecutionMode::DirectToD, 1)
+    );
+    assert_eq!(evictions(&cluster).await, 0.0);
+
+    // Both answered; d1 publishes again after the answers, still without the session's
+    // blocks: now that is an eviction, and the next turn goes through P.
+    answer(&mut client, &seed, 1, 1_488).await;
+    answer(&mut client, &beside, 2, 5_752).await;
+    cluster.clock.advance(10);
+    publish_applied(
+        &cluster,
+        &publisher,
+        engine_now(&cluster),
+        vec![stored(900, 4, None, "other")],
+        "d1's batch after the answers applied",
+    )
+    .await;
+    let next = client
+        .route(route_req(
+            3,
+            Some(session),
+            Some(3),
+            5_900,
+            &[4_001, 4_002, 4_003, 4_004],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(next.mode(), pb::ExecutionMode::DirectToD);
+    assert_eq!(next.prefill_worker, Some(0));
+    assert_eq!(evictions(&cluster).await, 1.0);
+    stop.cancel();
+}
+
 /// On a stock engine the session's cached blocks sit in the room the engine reports free, and
 /// the KV of P→D requests on their way there takes that room before a direct turn runs: a
 /// direct turn goes through P while what is inbound leaves no room for the session beside it,

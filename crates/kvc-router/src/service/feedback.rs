@@ -56,6 +56,7 @@ impl RouterService {
             )));
         }
         core.pending.remove(&report.decision_id);
+        core.flight_ended(p.session, p.decode);
         if let Some(e) = entry {
             e.note_released(resident_tokens);
         }

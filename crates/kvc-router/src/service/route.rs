@@ -232,8 +232,14 @@ impl RouterService {
         // parent's worker takes the credit of the parent's whole prefix. The credit alone
         // still decides where the front's tokens are not the engine's (another template, an
         // engine whose events carry other tokens).
+        // Nor while an earlier request of the session on that worker waits for its outcome:
+        // its KV may still be on its way there (a seed computed on P and shipped, which the
+        // engine stores and reports only when it lands), however long that takes, and an
+        // agent sends requests of one session side by side (a title beside the turn, tool
+        // calls answered in parallel).
         let evicted = session.is_some_and(|s| {
             counts_on_residency(&decision, &core.state, s)
+                && !core.in_flight.contains_key(&(s, decision.decode))
                 && self.events_show_eviction(
                     &mut core.events_showed,
                     &decision,
@@ -289,6 +295,7 @@ impl RouterService {
                 ends_session: false,
             },
         );
+        core.flight_started(session, decision.decode);
         core.pending_order.push_back(id);
         self.bound_pending(core);
         Ok(handed_out(id, &decision, probe_rejected_by))
@@ -302,6 +309,7 @@ impl RouterService {
                 break;
             };
             if let Some(p) = core.pending.remove(&oldest) {
+                core.flight_ended(p.session, p.decode);
                 // Release its in-flight count without touching the session's residency: the
                 // outcome is unknown.
                 core.state.observe(&Observation::Completed {
