@@ -122,9 +122,49 @@ impl Ctx {
     /// The build profile of the benches and of `kvc-replay`.
     fn profile(&self) -> &'static str {
         match self.mode {
-            Mode::Smoke => "dev",
+            Mode::Smoke => "test",
             Mode::Full | Mode::Quick => "release",
         }
+    }
+
+    /// `cargo` running bench `bench` of `package` as a benchmark; the bench's own arguments
+    /// follow. In smoke mode it is `cargo test --workspace` with that bench alone (`--bench`
+    /// after `--` makes the binary measure, as `cargo bench` would ask it to): the profile
+    /// and the features of the `cargo test --workspace` that runs before it in `cargo xtask
+    /// test`, so every crate it built is used as it is. A `cargo bench -p` build would turn
+    /// off the features other members' dev-dependencies turn on (kvc-router's `schema`,
+    /// criterion's) and build kvc-router and what it depends on again.
+    fn bench_cmd(&self, package: &str, bench: &str) -> Command {
+        let mut cmd = self.cargo();
+        match self.mode {
+            Mode::Smoke => {
+                cmd.args(["test", "--locked", "--workspace", "--bench", bench]);
+                cmd.args(["--", "--bench"]);
+            }
+            Mode::Full | Mode::Quick => {
+                cmd.args(["bench", "--locked", "--profile", self.profile()]);
+                cmd.args(["-p", package, "--bench", bench, "--"]);
+            }
+        }
+        cmd
+    }
+
+    /// Builds the `kvc-replay` binary [`Ctx::replay`] runs. In smoke mode, as the
+    /// `cargo test --workspace` build makes it (one of kvc-replay's own tests needs it), for
+    /// the reason [`Ctx::bench_cmd`] gives.
+    fn build_replay(&self) -> Result<(), String> {
+        let mut cmd = self.cargo();
+        match self.mode {
+            Mode::Smoke => {
+                cmd.args(["test", "--locked", "--workspace", "--no-run"]);
+                cmd.args(["--test", "sim_cli"]);
+            }
+            Mode::Full | Mode::Quick => {
+                cmd.args(["build", "--locked", "--profile", self.profile()]);
+                cmd.args(["-p", "kvc-replay"]);
+            }
+        }
+        run(&format!("build kvc-replay ({})", self.profile()), &mut cmd)
     }
 
     fn replay(&self) -> Command {
@@ -177,9 +217,7 @@ fn criterion_with(
     bench: &str,
     extra: Option<&Path>,
 ) -> Result<(), String> {
-    let mut cmd = ctx.cargo();
-    cmd.args(["bench", "--locked", "--profile", ctx.profile()]);
-    cmd.args(["-p", package, "--bench", bench, "--"]);
+    let mut cmd = ctx.bench_cmd(package, bench);
     match ctx.mode {
         Mode::Full => {}
         Mode::Quick => {
@@ -364,10 +402,8 @@ pub(crate) const EVENTS_FANIN_KEYS: [&str; 19] = [
 fn events_fanin(ctx: &Ctx, figures: &mut Figures) -> Result<(), String> {
     let extra = ctx.out.join("events_fanin.json");
     let _ = std::fs::remove_file(&extra);
-    let mut cmd = ctx.cargo();
-    cmd.args(["bench", "--locked", "--profile", ctx.profile()])
-        .args(["-p", "kvc-events", "--bench", "fanin"])
-        .env("KVC_BENCH_OUT", &extra);
+    let mut cmd = ctx.bench_cmd("kvc-events", "fanin");
+    cmd.env("KVC_BENCH_OUT", &extra);
     match ctx.mode {
         Mode::Full => {}
         Mode::Quick => {
@@ -766,12 +802,7 @@ pub(crate) fn bench(opts: &Options) -> Result<(), String> {
     std::fs::create_dir_all(&ctx.out)
         .map_err(|e| format!("cannot create {}: {e}", ctx.out.display()))?;
     let started = Instant::now();
-    run(
-        &format!("build kvc-replay ({})", ctx.profile()),
-        ctx.cargo()
-            .args(["build", "--locked", "--profile", ctx.profile()])
-            .args(["-p", "kvc-replay"]),
-    )?;
+    ctx.build_replay()?;
     let mut figures = Figures::new();
     micro_benches(&ctx, &mut figures)?;
     sim_speed(&ctx, &mut figures)?;
