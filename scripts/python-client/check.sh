@@ -14,6 +14,11 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 work="$root/target/pyclient"
 mkdir -p "$work"
 cargo="${CARGO:-cargo}"
+# Nothing of the package a calling `cargo run` or `cargo test` names (CARGO_PKG_NAME, ...):
+# build scripts take those variables for inputs (ring's), and a value other than the last
+# build's would rebuild ring and everything above it.
+unset OUT_DIR CARGO_CRATE_NAME CARGO_BIN_NAME CARGO_PRIMARY_PACKAGE CARGO_TARGET_TMPDIR \
+  "${!CARGO_PKG_@}" "${!CARGO_MANIFEST_@}" "${!CARGO_CFG_@}" "${!CARGO_BIN_EXE_@}"
 if [ -n "${KVC_BIN_DIR:-}" ]; then
   bins="$KVC_BIN_DIR"
   for b in kvc-router kvc-replay; do

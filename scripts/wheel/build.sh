@@ -53,6 +53,11 @@ while [ $# -gt 0 ]; do
 done
 command -v python3 >/dev/null 2>&1 || { echo "python3 not found" >&2; exit 3; }
 cargo="${CARGO:-cargo}"
+# Nothing of the package a calling `cargo run` or `cargo test` names (CARGO_PKG_NAME, ...):
+# build scripts take those variables for inputs (ring's), and a value other than the last
+# build's would rebuild ring and everything above it.
+unset OUT_DIR CARGO_CRATE_NAME CARGO_BIN_NAME CARGO_PRIMARY_PACKAGE CARGO_TARGET_TMPDIR \
+  "${!CARGO_PKG_@}" "${!CARGO_MANIFEST_@}" "${!CARGO_CFG_@}" "${!CARGO_BIN_EXE_@}"
 mkdir -p "$target/wheel" "$out"
 out="$(cd "$out" && pwd)"
 tools="$target/wheel-tools"

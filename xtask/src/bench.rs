@@ -115,6 +115,7 @@ impl Mode {
 impl Ctx {
     fn cargo(&self) -> Command {
         let mut c = Command::new(&self.cargo);
+        crate::without_package_env(&mut c);
         c.current_dir(&self.root);
         c
     }

@@ -226,7 +226,44 @@ pub(crate) fn workspace_root() -> std::path::PathBuf {
 }
 
 fn cargo() -> Command {
-    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    without_package_env(&mut cmd);
+    cmd
+}
+
+/// Leaves out of `cmd`'s environment what cargo set for the package it runs this program as
+/// (`CARGO_PKG_NAME`, `CARGO_MANIFEST_DIR`, `OUT_DIR`, ...). Build scripts take some of them
+/// for inputs (ring's says `rerun-if-env-changed=CARGO_PKG_NAME`), which cargo compares with
+/// the environment of the cargo that builds: a build under xtask's values and one without
+/// them (a developer's shell, a script) would each rebuild ring and everything above it.
+pub(crate) fn without_package_env(cmd: &mut Command) -> &mut Command {
+    for (key, _) in std::env::vars_os() {
+        if key.to_str().is_some_and(is_package_var) {
+            cmd.env_remove(&key);
+        }
+    }
+    cmd
+}
+
+/// Whether `name` is one of the variables cargo sets for a program it runs as a package's
+/// (`cargo run`, a test, a build script).
+fn is_package_var(name: &str) -> bool {
+    [
+        "CARGO_PKG_",
+        "CARGO_MANIFEST_",
+        "CARGO_CFG_",
+        "CARGO_BIN_EXE_",
+    ]
+    .iter()
+    .any(|p| name.starts_with(p))
+        || matches!(
+            name,
+            "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+                | "CARGO_TARGET_TMPDIR"
+                | "OUT_DIR"
+        )
 }
 
 /// Runs one step to its end, and says how long it took (CI's log shows where its time goes).
@@ -315,7 +352,7 @@ fn test() -> ExitCode {
         }
         if let Err(code) = run(
             what,
-            Command::new("bash").arg(&script).env("KVC_BIN_DIR", &bins),
+            without_package_env(Command::new("bash").arg(&script)).env("KVC_BIN_DIR", &bins),
         ) {
             return code;
         }
@@ -494,6 +531,54 @@ fn bench(args: &[String]) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::HELP;
+
+    /// The variables cargo sets for the package it runs are left out of xtask's cargo; the
+    /// ones that configure cargo itself stay.
+    #[test]
+    fn nested_cargo_runs_without_the_callers_package_variables() {
+        for name in [
+            "CARGO_PKG_NAME",
+            "CARGO_PKG_VERSION_MAJOR",
+            "CARGO_MANIFEST_DIR",
+            "CARGO_MANIFEST_LINKS",
+            "CARGO_CFG_TARGET_OS",
+            "CARGO_BIN_EXE_kvc-router",
+            "CARGO_CRATE_NAME",
+            "CARGO_PRIMARY_PACKAGE",
+            "OUT_DIR",
+        ] {
+            assert!(super::is_package_var(name), "{name}");
+        }
+        for name in [
+            "CARGO",
+            "CARGO_HOME",
+            "CARGO_TARGET_DIR",
+            "CARGO_INCREMENTAL",
+            "CARGO_TERM_COLOR",
+            "CARGO_PROFILE_RELEASE_DEBUG",
+            "CARGO_BUILD_JOBS",
+            "PATH",
+        ] {
+            assert!(!super::is_package_var(name), "{name}");
+        }
+        // This test runs as a package's test: cargo set its name, which the command drops.
+        assert!(std::env::var_os("CARGO_PKG_NAME").is_some());
+        let cmd = super::cargo();
+        let removed: Vec<_> = cmd
+            .get_envs()
+            .filter(|(_, v)| v.is_none())
+            .map(|(k, _)| k.to_string_lossy().into_owned())
+            .collect();
+        assert!(removed.iter().any(|k| k == "CARGO_PKG_NAME"), "{removed:?}");
+        assert!(
+            removed.iter().any(|k| k == "CARGO_MANIFEST_DIR"),
+            "{removed:?}"
+        );
+        assert!(
+            removed.iter().all(|k| super::is_package_var(k)),
+            "{removed:?}"
+        );
+    }
     use crate::bench::Mode;
     use crate::summary::expected_keys;
 
