@@ -1020,6 +1020,36 @@ async fn an_sglang_decode_worker_never_gets_a_local_turn() {
     }
 }
 
+/// The evictions the router took from its engines' KV events so far.
+async fn evictions(cluster: &Cluster) -> f64 {
+    let metrics = cluster.metrics().await;
+    common::value(&metrics, "kvc_router_event_evictions_total", &[])
+}
+
+/// The engines' clock, in seconds: the router's manual clock, now.
+fn engine_now(cluster: &Cluster) -> f64 {
+    cluster.now() as f64 / 1_000.0
+}
+
+/// Reports decision `d` (of request `id`) answered, `resident` tokens left on its worker.
+async fn answer_ok(
+    client: &mut kvc_proto::pb::router_client::RouterClient<tonic::transport::Channel>,
+    d: &kvc_proto::pb::RouteDecision,
+    id: u64,
+    resident: u64,
+) {
+    use kvc_proto::convert::ProtoEnum;
+    client
+        .report_outcome(kvc_proto::pb::OutcomeReport {
+            decision_id: d.decision_id,
+            request_id: id,
+            outcome: kvc_core::Outcome::Ok.to_proto(),
+            resident_tokens: resident,
+        })
+        .await
+        .unwrap();
+}
+
 /// The events of a session's last turn may not have reached the router when its next turn
 /// comes (the engine publishes after its step, the router reads in the background): until the
 /// events have caught up with the session's last answer (a batch the engine published since
@@ -1028,8 +1058,7 @@ async fn an_sglang_decode_worker_never_gets_a_local_turn() {
 /// at once: the test above.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_right_after_the_last_is_not_judged_by_events_still_on_their_way() {
-    use kvc_core::{Outcome, SessionId};
-    use kvc_proto::convert::ProtoEnum;
+    use kvc_core::SessionId;
     use kvc_proto::pb;
 
     let (cluster, publisher, stop, _engines) = events_cluster(|cfg| {
@@ -1048,23 +1077,9 @@ async fn a_turn_right_after_the_last_is_not_judged_by_events_still_on_their_way(
             .await
             .unwrap()
             .into_inner();
-        client
-            .report_outcome(pb::OutcomeReport {
-                decision_id: d.decision_id,
-                request_id: id,
-                outcome: Outcome::Ok.to_proto(),
-                resident_tokens: input + 40,
-            })
-            .await
-            .unwrap();
+        answer_ok(client, &d, id, input + 40).await;
         d
     };
-    let evictions = async |cluster: &Cluster| {
-        let metrics = cluster.metrics().await;
-        common::value(&metrics, "kvc_router_event_evictions_total", &[])
-    };
-    // The engine's clock, in seconds: the router's manual clock, now.
-    let engine_now = |cluster: &Cluster| cluster.now() as f64 / 1_000.0;
     // Each session with its own blocks.
     let (a, b) = (
         (SessionId::from_key("agent-8").0, 0),
@@ -1152,8 +1167,7 @@ async fn a_turn_right_after_the_last_is_not_judged_by_events_still_on_their_way(
 /// earlier request is answered, the events judge again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_beside_the_sessions_seed_in_flight_is_not_judged_by_events() {
-    use kvc_core::{Outcome, SessionId};
-    use kvc_proto::convert::ProtoEnum;
+    use kvc_core::SessionId;
     use kvc_proto::pb;
 
     let (cluster, publisher, stop, _engines) = events_cluster(|cfg| {
@@ -1161,26 +1175,7 @@ async fn a_request_beside_the_sessions_seed_in_flight_is_not_judged_by_events() 
     })
     .await;
     let mut client = cluster.client.clone();
-    let evictions = async |cluster: &Cluster| {
-        let metrics = cluster.metrics().await;
-        common::value(&metrics, "kvc_router_event_evictions_total", &[])
-    };
-    let engine_now = |cluster: &Cluster| cluster.now() as f64 / 1_000.0;
     let session = SessionId::from_key("agent-11").0;
-    let answer = async |client: &mut kvc_proto::pb::router_client::RouterClient<_>,
-                        d: &pb::RouteDecision,
-                        id: u64,
-                        resident: u64| {
-        client
-            .report_outcome(pb::OutcomeReport {
-                decision_id: d.decision_id,
-                request_id: id,
-                outcome: Outcome::Ok.to_proto(),
-                resident_tokens: resident,
-            })
-            .await
-            .unwrap();
-    };
 
     // The seed: P→D to d1, not answered yet.
     let seed = client
@@ -1226,8 +1221,8 @@ async fn a_request_beside_the_sessions_seed_in_flight_is_not_judged_by_events() 
 
     // Both answered; d1 publishes again after the answers, still without the session's
     // blocks: now that is an eviction, and the next turn goes through P.
-    answer(&mut client, &seed, 1, 1_488).await;
-    answer(&mut client, &beside, 2, 5_752).await;
+    answer_ok(&mut client, &seed, 1, 1_488).await;
+    answer_ok(&mut client, &beside, 2, 5_752).await;
     cluster.clock.advance(10);
     publish_applied(
         &cluster,
